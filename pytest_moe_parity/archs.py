@@ -1,0 +1,319 @@
+"""Where each capture point lives in a transformers MoE model: one table keyed by `model_type`,
+plus a structural finder for MoE models the table does not know."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+# Order of the components inside one decoder layer: the parts before the wholes that contain them,
+# so that `pytest -x` stops at the smallest diverging component.
+LAYER_COMPONENTS = (
+    "input_norm",
+    "attention",
+    "post_attn_norm",
+    "router",
+    "experts",
+    "shared_experts",
+    "moe",
+    "mlp",
+    "output",
+)
+MODEL_HEAD = ("embedding", "rotary")
+MODEL_TAIL = ("final_norm", "logits")
+COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
+
+# How a router picks its experts, so that a top-k disagreement can be judged against the golden
+# selection scores: softmax and top-k-then-softmax rank by the raw logits; sigmoid routers rank by
+# sigmoid(logits) + a score-correction bias (DeepSeek-V3 additionally picks expert groups first).
+ROUTER_KINDS = ("softmax", "topk_softmax", "sigmoid_bias", "grouped_sigmoid_bias")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Module paths of one architecture. Layer-relative paths are relative to a decoder layer."""
+
+    embedding: str = "model.embed_tokens"
+    rotary: str | None = "model.rotary_emb"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    logits: str = "lm_head"
+    input_norm: str = "input_layernorm"
+    attention: str = "self_attn"
+    post_attn_norm: str = "post_attention_layernorm"
+    moe: str = "mlp"
+    router: str = "mlp.gate"
+    experts: str = "mlp.experts"
+    shared_experts: str | None = None
+    router_kind: str = "softmax"
+    # Where a sigmoid router's score-correction bias lives, relative to the layer.
+    score_bias: str | None = None
+
+
+ARCH_TABLE: dict[str, ArchSpec] = {
+    "mixtral": ArchSpec(),
+    "qwen3_moe": ArchSpec(),
+    "olmoe": ArchSpec(),
+    "qwen2_moe": ArchSpec(shared_experts="mlp.shared_expert"),
+    "deepseek_v3": ArchSpec(
+        shared_experts="mlp.shared_experts",
+        router_kind="grouped_sigmoid_bias",
+        score_bias="mlp.gate.e_score_correction_bias",
+    ),
+    "minimax_m2": ArchSpec(router_kind="sigmoid_bias", score_bias="mlp.e_score_correction_bias"),
+    "gpt_oss": ArchSpec(router="mlp.router", router_kind="topk_softmax"),
+}
+
+
+@dataclass(frozen=True)
+class CapturePoint:
+    """One (layer, component) whose inputs and outputs are recorded and replayed."""
+
+    id: str
+    component: str
+    layer: int | None
+    module: str  # dotted path from the model root
+    group: str  # the golden file the point is stored in (one per layer, one per model-level point)
+    order: int = 0
+    router_kind: str | None = None
+    score_bias: str | None = None  # dotted path of the router's score-correction bias, if any
+
+
+@dataclass
+class PointPlan:
+    """The capture points of one model, in forward order, and how they were found."""
+
+    model_type: str
+    source: str  # "table" or "structural"
+    points: list[CapturePoint] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def by_id(self) -> dict[str, CapturePoint]:
+        return {p.id: p for p in self.points}
+
+
+class ArchError(ValueError):
+    """The model's structure cannot be mapped onto capture points."""
+
+
+def point_id(component: str, layer: int | None) -> str:
+    return component if layer is None else f"layer_{layer}.{component}"
+
+
+_POINT_RE = re.compile(r"^(?:layer_(\d+)\.)?([a-z_]+)$")
+
+
+def parse_point_id(pid: str) -> tuple[int | None, str]:
+    m = _POINT_RE.match(pid)
+    if not m or m.group(2) not in COMPONENTS:
+        raise ValueError(f"not a capture point id: {pid!r}")
+    return (int(m.group(1)) if m.group(1) is not None else None), m.group(2)
+
+
+def _get(model: nn.Module, path: str | None) -> nn.Module | None:
+    if not path:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _has_experts(module: nn.Module) -> bool:
+    return _find_experts(module) is not None
+
+
+def _find_experts(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """The fused experts module (3-D parameters) or a ModuleList of expert MLPs below `block`."""
+    for name, sub in block.named_modules():
+        params = list(sub.parameters(recurse=False))
+        if sum(p.dim() == 3 for p in params) >= 2:
+            return name, sub
+    for name, sub in block.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) >= 2 and "expert" in name.rsplit(".", 1)[-1]:
+            return name, sub
+    return None
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return "norm" in name and not isinstance(module, nn.ModuleList)
+
+
+def plan_points(model: nn.Module, config=None) -> PointPlan:
+    """Map `model` onto capture points, in forward order."""
+    config = config if config is not None else model.config
+    model_type = getattr(config, "model_type", "") or ""
+    spec = ARCH_TABLE.get(model_type)
+    if spec is not None:
+        return _plan_from_spec(model, model_type, spec, "table")
+    return _plan_from_spec(model, model_type, find_structure(model, config), "structural")
+
+
+def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: str) -> PointPlan:
+    plan = PointPlan(model_type=model_type, source=source)
+    layers = _get(model, spec.layers)
+    if not isinstance(layers, nn.ModuleList):
+        raise ArchError(f"{model_type}: no decoder layer list at {spec.layers!r}")
+
+    def add(component: str, layer: int | None, path: str | None, **extra) -> None:
+        if path is None or _get(model, path) is None:
+            return
+        pid = point_id(component, layer)
+        group = f"layer_{layer}" if layer is not None else component
+        plan.points.append(CapturePoint(pid, component, layer, path, group, len(plan.points), **extra))
+
+    add("embedding", None, spec.embedding)
+    add("rotary", None, spec.rotary)
+    for i, layer in enumerate(layers):
+        base = f"{spec.layers}.{i}"
+        add("input_norm", i, f"{base}.{spec.input_norm}")
+        add("attention", i, f"{base}.{spec.attention}")
+        add("post_attn_norm", i, f"{base}.{spec.post_attn_norm}")
+        block = _get(layer, spec.moe)
+        if block is not None and _has_experts(block):
+            bias = f"{base}.{spec.score_bias}" if spec.score_bias else None
+            if bias is not None and not _has_tensor(model, bias):
+                bias = None
+            add("router", i, f"{base}.{spec.router}", router_kind=spec.router_kind, score_bias=bias)
+            add("experts", i, f"{base}.{spec.experts}")
+            if spec.shared_experts:
+                add("shared_experts", i, f"{base}.{spec.shared_experts}")
+            add("moe", i, f"{base}.{spec.moe}", router_kind=spec.router_kind, score_bias=bias)
+        else:
+            add("mlp", i, f"{base}.{spec.moe}")
+        add("output", i, base)
+    add("final_norm", None, spec.final_norm)
+    add("logits", None, spec.logits)
+    if not any(p.component == "experts" for p in plan.points):
+        plan.notes.append(f"{model_type}: no experts found; recording a dense model")
+    return plan
+
+
+def _has_tensor(model: nn.Module, path: str) -> bool:
+    owner, _, name = path.rpartition(".")
+    mod = _get(model, owner)
+    if mod is None:
+        return False
+    return name in dict(mod.named_parameters(recurse=False)) or name in dict(mod.named_buffers(recurse=False))
+
+
+def _path_of(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, sub in model.named_modules():
+        if sub is target:
+            return name
+    return None
+
+
+def find_structure(model: nn.Module, config=None) -> ArchSpec:
+    """Find the capture points of an MoE model by structure, for model types not in ARCH_TABLE."""
+    config = config if config is not None else model.config
+    model_type = getattr(config, "model_type", "?")
+    n_layers = getattr(config, "num_hidden_layers", None)
+    candidates = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and (n_layers is None or len(mod) == n_layers)
+    ]
+    # The decoder stack: the shortest path among module lists of the right length that hold attention.
+    candidates = [(n, m) for n, m in candidates if any(_attention_child(layer) for layer in m)]
+    if not candidates:
+        raise ArchError(f"{model_type}: cannot find the decoder layer list (a ModuleList of {n_layers} layers)")
+    layers_path, layers = min(candidates, key=lambda nm: nm[0].count("."))
+    base_path = layers_path.rpartition(".")[0]
+    base = _get(model, base_path) if base_path else model
+
+    embedding = _path_of(model, model.get_input_embeddings())
+    logits = _path_of(model, model.get_output_embeddings())
+    final_norm = rotary = None
+    for name, child in base.named_children():
+        cls = type(child).__name__.lower()
+        if rotary is None and "rotary" in cls:
+            rotary = f"{base_path}.{name}" if base_path else name
+        elif final_norm is None and _is_norm(child):
+            final_norm = f"{base_path}.{name}" if base_path else name
+
+    # Layer-relative names, taken from the first MoE layer (dense layers share them).
+    moe_layer = next((layer for layer in layers if _moe_child(layer) is not None), layers[0])
+    attention = _attention_child(moe_layer)
+    norms = [name for name, child in moe_layer.named_children() if _is_norm(child)]
+    input_norm = "input_layernorm" if "input_layernorm" in norms else (norms[0] if norms else None)
+    post_norm = (
+        "post_attention_layernorm"
+        if "post_attention_layernorm" in norms
+        else next((n for n in norms if n != input_norm), None)
+    )
+    moe = _moe_child(moe_layer)
+    router = experts = shared = None
+    kind = "softmax"
+    bias = None
+    if moe is not None:
+        block = moe_layer.get_submodule(moe)
+        experts_name, _ = _find_experts(block)
+        experts = f"{moe}.{experts_name}" if experts_name else moe
+        router_name = _router_name(block, experts_name)
+        router = f"{moe}.{router_name}" if router_name else None
+        shared_name = next(
+            (
+                n
+                for n, c in block.named_children()
+                if "shared" in n and "gate" not in n and any(True for _ in c.parameters())
+            ),
+            None,
+        )
+        shared = f"{moe}.{shared_name}" if shared_name else None
+        for owner in (router, moe):
+            if owner is None:
+                continue
+            mod = moe_layer.get_submodule(owner)
+            buffers = dict(mod.named_buffers(recurse=False))
+            bias_name = next((n for n in buffers if "bias" in n), None)
+            if bias_name:
+                bias = f"{owner}.{bias_name}"
+                kind = "sigmoid_bias"
+                break
+    return ArchSpec(
+        embedding=embedding or "",
+        rotary=rotary,
+        layers=layers_path,
+        final_norm=final_norm or "",
+        logits=logits or "",
+        input_norm=input_norm or "",
+        attention=attention or "",
+        post_attn_norm=post_norm or "",
+        moe=moe or "mlp",
+        router=router or "",
+        experts=experts or "",
+        shared_experts=shared,
+        router_kind=kind,
+        score_bias=bias,
+    )
+
+
+def _attention_child(layer: nn.Module) -> str | None:
+    for name, child in layer.named_children():
+        if "attn" in name.lower() or "attention" in type(child).__name__.lower():
+            return name
+    return None
+
+
+def _moe_child(layer: nn.Module) -> str | None:
+    for name, child in layer.named_children():
+        if "attn" in name.lower() or "attention" in type(child).__name__.lower():
+            continue
+        if _has_experts(child):
+            return name
+    return None
+
+
+def _router_name(block: nn.Module, experts_name: str | None) -> str | None:
+    named = [(n, c) for n, c in block.named_children() if n != experts_name and "shared" not in n]
+    for name, child in named:
+        cls = type(child).__name__.lower()
+        if "router" in cls or "gate" in cls or name in ("gate", "router"):
+            return name
+    return None

@@ -1,0 +1,179 @@
+"""The `moe-parity` command: tiny models, golden recordings, and a look inside a golden.
+Exit codes: 0 success, 1 a comparison failed, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _fail(message: str) -> int:
+    print(f"moe-parity: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moe-parity", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    tiny = sub.add_parser("tiny-model", help="write a deterministic tiny random-init MoE checkpoint")
+    tiny.add_argument("--arch", required=True, help="a transformers model_type, e.g. minimax_m2")
+    tiny.add_argument("--out", required=True, type=Path, help="directory to write the checkpoint to")
+    tiny.add_argument("--layers", type=_positive_int, default=None, help="decoder layers (default: the config's)")
+    tiny.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    tiny.add_argument(
+        "--shard-size",
+        default="500KB",
+        help="max safetensors shard size, hub-style sharding (default: 500KB)",
+    )
+
+    golden = sub.add_parser("golden", help="record the reference model's golden run")
+    golden.add_argument("--model", required=True, type=Path, help="reference checkpoint directory")
+    golden.add_argument("--out", required=True, type=Path, help="golden directory to write")
+    src = golden.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="text to tokenize with the model's tokenizer")
+    src.add_argument("--input-ids", type=_int_list, help="comma-separated token ids, e.g. 1,2,3")
+    golden.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=None,
+        help="tokens of deterministic input ids when neither --prompt nor --input-ids is given (default: 16)",
+    )
+    golden.add_argument("--dtype", default="float32", help="dtype to run the reference in (default: float32)")
+    golden.add_argument("--device", default="cpu", help="device for a single-device run (default: cpu)")
+    golden.add_argument("--device-map", default=None, help="accelerate device map: auto, balanced, sequential, ...")
+    golden.add_argument("--max-memory", default=None, help="per-device memory caps, e.g. 40GB or 0:60GB,1:40GB")
+    golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
+    golden.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the checkpoint's own modeling code (off by default)",
+    )
+    golden.add_argument("-q", "--quiet", action="store_true", help="print only the closing line")
+
+    show = sub.add_parser("show", help="list the points of a golden directory")
+    show.add_argument("golden", type=Path)
+    show.add_argument("--verify", action="store_true", help="check every file's sha256")
+    return parser
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from .tiny import available_archs, write_tiny_model
+
+    archs = available_archs()
+    if args.arch not in archs:
+        return _fail(f"unknown --arch {args.arch!r}; available: {', '.join(archs)}")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        return _fail(f"{args.out} exists and is not empty; choose another --out")
+    _quiet_transformers()
+    out = write_tiny_model(args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size)
+    files = sorted(p.name for p in out.iterdir())
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out}: {len(files)} files, {size / 1e6:.2f} MB")
+    return EXIT_OK
+
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    from .record import BadInput, record_golden
+
+    _quiet_transformers()
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    try:
+        result = record_golden(
+            args.model,
+            args.out,
+            prompt=args.prompt,
+            input_ids=args.input_ids,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            device=args.device,
+            device_map=args.device_map,
+            max_memory=args.max_memory,
+            overwrite=args.overwrite,
+            trust_remote_code=args.trust_remote_code,
+            progress=say,
+        )
+    except BadInput as exc:
+        return _fail(str(exc))
+    print(
+        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB, {result.seconds:.1f} s -> {result.out}"
+    )
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .capture import spec_tensor_keys
+    from .golden import GoldenError, GoldenStore
+
+    try:
+        store = GoldenStore(args.golden, verify=args.verify)
+        if args.verify:
+            for name in store.manifest["files"]:
+                store._check_file(name)
+    except GoldenError as exc:
+        return _fail(str(exc))
+    m = store.manifest
+    model = m["model"]
+    print(f"{args.golden}: {model['model_type']} from {model['path']}")
+    print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
+    print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
+    for p in m["points"]:
+        shapes = ", ".join(str(tuple(p["tensors"][k]["shape"])) for k in spec_tensor_keys(p["output"]))
+        print(f"  {p['id']:<28} {p['module']:<40} out {shapes}")
+    if args.verify:
+        print("  all files match their sha256")
+    return EXIT_OK
+
+
+COMMANDS = {"tiny-model": cmd_tiny_model, "golden": cmd_golden, "show": cmd_show}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("moe-parity: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

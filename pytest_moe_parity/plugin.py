@@ -1,0 +1,1 @@
+"""pytest hooks of pytest-moe-parity (the only module that imports pytest)."""

@@ -1,0 +1,305 @@
+"""`moe-parity golden`: load the reference model, run the prompt once with every capture point
+hooked, and write the golden directory layer by layer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .archs import ArchError, plan_points
+from .capture import Recorded, Recorder, dtype_name, parse_dtype
+from .golden import GoldenError, GoldenWriter
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DEFAULT_SEQ_LEN = 16
+# Config keys that say nothing about the numbers a model computes.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures"}
+
+
+class BadInput(ValueError):
+    """Input the user must fix; reported as one line, exit code 2."""
+
+
+@dataclass
+class RecordResult:
+    out: Path
+    points: int
+    bytes: int
+    seconds: float
+    skipped: list[str]
+    notes: list[str]
+
+
+def config_dict(config) -> dict[str, Any]:
+    d = config.to_dict()
+    return {k: v for k, v in sorted(d.items()) if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+
+
+def config_hash(config) -> str:
+    text = json.dumps(config_dict(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_config(model_dir: Path, *, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    if not model_dir.is_dir():
+        raise BadInput(f"model directory {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise BadInput(f"{model_dir} is not a transformers checkpoint (no config.json)")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {first}") from None
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
+def resolve_input_ids(
+    model_dir: Path,
+    config,
+    *,
+    prompt: str | None,
+    input_ids: Sequence[int] | None,
+    seq_len: int | None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> list[int]:
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if prompt is not None and input_ids is not None:
+        raise BadInput("pass either --prompt or --input-ids, not both")
+    if seq_len is not None and seq_len < 1:
+        raise BadInput(f"--seq-len must be at least 1, got {seq_len}")
+    if prompt is not None:
+        if not has_tokenizer(model_dir):
+            raise BadInput(
+                f"--prompt needs a tokenizer, and {model_dir} has none; pass --input-ids or --seq-len instead"
+            )
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        ids = list(tok(prompt)["input_ids"])
+        if seq_len is not None:
+            ids = ids[:seq_len]
+        if not ids:
+            raise BadInput("--prompt tokenizes to nothing; give a longer prompt")
+    elif input_ids is not None:
+        ids = list(input_ids)
+        if not ids:
+            raise BadInput("--input-ids is empty")
+    else:
+        n = seq_len or DEFAULT_SEQ_LEN
+        gen = torch.Generator().manual_seed(seed)
+        # Stay clear of the low ids, where tiny and real vocabularies keep their special tokens.
+        low = min(4, max(vocab - 1, 0))
+        ids = torch.randint(low, max(vocab, low + 1), (n,), generator=gen).tolist()
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise BadInput(f"input ids {bad[:5]} are outside the vocabulary of {vocab} tokens")
+    return ids
+
+
+def parse_max_memory(spec: str | None) -> dict[Any, str] | None:
+    """`40GB` (every GPU) or `0:60GB,1:40GB,cpu:200GB`."""
+    if not spec:
+        return None
+    out: dict[Any, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if ":" in part:
+            dev, amount = part.split(":", 1)
+            out[int(dev) if dev.isdigit() else dev] = amount
+        else:
+            count = torch.cuda.device_count()
+            if count == 0:
+                raise BadInput(f"--max-memory {spec!r} names no device and no GPU is visible; use cpu:SIZE")
+            out.update({i: part for i in range(count)})
+    return out
+
+
+def load_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: str | None,
+    device_map: str | None,
+    max_memory: dict | None,
+    trust_remote_code: bool = False,
+):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        attn_implementation="eager",
+        # grouped_mm (the CPU default) and eager differ by ~1e-7: pin it on both sides.
+        experts_implementation="eager",
+        trust_remote_code=trust_remote_code,
+    )
+    if device_map:
+        kwargs["device_map"] = device_map
+        if max_memory:
+            kwargs["max_memory"] = max_memory
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BadInput(f"cannot load {model_dir} as a causal LM: {first}") from None
+    if not device_map and device:
+        model = model.to(device)
+    return model.eval()
+
+
+def versions() -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    return {
+        "pytest_moe_parity": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def input_device(model) -> torch.device:
+    emb = model.get_input_embeddings()
+    p = next(emb.parameters(), None)
+    if p is not None and p.device.type != "meta":
+        return p.device
+    return torch.device("cpu")
+
+
+def record_golden(
+    model_dir: Path | str,
+    out: Path | str,
+    *,
+    prompt: str | None = None,
+    input_ids: Sequence[int] | None = None,
+    seq_len: int | None = None,
+    dtype: str = "float32",
+    device: str | None = "cpu",
+    device_map: str | None = None,
+    max_memory: str | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> RecordResult:
+    """Record a golden directory. Raises BadInput for anything the user must fix."""
+    started = time.perf_counter()
+    say = progress or (lambda msg: None)
+    model_dir = Path(model_dir)
+    out = Path(out)
+    try:
+        torch_dtype = parse_dtype(dtype)
+    except ValueError:
+        raise BadInput(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
+    config = load_config(model_dir, trust_remote_code=trust_remote_code)
+    ids = resolve_input_ids(
+        model_dir,
+        config,
+        prompt=prompt,
+        input_ids=input_ids,
+        seq_len=seq_len,
+        trust_remote_code=trust_remote_code,
+    )
+    if out.resolve() == model_dir.resolve():
+        raise BadInput("--out must not be the model directory")
+    writer = GoldenWriter(out, overwrite=overwrite)
+    try:
+        writer.prepare()
+    except GoldenError as exc:
+        raise BadInput(str(exc)) from None
+
+    mm = parse_max_memory(max_memory)
+    load_started = time.perf_counter()
+    model = load_model(
+        model_dir,
+        dtype=torch_dtype,
+        device=device,
+        device_map=device_map,
+        max_memory=mm,
+        trust_remote_code=trust_remote_code,
+    )
+    try:
+        plan = plan_points(model)
+    except ArchError as exc:
+        raise BadInput(str(exc)) from None
+    for note in plan.notes:
+        say(f"note: {note}")
+    n_layers = len({p.layer for p in plan.points if p.layer is not None})
+    say(
+        f"recording {model_dir} ({plan.model_type}, {n_layers} layers, {len(plan.points)} points, "
+        f"{len(ids)} tokens, {dtype_name(torch_dtype)}) -> {out}"
+    )
+
+    layers_done = 0
+
+    def on_group(group: str, records: list[Recorded]) -> None:
+        nonlocal layers_done
+        size = writer.write_group(group, records)
+        if group.startswith("layer_"):
+            layers_done += 1
+            say(
+                f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
+                f"[{layers_done}/{n_layers} layers, {writer.bytes_written / 1e6:.1f} MB written, "
+                f"{time.perf_counter() - started:.1f}s]"
+            )
+
+    load_seconds = time.perf_counter() - load_started
+    forward_started = time.perf_counter()
+    ids_tensor = torch.tensor([ids], dtype=torch.long, device=input_device(model))
+    with torch.no_grad(), Recorder(model, plan.points, on_group) as rec:
+        model(input_ids=ids_tensor, use_cache=False)
+        skipped = rec.finish()
+    for pid in skipped:
+        say(f"note: point {pid} was never called by the forward pass; not recorded")
+
+    devices = sorted({str(p.device) for p in model.parameters()})
+    manifest = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": {
+            "path": str(model_dir.resolve()),
+            "model_type": plan.model_type,
+            "architectures": list(getattr(config, "architectures", None) or []),
+            "config_hash": config_hash(model.config),
+            "config": json.loads(json.dumps(config_dict(model.config), default=str)),
+            "num_hidden_layers": n_layers,
+        },
+        "inputs": {"input_ids": [ids], "prompt": prompt, "seq_len": len(ids)},
+        "record": {
+            "dtype": dtype_name(torch_dtype),
+            "device": device if not device_map else None,
+            "device_map": device_map,
+            "max_memory": max_memory,
+            "devices": devices,
+            "attn_implementation": "eager",
+            "experts_implementation": "eager",
+            "use_cache": False,
+            "argv": sys.argv[1:],
+        },
+        "arch": {"source": plan.source, "skipped_points": skipped, "notes": plan.notes},
+        "versions": versions(),
+        "stats": {
+            "seconds": round(time.perf_counter() - started, 3),
+            "load_seconds": round(load_seconds, 3),
+            "record_seconds": round(time.perf_counter() - forward_started, 3),
+            "bytes": writer.bytes_written,
+        },
+    }
+    writer.finish(manifest)
+    seconds = time.perf_counter() - started
+    return RecordResult(out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)

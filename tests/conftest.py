@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny checkpoints and golden recordings, built once per session (per worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pytest_moe_parity.tiny import available_archs
+
+ARCHS = available_archs()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_model(arch, layers=None, seed=0) -> checkpoint directory, written once per session."""
+    from pytest_moe_parity.tiny import write_tiny_model
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, layers: int | None = None, seed: int = 0) -> Path:
+        key = (arch, layers, seed)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{layers}-{seed}")
+            cache[key] = write_tiny_model(arch, out, layers=layers, seed=seed)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable[..., Path]:
+    """golden_dir(arch, layers=None, seq_len=16) -> golden directory recorded once per session."""
+    from pytest_moe_parity.record import record_golden
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, layers: int | None = None, seq_len: int = 16) -> Path:
+        key = (arch, layers, seq_len)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"golden-{arch}-{layers}-{seq_len}") / "golden"
+            record_golden(tiny_model(arch, layers), out, seq_len=seq_len)
+            cache[key] = out
+        return cache[key]
+
+    return make

@@ -1,0 +1,182 @@
+"""The `moe-parity` command line: success paths, one-line errors with exit code 2, and a recording
+killed mid-way."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_moe_parity.cli import main
+from pytest_moe_parity.golden import GoldenError, GoldenStore
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(list(argv)))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def assert_no_golden(path: Path) -> None:
+    with pytest.raises(GoldenError):
+        GoldenStore(path)
+
+
+def test_tiny_model_then_golden(tmp_path: Path, capsys) -> None:
+    code, out, err = run(capsys, "tiny-model", "--arch", "deepseek_v3", "--out", str(tmp_path / "m"), "--layers", "3")
+    assert code == 0, err
+    assert "wrote tiny deepseek_v3 (seed 0)" in out
+    code, out, err = run(
+        capsys, "golden", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "g"), "--input-ids", "5,6,7,8,9"
+    )
+    assert code == 0, err
+    assert "[3/3 layers" in out  # progress: layers done, bytes written
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("golden written: ") and " points, " in last and " MB, " in last
+    store = GoldenStore(tmp_path / "g")
+    assert store.manifest["inputs"]["input_ids"] == [[5, 6, 7, 8, 9]]
+    assert store.manifest["model"]["model_type"] == "deepseek_v3"
+    assert store.manifest["record"]["dtype"] == "float32"
+    code, out, _ = run(capsys, "show", str(tmp_path / "g"), "--verify")
+    assert code == 0 and "layer_2.router" in out and "all files match their sha256" in out
+
+
+def test_overwrite_and_seq_len(tmp_path: Path, tiny_model, capsys) -> None:
+    model = str(tiny_model("olmoe"))
+    out_dir = str(tmp_path / "g")
+    assert run(capsys, "golden", "--model", model, "--out", out_dir, "-q")[0] == 0
+    code, _, err = run(capsys, "golden", "--model", model, "--out", out_dir)
+    assert code == 2 and "exists and is not empty; pass --overwrite" in err
+    assert GoldenStore(out_dir).manifest["inputs"]["seq_len"] == 16  # the old golden is untouched
+    assert run(capsys, "golden", "--model", model, "--out", out_dir, "--overwrite", "--seq-len", "9", "-q")[0] == 0
+    assert GoldenStore(out_dir).manifest["inputs"]["seq_len"] == 9
+
+
+def test_prompt_with_a_tokenizer(tmp_path: Path, tiny_model, capsys) -> None:
+    """A word-level tokenizer built offline: --prompt is tokenized and recorded with the golden."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("mixtral"), model)
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "the", "port", "gives", "wrong", "text"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(model)
+    argv = ["golden", "--model", str(model), "--out", str(tmp_path / "g"), "--prompt", "the port gives wrong text"]
+    code, _, err = run(capsys, *argv, "-q")
+    assert code == 0, err
+    manifest = GoldenStore(tmp_path / "g").manifest
+    assert manifest["inputs"]["input_ids"] == [[3, 4, 5, 6, 7]]
+    assert manifest["inputs"]["prompt"] == "the port gives wrong text"
+
+
+BAD_GOLDEN_ARGS = {
+    "missing model": (["--model", "{tmp}/nope"], "model directory .* does not exist"),
+    "not a checkpoint": (["--model", "{tmp}"], "is not a transformers checkpoint \\(no config.json\\)"),
+    "prompt and ids": (["--model", "{model}", "--prompt", "hi", "--input-ids", "1,2"], "not allowed with"),
+    "prompt without tokenizer": (["--model", "{model}", "--prompt", "hi"], "--prompt needs a tokenizer"),
+    "ids outside vocab": (["--model", "{model}", "--input-ids", "1,2,256"], "outside the vocabulary of 256"),
+    "negative id": (["--model", "{model}", "--input-ids", "3,-1"], "outside the vocabulary"),
+    "ids not numbers": (["--model", "{model}", "--input-ids", "1,x"], "comma-separated integers"),
+    "zero seq len": (["--model", "{model}", "--seq-len", "0"], "at least 1"),
+    "bad dtype": (["--model", "{model}", "--dtype", "float33"], "not a torch dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_GOLDEN_ARGS))
+def test_bad_golden_input(case: str, tmp_path: Path, tiny_model, capsys) -> None:
+    argv, message = BAD_GOLDEN_ARGS[case]
+    fmt = {"tmp": str(tmp_path), "model": str(tiny_model("minimax_m2"))}
+    out_dir = tmp_path / "golden"
+    code, _, err = run(capsys, "golden", *[a.format(**fmt) for a in argv], "--out", str(out_dir))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    assert re.search(message, lines[0]), lines[0]
+    assert_no_golden(out_dir)
+
+
+def test_unknown_config_model_type(tmp_path: Path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_real_model"}))
+    code, _, err = run(capsys, "golden", "--model", str(tmp_path), "--out", str(tmp_path / "g"))
+    assert code == 2 and "is not a loadable transformers checkpoint" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unknown_arch(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "tiny-model", "--arch", "llama", "--out", str(tmp_path / "m"))
+    assert code == 2 and "unknown --arch 'llama'; available: deepseek_v3, gpt_oss, minimax_m2" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_show_on_bad_golden(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "show", str(tmp_path))
+    assert code == 2 and "manifest.json is missing" in err
+
+
+def test_console_script_exit_code(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest_moe_parity.cli",
+            "golden",
+            "--model",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "g"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no config.json" in proc.stderr
+
+
+def test_recording_killed_midway_leaves_no_golden(tmp_path: Path, tiny_model) -> None:
+    """SIGKILL after the first layer file is written: the directory never reads as complete."""
+    out_dir = tmp_path / "golden"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pytest_moe_parity.record import record_golden
+
+        def slow(msg):
+            print(msg, flush=True)
+            if "layer_" in msg:
+                time.sleep(30)  # the parent kills us here
+
+        record_golden({str(tiny_model("mixtral", layers=8))!r}, {str(out_dir)!r}, progress=slow)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out_dir / "layer_0.safetensors").exists():
+            assert proc.poll() is None, "recording ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert (out_dir / "layer_0.safetensors").exists()
+    assert not (out_dir / "manifest.json").exists()
+    with pytest.raises(GoldenError, match="did not finish"):
+        GoldenStore(out_dir)
+    # the half-written directory is recognised as ours and can be overwritten
+    from pytest_moe_parity.record import record_golden
+
+    record_golden(tiny_model("mixtral", layers=8), out_dir, overwrite=True)
+    assert len(GoldenStore(out_dir).point_ids) == 8 * 7 + 4

@@ -1,0 +1,453 @@
+"""Tests for pytest_moe_parity.metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_moe_parity.metrics import (
+    RoutingMetrics,
+    TensorMetrics,
+    compare_routing,
+    compare_tensors,
+    per_token_error,
+    scatter_topk,
+    tie_tolerance,
+    worst_tokens,
+)
+
+FLOAT_FIELDS = ("cosine", "pearson", "rel_l2", "snr_db", "max_abs", "mean_abs", "max_rel", "within_tol")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_failsafe(m: TensorMetrics) -> None:
+    assert m.cosine == 0.0
+    assert m.pearson == 0.0
+    assert m.rel_l2 == math.inf
+    assert m.max_abs == math.inf
+    assert m.max_rel == math.inf
+    assert m.mean_abs == math.inf
+    assert m.snr_db == -math.inf
+
+
+def assert_metrics_close(a: TensorMetrics, b: TensorMetrics, rel: float = 1e-12) -> None:
+    for name in FLOAT_FIELDS:
+        va, vb = getattr(a, name), getattr(b, name)
+        assert va == pytest.approx(vb, rel=rel, abs=1e-300), name
+    for name in ("numel", "nan_golden", "nan_candidate", "inf_golden", "inf_candidate", "first_nonfinite"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+# ------------------------------------------------------------------------------------------ compare_tensors
+
+
+def test_hand_computed_values() -> None:
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    c = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    m = compare_tensors(g, c, atol=0.5, rtol=0.1)
+
+    # <g,c> = 1 + 4 + 9 + 20 = 34, ||g||^2 = 30, ||c||^2 = 39
+    assert m.cosine == pytest.approx(34 / math.sqrt(30 * 39), rel=1e-12)
+    # means 2.5 / 2.75; centred: g' = [-1.5, -.5, .5, 1.5], c' = [-1.75, -.75, .25, 2.25]
+    cov = 1.5 * 1.75 + 0.5 * 0.75 + 0.5 * 0.25 + 1.5 * 2.25  # 6.5
+    var_g = 2 * (1.5**2 + 0.5**2)  # 5
+    var_c = 1.75**2 + 0.75**2 + 0.25**2 + 2.25**2  # 8.75
+    assert m.pearson == pytest.approx(cov / math.sqrt(var_g * var_c), rel=1e-12)
+    assert m.rel_l2 == pytest.approx(1 / math.sqrt(30), rel=1e-12)
+    assert m.snr_db == pytest.approx(10 * math.log10(30 / 1), rel=1e-12)
+    assert m.max_abs == 1.0
+    assert m.mean_abs == 0.25
+    assert m.max_rel == pytest.approx(1 / 4)  # floor 1e-3 * 4 does not bite
+    # thresholds 0.5 + 0.1 * |g| = .6, .7, .8, .9 -> only the last element (|d| = 1) fails
+    assert m.within_tol == 0.75
+    assert compare_tensors(g, c, atol=0.5, rtol=0.2).within_tol == 1.0  # last threshold 0.5 + 0.8 = 1.3
+    assert (m.numel, m.shape_match, m.atol, m.rtol) == (4, True, 0.5, 0.1)
+    assert (m.shape_golden, m.dtype_golden, m.dtype_candidate) == ((4,), "float32", "float32")
+    assert m.first_nonfinite is None
+    assert (m.nan_golden, m.nan_candidate, m.inf_golden, m.inf_candidate) == (0, 0, 0, 0)
+
+
+def test_max_rel_floor_near_zero() -> None:
+    g = torch.tensor([1000.0, 1e-9, -500.0])
+    c = torch.tensor([1000.0, 0.5, -500.0])
+    # floor = 1e-3 * 1000 = 1 -> the near-zero element is measured against 1, not 1e-9
+    assert compare_tensors(g, c).max_rel == pytest.approx(0.5 - 1e-9, rel=1e-9)
+
+
+def test_identical_tensors() -> None:
+    x = torch.randn(5, 7)
+    m = compare_tensors(x, x.clone())
+    assert (m.cosine, m.rel_l2, m.snr_db, m.max_abs, m.max_rel, m.within_tol) == (1.0, 0.0, math.inf, 0, 0, 1)
+    assert m.pearson == pytest.approx(1.0, abs=1e-12)
+
+
+def test_both_all_zero() -> None:
+    m = compare_tensors(torch.zeros(3, 4), torch.zeros(3, 4))
+    assert (m.cosine, m.pearson, m.rel_l2, m.snr_db) == (1.0, 1.0, 0.0, math.inf)
+    assert (m.max_abs, m.mean_abs, m.max_rel, m.within_tol) == (0.0, 0.0, 0.0, 1.0)
+
+
+def test_golden_zero_candidate_nonzero() -> None:
+    m = compare_tensors(torch.zeros(4), torch.tensor([0.0, 1.0, -2.0, 0.0]))
+    assert (m.cosine, m.rel_l2, m.snr_db, m.max_rel) == (0.0, math.inf, -math.inf, math.inf)
+    assert m.pearson == 0.0  # golden constant, candidate not
+    assert m.max_abs == 2.0
+    assert m.within_tol == 0.5
+
+
+def test_constant_tensors_pearson() -> None:
+    three = torch.full((6,), 3.0)
+    assert compare_tensors(three, three.clone()).pearson == 1.0
+    assert compare_tensors(three, three + 1e-4).pearson == 1.0  # constant and equal within atol
+    assert compare_tensors(three, three + 0.5).pearson == 0.0  # constant, not equal
+    assert compare_tensors(three, torch.arange(6.0)).pearson == 0.0  # exactly one constant
+    assert compare_tensors(torch.arange(6.0), three).pearson == 0.0
+
+
+def test_pearson_large_offset_no_cancellation() -> None:
+    x = torch.randn(4096, dtype=torch.float64)
+    assert compare_tensors(x, 2 * x + 1e6).pearson == pytest.approx(1.0, abs=1e-9)
+    assert compare_tensors(x, 2 * x + 1e6, chunk_elems=100).pearson == pytest.approx(1.0, abs=1e-9)
+    assert compare_tensors(x + 1e6, -x + 1e6).pearson == pytest.approx(-1.0, abs=1e-9)
+
+
+def test_nan_in_candidate_3d() -> None:
+    g = torch.randn(3, 4, 5)
+    c = g.clone()
+    c[1, 2, 3] = float("nan")
+    c[2, 0, 1] = float("inf")
+    m = compare_tensors(g, c)
+    assert m.first_nonfinite == (1, 2, 3)
+    assert (m.nan_golden, m.nan_candidate, m.inf_golden, m.inf_candidate) == (0, 1, 0, 1)
+    assert_failsafe(m)
+    assert m.within_tol == pytest.approx(58 / 60)
+    # the NaN metrics can never silently pass a threshold check
+    assert not m.rel_l2 <= 1e-2
+    assert not m.cosine >= 0.99
+    assert compare_tensors(g, c, chunk_elems=7).first_nonfinite == (1, 2, 3)
+
+
+def test_nan_on_both_sides_still_fails() -> None:
+    g = torch.tensor([1.0, float("nan"), 3.0])
+    m = compare_tensors(g, g.clone())
+    assert_failsafe(m)
+    assert (m.nan_golden, m.nan_candidate) == (1, 1)
+    assert m.first_nonfinite is None  # not finite in golden
+    assert m.within_tol == pytest.approx(2 / 3)
+
+
+def test_inf_both_sides_same_sign_is_equal() -> None:
+    g = torch.tensor([1.0, math.inf, -math.inf, 4.0])
+    m = compare_tensors(g, g.clone())
+    assert (m.cosine, m.rel_l2, m.max_abs, m.max_rel, m.within_tol) == (1.0, 0.0, 0.0, 0.0, 1.0)
+    assert m.snr_db == math.inf
+    assert (m.inf_golden, m.inf_candidate, m.first_nonfinite) == (2, 2, None)
+
+
+def test_inf_opposite_sign_fails() -> None:
+    m = compare_tensors(torch.tensor([1.0, math.inf]), torch.tensor([1.0, -math.inf]))
+    assert_failsafe(m)
+    assert m.within_tol == 0.5
+    assert m.first_nonfinite is None
+
+
+def test_inf_one_side() -> None:
+    m = compare_tensors(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, math.inf, 3.0]))
+    assert_failsafe(m)
+    assert m.first_nonfinite == (1,)
+    assert m.within_tol == pytest.approx(2 / 3)
+    m = compare_tensors(torch.tensor([1.0, math.inf, 3.0]), torch.tensor([1.0, 2.0, 3.0]))
+    assert_failsafe(m)
+    assert (m.inf_golden, m.inf_candidate, m.first_nonfinite) == (1, 0, None)
+
+
+def test_bf16_candidate_vs_fp32_golden() -> None:
+    torch.manual_seed(0)
+    g = torch.randn(20_000)
+    m = compare_tensors(g, g.to(torch.bfloat16))
+    assert (m.dtype_golden, m.dtype_candidate) == ("float32", "bfloat16")
+    assert 0 < m.rel_l2 < 4e-3  # bf16 has 8 mantissa bits: relative rounding <= 2^-9
+    assert m.cosine > 0.99999
+    m16 = compare_tensors(g.to(torch.float16), g)
+    assert m16.dtype_golden == "float16"
+    assert 0 < m16.rel_l2 < 5e-4
+
+
+def test_int_bool_scalar_and_empty() -> None:
+    m = compare_tensors(torch.tensor([True, False, True]), torch.tensor([1, 0, 1]))
+    assert (m.dtype_golden, m.dtype_candidate, m.rel_l2, m.within_tol) == ("bool", "int64", 0.0, 1.0)
+    m = compare_tensors(torch.tensor(2.0), torch.tensor(2.5))
+    assert (m.shape_golden, m.numel, m.rel_l2, m.max_abs, m.cosine) == ((), 1, 0.25, 0.5, 1.0)
+    assert m.pearson == 0.0  # both constant but not equal within tolerance
+    m = compare_tensors(torch.tensor(2.0), torch.tensor(float("nan")))
+    assert m.first_nonfinite == ()
+    assert_failsafe(m)
+    m = compare_tensors(torch.empty(0, 3), torch.empty(0, 3))
+    assert (m.numel, m.cosine, m.pearson, m.rel_l2, m.within_tol) == (0, 1.0, 1.0, 0.0, 1.0)
+
+
+def test_shape_mismatch() -> None:
+    g = torch.randn(2, 3)
+    c = torch.randn(3, 2)
+    c[0, 0] = float("nan")
+    c[1, 1] = math.inf
+    m = compare_tensors(g, c)
+    assert not m.shape_match
+    assert (m.shape_golden, m.shape_candidate, m.numel) == ((2, 3), (3, 2), 0)
+    assert_failsafe(m)
+    assert m.within_tol == 0.0
+    assert (m.nan_golden, m.nan_candidate, m.inf_golden, m.inf_candidate) == (0, 1, 0, 1)
+
+
+def test_non_contiguous_matches_contiguous() -> None:
+    torch.manual_seed(1)
+    g = torch.randn(48, 64)
+    c = g + 1e-3 * torch.randn(48, 64)
+    c[5, 7] = float("nan")
+    ref = compare_tensors(g.t().contiguous(), c.t().contiguous())
+    assert ref.first_nonfinite == (7, 5)
+    for chunk in (1 << 22, 100, 7):
+        assert_metrics_close(compare_tensors(g.t(), c.t(), chunk_elems=chunk), ref)
+    g3 = torch.randn(4, 5, 6)
+    c3 = g3 + 1e-2 * torch.randn(4, 5, 6)
+    ref3 = compare_tensors(g3.permute(2, 0, 1).contiguous(), c3.permute(2, 0, 1).contiguous())
+    assert_metrics_close(compare_tensors(g3.permute(2, 0, 1), c3.permute(2, 0, 1), chunk_elems=4), ref3)
+    # mixed: contiguous golden, non-contiguous candidate; and a stride-0 expanded tensor
+    assert_metrics_close(compare_tensors(g.t().contiguous(), c.t(), chunk_elems=33), ref)
+    row = torch.randn(1, 300)
+    m = compare_tensors(row.expand(5, 300), row.repeat(5, 1) * 1.01, chunk_elems=64)
+    assert (m.numel, m.rel_l2) == (1500, pytest.approx(0.01, rel=1e-5))
+
+
+def test_chunking_invariance() -> None:
+    torch.manual_seed(2)
+    g = torch.randn(3001) * 3 + 0.5
+    c = (g + 0.01 * torch.randn(3001)).to(torch.bfloat16)
+    single = compare_tensors(g, c, chunk_elems=1 << 22)
+    assert_metrics_close(compare_tensors(g, c, chunk_elems=7), single)
+    assert_metrics_close(compare_tensors(g, c, chunk_elems=1000), single)
+
+
+def test_no_metric_is_ever_nan() -> None:
+    nan, inf = float("nan"), math.inf
+    cases = [
+        (torch.zeros(3), torch.zeros(3)),
+        (torch.zeros(3), torch.ones(3)),
+        (torch.full((3,), nan), torch.full((3,), nan)),
+        (torch.full((3,), inf), torch.full((3,), -inf)),
+        (torch.tensor([inf, 1.0]), torch.tensor([inf, 1.0])),
+        (
+            torch.tensor([1e300, -1e300], dtype=torch.float64),
+            torch.tensor([1e300, 1e300], dtype=torch.float64),
+        ),
+        (torch.empty(0), torch.empty(0)),
+    ]
+    for g, c in cases:
+        data = compare_tensors(g, c).to_dict()
+        for name in FLOAT_FIELDS:
+            assert data[name] != "nan", (name, g, c)
+
+
+def test_to_dict_is_json_safe() -> None:
+    g = torch.randn(2, 2)
+    c = g.clone()
+    c[1, 0] = float("nan")
+    data = compare_tensors(g, c).to_dict()
+    text = json.dumps(data, allow_nan=False)
+    assert json.loads(text) == data
+    assert data["rel_l2"] == "inf"
+    assert data["snr_db"] == "-inf"
+    assert data["first_nonfinite"] == [1, 0]
+    assert data["shape_golden"] == [2, 2]
+
+
+def test_requires_grad_inputs() -> None:
+    g = torch.randn(10, requires_grad=True)
+    m = compare_tensors(g, g * 1.001)
+    assert m.rel_l2 == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(TypeError):
+        compare_tensors([1.0], torch.ones(1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        compare_tensors(torch.ones(1), torch.ones(1), chunk_elems=0)
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys
+    import torch
+    torch.set_num_threads(1)
+    from pytest_moe_parity.metrics import compare_tensors
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+    compare_tensors(torch.randn(1000), torch.randn(1000))  # warm up kernels and allocator
+    n = int(sys.argv[1])
+    before = peak()
+    g = torch.randn(n)
+    c = torch.randn(n)
+    c.mul_(1e-2).add_(g)  # in place: no temporaries while creating the inputs
+    with_inputs = peak()
+    m = compare_tensors(g, c, chunk_elems=1 << 18)
+    after = peak()
+    print(before, with_inputs, after, m.rel_l2)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in kilobytes on Linux only")
+def test_memory_stays_chunk_sized() -> None:
+    n = 25_000_000  # 2 x 100 MB float32; one float64 copy of an input would add 200 MB
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(n)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    before, with_inputs, after, rel_l2 = (float(x) for x in proc.stdout.split())
+    input_bytes = 2 * 4 * n
+    assert with_inputs - before > 0.5 * input_bytes  # the measurement does see the inputs
+    assert after - before < 1.5 * input_bytes, f"compare_tensors grew RSS by {(after - with_inputs) / 2**20:.0f} MiB"
+    assert rel_l2 == pytest.approx(1e-2, rel=1e-2)
+
+
+# ------------------------------------------------------------------------------------------ per-token error
+
+
+def test_per_token_error_finds_corrupted_token() -> None:
+    torch.manual_seed(3)
+    g = torch.randn(1, 16, 32)
+    c = g + 1e-4 * torch.randn(1, 16, 32)
+    c[0, 5] += 0.5 * torch.randn(32)
+    err = per_token_error(g, c)
+    assert err.shape == (16,)
+    assert err.dtype == torch.float64
+    expected_5 = (c[0, 5].double() - g[0, 5].double()).norm() / g[0, 5].double().norm()
+    assert float(err[5]) == pytest.approx(float(expected_5), rel=1e-9)
+    assert int(err.argmax()) == 5
+    worst = worst_tokens(err, n=3)
+    assert worst[0] == (5, float(err[5]))
+    assert len(worst) == 3
+    assert worst[1][1] >= worst[2][1]
+
+
+def test_per_token_error_degenerate_and_token_dim() -> None:
+    g = torch.zeros(3, 4)
+    g[1] = 1.0
+    c = g.clone()
+    c[2, 0] = 1.0
+    c[1, 3] = float("nan")
+    err = per_token_error(g, c, token_dim=0)
+    assert err.tolist() == [0.0, math.inf, math.inf]  # zero==zero, NaN, zero golden vs non-zero
+    # token_dim selects the slicing axis; all other dims are flattened
+    x = torch.randn(2, 3, 5)
+    y = x.clone()
+    y[:, 1, :] *= 1.1
+    assert per_token_error(x, y, token_dim=1).tolist() == pytest.approx([0.0, 0.1, 0.0], abs=1e-6)
+    assert worst_tokens(torch.tensor([0.1, 0.3, 0.3, 0.0]), n=10) == [
+        (1, pytest.approx(0.3)),
+        (2, pytest.approx(0.3)),
+        (0, pytest.approx(0.1)),
+        (3, 0.0),
+    ]
+    with pytest.raises(ValueError):
+        per_token_error(x, y[:1])
+
+
+# ------------------------------------------------------------------------------------------ routing
+
+
+def _routing_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scores = torch.tensor(
+        [
+            [0.9, 0.8, 0.1, 0.05],  # token 0: golden {0,1}, candidate {0,2}: gap 0.7 -> real flip
+            [0.5, 0.3, 0.2999, 0.1],  # token 1: golden {0,1}, candidate {0,2}: gap 1e-4 -> near tie
+            [0.1, 0.2, 0.6, 0.4],  # token 2: same set {2,3} in a different order
+        ],
+        dtype=torch.float64,
+    )
+    golden = torch.tensor([[0, 1], [1, 0], [2, 3]])
+    candidate = torch.tensor([[2, 0], [0, 2], [3, 2]])
+    return scores, golden, candidate
+
+
+def test_compare_routing_flip_vs_tie() -> None:
+    scores, golden, candidate = _routing_case()
+    tol = tie_tolerance(scores, torch.bfloat16)
+    r = compare_routing(scores, golden, candidate, tolerance=tol)
+    assert isinstance(r, RoutingMetrics)
+    assert (r.num_tokens, r.top_k, r.num_experts) == (3, 2, 4)
+    assert r.flipped_tokens == [0]
+    assert [t.token for t in r.ties] == [1]
+    assert r.disagreeing_tokens == [0, 1]
+    assert r.set_agreement == pytest.approx(1 / 3)
+    assert r.flip_share == pytest.approx(1 / 3)
+    flip = r.flips[0]
+    assert (flip.golden_experts, flip.candidate_experts, flip.is_tie) == ([0, 1], [0, 2], False)
+    assert flip.gap == pytest.approx(0.8 - 0.1)
+    assert r.ties[0].gap == pytest.approx(1e-4)
+    assert r.ties[0].is_tie
+    assert r.tie_tolerance == pytest.approx(float(tol.max()))
+    # with an fp32 tolerance the 1e-4 margin is far too large to be rounding: both are real flips
+    strict = compare_routing(scores, golden, candidate, tolerance=tie_tolerance(scores, torch.float32))
+    assert strict.flipped_tokens == [0, 1]
+    assert strict.ties == []
+    data = r.to_dict()
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
+    assert data["flipped_tokens"] == [0]
+
+
+def test_compare_routing_order_ignored_and_leading_dims() -> None:
+    scores = torch.rand(2, 3, 8)
+    top = scores.topk(3, dim=-1).indices
+    r = compare_routing(scores, top, top.flip(-1), tolerance=0.0)
+    assert r.num_tokens == 6
+    assert r.set_agreement == 1.0
+    assert r.disagreeing_tokens == []
+    assert r.flip_share == 0.0
+
+
+def test_tie_tolerance_scales_with_dtype() -> None:
+    scores = torch.tensor([[3.0, 4.0], [0.0, 0.0], [3.0, -math.inf]])
+    bf16 = tie_tolerance(scores, torch.bfloat16)
+    fp32 = tie_tolerance(scores, torch.float32)
+    assert bf16.dtype == torch.float64
+    assert bf16.shape == (3,)
+    assert torch.all(bf16 > fp32)
+    eps = torch.finfo(torch.bfloat16).eps
+    rms = math.sqrt((9 + 16) / 2)
+    assert float(bf16[0]) == pytest.approx(8 * eps * rms + 8 * eps * 1e-6)
+    assert float(bf16[1]) == pytest.approx(8 * eps * 1e-6)  # floor
+    assert float(bf16[2]) == pytest.approx(8 * eps * 3.0 + 8 * eps * 1e-6)  # -inf (masked) ignored
+    assert float(tie_tolerance(scores, torch.bfloat16, factor=4.0)[0]) == pytest.approx(float(bf16[0]) / 2)
+    with pytest.raises(ValueError):
+        tie_tolerance(scores, torch.int32)
+
+
+def test_scatter_topk() -> None:
+    idx = torch.tensor([[2, 0], [1, 3]])
+    w = torch.tensor([[0.7, 0.3], [0.6, 0.4]])
+    dense = scatter_topk(idx, w, 4)
+    expected = torch.tensor([[0.3, 0.0, 0.7, 0.0], [0.0, 0.6, 0.0, 0.4]])
+    assert torch.equal(dense, expected)
+    assert torch.allclose(dense.sum(-1), w.sum(-1))
+    # same experts in another top-k order give the same dense matrix
+    assert torch.equal(scatter_topk(idx.flip(-1), w.flip(-1), 4), dense)
+    batched = scatter_topk(idx.unsqueeze(0), w.to(torch.bfloat16).unsqueeze(0), 4)
+    assert batched.shape == (2, 4)
+    assert batched.dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        scatter_topk(torch.tensor([[4]]), torch.tensor([[1.0]]), 4)
