@@ -292,13 +292,17 @@ _MEMORY_SCRIPT = textwrap.dedent(
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
+    def current():
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * resource.getpagesize()
+
     compare_tensors(torch.randn(1000), torch.randn(1000))  # warm up kernels and allocator
     n = int(sys.argv[1])
-    before = peak()
+    before = current()
     g = torch.randn(n)
     c = torch.randn(n)
     c.mul_(1e-2).add_(g)  # in place: no temporaries while creating the inputs
-    with_inputs = peak()
+    with_inputs = current()
     m = compare_tensors(g, c, chunk_elems=1 << 18)
     after = peak()
     print(before, with_inputs, after, m.rel_l2)
