@@ -4,6 +4,7 @@ hooked, and write the golden directory layer by layer."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import platform
 import sys
@@ -273,6 +274,8 @@ def record_golden(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {
             "path": str(model_dir.resolve()),
+            # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
+            "path_relative": os.path.relpath(model_dir.resolve(), out.resolve()),
             "model_type": plan.model_type,
             "architectures": list(getattr(config, "architectures", None) or []),
             "config_hash": config_hash(model.config),

@@ -1,0 +1,79 @@
+"""Measure healthy bf16 (or fp16) error levels per component, to calibrate the default tolerances.
+
+    python benchmarks/calibrate_tolerances.py [--dtype bfloat16] [--seeds 0 1 2 3] [--seq-lens 16 64]
+
+For every tiny architecture, model seed and sequence length: record a float32 golden, replay every
+point on a candidate of the same weights in `--dtype`, and report per component the worst rel_l2
+and cosine, plus routing flips and ties, and every point that fails the current defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--archs", nargs="*", default=None)
+    args = ap.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    from pytest_moe_parity.backends import BackendOptions, TorchBackend
+    from pytest_moe_parity.golden import GoldenStore
+    from pytest_moe_parity.record import record_golden
+    from pytest_moe_parity.runner import ParityRunner
+    from pytest_moe_parity.tiny import available_archs, write_tiny_model
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    dtype = getattr(torch, args.dtype)
+    worst: dict[str, dict[str, float]] = defaultdict(lambda: {"rel_l2": 0.0, "cosine": 1.0, "n": 0})
+    flips = ties = tokens = 0
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.archs or available_archs():
+            for seed in args.seeds:
+                model = write_tiny_model(arch, Path(tmp) / f"{arch}-{seed}", seed=seed)
+                for seq in args.seq_lens:
+                    gdir = Path(tmp) / f"g-{arch}-{seed}-{seq}"
+                    record_golden(model, gdir, seq_len=seq)
+                    store = GoldenStore(gdir)
+                    runner = ParityRunner(
+                        store, lambda s=store, m=model: TorchBackend(BackendOptions(s, m, dtype)), dtype
+                    )
+                    for pid in store.point_ids:
+                        res = runner.run(pid)
+                        comp = res.component
+                        for target, m in res.metrics.items():
+                            key = f"{comp}:{target}"
+                            worst[key]["rel_l2"] = max(worst[key]["rel_l2"], m.rel_l2)
+                            worst[key]["cosine"] = min(worst[key]["cosine"], m.cosine)
+                            worst[key]["n"] += 1
+                        if comp == "router" and res.routing:
+                            flips += len(res.routing["flips"])
+                            ties += len(res.routing["ties"])
+                            tokens += res.routing["num_tokens"]
+                        if not res.passed:
+                            failed = ", ".join(f"{c.target}.{c.name}={c.value:.3g}" for c in res.failed_checks)
+                            failures.append(f"{arch} seed={seed} seq={seq} {pid}: {failed}")
+    print(f"{'component:tensor':<28}{'points':>8}{'worst rel_l2':>14}{'worst cosine':>14}")
+    for key in sorted(worst):
+        w = worst[key]
+        print(f"{key:<28}{w['n']:>8}{w['rel_l2']:>14.3e}{w['cosine']:>14.6f}")
+    print(f"router tokens {tokens}: real flips {flips}, ties {ties}")
+    print(f"{len(failures)} failing points at the default tolerances")
+    for line in failures:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
