@@ -170,7 +170,9 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     for i, layer in enumerate(layers):
         base = f"{spec.layers}.{i}"
         add("input_norm", i, f"{base}.{spec.input_norm}")
-        add("attention", i, f"{base}.{spec.attention}")
+        # hybrid models name their token mixer per layer (self_attn on some, mamba on others)
+        mixer = next((n for n in spec.attention.split("|") if n and _get(layer, n) is not None), None)
+        add("attention", i, f"{base}.{mixer}" if mixer else None)
         add("post_attn_norm", i, f"{base}.{spec.post_attn_norm}")
         block = _get(layer, spec.moe)
         if block is not None and _has_experts(block):
@@ -219,8 +221,11 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
         for name, mod in model.named_modules()
         if isinstance(mod, nn.ModuleList) and len(mod) > 0 and (n_layers is None or len(mod) == n_layers)
     ]
-    # The decoder stack: the shortest path among module lists of the right length that hold attention.
-    candidates = [(n, m) for n, m in candidates if any(_attention_child(layer) for layer in m)]
+    # The decoder stack: the shortest path among module lists of the right length whose layers
+    # hold a token mixer (attention, or mamba/linear attention in hybrid models) or experts.
+    candidates = [
+        (n, m) for n, m in candidates if any(_attention_child(layer) or _moe_child(layer) for layer in m)
+    ]
     if not candidates:
         raise ArchError(f"{model_type}: cannot find the decoder layer list (a ModuleList of {n_layers} layers)")
     layers_path, layers = min(candidates, key=lambda nm: nm[0].count("."))
@@ -239,7 +244,8 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
 
     # Layer-relative names, taken from the first MoE layer (dense layers share them).
     moe_layer = next((layer for layer in layers if _moe_child(layer) is not None), layers[0])
-    attention = _attention_child(moe_layer)
+    mixers = dict.fromkeys(name for layer in layers if (name := _attention_child(layer)) is not None)
+    attention = "|".join(mixers)
     norms = [name for name, child in moe_layer.named_children() if _is_norm(child)]
     input_norm = "input_layernorm" if "input_layernorm" in norms else (norms[0] if norms else None)
     post_norm = (
@@ -294,16 +300,25 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
     )
 
 
+_MIXER_WORDS = ("attn", "attention", "mamba", "mixer")
+
+
+def _is_mixer(name: str, child: nn.Module) -> bool:
+    label = f"{name} {type(child).__name__}".lower()
+    return any(word in label for word in _MIXER_WORDS) and not _has_experts(child)
+
+
 def _attention_child(layer: nn.Module) -> str | None:
+    """The token mixer of a decoder layer: attention, or mamba / linear attention in hybrids."""
     for name, child in layer.named_children():
-        if "attn" in name.lower() or "attention" in type(child).__name__.lower():
+        if _is_mixer(name, child):
             return name
     return None
 
 
 def _moe_child(layer: nn.Module) -> str | None:
     for name, child in layer.named_children():
-        if "attn" in name.lower() or "attention" in type(child).__name__.lower():
+        if _is_mixer(name, child):
             continue
         if _has_experts(child):
             return name

@@ -4,8 +4,8 @@ hooked, and write the golden directory layer by layer."""
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import platform
 import sys
 import time
