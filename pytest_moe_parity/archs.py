@@ -223,9 +223,7 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
     ]
     # The decoder stack: the shortest path among module lists of the right length whose layers
     # hold a token mixer (attention, or mamba/linear attention in hybrid models) or experts.
-    candidates = [
-        (n, m) for n, m in candidates if any(_attention_child(layer) or _moe_child(layer) for layer in m)
-    ]
+    candidates = [(n, m) for n, m in candidates if any(_attention_child(layer) or _moe_child(layer) for layer in m)]
     if not candidates:
         raise ArchError(f"{model_type}: cannot find the decoder layer list (a ModuleList of {n_layers} layers)")
     layers_path, layers = min(candidates, key=lambda nm: nm[0].count("."))

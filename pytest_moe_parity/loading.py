@@ -194,6 +194,10 @@ class LazyModel:
         )
         convert_and_load_state_dict_in_model(self.model, state, config)
 
+    @property
+    def loaded_units(self) -> set[str]:
+        return set(self._loaded)
+
     def close(self) -> None:
         self._handles.clear()
 

@@ -286,7 +286,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for comp in COMPONENT_MARKERS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
-    config.stash[STATE_KEY] = _make_state(config, golden_dir)
+    state = _make_state(config, golden_dir)
+    config.stash[STATE_KEY] = state
+    config.pluginmanager.register(_SessionHooks(state), "moe-parity-session")
 
 
 def _state(config: pytest.Config) -> ParityState | None:
@@ -323,6 +325,7 @@ def _worker_explicit_paths(config: pytest.Config) -> bool:
     return bool(config.workerinput.get("parity_explicit_paths", False))  # type: ignore[attr-defined]
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:  # xdist controller -> worker
     state = _state(node.config)
     if state is not None:
@@ -388,7 +391,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         _validate_markers(items)
         return
     collector = ParityCollector.from_parent(session, name=COLLECTOR_NAME, nodeid=COLLECTOR_NAME, path=state.golden_dir)
-    items[:0] = list(collector.collect())
+    parity_items = list(collector.collect())
+    # Report the items like a collector would, so "collected N items", --lf and xdist see them.
+    session.ihook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, parity_items))
+    items[:0] = parity_items
     _validate_markers(items)
 
 
@@ -429,41 +435,42 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    row = getattr(report, "parity_row", None)
-    if row is None:
-        return
-    config = _CONFIG.get("config")
-    state = _state(config) if config is not None else None
-    if state is None:
-        return
-    data = json.loads(row)
-    state.rows[data["id"]] = data
+class _SessionHooks:
+    """Hooks that need the session state but receive no config: registered per session."""
 
+    def __init__(self, state: ParityState):
+        self.state = state
 
-_CONFIG: dict[str, pytest.Config] = {}
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        row = getattr(report, "parity_row", None)
+        if row is not None:
+            data = json.loads(row)
+            self.state.rows[data["id"]] = data
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG["config"] = session.config
-
-
-def pytest_keyboard_interrupt(excinfo) -> None:
-    config = _CONFIG.get("config")
-    state = _state(config) if config is not None else None
-    if state is not None:
-        state.interrupted = True
+    def pytest_keyboard_interrupt(self, excinfo) -> None:
+        self.state.interrupted = True
 
 
 def _meta(state: ParityState) -> dict[str, Any]:
-    return {
+    meta: dict[str, Any] = {
         "golden_dir": str(state.golden_dir),
         "model_type": state.golden.model_type,
         "candidate_model": str(state.model_dir),
         "hw": state.hw,
         "dtype": str(state.dtype).removeprefix("torch."),
     }
+    # What this process read (absent under xdist, where the workers did the reading).
+    if state.golden.opened_files:
+        meta["golden_files_read"] = sorted(set(state.golden.opened_files))
+    lazy = getattr(state.runner.backend, "lazy", None) if state.runner and state.runner.backend_started else None
+    if lazy is not None:
+        meta["candidate_reads"] = {
+            "units": sorted(lazy.loaded_units),
+            "keys": list(lazy.stats.keys),
+            "bytes": lazy.stats.bytes,
+            "files": sorted(lazy.stats.files),
+        }
+    return meta
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

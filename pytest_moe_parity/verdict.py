@@ -31,7 +31,9 @@ HINTS = {
         "attention: q/k/v/o weight layout (head order, GQA grouping), q/k norms, RoPE layout "
         "(interleaved vs half-split), softmax scale or mask"
     ),
-    "router_layout": "every token routed differently: router weight layout (rows = experts) or a missing score bias",
+    "router_layout": (
+        "most tokens routed differently: router weight layout (rows = experts) or a missing score-correction bias"
+    ),
     "router": "router: gate weight rows permuted or transposed, a lost score-correction bias, or the scoring function",
     "experts": "experts wrong with golden routing: gate/up order or expert order in the fused weights, or activation",
     "shared_experts": "shared expert: its weights, gate/up order, or a scaling factor",

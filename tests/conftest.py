@@ -53,3 +53,21 @@ def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _import_everything_once(golden_dir, tiny_model) -> None:
+    """pytester's in-process runs drop the modules first imported inside them, and some torch
+    modules register C++ operator libraries that cannot be imported twice. Run the whole replay
+    path once up front so that every such module is imported by the outer session."""
+    import torch
+
+    from pytest_moe_parity.backends import BackendOptions, TorchBackend
+    from pytest_moe_parity.golden import GoldenStore
+    from pytest_moe_parity.runner import ParityRunner
+
+    store = GoldenStore(golden_dir("minimax_m2"))
+    backend = TorchBackend(BackendOptions(store, tiny_model("minimax_m2"), torch.bfloat16))
+    runner = ParityRunner(store, lambda: backend, torch.bfloat16)
+    for pid in ("embedding", "rotary", "layer_0.attention", "layer_0.router", "layer_0.moe", "logits"):
+        runner.run(pid)

@@ -1,0 +1,153 @@
+"""Port bugs, injected into a copy of a tiny checkpoint in the hub's own layout, the way a broken
+conversion script or loader would produce them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+Tensors = dict[str, torch.Tensor]
+
+
+def edit_checkpoint(src: Path, dst: Path, edit: Callable[[Tensors], None]) -> Path:
+    """Copy `src` to `dst`, then apply `edit` to the union of its tensors and write them back
+    into the same shards."""
+    shutil.copytree(src, dst)
+    shards = sorted(dst.glob("*.safetensors"))
+    by_file: dict[Path, Tensors] = {}
+    everything: Tensors = {}
+    for f in shards:
+        with safe_open(str(f), "pt") as fh:
+            by_file[f] = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        everything.update(by_file[f])
+    edit(everything)
+    for f, tensors in by_file.items():
+        save_file({k: everything[k].contiguous() for k in tensors}, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def edit_config(dst: Path, edit: Callable[[dict], None]) -> None:
+    path = dst / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg, indent=2))
+
+
+def _expert_keys(t: Tensors, layer: int, expert: int) -> dict[str, str]:
+    """gate/up/down keys of one expert, whatever the hub naming (gate_proj/up_proj/down_proj or w1/w3/w2)."""
+    prefix = next(k for k in t if f".layers.{layer}." in k and f".experts.{expert}." in k).split(f".experts.{expert}.")[
+        0
+    ]
+    base = f"{prefix}.experts.{expert}."
+    if base + "w1.weight" in t:
+        return {"gate": base + "w1.weight", "up": base + "w3.weight", "down": base + "w2.weight"}
+    return {"gate": base + "gate_proj.weight", "up": base + "up_proj.weight", "down": base + "down_proj.weight"}
+
+
+def swap_gate_up(layer: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        if any(f"layers.{layer}.mlp.experts.gate_up_proj" in k for k in t):  # gpt_oss: fused, interleaved
+            key = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+            w = t[key]
+            t[key] = torch.stack([w[..., 1::2], w[..., 0::2]], dim=-1).reshape(w.shape)
+            return
+        e = 0
+        while any(f".layers.{layer}." in k and f".experts.{e}." in k for k in t):
+            keys = _expert_keys(t, layer, e)
+            t[keys["gate"]], t[keys["up"]] = t[keys["up"]], t[keys["gate"]]
+            e += 1
+
+    return edit
+
+
+def swap_experts(layer: int, a: int, b: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        ka, kb = _expert_keys(t, layer, a), _expert_keys(t, layer, b)
+        for part in ("gate", "up", "down"):
+            t[ka[part]], t[kb[part]] = t[kb[part]], t[ka[part]]
+
+    return edit
+
+
+def _one(t: Tensors, *fragments: str) -> str:
+    found = [k for k in t if all(f in k for f in fragments)]
+    assert len(found) == 1, (fragments, found)
+    return found[0]
+
+
+def permute_router_rows(layer: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        key = _one(t, f"layers.{layer}.", "router.weight") if any("router.weight" in k for k in t) else None
+        key = key or _one(t, f"layers.{layer}.", ".gate.weight")
+        w = t[key]
+        t[key] = w.roll(1, dims=0)
+        bias = key.replace(".weight", ".bias")
+        if bias in t:
+            t[bias] = t[bias].roll(1, dims=0)
+
+    return edit
+
+
+def drop_score_bias(layer: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        key = _one(t, f"layers.{layer}.", "e_score_correction_bias")
+        t[key] = torch.zeros_like(t[key])
+
+    return edit
+
+
+def lose_weight(key: str) -> Callable[[Tensors], None]:
+    """A norm whose weight the port never loaded: left at its init (ones)."""
+
+    def edit(t: Tensors) -> None:
+        t[key] = torch.ones_like(t[key])
+
+    return edit
+
+
+def permute_o_proj_heads(layer: int, num_heads: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        key = _one(t, f"layers.{layer}.", "o_proj.weight")
+        w = t[key]
+        hidden, inner = w.shape
+        heads = w.reshape(hidden, num_heads, inner // num_heads)
+        t[key] = heads.roll(1, dims=1).reshape(hidden, inner)
+
+    return edit
+
+
+def scale(key_fragment: str, layer: int | None, factor: float) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        frags = (f"layers.{layer}.", key_fragment) if layer is not None else (key_fragment,)
+        key = _one(t, *frags)
+        t[key] = t[key] * factor
+
+    return edit
+
+
+def swap_embedding_rows(a: int, b: int) -> Callable[[Tensors], None]:
+    def edit(t: Tensors) -> None:
+        key = _one(t, "embed_tokens.weight")
+        w = t[key].clone()
+        w[[a, b]] = w[[b, a]]
+        t[key] = w
+
+    return edit
+
+
+def poison(key_fragment: str, layer: int) -> Callable[[Tensors], None]:
+    """One NaN in a weight: what an uninitialised buffer or a bad cast leaves behind."""
+
+    def edit(t: Tensors) -> None:
+        key = _one(t, f"layers.{layer}.", key_fragment)
+        w = t[key].clone()
+        w.view(-1)[0] = float("nan")
+        t[key] = w
+
+    return edit
