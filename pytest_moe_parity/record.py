@@ -226,6 +226,8 @@ def record_golden(
         raise BadInput(str(exc)) from None
 
     mm = parse_max_memory(max_memory)
+    if mm and not device_map:
+        device_map = "auto"  # a memory cap only means something to accelerate's placement
     load_started = time.perf_counter()
     model = load_model(
         model_dir,
