@@ -46,29 +46,32 @@ def test_fp32_candidate_passes_everything(arch: str, pytester: pytest.Pytester, 
     assert all(m["rel_l2"] == 0 for r in rows for m in r["metrics"].values())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bf16_candidate_passes_at_default_tolerances(
-    arch: str, pytester: pytest.Pytester, tiny_model, tmp_path: Path
+    seed: int, pytester: pytest.Pytester, tiny_model, tmp_path: Path
 ) -> None:
-    """Several seeds and sequence lengths of 16 and 64: zero failures. Where routing disagrees
-    (ties, flips inside whole-layer points), the tokens are counted and excluded, never failed."""
+    """Every architecture, sequence lengths 16 and 64: zero failures at the default tolerances.
+    The runs do contain routing disagreements (ties at routers, flips inside whole-layer points):
+    they are counted and their tokens excluded, never failed — asserted below, so this test proves
+    the flip handling rather than luck."""
     from pytest_moe_parity.record import record_golden
 
-    disagreements = 0
-    for seed in (0, 1, 2):
+    disagreements: dict[str, int] = {}
+    for arch in ARCHS:
         model = tiny_model(arch, seed=seed)
         for seq_len in (16, 64):
-            golden = tmp_path / f"golden-{seed}-{seq_len}"
+            golden = tmp_path / f"golden-{arch}-{seq_len}"
             record_golden(model, golden, seq_len=seq_len)
-            report = tmp_path / f"report-{seed}-{seq_len}"
+            report = tmp_path / f"report-{arch}-{seq_len}"
             result = run(pytester, golden, "--dtype", "bfloat16", "--parity-report", str(report))
-            n = len(GoldenStore(golden).point_ids)
-            result.assert_outcomes(passed=n)
+            result.assert_outcomes(passed=len(GoldenStore(golden).point_ids))
             result.stdout.fnmatch_lines(["first divergence: none"])
             for row in read_json(report / REPORT_FILE)["points"]:
                 if row["routing"]:
-                    disagreements += len(row["routing"]["ties"]) + len(row["routing"]["flips"])
-    print(f"{arch}: {disagreements} routing disagreements handled across 6 bf16 runs")
+                    n = len(row["routing"]["ties"]) + len(row["routing"]["flips"])
+                    disagreements[arch] = disagreements.get(arch, 0) + n
+    print(f"seed {seed}: routing disagreements handled per architecture: {disagreements}")
+    assert sum(disagreements.values()) > 0, "no run exercised the tie/flip handling"
 
 
 def test_ties_are_counted_and_their_tokens_excluded(pytester: pytest.Pytester, golden_dir, tiny_model) -> None:
