@@ -174,6 +174,9 @@ class Judge:
             return None
         r.golden_dtype = r.golden_dtype or str(golden.dtype).removeprefix("torch.")
         g, c = golden, candidate.detach().to("cpu")
+        if g.is_complex() or c.is_complex():  # e.g. rotary freqs_cis: compare real and imaginary parts
+            g = torch.view_as_real(g) if g.is_complex() else g
+            c = torch.view_as_real(c) if c.is_complex() else c
         if keep_rows is not None and g.shape == c.shape:
             g, c = _token_rows(g)[keep_rows], _token_rows(c)[keep_rows]
         m = compare_tensors(g, c, atol=self.tol.atol, rtol=self.tol.rtol)

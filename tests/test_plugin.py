@@ -9,11 +9,15 @@ from pathlib import Path
 import faults
 import pytest
 
+from pytest_moe_parity.archs import ARCH_TABLE
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report import REPORT_FILE, SUMMARY_FILE
 from pytest_moe_parity.tiny import available_archs
 
-ARCHS = available_archs()
+ALL_ARCHS = available_archs()
+# bf16 defaults are calibrated on the seven architectures of the table (phimoe's sparsemixer, for one,
+# re-weights experts discontinuously near its threshold: see README, known limits)
+ARCHS = sorted(ARCH_TABLE)
 
 
 def run(pytester: pytest.Pytester, golden: Path, *args: str, model: Path | None = None) -> pytest.RunResult:
@@ -30,7 +34,7 @@ def read_json(path: Path) -> dict:
 # -- clean runs ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_fp32_candidate_passes_everything(arch: str, pytester: pytest.Pytester, golden_dir) -> None:
     golden = golden_dir(arch)
     n = len(GoldenStore(golden).point_ids)

@@ -47,9 +47,9 @@ def test_every_point_replays_bitwise(arch: str, tiny_model, golden_dir) -> None:
     store = GoldenStore(golden_dir(arch))
     model = _load(tiny_model(arch))
     components = {p["component"] for p in store.points}
-    assert {"embedding", "rotary", "attention", "router", "experts", "moe", "output", "final_norm", "logits"} <= (
-        components
-    )
+    assert {"embedding", "attention", "router", "experts", "moe", "output", "final_norm", "logits"} <= components
+    if arch in REQUIRED_ARCHS:
+        assert "rotary" in components
     assert store.point_ids[0] == "embedding" and store.point_ids[-1] == "logits"
     for pid in store.point_ids:
         rec = store.load(pid)
