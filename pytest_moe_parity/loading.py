@@ -63,6 +63,7 @@ class LazyModel:
         device: str | torch.device = "cpu",
         trust_remote_code: bool = False,
         config=None,
+        max_layers: int = 2,
     ):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,6 +93,9 @@ class LazyModel:
         self._layers_name = layers_path.rsplit(".", 1)[-1] if layers_path else "layers"
         self._layer_re = re.compile(rf"(?:^|\.){re.escape(self._layers_name)}\.(\d+)\.")
         self._loaded: set[str] = set()
+        self._layer_lru: list[str] = []
+        self.max_layers = max(1, max_layers)
+        self.evicted: list[str] = []
         self._handles: dict[str, Any] = {}
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
@@ -122,15 +126,21 @@ class LazyModel:
         self.ensure(self.unit_of(path))
         return self.model.get_submodule(path)
 
+    def _unit_module(self, unit: str) -> nn.Module:
+        if unit.startswith("layer_"):
+            return self.model.get_submodule(f"{self._layers_path()}.{unit.removeprefix('layer_')}")
+        return self.model.get_submodule(unit)
+
     def ensure(self, unit: str) -> None:
         if unit in self._loaded:
+            if unit in self._layer_lru:  # most recently used last
+                self._layer_lru.remove(unit)
+                self._layer_lru.append(unit)
             return
         keys = self._keys_for(unit)
-        target = (
-            self.model.get_submodule(f"{self._layers_path()}.{unit.removeprefix('layer_')}")
-            if unit.startswith("layer_")
-            else self.model.get_submodule(unit)
-        )
+        target = self._unit_module(unit)
+        if unit.startswith("layer_"):
+            self._evict(keep=self.max_layers - 1)
         if keys:
             self._load_keys(keys)
         self._tie_if_needed(unit, target)
@@ -141,6 +151,22 @@ class LazyModel:
                 + (" ..." if len(missing) > 4 else "")
             )
         self._loaded.add(unit)
+        if unit.startswith("layer_"):
+            self._layer_lru.append(unit)
+
+    def _evict(self, keep: int) -> None:
+        """Put the least recently used layers' parameters back on the meta device, so a run over
+        every layer of a huge model holds `max_layers` layers in memory, not the model."""
+        while len(self._layer_lru) > max(keep, 0):
+            unit = self._layer_lru.pop(0)
+            for module in self._unit_module(unit).modules():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        module._parameters[name] = nn.Parameter(
+                            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                        )
+            self._loaded.discard(unit)
+            self.evicted.append(unit)
 
     def _layers_path(self) -> str:
         out = next(p for p in self.plan.points if p.component == "output")

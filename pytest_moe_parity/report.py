@@ -164,11 +164,13 @@ def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: 
     for i, r in enumerate(ordered):
         if i not in shown:
             continue
-        if last >= 0 and i != last + 1:
+        if i != last + 1:
             lines.append(f"{'...':<26}({i - last - 1} passing points)")
         cos, rel, mx = short_metrics(r)
         lines.append(f"{r['id']:<26}{r['status']:<8}{cos:>12}{rel:>11}{mx:>11}  {row_note(r)}")
         last = i
-    if len(ordered) > full_limit and not shown:
+    if not shown:
         lines.append(f"(all {len(ordered)} points passed)")
+    elif last != len(ordered) - 1:
+        lines.append(f"{'...':<26}({len(ordered) - 1 - last} passing points)")
     return lines

@@ -1,0 +1,85 @@
+"""The lazy candidate: one layer's weights read from the sharded hub-layout checkpoint, fused as
+transformers fuses them, evicted again when the run moves on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_moe_parity.backends import cast_inputs
+from pytest_moe_parity.loading import CheckpointError, LazyModel
+from pytest_moe_parity.record import load_model
+
+
+@pytest.mark.parametrize("arch", ["minimax_m2", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_layer_matches_the_full_load(arch: str, dtype: torch.dtype, tiny_model) -> None:
+    path = tiny_model(arch)
+    lazy = LazyModel(path, dtype=dtype)
+    lazy.module("model.layers.2.mlp")
+    full = load_model(path, dtype=dtype, device="cpu", device_map=None, max_memory=None).state_dict()
+    loaded = {k: v for k, v in lazy.model.state_dict().items() if v.device.type != "meta"}
+    layer2 = {k for k in full if ".layers.2." in k}
+    assert layer2 <= loaded.keys()
+    for key in layer2:  # fused experts, fp32-kept buffers (DeepSeek's score bias) included
+        assert loaded[key].dtype == full[key].dtype and torch.equal(loaded[key], full[key]), key
+    params = {n for n, p in lazy.model.named_parameters() if p.device.type != "meta"}
+    assert params and all(".layers.2." in n for n in params)
+    assert all(".layers.2." in k for k in lazy.stats.keys)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert lazy.stats.files == {index[k] for k in lazy.stats.keys}
+
+
+def test_layers_are_evicted_as_the_run_moves_on(tiny_model) -> None:
+    lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2)
+    for i in range(4):
+        lazy.module(f"model.layers.{i}.self_attn")
+    lazy.module("lm_head")
+    assert lazy.loaded_units == {"layer_2", "layer_3", "lm_head"}
+    assert lazy.evicted == ["layer_0", "layer_1"]
+    materialised = {
+        n.split(".")[2] for n, p in lazy.model.named_parameters() if p.device.type != "meta" and ".layers." in n
+    }
+    assert materialised == {"2", "3"}
+    lazy.module("model.layers.0.mlp")  # reloads on demand
+    assert "layer_0" in lazy.loaded_units and "layer_2" not in lazy.loaded_units
+
+
+def test_missing_layer_weights_are_a_clear_error(tiny_model, tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("olmoe"), path)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".layers.3.self_attn.q_proj" not in k}
+    index_path.write_text(json.dumps(index))
+    lazy = LazyModel(path, dtype=torch.float32)
+    lazy.module("model.layers.2.self_attn")
+    with pytest.raises(CheckpointError, match=r"lacks weights for layer_3: .*q_proj"):
+        lazy.module("model.layers.3.self_attn")
+
+
+def test_not_a_safetensors_checkpoint(tmp_path: Path, tiny_model) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    path.mkdir()
+    shutil.copy(tiny_model("olmoe") / "config.json", path)
+    with pytest.raises(CheckpointError, match="must be a safetensors checkpoint"):
+        LazyModel(path, dtype=torch.float32)
+
+
+def test_golden_inputs_are_cast_like_the_candidate_builds_them() -> None:
+    mask = torch.tensor([[0.0, torch.finfo(torch.float32).min]])
+    hidden = torch.randn(2, 3)
+    ids = torch.tensor([1, 2])
+    args = cast_inputs((hidden, {"mask": mask, "ids": ids, "flag": True}), torch.bfloat16, torch.device("cpu"))
+    assert args[0].dtype == torch.bfloat16
+    m = args[1]["mask"]
+    # float32's minimum would round to -inf in bf16; the candidate's own mask uses bf16's minimum
+    assert m.dtype == torch.bfloat16 and m[0, 1] == torch.finfo(torch.bfloat16).min and torch.isfinite(m).all()
+    assert args[1]["ids"].dtype == torch.int64 and args[1]["flag"] is True
