@@ -8,22 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-# Order of the components inside one decoder layer: the parts before the wholes that contain them,
-# so that `pytest -x` stops at the smallest diverging component.
-LAYER_COMPONENTS = (
-    "input_norm",
-    "attention",
-    "post_attn_norm",
-    "router",
-    "experts",
-    "shared_experts",
-    "moe",
-    "mlp",
-    "output",
-)
-MODEL_HEAD = ("embedding", "rotary")
-MODEL_TAIL = ("final_norm", "logits")
-COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
+from .components import COMPONENTS
 
 # How a router picks its experts, so that a top-k disagreement can be judged against the golden
 # selection scores: softmax and top-k-then-softmax rank by the raw logits; sigmoid routers rank by

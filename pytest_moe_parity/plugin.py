@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .components import COMPONENTS
+
 if TYPE_CHECKING:
     from .golden import GoldenStore
     from .runner import ParityRunner
@@ -25,21 +27,6 @@ CONFIG_KEYS_THAT_MUST_MATCH = (
     ("experts", ("num_local_experts", "num_experts", "n_routed_experts")),
     ("top_k", ("num_experts_per_tok", "moe_topk", "top_k")),
     ("vocab_size", ("vocab_size",)),
-)
-COMPONENT_MARKERS = (
-    "embedding",
-    "rotary",
-    "input_norm",
-    "attention",
-    "post_attn_norm",
-    "router",
-    "experts",
-    "shared_experts",
-    "moe",
-    "mlp",
-    "output",
-    "final_norm",
-    "logits",
 )
 
 
@@ -284,7 +271,7 @@ def pytest_configure(config: pytest.Config) -> None:
     golden_dir = _golden_dir_option(config)
     if golden_dir is None:
         return
-    for comp in COMPONENT_MARKERS:
+    for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
     state = _make_state(config, golden_dir)
     config.stash[STATE_KEY] = state
