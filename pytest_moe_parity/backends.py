@@ -22,6 +22,10 @@ class BackendError(RuntimeError):
     """The backend cannot be set up (missing package, device, or an unusable candidate)."""
 
 
+class PointUnavailable(LookupError):
+    """The backend has nothing for this point (e.g. a dump that lacks it): the item is skipped."""
+
+
 @dataclass
 class BackendOptions:
     golden: GoldenStore
@@ -46,9 +50,22 @@ class Backend(ABC):
     """One per session (per xdist worker), created lazily on the first parity item."""
 
     name: ClassVar[str] = "?"
+    # False for backends whose candidate is not a transformers checkpoint (e.g. a dump directory):
+    # no config comparison, and --model is required.
+    needs_checkpoint: ClassVar[bool] = True
 
     def __init__(self, options: BackendOptions):
         self.options = options
+
+    @classmethod
+    def default_dtype(cls, options: BackendOptions) -> torch.dtype | None:
+        """The candidate's dtype when --dtype is not given (None: the golden's)."""
+        return None
+
+    @classmethod
+    def check_options(cls, options: BackendOptions) -> None:
+        """Validate the options up front (raise BackendError with one sentence); cheap, no weights."""
+        return None
 
     @abstractmethod
     def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
@@ -136,7 +153,11 @@ class CudaBackend(TorchBackend):
     device_type = "cuda"
 
 
-BUILTIN_BACKENDS: dict[str, type[Backend]] = {"cpu": TorchBackend, "cuda": CudaBackend}
+BUILTIN_BACKENDS: dict[str, type[Backend] | str] = {
+    "cpu": TorchBackend,
+    "cuda": CudaBackend,
+    "dump": "pytest_moe_parity.dump:DumpBackend",
+}
 
 
 def available_backends() -> dict[str, Any]:
@@ -156,7 +177,13 @@ def backend_class(name: str) -> type[Backend]:
     value = backends[name]
     if not isinstance(value, type):
         try:
-            value = value.load()
+            if isinstance(value, str):
+                import importlib
+
+                module, _, attr = value.partition(":")
+                value = getattr(importlib.import_module(module), attr)
+            else:
+                value = value.load()
         except ImportError as exc:
             raise BackendError(f"backend {name!r} cannot be imported ({exc})") from None
     if not (isinstance(value, type) and issubclass(value, Backend)):

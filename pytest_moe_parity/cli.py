@@ -81,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     golden.add_argument("-q", "--quiet", action="store_true", help="print only the closing line")
 
+    compare = sub.add_parser(
+        "compare", help="compare tensors dumped by another framework with a golden (exit 1 on a divergence)"
+    )
+    compare.add_argument("golden", type=Path, help="golden directory")
+    compare.add_argument("candidate", type=Path, help="directory of dumped .safetensors / .pt files")
+    compare.add_argument("--map", type=Path, default=None, help="JSON map of point ids to dumped tensor names")
+    compare.add_argument("--report", type=Path, default=None, help="write comparison_report/summary.json here")
+    compare.add_argument("--dtype", default=None, help="the candidate's dtype for the default tolerances")
+    compare.add_argument(
+        "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
+    )
+
     show = sub.add_parser("show", help="list the points of a golden directory")
     show.add_argument("golden", type=Path)
     show.add_argument("--verify", action="store_true", help="check every file's sha256")
@@ -163,7 +175,72 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"tiny-model": cmd_tiny_model, "golden": cmd_golden, "show": cmd_show}
+def cmd_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from .backends import BackendError, BackendOptions, PointUnavailable
+    from .dump import DumpBackend, DumpError
+    from .golden import GoldenError, GoldenStore
+    from .report import first_divergence, summary_table, write_reports
+    from .runner import ParityRunner
+    from .tolerances import parse_override
+
+    try:
+        store = GoldenStore(args.golden)
+        tolerances = [parse_override(t) for t in args.tol]
+    except (GoldenError, ValueError) as exc:
+        return _fail(str(exc))
+    options = BackendOptions(store, args.candidate, torch.float32, extra={"map": args.map} if args.map else {})
+    try:
+        backend = DumpBackend(options)
+    except BackendError as exc:
+        return _fail(str(exc))
+    dtype = None
+    if args.dtype:
+        dtype = getattr(torch, args.dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            return _fail(f"--dtype {args.dtype!r} is not a floating-point torch dtype")
+    rows, missing = [], []
+    try:
+        dtype = dtype if args.dtype else (backend.dump.float_dtype() or torch.float32)
+        runner = ParityRunner(store, lambda: backend, dtype, cli_tolerances=tolerances)
+        for pid in store.point_ids:
+            try:
+                result = runner.run(pid)
+            except PointUnavailable:
+                missing.append(pid)
+                continue
+            rows.append(result.to_row())
+    except (DumpError, GoldenError) as exc:
+        return _fail(str(exc))
+    if not rows:
+        return _fail(
+            f"no dumped tensor in {args.candidate} matched a point of {args.golden} "
+            f"(names tried for the first point: {', '.join(backend.dump.candidates(store.points[0]))}); pass --map FILE"
+        )
+    for line in summary_table(rows):
+        print(line)
+    failed = [r for r in rows if r["status"] != "passed"]
+    print(
+        f"{len(rows)} points compared: {len(rows) - len(failed)} passed, {len(failed)} failed; "
+        f"{len(missing)} not in the dump"
+    )
+    first = first_divergence(rows)
+    print(f"first divergence: {first['id'] if first else 'none'}" + (f"  ({first['hint']})" if first else ""))
+    if args.report:
+        meta = {
+            "golden_dir": str(args.golden.resolve()),
+            "model_type": store.model_type,
+            "candidate_model": str(args.candidate.resolve()),
+            "hw": "dump",
+            "dtype": str(dtype).removeprefix("torch."),
+            "missing_points": missing,
+        }
+        write_reports(args.report, rows, meta=meta, interrupted=False)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+COMMANDS = {"tiny-model": cmd_tiny_model, "golden": cmd_golden, "compare": cmd_compare, "show": cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

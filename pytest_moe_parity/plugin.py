@@ -43,24 +43,31 @@ class ParityState:
     cli_tolerances: list = field(default_factory=list)
     ini_tolerances: list = field(default_factory=list)
     trust_remote_code: bool = False
+    map_file: Path | None = None
     explicit_paths: bool = False
     runner: ParityRunner | None = None
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     interrupted: bool = False
 
+    def backend_options(self):
+        from .backends import BackendOptions
+
+        return BackendOptions(
+            golden=self.golden,
+            model_dir=self.model_dir,
+            dtype=self.dtype,
+            device="cuda" if self.hw == "cuda" else "cpu",
+            trust_remote_code=self.trust_remote_code,
+            extra={"map": self.map_file} if self.map_file else {},
+        )
+
     def get_runner(self) -> ParityRunner:
         if self.runner is None:
-            from .backends import BackendOptions, backend_class
+            from .backends import backend_class
             from .runner import ParityRunner
 
             cls = backend_class(self.hw)
-            options = BackendOptions(
-                golden=self.golden,
-                model_dir=self.model_dir,
-                dtype=self.dtype,
-                device="cuda" if self.hw == "cuda" else "cpu",
-                trust_remote_code=self.trust_remote_code,
-            )
+            options = self.backend_options()
             _quiet_transformers()
             self.runner = ParityRunner(
                 self.golden,
@@ -139,6 +146,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATTERN:key=value,...",
         help="tolerance override for point ids matching PATTERN, e.g. 'layer_*.router:max_flip_share=0.1' "
         "(keys: cosine, rel_l2, atol, rtol, within, max_flip_share, tie_factor); repeatable",
+    )
+    group.addoption(
+        "--parity-map",
+        dest="parity_map",
+        default=None,
+        metavar="FILE",
+        help="with --hw dump: JSON map of point ids to dumped tensor names, e.g. "
+        '\'{"layer_{layer}.attention": "decoder.{layer}.attn_out"}\'',
     )
     group.addoption(
         "--parity-trust-remote-code",
@@ -223,7 +238,7 @@ def _check_candidate_config(state: ParityState) -> None:
 
 
 def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
-    from .backends import available_backends
+    from .backends import BackendError, available_backends, backend_class
     from .golden import GoldenError, GoldenStore
     from .tolerances import parse_ini_lines
 
@@ -235,31 +250,55 @@ def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
     backends = available_backends()
     if hw not in backends:
         raise pytest.UsageError(f"--hw {hw!r} is not a known backend; available: {', '.join(sorted(backends))}")
-    import torch
-
-    dtype_name = config.getoption("parity_dtype") or golden.manifest["record"]["dtype"]
-    dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise pytest.UsageError(f"--dtype {dtype_name!r} is not a floating-point torch dtype (e.g. bfloat16)")
     try:
         ini_tols = parse_ini_lines(config.getini("parity_tolerances"))
     except ValueError as exc:
         raise pytest.UsageError(f"parity_tolerances (ini): {exc}") from None
+    try:
+        cls = backend_class(hw)
+    except BackendError as exc:
+        raise pytest.UsageError(f"--hw {hw}: {exc}") from None
+    model_option = config.getoption("parity_model")
+    if not cls.needs_checkpoint and not model_option:
+        raise pytest.UsageError(f"--hw {hw} needs the candidate's location: pass --model DIR")
     report = config.getoption("parity_report")
+    map_file = config.getoption("parity_map")
     state = ParityState(
         golden_dir=golden_dir,
         golden=golden,
         hw=hw,
-        model_dir=_candidate_dir(golden, config.getoption("parity_model")),
-        dtype=dtype,
+        model_dir=_candidate_dir(golden, model_option),
+        dtype=None,
+        map_file=Path(map_file).expanduser().resolve() if map_file else None,
         report_dir=Path(report).expanduser().resolve() if report else None,
         cli_tolerances=list(config.getoption("parity_tol")),
         ini_tolerances=ini_tols,
         trust_remote_code=config.getoption("parity_trust_remote_code"),
         explicit_paths=config.args_source == pytest.Config.ArgsSource.ARGS,
     )
-    _check_candidate_config(state)
+    if cls.needs_checkpoint:
+        _check_candidate_config(state)
+    try:
+        cls.check_options(state.backend_options())
+        state.dtype = _candidate_dtype(config, golden, cls, state)
+    except BackendError as exc:
+        raise pytest.UsageError(f"--hw {hw}: {exc}") from None
     return state
+
+
+def _candidate_dtype(config: pytest.Config, golden: GoldenStore, cls, state: ParityState):
+    import torch
+
+    name = config.getoption("parity_dtype")
+    if name is None:
+        found = cls.default_dtype(state.backend_options())
+        if found is not None:
+            return found
+        name = golden.manifest["record"]["dtype"]
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise pytest.UsageError(f"--dtype {name!r} is not a floating-point torch dtype (e.g. bfloat16)")
+    return dtype
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -346,8 +385,13 @@ class ParityItem(pytest.Item):
     def runtest(self) -> None:
         state = _state(self.config)
         assert state is not None
+        from .backends import PointUnavailable
+
         marker = self.get_closest_marker("parity")
-        self.result = state.get_runner().run(self.point["id"], dict(marker.kwargs) if marker else None)
+        try:
+            self.result = state.get_runner().run(self.point["id"], dict(marker.kwargs) if marker else None)
+        except PointUnavailable as exc:
+            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
         m = self.result.main
         if m is not None:
             self.user_properties.extend(
@@ -368,7 +412,7 @@ class ParityItem(pytest.Item):
         )
 
     def reportinfo(self):
-        return self.path, None, f"parity {self.name}"
+        return self.path, 0, f"parity {self.name}"
 
 
 @pytest.hookimpl(tryfirst=True)
