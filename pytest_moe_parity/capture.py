@@ -105,27 +105,14 @@ class Flattener:
 
 
 def spec_tensor_keys(spec: Spec) -> Iterator[str]:
+    """The keys of every tensor a spec references."""
     kind = spec["t"]
     if kind == "tensor":
         yield spec["key"]
-    elif kind in ("tuple", "list"):
-        for item in spec["items"]:
+    elif kind in ("tuple", "list", "dict"):
+        items = spec["items"].values() if kind == "dict" else spec["items"]
+        for item in items:
             yield from spec_tensor_keys(item)
-    elif kind == "dict":
-        for item in spec["items"].values():
-            yield from spec_tensor_keys(item)
-
-
-def spec_params(spec: Spec) -> Iterator[str]:
-    kind = spec["t"]
-    if kind == "param":
-        yield spec["name"]
-    elif kind in ("tuple", "list"):
-        for item in spec["items"]:
-            yield from spec_params(item)
-    elif kind == "dict":
-        for item in spec["items"].values():
-            yield from spec_params(item)
 
 
 def build(spec: Spec, tensors: dict[str, torch.Tensor]) -> Any:
@@ -288,7 +275,7 @@ class Recorder:
         for rec in records:
             keys = set(spec_tensor_keys({"t": "list", "items": [*rec.args, *rec.kwargs.values(), rec.output]}))
             keys.update(rec.extras.values())
-            rec.tensors = {k: fl.tensors[k] for k in keys}
+            rec.tensors = {k: fl.tensors[k] for k in sorted(keys)}
         self._done_groups.add(group)
         self.on_group(group, records)
 

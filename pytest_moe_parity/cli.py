@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
     )
 
+    demo = sub.add_parser(
+        "demo", help="record the bundled tiny MiniMax-M2, then run the plugin on its golden with a bf16 candidate"
+    )
+    demo.add_argument("--out", type=Path, default=None, help="where to record (default: a temporary directory)")
+
     show = sub.add_parser("show", help="list the points of a golden directory")
     show.add_argument("golden", type=Path)
     show.add_argument("--verify", action="store_true", help="check every file's sha256")
@@ -240,7 +245,54 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
-COMMANDS = {"tiny-model": cmd_tiny_model, "golden": cmd_golden, "compare": cmd_compare, "show": cmd_show}
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: record, check the recording against the bundled golden, run
+    `pytest --golden-dir <bundled golden> --dtype bfloat16` and print its summary."""
+    import tempfile
+
+    import pytest
+    import torch
+
+    from .golden import GoldenStore
+    from .record import record_golden
+    from .tiny import fixtures_dir
+
+    bundled = fixtures_dir() / "demo"
+    _quiet_transformers()
+    with tempfile.TemporaryDirectory(prefix="moe-parity-demo-") as tmp:
+        out = args.out or Path(tmp) / "golden"
+        print(f"1. recording the bundled tiny MiniMax-M2 ({bundled / 'model'}) -> {out}")
+        seq_len = GoldenStore(bundled / "golden").manifest["inputs"]["seq_len"]
+        try:
+            result = record_golden(
+                bundled / "model", out, seq_len=seq_len, overwrite=True, progress=lambda m: print("   " + m)
+            )
+        except Exception as exc:  # a BadInput here means --out is unusable
+            return _fail(str(exc))
+        print(f"   golden written: {result.points} points, {result.bytes / 1e6:.2f} MB, {result.seconds:.1f} s")
+        fresh, ref = GoldenStore(out), GoldenStore(bundled / "golden")
+        same = fresh.point_ids == ref.point_ids
+        for pid in ref.point_ids if same else []:
+            a, b = fresh.tensors(pid), ref.tensors(pid)
+            same = same and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        print(f"   identical to the bundled golden: {'yes' if same else 'NO (different torch/transformers?)'}")
+        print(f"2. pytest --golden-dir {bundled / 'golden'} --hw cpu --dtype bfloat16", flush=True)
+        code = pytest.main(
+            ["--golden-dir", str(bundled / "golden"), "--hw", "cpu", "--dtype", "bfloat16", "-q",
+             "-p", "no:cacheprovider", "--rootdir", tmp, "-c", os.devnull,
+             # this process imported the plugin before pytest started: nothing to rewrite
+             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        )  # fmt: skip
+    return int(code)
+
+
+COMMANDS = {
+    "tiny-model": cmd_tiny_model,
+    "golden": cmd_golden,
+    "compare": cmd_compare,
+    "show": cmd_show,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,6 @@ lives in modules that know nothing of pytest (golden, backends, runner, verdict,
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -647,6 +646,3 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"moe-parity: golden {state.golden_dir} ({len(state.golden.point_ids)} points), "
         f"--hw {state.hw}, candidate {state.model_dir} in {str(state.dtype).removeprefix('torch.')}"
     ]
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

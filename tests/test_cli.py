@@ -180,3 +180,14 @@ def test_recording_killed_midway_leaves_no_golden(tmp_path: Path, tiny_model) ->
 
     record_golden(tiny_model("mixtral", layers=8), out_dir, overwrite=True)
     assert len(GoldenStore(out_dir).point_ids) == 8 * 7 + 4
+
+
+def test_demo_records_and_runs_the_bundled_golden() -> None:
+    """The README's first command, after the install."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest_moe_parity.cli", "demo"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "identical to the bundled golden: yes" in proc.stdout
+    assert "32 points: 32 passed, 0 failed, 0 errors" in proc.stdout
+    assert "first divergence: none" in proc.stdout
