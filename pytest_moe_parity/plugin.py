@@ -450,14 +450,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if isinstance(item, ParityItem) and report.when in ("setup", "call"):
         if item.result is not None and report.when == "call":
             report.parity_row = json.dumps(item.result.to_row())
-        elif report.failed:
+        elif report.failed or report.skipped:
+            message = str(call.excinfo.value) if call.excinfo else ""
             row = {
                 "id": item.point["id"],
                 "order": item.point["order"],
                 "layer": item.point["layer"],
                 "component": item.point["component"],
-                "status": "error",
-                "error": str(call.excinfo.value) if call.excinfo else "error",
+                "status": "skipped" if report.skipped else "error",
+                "error" if report.failed else "reason": message,
                 "metrics": {},
                 "checks": [],
             }
@@ -539,9 +540,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in summary_table(rows):
         tr.write_line(line)
     first = first_divergence(rows)
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("passed", "failed", "error")}
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("passed", "failed", "error", "skipped")}
     tr.write_line(
         f"{len(rows)} points: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors"
+        + (f", {counts['skipped']} skipped" if counts["skipped"] else "")
         + (f"; reports in {state.report_dir}" if state.report_dir else "")
     )
     if first is None:

@@ -115,6 +115,8 @@ def row_note(row: dict[str, Any]) -> str:
             parts.append("failed " + ", ".join(failed))
         if row.get("error"):
             parts.append(row["error"][:60])
+        if row.get("reason"):
+            parts.append(row["reason"][:60])
     return "; ".join(parts)
 
 

@@ -139,8 +139,12 @@ def test_pytest_hw_dump(pytester: pytest.Pytester, tmp_path: Path, golden_dir, t
     golden = golden_dir("minimax_m2")
     dump = write_dump(golden, tiny_model("minimax_m2"), tmp_path / "dump", skip={"logits"})
     n = len(GoldenStore(golden).point_ids)
-    result = pytester.runpytest("--golden-dir", str(golden), "--hw", "dump", "--model", str(dump), "-rs")
+    report = tmp_path / "report"
+    argv = ["--golden-dir", str(golden), "--hw", "dump", "--model", str(dump), "-rs", "--parity-report", str(report)]
+    result = pytester.runpytest(*argv)
     result.assert_outcomes(passed=n - 1, skipped=1)
+    summary = json.loads((report / SUMMARY_FILE).read_text())
+    assert summary["skipped"] == 1 and summary["passed"] == n - 1 and summary["dtype"] == "bfloat16"
     result.stdout.fnmatch_lines(["first divergence: none", "*logits is not in the dump*"])
     usage = pytester.runpytest("--golden-dir", str(golden), "--hw", "dump")
     assert usage.ret == pytest.ExitCode.USAGE_ERROR

@@ -83,3 +83,17 @@ def test_golden_inputs_are_cast_like_the_candidate_builds_them() -> None:
     # float32's minimum would round to -inf in bf16; the candidate's own mask uses bf16's minimum
     assert m.dtype == torch.bfloat16 and m[0, 1] == torch.finfo(torch.bfloat16).min and torch.isfinite(m).all()
     assert args[1]["ids"].dtype == torch.int64 and args[1]["flag"] is True
+
+
+def test_fused_checkpoint_layout_loads_too(tmp_path: Path) -> None:
+    """A checkpoint saved in transformers' own fused layout (save_original_format=False)."""
+    from pytest_moe_parity.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path, save_original_format=False, max_shard_size="300KB")
+    lazy = LazyModel(tmp_path, dtype=torch.float32)
+    lazy.module("model.layers.1.mlp")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in lazy.stats.keys
+    state = model.state_dict()
+    loaded = {k: v for k, v in lazy.model.state_dict().items() if ".layers.1." in k}
+    assert loaded and all(torch.equal(v, state[k]) for k, v in loaded.items())
