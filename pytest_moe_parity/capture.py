@@ -204,12 +204,10 @@ class Recorder:
         self._pending: dict[str, tuple[list[Any], dict[str, Any], Flattener, float]] = {}
         self._group_records: dict[str, list[Recorded]] = {}
         self._group_flattener: dict[str, Flattener] = {}
-        self._done_groups: set[str] = set()
         self._recorded: dict[str, Recorded] = {}
         self._closing: dict[str, str] = {}
         for p in points:  # the last point of a group closes it (a layer's `output`)
             self._closing[p.group] = p.id
-        self.error: BaseException | None = None
 
     def __enter__(self) -> Recorder:
         for p in self.points:
@@ -276,7 +274,6 @@ class Recorder:
             keys = set(spec_tensor_keys({"t": "list", "items": [*rec.args, *rec.kwargs.values(), rec.output]}))
             keys.update(rec.extras.values())
             rec.tensors = {k: fl.tensors[k] for k in sorted(keys)}
-        self._done_groups.add(group)
         self.on_group(group, records)
 
     def finish(self) -> list[str]:
@@ -284,7 +281,3 @@ class Recorder:
         for group in list(self._group_records):
             self._flush(group)
         return [p.id for p in self.points if p.id not in self._recorded]
-
-    @property
-    def recorded(self) -> dict[str, Recorded]:
-        return self._recorded
