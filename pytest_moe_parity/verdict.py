@@ -335,6 +335,16 @@ class Judge:
         return HINTS.get(comp, "")
 
 
+def _router_triple(out: Any) -> bool:
+    """(router_logits, top_k_weights, top_k_index), as every transformers MoE router returns."""
+    return (
+        isinstance(out, tuple | list)
+        and len(out) >= 3
+        and all(isinstance(t, torch.Tensor) for t in out[:3])
+        and not out[2].is_floating_point()
+    )
+
+
 def judge_point(
     point: dict[str, Any],
     golden_out: Any,
@@ -349,9 +359,12 @@ def judge_point(
 ) -> PointResult:
     judge = Judge(point, tol, candidate_dtype, config or {})
     comp = point["component"]
-    if comp == "router":
+    if comp == "router" and _router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
     elif comp in ("moe", "output"):
+        # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
+        golden_router = golden_router if _router_triple(golden_router) else None
+        candidate_router = candidate_router if _router_triple(candidate_router) else None
         judge.judge_block(golden_out, candidate, golden_router, candidate_router, score_bias)
     else:
         judge.judge_generic(golden_out, candidate)

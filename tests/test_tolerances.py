@@ -123,3 +123,12 @@ def test_summary_table_is_compact_for_big_runs() -> None:
     assert len(lines) < 10
     assert any(line.startswith("layer_57.moe") and "failed" in line for line in lines)
     assert any("passing points" in line for line in lines)
+
+
+def test_a_router_returning_logits_only_is_compared_as_a_tensor() -> None:
+    point = {"id": "layer_0.router", "layer": 0, "component": "router", "order": 0, "router_kind": "softmax"}
+    tol = default_tolerance(torch.bfloat16, "router")
+    logits = torch.randn(5, 4)
+    assert judge_point(point, logits, logits.clone(), tol, torch.bfloat16).passed
+    r = judge_point(point, logits, logits.roll(1, dims=1), tol, torch.bfloat16)
+    assert not r.passed and list(r.metrics) == ["out"]
