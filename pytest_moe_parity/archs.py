@@ -75,9 +75,6 @@ class PointPlan:
     points: list[CapturePoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def by_id(self) -> dict[str, CapturePoint]:
-        return {p.id: p for p in self.points}
-
 
 class ArchError(ValueError):
     """The model's structure cannot be mapped onto capture points."""

@@ -71,13 +71,6 @@ class Backend(ABC):
     def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
         """Run the candidate's module for `point` on the golden inputs of `golden`."""
 
-    def candidate_config(self):
-        """The candidate's transformers config, for the config-mismatch check (None: unknown)."""
-        return None
-
-    def describe(self) -> str:
-        return f"{self.name} backend, {self.options.model_dir}, {str(self.options.dtype).removeprefix('torch.')}"
-
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -117,10 +110,6 @@ class TorchBackend(Backend):
         self.lazy = LazyModel(
             options.model_dir, dtype=options.dtype, device=self.device, trust_remote_code=options.trust_remote_code
         )
-        self._router_of_layer = {p["layer"]: p["module"] for p in options.golden.points if p["component"] == "router"}
-
-    def candidate_config(self):
-        return self.lazy.config
 
     def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
         module = self.lazy.module(point["module"])
@@ -128,9 +117,9 @@ class TorchBackend(Backend):
         kwargs = resolve_params(cast_inputs(golden.kwargs, self.options.dtype, self.device), self.lazy.model)
         routing: list[Any] = []
         handle = None
-        router_path = self._router_of_layer.get(point["layer"])
-        if point["component"] in ("moe", "output") and router_path is not None:
-            router = self.lazy.module(router_path)
+        router_point = self.options.golden.router_point(point["layer"])
+        if point["component"] in ("moe", "output") and router_point is not None:
+            router = self.lazy.module(router_point["module"])
             handle = router.register_forward_hook(lambda m, a, out: routing.append(out))
         started = time.perf_counter()
         try:

@@ -46,13 +46,16 @@ class Recorded:
     seconds: float = 0.0
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """`torch.bfloat16` (or "torch.bfloat16") -> "bfloat16"."""
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+def parse_dtype(name: str, *, floating: bool = False) -> torch.dtype:
+    """A torch dtype from its name; ValueError if there is none (or, with `floating`, if it is not
+    a floating-point dtype)."""
+    dtype = getattr(torch, dtype_name(name), None)
+    if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 

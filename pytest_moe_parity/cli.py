@@ -184,6 +184,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
     from .backends import BackendError, BackendOptions, PointUnavailable
+    from .capture import dtype_name, parse_dtype
     from .dump import DumpBackend, DumpError
     from .golden import GoldenError, GoldenStore
     from .report import first_divergence, summary_table, write_reports
@@ -202,8 +203,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     dtype = None
     if args.dtype:
-        dtype = getattr(torch, args.dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        try:
+            dtype = parse_dtype(args.dtype, floating=True)
+        except ValueError:
             return _fail(f"--dtype {args.dtype!r} is not a floating-point torch dtype")
     rows, missing = [], []
     try:
@@ -238,7 +240,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             "model_type": store.model_type,
             "candidate_model": str(args.candidate.resolve()),
             "hw": "dump",
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": dtype_name(dtype),
             "missing_points": missing,
         }
         write_reports(args.report, rows, meta=meta, interrupted=False)

@@ -136,7 +136,6 @@ class DumpBackend(Backend):
             self.dump = DumpDir(options.model_dir, options.extra.get("map"))
         except DumpError as exc:
             raise BackendError(str(exc)) from None
-        self._router_of_layer = {p["layer"]: p for p in options.golden.points if p["component"] == "router"}
 
     @classmethod
     def check_options(cls, options: BackendOptions) -> None:
@@ -155,12 +154,9 @@ class DumpBackend(Backend):
             tried = ", ".join(self.dump.candidates(point))
             raise PointNotDumped(f"{point['id']} is not in the dump {self.dump.root} (looked for {tried})")
         routing = None
-        router = self._router_of_layer.get(point["layer"])
+        router = self.options.golden.router_point(point["layer"])
         if point["component"] in ("moe", "output") and router is not None:
             dumped = self.dump.find(router)
             if dumped is not None and isinstance(dumped[1], tuple | list) and len(dumped[1]) >= 3:
                 routing = tuple(dumped[1])
         return CandidateOutput(found[1], routing)
-
-    def describe(self) -> str:
-        return f"dump {self.dump.root} ({len(self.dump.names)} tensors)"

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .capture import Recorded, Spec, build, dtype_name
+from .capture import Recorded, build, dtype_name
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -249,6 +249,10 @@ class GoldenStore:
         except KeyError:
             raise GoldenError(f"no point {pid!r} in {self.root / MANIFEST}") from None
 
+    def router_point(self, layer: int | None) -> dict[str, Any] | None:
+        """The router point of a decoder layer (None for dense layers and model-level points)."""
+        return self._points.get(f"layer_{layer}.router") if layer is not None else None
+
     def _check_file(self, name: str) -> Path:
         path = self._safe_path(name)
         if not path.is_file():
@@ -288,6 +292,3 @@ class GoldenStore:
         kwargs = {k: build(s, tensors) for k, s in point["inputs"]["kwargs"].items()}
         extras = {name: tensors[key] for name, key in point.get("extras", {}).items()}
         return GoldenRecord(point, args, kwargs, build(point["output"], tensors), extras)
-
-    def output_spec(self, pid: str) -> Spec:
-        return self.point(pid)["output"]

@@ -89,9 +89,14 @@ class LazyModel:
         from .archs import plan_points
 
         self.plan = plan_points(self.model, self.config)
-        layers_path = next((p.module.rsplit(".", 1)[0] for p in self.plan.points if p.component == "output"), None)
-        self._layers_name = layers_path.rsplit(".", 1)[-1] if layers_path else "layers"
-        self._layer_re = re.compile(rf"(?:^|\.){re.escape(self._layers_name)}\.(\d+)\.")
+        # "model.layers": the decoder stack, the parent of every layer's `output` point
+        self._layers_path = next(p.module.rsplit(".", 1)[0] for p in self.plan.points if p.component == "output")
+        layers_name = self._layers_path.rsplit(".", 1)[-1]
+        self._layer_re = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
+        # Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load.
+        self._keys_by_layer: dict[int | None, list[str]] = {}
+        for key in self.weight_map:
+            self._keys_by_layer.setdefault(self.layer_of_key(key), []).append(key)
         self._loaded: set[str] = set()
         self._layer_lru: list[str] = []
         self.max_layers = max(1, max_layers)
@@ -110,15 +115,10 @@ class LazyModel:
 
     def _keys_for(self, unit: str) -> list[str]:
         if unit.startswith("layer_"):
-            i = int(unit.removeprefix("layer_"))
-            return [k for k in self.weight_map if self.layer_of_key(k) == i]
+            return list(self._keys_by_layer.get(int(unit.removeprefix("layer_")), []))
         # A model-level module: its own keys, with or without the base-model prefix.
         short = unit.split(".", 1)[1] if "." in unit else unit
-        return [
-            k
-            for k in self.weight_map
-            if self.layer_of_key(k) is None and (k.startswith(unit + ".") or k.startswith(short + "."))
-        ]
+        return [k for k in self._keys_by_layer.get(None, []) if k.startswith((unit + ".", short + "."))]
 
     # -- loading --------------------------------------------------------------------------------
     def module(self, path: str) -> nn.Module:
@@ -128,7 +128,7 @@ class LazyModel:
 
     def _unit_module(self, unit: str) -> nn.Module:
         if unit.startswith("layer_"):
-            return self.model.get_submodule(f"{self._layers_path()}.{unit.removeprefix('layer_')}")
+            return self.model.get_submodule(f"{self._layers_path}.{unit.removeprefix('layer_')}")
         return self.model.get_submodule(unit)
 
     def ensure(self, unit: str) -> None:
@@ -167,10 +167,6 @@ class LazyModel:
                         )
             self._loaded.discard(unit)
             self.evicted.append(unit)
-
-    def _layers_path(self) -> str:
-        out = next(p for p in self.plan.points if p.component == "output")
-        return out.module.rsplit(".", 1)[0]
 
     def _tie_if_needed(self, unit: str, target: nn.Module) -> None:
         """lm_head tied to the embedding: load the embedding and share its weight."""

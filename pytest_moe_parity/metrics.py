@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .capture import dtype_name
+
 __all__ = [
     "RoutingFlip",
     "RoutingMetrics",
@@ -33,11 +35,7 @@ _REL_FLOOR = 1e-3
 # --------------------------------------------------------------------------------------------------------
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """Recursively turn tuples into lists and non-finite floats into "inf" / "-inf" / "nan"."""
     if isinstance(value, float):
         if math.isnan(value):
@@ -46,9 +44,9 @@ def _json_safe(value: Any) -> Any:
             return "inf" if value > 0 else "-inf"
         return value
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
@@ -181,7 +179,7 @@ class TensorMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: non-finite floats become "inf" / "-inf" / "nan", tuples become lists."""
-        return _json_safe(asdict(self))
+        return json_safe(asdict(self))
 
 
 class _Accumulator:
@@ -392,8 +390,8 @@ def compare_tensors(
     base: dict[str, Any] = {
         "shape_golden": tuple(golden.shape),
         "shape_candidate": tuple(candidate.shape),
-        "dtype_golden": _dtype_name(golden.dtype),
-        "dtype_candidate": _dtype_name(candidate.dtype),
+        "dtype_golden": dtype_name(golden.dtype),
+        "dtype_candidate": dtype_name(candidate.dtype),
         "atol": atol,
         "rtol": rtol,
     }
@@ -558,7 +556,7 @@ class RoutingMetrics:
         data["flip_share"] = self.flip_share
         data["flipped_tokens"] = self.flipped_tokens
         data["disagreeing_tokens"] = self.disagreeing_tokens
-        return _json_safe(data)
+        return json_safe(data)
 
 
 def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0) -> torch.Tensor:

@@ -48,6 +48,10 @@ class ParityState:
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     interrupted: bool = False
 
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
     def backend_options(self):
         from .backends import BackendOptions
 
@@ -286,7 +290,7 @@ def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
 
 
 def _candidate_dtype(config: pytest.Config, golden: GoldenStore, cls, state: ParityState):
-    import torch
+    from .capture import parse_dtype
 
     name = config.getoption("parity_dtype")
     if name is None:
@@ -294,10 +298,10 @@ def _candidate_dtype(config: pytest.Config, golden: GoldenStore, cls, state: Par
         if found is not None:
             return found
         name = golden.manifest["record"]["dtype"]
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise pytest.UsageError(f"--dtype {name!r} is not a floating-point torch dtype (e.g. bfloat16)")
-    return dtype
+    try:
+        return parse_dtype(name, floating=True)
+    except ValueError:
+        raise pytest.UsageError(f"--dtype {name!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -488,7 +492,7 @@ def _meta(state: ParityState) -> dict[str, Any]:
         "model_type": state.golden.model_type,
         "candidate_model": str(state.model_dir),
         "hw": state.hw,
-        "dtype": str(state.dtype).removeprefix("torch."),
+        "dtype": state.dtype_name,
     }
     # What this process read (absent under xdist, where the workers did the reading).
     if state.golden.opened_files:
@@ -532,7 +536,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     tr.write_line(
         f"golden {state.golden_dir} ({m['model']['model_type']}, {m['model'].get('num_hidden_layers')} layers, "
         f"{m['inputs']['seq_len']} tokens, {m['record']['dtype']}) vs {state.hw} "
-        f"{str(state.dtype).removeprefix('torch.')} candidate {state.model_dir}"
+        f"{state.dtype_name} candidate {state.model_dir}"
     )
     if not rows:
         tr.write_line("no parity items ran")
@@ -611,8 +615,7 @@ def parity(request: pytest.FixtureRequest):
 
     def check(golden_tensor, candidate_tensor, *, component: str = "custom", point_id: str | None = None):
         __tracebackhide__ = True
-        import torch
-
+        from .capture import dtype_name
         from .report import failure_text
         from .tolerances import resolve
         from .verdict import judge_point
@@ -631,10 +634,9 @@ def parity(request: pytest.FixtureRequest):
         point = {"id": name, "layer": None, "component": component, "order": 0}
         result = judge_point(point, golden_tensor, candidate_tensor, tol, dtype)
         result.tolerance_sources = sources
-        result.golden_dtype = str(golden_tensor.dtype).removeprefix("torch.")
+        result.golden_dtype = dtype_name(golden_tensor.dtype)
         if not result.passed:
             pytest.fail(failure_text(result), pytrace=False)
-        assert isinstance(dtype, torch.dtype)
         return result
 
     return check
@@ -646,5 +648,5 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         return None
     return [
         f"moe-parity: golden {state.golden_dir} ({len(state.golden.point_ids)} points), "
-        f"--hw {state.hw}, candidate {state.model_dir} in {str(state.dtype).removeprefix('torch.')}"
+        f"--hw {state.hw}, candidate {state.model_dir} in {state.dtype_name}"
     ]

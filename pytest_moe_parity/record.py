@@ -41,6 +41,12 @@ class RecordResult:
     notes: list[str]
 
 
+def _first_line(exc: BaseException) -> str:
+    """transformers' messages run to paragraphs: the first line says what is wrong."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def config_dict(config) -> dict[str, Any]:
     d = config.to_dict()
     return {k: v for k, v in sorted(d.items()) if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
@@ -61,8 +67,7 @@ def load_config(model_dir: Path, *, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {first}") from None
+        raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {_first_line(exc)}") from None
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -156,8 +161,7 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BadInput(f"cannot load {model_dir} as a causal LM: {first}") from None
+        raise BadInput(f"cannot load {model_dir} as a causal LM: {_first_line(exc)}") from None
     if not device_map and device:
         model = model.to(device)
     return model.eval()

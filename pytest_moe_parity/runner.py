@@ -51,13 +51,13 @@ class ParityRunner:
             pid, point["component"], self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
         )
 
-    def _router_record(self, layer: int) -> GoldenRecord | None:
-        pid = f"layer_{layer}.router"
-        if pid not in self.golden.point_ids:
+    def _router_record(self, layer: int | None) -> GoldenRecord | None:
+        point = self.golden.router_point(layer)
+        if point is None:
             return None
         if layer not in self._router_cache:
             self._router_cache.clear()  # one layer at a time
-            self._router_cache[layer] = self.golden.load(pid)
+            self._router_cache[layer] = self.golden.load(point["id"])
         return self._router_cache[layer]
 
     def run(self, pid: str, marker: dict[str, Any] | None = None) -> PointResult:
@@ -69,7 +69,7 @@ class ParityRunner:
         comp = point["component"]
         if comp == "router":
             bias = record.extras.get("score_bias")
-        elif comp in ("moe", "output") and point["layer"] is not None:
+        elif comp in ("moe", "output"):
             router = self._router_record(point["layer"])
             if router is not None:
                 golden_router = router.output

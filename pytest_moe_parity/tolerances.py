@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .capture import dtype_name
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -48,7 +50,7 @@ _COMPONENT_DEFAULTS: dict[tuple[str, str], dict[str, float]] = {
 
 
 def default_tolerance(dtype: torch.dtype | str, component: str) -> Tolerance:
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     base = _DEFAULTS.get(name, _DEFAULTS["bfloat16"])
     return replace(base, **_COMPONENT_DEFAULTS.get((name, component), {}))
 
@@ -115,7 +117,7 @@ def resolve(
 ) -> tuple[Tolerance, list[str]]:
     """The tolerance of one point and where each layer of it came from (least specific first)."""
     tol = default_tolerance(dtype, component)
-    sources = [f"default for {dtype if isinstance(dtype, str) else str(dtype).removeprefix('torch.')}"]
+    sources = [f"default for {dtype_name(dtype)}"]
     for origin, overrides in (("ini", ini), ("command line", cli)):
         for pattern, values in overrides:
             if fnmatch.fnmatchcase(point_id, pattern):

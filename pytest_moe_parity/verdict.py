@@ -3,17 +3,17 @@ the numbers and the one-line hint that make a failure a diagnosis. Knows nothing
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .capture import first_tensor
+from .capture import dtype_name, first_tensor
 from .metrics import (
     TensorMetrics,
     compare_routing,
     compare_tensors,
+    json_safe,
     per_token_error,
     scatter_topk,
     tie_tolerance,
@@ -60,8 +60,8 @@ class Check:
         return {
             "name": self.name,
             "target": self.target,
-            "value": _num(self.value),
-            "limit": _num(self.limit),
+            "value": json_safe(self.value),
+            "limit": json_safe(self.limit),
             "op": self.op,
             "passed": self.passed,
         }
@@ -108,23 +108,17 @@ class PointResult:
             "status": self.status,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
             "checks": [c.to_dict() for c in self.checks],
-            "limits": {k: _num(v) for k, v in self.tolerance.items()},
+            "limits": {k: json_safe(v) for k, v in self.tolerance.items()},
             "tolerance_sources": self.tolerance_sources,
             "routing": self.routing,
             "excluded_tokens": self.excluded_tokens,
-            "worst_tokens": [[t, _num(e)] for t, e in self.worst],
+            "worst_tokens": [[t, json_safe(e)] for t, e in self.worst],
             "notes": self.notes,
             "hint": self.hint if not self.passed else "",
             "candidate_dtype": self.candidate_dtype,
             "golden_dtype": self.golden_dtype,
             "seconds": round(self.seconds, 6),
         }
-
-
-def _num(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if x != x else ("inf" if x > 0 else "-inf")
-    return x
 
 
 def _leaves(obj: Any) -> list[torch.Tensor | None]:
@@ -162,7 +156,7 @@ class Judge:
             passed=True,
             order=int(point.get("order", 0)),
             tolerance=tol.to_dict(),
-            candidate_dtype=str(candidate_dtype).removeprefix("torch."),
+            candidate_dtype=dtype_name(candidate_dtype),
         )
 
     # -- generic tensor comparison --------------------------------------------------------------
@@ -172,7 +166,7 @@ class Judge:
             r.checks.append(Check("type", target, float("nan"), None, "tensor", False))
             r.notes.append(f"{target}: candidate returned {type(candidate).__name__}, expected a tensor")
             return None
-        r.golden_dtype = r.golden_dtype or str(golden.dtype).removeprefix("torch.")
+        r.golden_dtype = r.golden_dtype or dtype_name(golden.dtype)
         g, c = golden, candidate.detach().to("cpu")
         if g.is_complex() or c.is_complex():  # e.g. rotary freqs_cis: compare real and imaginary parts
             g = torch.view_as_real(g) if g.is_complex() else g
