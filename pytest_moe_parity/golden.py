@@ -170,6 +170,13 @@ class GoldenRecord:
         return self.point["id"]
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """safetensors hands out tensors at any byte offset; CPU GEMM kernels take other code paths
+    (other summation orders) for unaligned data, so replaying a misaligned golden input is not
+    bitwise. A copy from torch's allocator is 64-byte aligned."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
 class GoldenStore:
     """Read access to a golden directory, one point (one file) at a time."""
 
@@ -280,7 +287,7 @@ class GoldenStore:
                 for key in point["tensors"]:
                     if key not in available:
                         raise GoldenError(f"{path} lacks tensor {key!r} listed in the manifest")
-                    out[key] = fh.get_tensor(key)
+                    out[key] = _aligned(fh.get_tensor(key))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
         return out

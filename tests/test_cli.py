@@ -188,6 +188,6 @@ def test_demo_records_and_runs_the_bundled_golden() -> None:
         [sys.executable, "-m", "pytest_moe_parity.cli", "demo"], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "identical to the bundled golden: yes" in proc.stdout
+    assert "matches the bundled golden: yes" in proc.stdout
     assert "32 points: 32 passed, 0 failed, 0 errors" in proc.stdout
     assert "first divergence: none" in proc.stdout
