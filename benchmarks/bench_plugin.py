@@ -40,8 +40,8 @@ def pytest_process(*args: str) -> dict:
 
 
 def prepare(root: Path, layers: int) -> tuple[Path, Path]:
-    from pytest_moe_parity.record import record_golden
-    from pytest_moe_parity.tiny import write_tiny_model
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.record.tiny import write_tiny_model
 
     model = write_tiny_model("minimax_m2", root / f"model-{layers}", layers=layers, max_shard_size="200KB")
     golden = root / f"golden-{layers}"
@@ -95,8 +95,8 @@ def main() -> None:
         import torch
 
         from pytest_moe_parity.backends import BackendOptions, TorchBackend
-        from pytest_moe_parity.golden import GoldenStore
-        from pytest_moe_parity.runner import ParityRunner
+        from pytest_moe_parity.golden.store import GoldenStore
+        from pytest_moe_parity.replay.runner import ParityRunner
 
         golden, model = root / "golden-48", root / "model-48"
         n = len(GoldenStore(golden).point_ids)

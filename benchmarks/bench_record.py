@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16)
     args = ap.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-record-"))
-    from pytest_moe_parity.tiny import available_archs
+    from pytest_moe_parity.record.tiny import available_archs
 
     cases = [(arch, None) for arch in available_archs()] + [("minimax_m2", 48), ("minimax_m2", 4)]
     rows = []

@@ -28,10 +28,10 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from pytest_moe_parity.backends import BackendOptions, TorchBackend
-    from pytest_moe_parity.golden import GoldenStore
-    from pytest_moe_parity.record import record_golden
-    from pytest_moe_parity.runner import ParityRunner
-    from pytest_moe_parity.tiny import available_archs, write_tiny_model
+    from pytest_moe_parity.golden.store import GoldenStore
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.record.tiny import available_archs, write_tiny_model
+    from pytest_moe_parity.replay.runner import ParityRunner
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -113,7 +113,7 @@ def _quiet_transformers() -> None:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from .tiny import available_archs, write_tiny_model
+    from .record.tiny import available_archs, write_tiny_model
 
     archs = available_archs()
     if args.arch not in archs:
@@ -129,7 +129,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
-    from .record import BadInput, record_golden
+    from .record.run import BadInput, record_golden
 
     _quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -157,8 +157,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .capture import spec_tensor_keys
-    from .golden import GoldenError, GoldenStore
+    from .golden.store import GoldenError, GoldenStore
+    from .record.capture import spec_tensor_keys
 
     try:
         store = GoldenStore(args.golden, verify=args.verify)
@@ -184,12 +184,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
     from .backends import BackendError, BackendOptions, PointUnavailable
-    from .capture import dtype_name, parse_dtype
-    from .dump import DumpBackend, DumpError
-    from .golden import GoldenError, GoldenStore
-    from .report import first_divergence, summary_table, write_reports
-    from .runner import ParityRunner
-    from .tolerances import parse_override
+    from .backends.dump import DumpBackend, DumpError
+    from .golden.store import GoldenError, GoldenStore
+    from .judge.tolerances import parse_override
+    from .record.capture import dtype_name, parse_dtype
+    from .replay.runner import ParityRunner
+    from .report.text import first_divergence, summary_table, write_reports
 
     try:
         store = GoldenStore(args.golden)
@@ -254,9 +254,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import pytest
 
-    from .golden import GoldenStore
-    from .record import record_golden
-    from .tiny import fixtures_dir
+    from .golden.store import GoldenStore
+    from .record.run import record_golden
+    from .record.tiny import fixtures_dir
 
     bundled = fixtures_dir() / "demo"
     _quiet_transformers()
@@ -287,7 +287,7 @@ def _matches_bundled(fresh, ref) -> str:
     sum in another order (e.g. AVX-512 against AVX2), so float tensors may differ by rounding."""
     import torch
 
-    from .metrics import compare_tensors
+    from .judge.metrics import compare_tensors
 
     if fresh.point_ids != ref.point_ids:
         return "matches the bundled golden: NO (other points: different transformers?)"

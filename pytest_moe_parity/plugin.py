@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .components import COMPONENTS
+from .points import COMPONENTS
 
 if TYPE_CHECKING:
-    from .golden import GoldenStore
-    from .runner import ParityRunner
-    from .verdict import PointResult
+    from .golden.store import GoldenStore
+    from .judge.verdict import PointResult
+    from .replay.runner import ParityRunner
 
 COLLECTOR_NAME = "parity"
 CONFIG_KEYS_THAT_MUST_MATCH = (
@@ -67,7 +67,7 @@ class ParityState:
     def get_runner(self) -> ParityRunner:
         if self.runner is None:
             from .backends import backend_class
-            from .runner import ParityRunner
+            from .replay.runner import ParityRunner
 
             cls = backend_class(self.hw)
             options = self.backend_options()
@@ -99,7 +99,7 @@ def _quiet_transformers() -> None:
 def _tolerance_arg(text: str) -> tuple[str, dict]:
     import argparse
 
-    from .tolerances import parse_override
+    from .judge.tolerances import parse_override
 
     try:
         return parse_override(text)
@@ -242,8 +242,8 @@ def _check_candidate_config(state: ParityState) -> None:
 
 def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
     from .backends import BackendError, available_backends, backend_class
-    from .golden import GoldenError, GoldenStore
-    from .tolerances import parse_ini_lines
+    from .golden.store import GoldenError, GoldenStore
+    from .judge.tolerances import parse_ini_lines
 
     try:
         golden = GoldenStore(golden_dir)
@@ -290,7 +290,7 @@ def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
 
 
 def _candidate_dtype(config: pytest.Config, golden: GoldenStore, cls, state: ParityState):
-    from .capture import parse_dtype
+    from .record.capture import parse_dtype
 
     name = config.getoption("parity_dtype")
     if name is None:
@@ -405,7 +405,7 @@ class ParityItem(pytest.Item):
             raise ParityFailure(self.result)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
-        from .report import failure_text
+        from .report.text import failure_text
 
         if isinstance(excinfo.value, ParityFailure):
             return failure_text(excinfo.value.result)
@@ -433,7 +433,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def _validate_markers(items: list[pytest.Item]) -> None:
-    from .tolerances import validate
+    from .judge.tolerances import validate
 
     for item in items:
         for marker in item.iter_markers("parity"):
@@ -518,7 +518,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     if state.report_dir is not None and state.rows:
-        from .report import write_reports
+        from .report.text import write_reports
 
         write_reports(state.report_dir, list(state.rows.values()), meta=_meta(state), interrupted=interrupted)
 
@@ -527,7 +527,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     state = _state(config)
     if state is None or _is_worker(config):
         return
-    from .report import first_divergence, summary_table
+    from .report.text import first_divergence, summary_table
 
     tr = terminalreporter
     rows = list(state.rows.values())
@@ -615,10 +615,10 @@ def parity(request: pytest.FixtureRequest):
 
     def check(golden_tensor, candidate_tensor, *, component: str = "custom", point_id: str | None = None):
         __tracebackhide__ = True
-        from .capture import dtype_name
-        from .report import failure_text
-        from .tolerances import resolve
-        from .verdict import judge_point
+        from .judge.tolerances import resolve
+        from .judge.verdict import judge_point
+        from .record.capture import dtype_name
+        from .report.text import failure_text
 
         dtype = state.dtype if state is not None else candidate_tensor.dtype
         name = point_id or request.node.name

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_moe_parity.tiny import available_archs
+from pytest_moe_parity.record.tiny import available_archs
 
 ARCHS = available_archs()
 
@@ -23,7 +23,7 @@ def _quiet_transformers() -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """tiny_model(arch, layers=None, seed=0) -> checkpoint directory, written once per session."""
-    from pytest_moe_parity.tiny import write_tiny_model
+    from pytest_moe_parity.record.tiny import write_tiny_model
 
     cache: dict[tuple, Path] = {}
 
@@ -40,7 +40,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable[..., Path]:
     """golden_dir(arch, layers=None, seq_len=16) -> golden directory recorded once per session."""
-    from pytest_moe_parity.record import record_golden
+    from pytest_moe_parity.record.run import record_golden
 
     cache: dict[tuple, Path] = {}
 
@@ -63,8 +63,8 @@ def _import_everything_once(golden_dir, tiny_model) -> None:
     import torch
 
     from pytest_moe_parity.backends import BackendOptions, TorchBackend
-    from pytest_moe_parity.golden import GoldenStore
-    from pytest_moe_parity.runner import ParityRunner
+    from pytest_moe_parity.golden.store import GoldenStore
+    from pytest_moe_parity.replay.runner import ParityRunner
 
     store = GoldenStore(golden_dir("minimax_m2"))
     backend = TorchBackend(BackendOptions(store, tiny_model("minimax_m2"), torch.bfloat16))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_moe_parity.cli import main
-from pytest_moe_parity.golden import GoldenError, GoldenStore
+from pytest_moe_parity.golden.store import GoldenError, GoldenStore
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -150,7 +150,7 @@ def test_recording_killed_midway_leaves_no_golden(tmp_path: Path, tiny_model) ->
     script = textwrap.dedent(
         f"""
         import time
-        from pytest_moe_parity.record import record_golden
+        from pytest_moe_parity.record.run import record_golden
 
         def slow(msg):
             print(msg, flush=True)
@@ -176,7 +176,7 @@ def test_recording_killed_midway_leaves_no_golden(tmp_path: Path, tiny_model) ->
     with pytest.raises(GoldenError, match="did not finish"):
         GoldenStore(out_dir)
     # the half-written directory is recognised as ours and can be overwritten
-    from pytest_moe_parity.record import record_golden
+    from pytest_moe_parity.record.run import record_golden
 
     record_golden(tiny_model("mixtral", layers=8), out_dir, overwrite=True)
     assert len(GoldenStore(out_dir).point_ids) == 8 * 7 + 4

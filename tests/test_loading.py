@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pytest_moe_parity.backends import cast_inputs
-from pytest_moe_parity.loading import CheckpointError, LazyModel
-from pytest_moe_parity.record import load_model
+from pytest_moe_parity.backends.lazy_model import CheckpointError, LazyModel
+from pytest_moe_parity.record.run import load_model
 
 
 @pytest.mark.parametrize("arch", ["minimax_m2", "gpt_oss", "deepseek_v3", "qwen2_moe"])
@@ -87,7 +87,7 @@ def test_golden_inputs_are_cast_like_the_candidate_builds_them() -> None:
 
 def test_fused_checkpoint_layout_loads_too(tmp_path: Path) -> None:
     """A checkpoint saved in transformers' own fused layout (save_original_format=False)."""
-    from pytest_moe_parity.tiny import build_tiny_model
+    from pytest_moe_parity.record.tiny import build_tiny_model
 
     model = build_tiny_model("qwen3_moe")
     model.save_pretrained(tmp_path, save_original_format=False, max_shard_size="300KB")

@@ -1,4 +1,4 @@
-"""Tests for pytest_moe_parity.metrics."""
+"""Tests for pytest_moe_parity.judge.metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_moe_parity.metrics import (
+from pytest_moe_parity.judge.metrics import (
     RoutingMetrics,
     TensorMetrics,
     compare_routing,
@@ -287,7 +287,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import resource, sys
     import torch
     torch.set_num_threads(1)
-    from pytest_moe_parity.metrics import compare_tensors
+    from pytest_moe_parity.judge.metrics import compare_tensors
 
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux

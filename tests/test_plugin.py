@@ -9,10 +9,10 @@ from pathlib import Path
 import faults
 import pytest
 
-from pytest_moe_parity.archs import ARCH_TABLE
-from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report import REPORT_FILE, SUMMARY_FILE
-from pytest_moe_parity.tiny import available_archs
+from pytest_moe_parity.golden.store import GoldenStore
+from pytest_moe_parity.record.archs import ARCH_TABLE
+from pytest_moe_parity.record.tiny import available_archs
+from pytest_moe_parity.report.text import REPORT_FILE, SUMMARY_FILE
 
 ALL_ARCHS = available_archs()
 # bf16 defaults are calibrated on the seven architectures of the table (phimoe's sparsemixer, for one,
@@ -58,7 +58,7 @@ def test_bf16_candidate_passes_at_default_tolerances(
     The runs do contain routing disagreements (ties at routers, flips inside whole-layer points):
     they are counted and their tokens excluded, never failed — asserted below, so this test proves
     the flip handling rather than luck."""
-    from pytest_moe_parity.record import record_golden
+    from pytest_moe_parity.record.run import record_golden
 
     disagreements: dict[str, int] = {}
     for arch in ARCHS:
@@ -85,7 +85,7 @@ def test_ties_are_counted_and_their_tokens_excluded(pytester: pytest.Pytester, g
     import torch
 
     from pytest_moe_parity.backends import BackendOptions, TorchBackend
-    from pytest_moe_parity.runner import ParityRunner
+    from pytest_moe_parity.replay.runner import ParityRunner
 
     golden = golden_dir("minimax_m2", seq_len=64)
     report = pytester.path / "report"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pytest_moe_parity.capture import ParamRef, map_structure, resolve_params
-from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.record import load_model
-from pytest_moe_parity.tiny import available_archs, build_tiny_model
+from pytest_moe_parity.golden.store import GoldenStore
+from pytest_moe_parity.record.capture import ParamRef, map_structure, resolve_params
+from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
 
 ARCHS = available_archs()
 
@@ -130,7 +130,7 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_tiny_model_is_deterministic_and_in_hub_layout(tmp_path: Path, tiny_model) -> None:
-    from pytest_moe_parity.tiny import write_tiny_model
+    from pytest_moe_parity.record.tiny import write_tiny_model
 
     a = _state(tiny_model("qwen3_moe"))
     b = _state(write_tiny_model("qwen3_moe", tmp_path / "again"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_moe_parity.report import failure_text, summary_table
-from pytest_moe_parity.tolerances import default_tolerance, parse_override, resolve
-from pytest_moe_parity.verdict import judge_point
+from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
+from pytest_moe_parity.judge.verdict import judge_point
+from pytest_moe_parity.report.text import failure_text, summary_table
 
 
 def test_parse_override() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .capture import dtype_name
+from ..record.capture import dtype_name
 
 
 @dataclass(frozen=True)

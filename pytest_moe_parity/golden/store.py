@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .capture import Recorded, build, dtype_name
+from ..record.capture import Recorded, build, dtype_name
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

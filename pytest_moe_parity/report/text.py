@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .golden import atomic_write_text
-from .verdict import PointResult
+from ..golden.store import atomic_write_text
+from ..judge.verdict import PointResult
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "comparison_report.json"

@@ -86,7 +86,7 @@ class LazyModel:
                 for name, buf in list(module._buffers.items()):
                     if buf is not None:
                         module._buffers[name] = buf.to(self.device)
-        from .archs import plan_points
+        from ..record.archs import plan_points
 
         self.plan = plan_points(self.model, self.config)
         # "model.layers": the decoder stack, the parent of every layer's `output` point

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from .backends import Backend
-from .golden import GoldenRecord, GoldenStore
-from .tolerances import Tolerance, resolve
-from .verdict import PointResult, judge_point
+from ..backends import Backend
+from ..golden.store import GoldenRecord, GoldenStore
+from ..judge.tolerances import Tolerance, resolve
+from ..judge.verdict import PointResult, judge_point
 
 Overrides = list[tuple[str, dict[str, float | None]]]
 

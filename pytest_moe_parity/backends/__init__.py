@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .capture import ParamRef, map_structure, resolve_params
-from .golden import GoldenRecord, GoldenStore
+from ..golden.store import GoldenRecord, GoldenStore
+from ..record.capture import ParamRef, map_structure, resolve_params
 
 ENTRY_POINT_GROUP = "pytest_moe_parity.backends"
 
@@ -101,7 +101,7 @@ class TorchBackend(Backend):
 
     def __init__(self, options: BackendOptions):
         super().__init__(options)
-        from .loading import LazyModel
+        from .lazy_model import LazyModel
 
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise BackendError("--hw cuda needs a CUDA device, and torch sees none; use --hw cpu")
@@ -145,7 +145,7 @@ class CudaBackend(TorchBackend):
 BUILTIN_BACKENDS: dict[str, type[Backend] | str] = {
     "cpu": TorchBackend,
     "cuda": CudaBackend,
-    "dump": "pytest_moe_parity.dump:DumpBackend",
+    "dump": "pytest_moe_parity.backends.dump:DumpBackend",
 }
 
 

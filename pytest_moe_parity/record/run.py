@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from .. import __version__
+from ..golden.store import GoldenError, GoldenWriter
 from .archs import ArchError, plan_points
 from .capture import Recorded, Recorder, dtype_name, parse_dtype
-from .golden import GoldenError, GoldenWriter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16

@@ -14,8 +14,8 @@ DEFAULT_SEED = 0
 
 def fixtures_dir() -> Path:
     """`fixtures/`: inside the installed wheel, or beside the package in a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "fixtures", here.parent / "fixtures"):
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "fixtures", package.parent / "fixtures"):
         if (candidate / "configs").is_dir():
             return candidate
     raise FileNotFoundError("the fixtures/ directory of pytest-moe-parity is missing from this installation")

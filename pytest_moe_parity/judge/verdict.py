@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .capture import dtype_name, first_tensor
+from ..record.capture import dtype_name, first_tensor
 from .metrics import (
     TensorMetrics,
     compare_routing,

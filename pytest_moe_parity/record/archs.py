@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .components import COMPONENTS
+from ..points import COMPONENTS
 
 # How a router picks its experts, so that a top-k disagreement can be judged against the golden
 # selection scores: softmax and top-k-then-softmax rank by the raw logits; sigmoid routers rank by

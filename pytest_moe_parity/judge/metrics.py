@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .capture import dtype_name
+from ..record.capture import dtype_name
 
 __all__ = [
     "RoutingFlip",

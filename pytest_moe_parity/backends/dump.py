@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .backends import Backend, BackendError, BackendOptions, CandidateOutput, PointUnavailable
-from .golden import GoldenRecord
+from ..golden.store import GoldenRecord
+from . import Backend, BackendError, BackendOptions, CandidateOutput, PointUnavailable
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 

@@ -1,0 +1,1 @@
+"""Replaying golden points on a candidate and judging them."""
