@@ -94,8 +94,9 @@ def main() -> None:
         import pytest
         import torch
 
-        from pytest_moe_parity.backends import BackendOptions, TorchBackend
-        from pytest_moe_parity.golden.store import GoldenStore
+        from pytest_moe_parity.backends import BackendOptions
+        from pytest_moe_parity.backends.hf import TorchBackend
+        from pytest_moe_parity.golden import GoldenStore
         from pytest_moe_parity.replay.runner import ParityRunner
 
         golden, model = root / "golden-48", root / "model-48"

@@ -27,8 +27,9 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from pytest_moe_parity.backends import BackendOptions, TorchBackend
-    from pytest_moe_parity.golden.store import GoldenStore
+    from pytest_moe_parity.backends import BackendOptions
+    from pytest_moe_parity.backends.hf import TorchBackend
+    from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.record.run import record_golden
     from pytest_moe_parity.record.tiny import available_archs, write_tiny_model
     from pytest_moe_parity.replay.runner import ParityRunner

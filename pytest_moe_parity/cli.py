@@ -157,8 +157,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .golden.store import GoldenError, GoldenStore
-    from .record.capture import spec_tensor_keys
+    from .golden import GoldenError, GoldenStore
+    from .golden.spec import spec_tensor_keys
 
     try:
         store = GoldenStore(args.golden, verify=args.verify)
@@ -185,11 +185,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from .backends import BackendError, BackendOptions, PointUnavailable
     from .backends.dump import DumpBackend, DumpError
-    from .golden.store import GoldenError, GoldenStore
+    from .dtypes import dtype_name, parse_dtype
+    from .golden import GoldenError, GoldenStore
     from .judge.tolerances import parse_override
-    from .record.capture import dtype_name, parse_dtype
     from .replay.runner import ParityRunner
-    from .report.text import first_divergence, summary_table, write_reports
+    from .report.files import write_reports
+    from .report.text import first_divergence, summary_table
 
     try:
         store = GoldenStore(args.golden)
@@ -254,7 +255,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import pytest
 
-    from .golden.store import GoldenStore
+    from .golden import GoldenStore
     from .record.run import record_golden
     from .record.tiny import fixtures_dir
 

@@ -14,7 +14,7 @@ import pytest
 from .points import COMPONENTS
 
 if TYPE_CHECKING:
-    from .golden.store import GoldenStore
+    from .golden import GoldenStore
     from .judge.verdict import PointResult
     from .replay.runner import ParityRunner
 
@@ -242,7 +242,7 @@ def _check_candidate_config(state: ParityState) -> None:
 
 def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
     from .backends import BackendError, available_backends, backend_class
-    from .golden.store import GoldenError, GoldenStore
+    from .golden import GoldenError, GoldenStore
     from .judge.tolerances import parse_ini_lines
 
     try:
@@ -290,7 +290,7 @@ def _make_state(config: pytest.Config, golden_dir: Path) -> ParityState:
 
 
 def _candidate_dtype(config: pytest.Config, golden: GoldenStore, cls, state: ParityState):
-    from .record.capture import parse_dtype
+    from .dtypes import parse_dtype
 
     name = config.getoption("parity_dtype")
     if name is None:
@@ -518,7 +518,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     interrupted = state.interrupted or exitstatus == pytest.ExitCode.INTERRUPTED
     if state.report_dir is not None and state.rows:
-        from .report.text import write_reports
+        from .report.files import write_reports
 
         write_reports(state.report_dir, list(state.rows.values()), meta=_meta(state), interrupted=interrupted)
 
@@ -615,9 +615,9 @@ def parity(request: pytest.FixtureRequest):
 
     def check(golden_tensor, candidate_tensor, *, component: str = "custom", point_id: str | None = None):
         __tracebackhide__ = True
+        from .dtypes import dtype_name
         from .judge.tolerances import resolve
         from .judge.verdict import judge_point
-        from .record.capture import dtype_name
         from .report.text import failure_text
 
         dtype = state.dtype if state is not None else candidate_tensor.dtype

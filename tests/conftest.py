@@ -62,8 +62,9 @@ def _import_everything_once(golden_dir, tiny_model) -> None:
     path once up front so that every such module is imported by the outer session."""
     import torch
 
-    from pytest_moe_parity.backends import BackendOptions, TorchBackend
-    from pytest_moe_parity.golden.store import GoldenStore
+    from pytest_moe_parity.backends import BackendOptions
+    from pytest_moe_parity.backends.hf import TorchBackend
+    from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.replay.runner import ParityRunner
 
     store = GoldenStore(golden_dir("minimax_m2"))

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_moe_parity.golden.store import GoldenStore
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.golden.spec import resolve_params
 from pytest_moe_parity.record.archs import ARCH_TABLE, _plan_from_spec, find_structure, parse_point_id, plan_points
-from pytest_moe_parity.record.capture import resolve_params
 from pytest_moe_parity.record.run import load_model, record_golden
 from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_moe_parity.cli import main
-from pytest_moe_parity.golden.store import GoldenError, GoldenStore
+from pytest_moe_parity.golden import GoldenError, GoldenStore
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

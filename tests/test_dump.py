@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pytest_moe_parity.backends import BackendOptions, TorchBackend
+from pytest_moe_parity.backends import BackendOptions
+from pytest_moe_parity.backends.hf import TorchBackend
 from pytest_moe_parity.cli import main
-from pytest_moe_parity.golden.store import GoldenStore
-from pytest_moe_parity.report.text import SUMMARY_FILE
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.report.files import SUMMARY_FILE
 
 
 def write_dump(golden: Path, model: Path, out: Path, *, name=lambda p: p["module"], fmt="safetensors", skip=()):

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import pytest_moe_parity.golden.store as golden_mod
-from pytest_moe_parity.golden.store import MANIFEST, SCHEMA_VERSION, GoldenError, GoldenStore, GoldenWriter
+from pytest_moe_parity.golden import MANIFEST, SCHEMA_VERSION, GoldenError, GoldenStore, GoldenWriter
+from pytest_moe_parity.golden.spec import Flattener
+from pytest_moe_parity.golden.writer import Recorded
 from pytest_moe_parity.record.archs import CapturePoint
-from pytest_moe_parity.record.capture import Flattener, Recorded
 
 
 def _record(pid: str, layer: int | None, tensors: dict[str, torch.Tensor]) -> Recorded:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_moe_parity.backends import cast_inputs
 from pytest_moe_parity.backends.lazy_model import CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.replay.inputs import cast_inputs
 
 
 @pytest.mark.parametrize("arch", ["minimax_m2", "gpt_oss", "deepseek_v3", "qwen2_moe"])

@@ -9,10 +9,10 @@ from pathlib import Path
 import faults
 import pytest
 
-from pytest_moe_parity.golden.store import GoldenStore
+from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.archs import ARCH_TABLE
 from pytest_moe_parity.record.tiny import available_archs
-from pytest_moe_parity.report.text import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 ALL_ARCHS = available_archs()
 # bf16 defaults are calibrated on the seven architectures of the table (phimoe's sparsemixer, for one,
@@ -84,7 +84,8 @@ def test_ties_are_counted_and_their_tokens_excluded(pytester: pytest.Pytester, g
     error is far above the limit."""
     import torch
 
-    from pytest_moe_parity.backends import BackendOptions, TorchBackend
+    from pytest_moe_parity.backends import BackendOptions
+    from pytest_moe_parity.backends.hf import TorchBackend
     from pytest_moe_parity.replay.runner import ParityRunner
 
     golden = golden_dir("minimax_m2", seq_len=64)
@@ -405,8 +406,9 @@ def test_junit_xml_carries_metrics(pytester: pytest.Pytester, golden_dir) -> Non
 
 def test_interrupted_run_leaves_no_half_written_report(pytester: pytest.Pytester, golden_dir, monkeypatch) -> None:
     from pytest_moe_parity import backends
+    from pytest_moe_parity.backends.hf import TorchBackend
 
-    class Interrupting(backends.TorchBackend):
+    class Interrupting(TorchBackend):
         name = "interrupting"
 
         def run(self, point, golden):
@@ -428,8 +430,9 @@ def test_third_party_backend_shape_mismatch_and_crash(pytester: pytest.Pytester,
     """The backend interface: a backend returning a wrong shape fails that point with both shapes;
     one that raises gives an error for that point only — never an INTERNALERROR."""
     from pytest_moe_parity import backends
+    from pytest_moe_parity.backends.hf import TorchBackend
 
-    class Sloppy(backends.TorchBackend):
+    class Sloppy(TorchBackend):
         name = "sloppy"
 
         def run(self, point, golden):

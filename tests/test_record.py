@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pytest_moe_parity.golden.store import GoldenStore
-from pytest_moe_parity.record.capture import ParamRef, map_structure, resolve_params
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.golden.spec import ParamRef, resolve_params
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
+from pytest_moe_parity.tree import map_structure
 
 ARCHS = available_archs()
 

@@ -4,7 +4,6 @@ layer). Third parties register more under the entry-point group `pytest_moe_pari
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..golden.store import GoldenRecord, GoldenStore
-from ..record.capture import ParamRef, map_structure, resolve_params
+from ..golden import GoldenRecord, GoldenStore
 
 ENTRY_POINT_GROUP = "pytest_moe_parity.backends"
 
@@ -75,76 +73,9 @@ class Backend(ABC):
         pass
 
 
-def _cast_input(t: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """Golden tensors to the candidate's dtype and device. Additive-mask entries at the golden
-    dtype's minimum map to the candidate dtype's minimum, as the candidate would build them."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    if t.is_floating_point() and t.dtype != dtype:
-        low = torch.finfo(t.dtype).min
-        masked = t == low
-        t = t.to(dtype)
-        if bool(masked.any()):
-            t = t.masked_fill(masked, torch.finfo(dtype).min)
-    return t.to(device)
-
-
-def cast_inputs(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    return map_structure(obj, lambda leaf: leaf if isinstance(leaf, ParamRef) else _cast_input(leaf, dtype, device))
-
-
-class TorchBackend(Backend):
-    """The transformers model of the candidate checkpoint, in `--dtype` on `device`."""
-
-    name = "cpu"
-    device_type = "cpu"
-
-    def __init__(self, options: BackendOptions):
-        super().__init__(options)
-        from .lazy_model import LazyModel
-
-        if self.device_type == "cuda" and not torch.cuda.is_available():
-            raise BackendError("--hw cuda needs a CUDA device, and torch sees none; use --hw cpu")
-        device = options.device if options.device != "cpu" or self.device_type == "cpu" else self.device_type
-        self.device = torch.device(device)
-        self.lazy = LazyModel(
-            options.model_dir, dtype=options.dtype, device=self.device, trust_remote_code=options.trust_remote_code
-        )
-
-    def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
-        module = self.lazy.module(point["module"])
-        args = resolve_params(cast_inputs(golden.args, self.options.dtype, self.device), self.lazy.model)
-        kwargs = resolve_params(cast_inputs(golden.kwargs, self.options.dtype, self.device), self.lazy.model)
-        routing: list[Any] = []
-        handle = None
-        router_point = self.options.golden.router_point(point["layer"])
-        if point["component"] in ("moe", "output") and router_point is not None:
-            router = self.lazy.module(router_point["module"])
-            handle = router.register_forward_hook(lambda m, a, out: routing.append(out))
-        started = time.perf_counter()
-        try:
-            with torch.no_grad():
-                output = module(*args, **kwargs)
-        finally:
-            if handle is not None:
-                handle.remove()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds)
-
-    def close(self) -> None:
-        self.lazy.close()
-
-
-class CudaBackend(TorchBackend):
-    name = "cuda"
-    device_type = "cuda"
-
-
 BUILTIN_BACKENDS: dict[str, type[Backend] | str] = {
-    "cpu": TorchBackend,
-    "cuda": CudaBackend,
+    "cpu": "pytest_moe_parity.backends.hf:TorchBackend",
+    "cuda": "pytest_moe_parity.backends.hf:CudaBackend",
     "dump": "pytest_moe_parity.backends.dump:DumpBackend",
 }
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..golden.store import GoldenRecord
+from ..golden import GoldenRecord
 from . import Backend, BackendError, BackendOptions, CandidateOutput, PointUnavailable
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")

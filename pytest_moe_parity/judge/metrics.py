@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..record.capture import dtype_name
+from ..dtypes import dtype_name, json_safe
 
 __all__ = [
     "RoutingFlip",
@@ -33,21 +33,6 @@ _REL_FLOOR = 1e-3
 # --------------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------------
-
-
-def json_safe(value: Any) -> Any:
-    """Recursively turn tuples into lists and non-finite floats into "inf" / "-inf" / "nan"."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {key: json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return value
 
 
 def _check_tensor(t: Any, name: str) -> torch.Tensor:

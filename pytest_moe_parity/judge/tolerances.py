@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..record.capture import dtype_name
+from ..dtypes import dtype_name
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..record.capture import dtype_name, first_tensor
+from ..dtypes import dtype_name
+from ..tree import first_tensor
 from .metrics import (
     TensorMetrics,
     compare_routing,

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..golden.store import GoldenError, GoldenWriter
+from ..dtypes import dtype_name, parse_dtype
+from ..golden import GoldenError, GoldenWriter, Recorded
 from .archs import ArchError, plan_points
-from .capture import Recorded, Recorder, dtype_name, parse_dtype
+from .capture import Recorder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..backends import Backend
-from ..golden.store import GoldenRecord, GoldenStore
+from ..golden import GoldenRecord, GoldenStore
 from ..judge.tolerances import Tolerance, resolve
 from ..judge.verdict import PointResult, judge_point
 

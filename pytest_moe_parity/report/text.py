@@ -3,17 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
-from ..golden.store import atomic_write_text
 from ..judge.verdict import PointResult
-
-REPORT_SCHEMA_VERSION = 1
-REPORT_FILE = "comparison_report.json"
-SUMMARY_FILE = "comparison_summary.json"
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -123,32 +116,6 @@ def row_note(row: dict[str, Any]) -> str:
 def first_divergence(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     bad = [r for r in rows if r["status"] in ("failed", "error")]
     return min(bad, key=lambda r: r["order"]) if bad else None
-
-
-def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
-    counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("passed", "failed", "error", "skipped")}
-    first = first_divergence(rows)
-    return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "total": len(rows),
-        **counts,
-        "first_divergence": first["id"] if first else None,
-        "first_divergence_layer": first["layer"] if first else None,
-        "first_divergence_component": first["component"] if first else None,
-        "hint": first.get("hint") if first else None,
-        "complete": not interrupted,
-        **meta,
-    }
-
-
-def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    ordered = sorted(rows, key=lambda r: r["order"])
-    report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": ordered}
-    atomic_write_text(directory / REPORT_FILE, json.dumps(report, indent=1) + "\n")
-    atomic_write_text(
-        directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
-    )
 
 
 def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: int = 1) -> list[str]:

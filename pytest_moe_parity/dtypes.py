@@ -1,0 +1,37 @@
+"""Dtype names and JSON-safe numbers, shared by every layer of the package."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """`torch.bfloat16` (or "torch.bfloat16") -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, *, floating: bool = False) -> torch.dtype:
+    """A torch dtype from its name; ValueError if there is none (or, with `floating`, if it is not
+    a floating-point dtype)."""
+    dtype = getattr(torch, dtype_name(name), None)
+    if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def json_safe(value: Any) -> Any:
+    """Recursively turn tuples into lists and non-finite floats into "inf" / "-inf" / "nan"."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value

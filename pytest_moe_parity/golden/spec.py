@@ -1,0 +1,128 @@
+"""The recorded call format: a nested call structure (args, kwargs, output) as plain JSON with
+tensors referenced by key, written by `Flattener` and rebuilt by `build`. Parameters and buffers
+passed as arguments are recorded by name (`ParamRef`) and, on replay, taken from the model under
+test: only activations are golden."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dtypes import dtype_name
+from ..tree import map_structure
+
+# A spec is plain JSON describing a nested call structure; tensors are referenced by key.
+Spec = dict[str, Any]
+
+
+class RecordError(RuntimeError):
+    """A module call cannot be recorded faithfully (an argument type we cannot store)."""
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A parameter or buffer of the model that a module received as an argument."""
+
+    name: str
+
+
+def _scalar_spec(value: Any) -> Spec:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"t": "float", "value": repr(value)}
+    return {"t": "value", "value": value}
+
+
+class Flattener:
+    """Turns a nested call structure into a spec, copying tensors to CPU under stable keys."""
+
+    def __init__(self, params: dict[int, str], keep: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.params = params
+        self.tensors: dict[str, torch.Tensor] = {}
+        # (id, version) of a tensor already stored -> key; the original is kept alive so that its
+        # id cannot be reused by another tensor while this flattener lives.
+        self._seen: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}
+        self.keep = keep or (lambda t: t.detach().to("cpu", copy=True).contiguous())
+
+    def flatten(self, obj: Any, key: str) -> Spec:
+        if isinstance(obj, torch.Tensor):
+            name = self.params.get(id(obj))
+            if name is not None:
+                return {"t": "param", "name": name}
+            seen = self._seen.get((id(obj), obj._version))
+            if seen is not None:
+                return {"t": "tensor", "key": seen[0]}
+            self.tensors[key] = self.keep(obj)
+            self._seen[(id(obj), obj._version)] = (key, obj)
+            return {"t": "tensor", "key": key}
+        if obj is None:
+            return {"t": "none"}
+        if isinstance(obj, bool | int | float | str):
+            return _scalar_spec(obj)
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "value": dtype_name(obj)}
+        if isinstance(obj, tuple | list):
+            kind = "tuple" if isinstance(obj, tuple) else "list"
+            return {"t": kind, "items": [self.flatten(v, f"{key}.{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, dict):
+            if not all(isinstance(k, str) for k in obj):
+                raise RecordError(f"{key}: dict with non-string keys cannot be recorded")
+            return {"t": "dict", "items": {k: self.flatten(v, f"{key}.{k}") for k, v in obj.items()}}
+        raise RecordError(
+            f"{key}: cannot record an argument of type {type(obj).__name__} "
+            "(record with use_cache=False so that no cache object is passed between layers)"
+        )
+
+
+def spec_tensor_keys(spec: Spec) -> Iterator[str]:
+    """The keys of every tensor a spec references."""
+    kind = spec["t"]
+    if kind == "tensor":
+        yield spec["key"]
+    elif kind in ("tuple", "list", "dict"):
+        items = spec["items"].values() if kind == "dict" else spec["items"]
+        for item in items:
+            yield from spec_tensor_keys(item)
+
+
+def build(spec: Spec, tensors: dict[str, torch.Tensor]) -> Any:
+    """Rebuild a recorded structure; parameters come back as ParamRef placeholders."""
+    kind = spec["t"]
+    if kind == "tensor":
+        return tensors[spec["key"]]
+    if kind == "param":
+        return ParamRef(spec["name"])
+    if kind == "none":
+        return None
+    if kind == "value":
+        return spec["value"]
+    if kind == "float":
+        return float(spec["value"])
+    if kind == "dtype":
+        return getattr(torch, spec["value"])
+    if kind == "omitted":
+        return None
+    if kind in ("tuple", "list"):
+        items = [build(s, tensors) for s in spec["items"]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: build(s, tensors) for k, s in spec["items"].items()}
+    raise ValueError(f"unknown spec kind {kind!r}")
+
+
+def resolve_params(obj: Any, model: nn.Module) -> Any:
+    """Replace ParamRef placeholders by the named parameter or buffer of `model` (the candidate)."""
+    return map_structure(obj, lambda leaf: named_tensor(model, leaf.name) if isinstance(leaf, ParamRef) else leaf)
+
+
+def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer called `name` (dotted path from the model root)."""
+    owner, _, attr = name.rpartition(".")
+    mod = model.get_submodule(owner) if owner else model
+    if attr in mod._parameters:
+        return mod._parameters[attr]
+    return mod.get_buffer(attr)

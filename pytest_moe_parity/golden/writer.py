@@ -1,0 +1,158 @@
+"""Writing a golden directory: one safetensors file per group, hashed and renamed into place, and
+the manifest last and atomically, so an interrupted recording never reads as complete."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..dtypes import dtype_name
+from .spec import Spec
+from .store import FORMAT, MANIFEST, SCHEMA_VERSION, GoldenError, sha256_file
+
+if TYPE_CHECKING:
+    from ..record.archs import CapturePoint
+
+
+@dataclass
+class Recorded:
+    """One point's call as recorded: the structure specs plus the tensors they reference."""
+
+    point: CapturePoint
+    args: list[Spec]
+    kwargs: dict[str, Spec]
+    output: Spec
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Reference values kept for diagnosis only, never fed to the candidate (e.g. the golden
+    # score-correction bias, to tell a routing tie from a real flip): name -> tensor key.
+    extras: dict[str, str] = field(default_factory=dict)
+    calls: int = 1
+    seconds: float = 0.0
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _looks_like_golden(path: Path) -> bool:
+    """True when every entry is something this tool writes, so --overwrite may clear it."""
+    for entry in path.iterdir():
+        name = entry.name
+        if entry.is_dir() or not (
+            name == MANIFEST or name.endswith(".safetensors") or (name.startswith(".") and ".tmp-" in name)
+        ):
+            return False
+    return True
+
+
+class GoldenWriter:
+    """Writes a golden directory group by group; `finish` writes the manifest that makes it valid."""
+
+    def __init__(self, root: Path | str, *, overwrite: bool = False):
+        self.root = Path(root)
+        self.overwrite = overwrite
+        self.files: dict[str, dict[str, Any]] = {}
+        self.points: list[dict[str, Any]] = []
+        self.bytes_written = 0
+
+    def prepare(self) -> None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise GoldenError(f"{root} exists and is not a directory; choose another --out")
+        if root.is_dir() and any(root.iterdir()):
+            if not self.overwrite:
+                raise GoldenError(f"{root} exists and is not empty; pass --overwrite or choose another --out")
+            if not _looks_like_golden(root):
+                raise GoldenError(
+                    f"{root} holds files that are not part of a golden recording; "
+                    "refusing to clear it even with --overwrite"
+                )
+            # The manifest goes first, so an interrupted overwrite never reads as the old golden.
+            (root / MANIFEST).unlink(missing_ok=True)
+            for entry in root.iterdir():
+                entry.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write_group(self, group: str, records: list[Recorded]) -> int:
+        """Write one group's tensors to `<group>.safetensors`; returns the bytes written."""
+        file = f"{group}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for rec in records:
+            tensors.update(rec.tensors)
+        path = self.root / file
+        tmp = self.root / f".{file}.tmp-{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt", "producer": FORMAT, "group": group})
+        os.chmod(tmp, 0o644 & ~_umask())
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+        self.files[file] = {"sha256": digest, "bytes": size}
+        for rec in records:
+            p = rec.point
+            self.points.append(
+                {
+                    "id": p.id,
+                    "component": p.component,
+                    "layer": p.layer,
+                    "module": p.module,
+                    "order": p.order,
+                    "router_kind": p.router_kind,
+                    "score_bias": p.score_bias,
+                    "file": file,
+                    "sha256": digest,
+                    "calls": rec.calls,
+                    "seconds": round(rec.seconds, 6),
+                    "inputs": {"args": rec.args, "kwargs": rec.kwargs},
+                    "output": rec.output,
+                    "extras": rec.extras,
+                    "tensors": {
+                        k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for k, t in rec.tensors.items()
+                    },
+                }
+            )
+        self.bytes_written += size
+        return size
+
+    def finish(self, manifest: dict[str, Any]) -> Path:
+        body = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "complete": True,
+            **manifest,
+            "files": self.files,
+            "points": sorted(self.points, key=lambda p: p["order"]),
+        }
+        path = self.root / MANIFEST
+        atomic_write_text(path, json.dumps(body, indent=1, sort_keys=False) + "\n")
+        return path

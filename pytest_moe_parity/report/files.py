@@ -1,0 +1,44 @@
+"""The JSON reports `comparison_report.json` and `comparison_summary.json`, written atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..golden.writer import atomic_write_text
+from .text import first_divergence
+
+REPORT_SCHEMA_VERSION = 1
+
+
+REPORT_FILE = "comparison_report.json"
+
+
+SUMMARY_FILE = "comparison_summary.json"
+
+
+def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+    counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("passed", "failed", "error", "skipped")}
+    first = first_divergence(rows)
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "total": len(rows),
+        **counts,
+        "first_divergence": first["id"] if first else None,
+        "first_divergence_layer": first["layer"] if first else None,
+        "first_divergence_component": first["component"] if first else None,
+        "hint": first.get("hint") if first else None,
+        "complete": not interrupted,
+        **meta,
+    }
+
+
+def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(rows, key=lambda r: r["order"])
+    report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": ordered}
+    atomic_write_text(directory / REPORT_FILE, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(
+        directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
+    )
