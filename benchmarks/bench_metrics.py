@@ -1,0 +1,93 @@
+"""Metrics at memory speed: the full metric set of `compare_tensors` on two large float32 tensors,
+against one read of both (a `torch.dot` of the pair) and against the metric set of the hand-made
+compare script this project replaces (the user's `compare_gpu_neuron_outputs.py`: allclose and
+"similarity %" at rtol = atol = 1e-3, cosine, Pearson, max/mean/median absolute and relative
+difference, NaN/Inf flags), written as such scripts are written.
+
+    python benchmarks/bench_metrics.py [--mb 256] [--threads N] [--repeat 3]
+
+Targets: >= 20x faster than the script's metric set, within 10x of the single read; and the
+figures agree with their float64 definitions (the error is printed, and asserted in
+tests/test_metrics.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pytest_moe_parity.judge.metrics import compare_tensors
+
+
+def original_script_metrics(gpu: torch.Tensor, neuron: torch.Tensor, rtol: float = 1e-3, atol: float = 1e-3) -> dict:
+    """The metric set of the hand-made script, as such scripts compute it."""
+    a, b = gpu.float(), neuron.float()
+    diff = (a - b).abs()
+    rel = diff / (a.abs() + 1e-8)
+    return {
+        "allclose": torch.allclose(b, a, rtol=rtol, atol=atol),
+        "similarity": torch.isclose(b, a, rtol=rtol, atol=atol).float().mean().item() * 100,
+        "cosine": F.cosine_similarity(a.flatten().unsqueeze(0), b.flatten().unsqueeze(0)).item(),
+        "pearson": torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item(),
+        "max_abs": diff.max().item(),
+        "mean_abs": diff.mean().item(),
+        "median_abs": diff.median().item(),
+        "max_rel": rel.max().item(),
+        "mean_rel": rel.mean().item(),
+        "median_rel": rel.median().item(),
+        "nan": bool(torch.isnan(a).any() or torch.isnan(b).any()),
+        "inf": bool(torch.isinf(a).any() or torch.isinf(b).any()),
+    }
+
+
+def best_of(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def reference(g: torch.Tensor, c: torch.Tensor) -> dict[str, float]:
+    """cosine, pearson and rel_l2 from their definitions in float64, in blocks (no 2 GB copies)."""
+    gg = cc = gc = dd = sg = sc = 0.0
+    for start in range(0, g.numel(), 1 << 22):
+        gb, cb = g[start : start + (1 << 22)].double(), c[start : start + (1 << 22)].double()
+        gg, cc, gc = gg + float(gb @ gb), cc + float(cb @ cb), gc + float(gb @ cb)
+        dd, sg, sc = dd + float((cb - gb) @ (cb - gb)), sg + float(gb.sum()), sc + float(cb.sum())
+    n = g.numel()
+    cov, vg, vc = gc - sg * sc / n, gg - sg * sg / n, cc - sc * sc / n
+    return {"cosine": gc / (gg * cc) ** 0.5, "pearson": cov / (vg * vc) ** 0.5, "rel_l2": (dd / gg) ** 0.5}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=256, help="size of each tensor in MB (default 256)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.mb * (1 << 20) // 4
+    gen = torch.Generator().manual_seed(0)
+    golden = torch.randn(n, generator=gen)
+    candidate = golden + 1e-3 * torch.randn(n, generator=gen)
+    print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s), best of {args.repeat}")
+    read = best_of(lambda: torch.dot(golden, candidate), args.repeat)
+    ours = best_of(lambda: compare_tensors(golden, candidate), args.repeat)
+    script = best_of(lambda: original_script_metrics(golden, candidate), 1)
+    print(f"  one read (torch.dot of the pair)     {read:8.3f} s")
+    print(f"  compare_tensors, full metric set     {ours:8.3f} s   {ours / read:5.1f}x the read (target <= 10)")
+    print(f"  the original script's metric set     {script:8.3f} s   {script / ours:5.1f}x slower (target >= 20)")
+    m, ref = compare_tensors(golden, candidate), reference(golden, candidate)
+    for name in ("cosine", "pearson", "rel_l2"):
+        print(f"  {name:<8} {getattr(m, name):.15f}  float64 definition {ref[name]:.15f}  "
+              f"error {abs(getattr(m, name) - ref[name]):.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
