@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 import pytest
 code = pytest.main(sys.argv[1:])
 wall = time.perf_counter() - t0
-print(json.dumps({"code": int(code), "wall_s": wall,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM: this address space's peak (ru_maxrss would carry the parent's across fork and exec)
+with open("/proc/self/status") as fh:
+    peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+print(json.dumps({"code": int(code), "wall_s": wall, "peak_rss_mb": peak}))
 """
 
 
@@ -53,10 +55,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from transformers.utils import logging as hf_logging
+    from pytest_moe_parity.session import quiet_transformers
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         results = {}
@@ -92,29 +93,23 @@ def main() -> None:
 
         # per-item overhead, in one process: plain loop vs pytest on the same points
         import pytest
-        import torch
 
-        from pytest_moe_parity.backends import BackendOptions
-        from pytest_moe_parity.backends.hf import TorchBackend
         from pytest_moe_parity.golden import GoldenStore
-        from pytest_moe_parity.replay.runner import ParityRunner
+        from pytest_moe_parity.session import ParitySession, RunOptions
 
         golden, model = root / "golden-48", root / "model-48"
         n = len(GoldenStore(golden).point_ids)
         loop_times, pytest_times = [], []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            store = GoldenStore(golden)
-            runner = ParityRunner(
-                store, lambda s=store: TorchBackend(BackendOptions(s, model, torch.bfloat16)), torch.bfloat16
-            )
-            results_loop = [runner.run(pid) for pid in store.point_ids]
+            session = ParitySession(RunOptions(golden_dir=golden, model=model, dtype="bfloat16"))
+            rows = list(session.run_all())
             loop_times.append(time.perf_counter() - t0)
-            assert all(r.passed for r in results_loop)
+            assert all(r["status"] == "passed" for r in rows)
             t0 = time.perf_counter()
             code = pytest.main(
                 ["--golden-dir", str(golden), "-q", "-p", "no:cacheprovider", "--dtype", "bfloat16",
-                 "--rootdir", str(root)]
+                 "--rootdir", str(root), "-W", "ignore::pytest.PytestAssertRewriteWarning"]
             )  # fmt: skip
             pytest_times.append(time.perf_counter() - t0)
             assert code == 0

@@ -1,11 +1,17 @@
 """A candidate transformers model whose weights are read per layer on demand: the skeleton lives
 on the meta device, and asking for a module reads only that layer's tensors from the sharded
 safetensors checkpoint (through its index), converted to the model's layout as transformers
-converts them (e.g. per-expert hub tensors fused into 3-D expert weights)."""
+converts them (e.g. per-expert hub tensors fused into 3-D expert weights). Evicted layers go back
+to the meta device and give their memory back, so a run over every layer of a big model holds
+about what a run over one layer holds."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
+from ..points import layer_group
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-
-class CheckpointError(ValueError):
-    """The candidate checkpoint cannot be read (missing, not safetensors, lacks a layer)."""
+# A unit of loading: a decoder layer (its number) or a model-level module (its dotted path).
+Unit = int | str
 
 
 @dataclass
@@ -33,7 +41,7 @@ class ReadStats:
 
 def weight_map(model_dir: Path) -> dict[str, str]:
     """Checkpoint key -> shard file name, from the index or the single safetensors file."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = model_dir / INDEX_FILE
     if index.is_file():
@@ -44,11 +52,46 @@ def weight_map(model_dir: Path) -> dict[str, str]:
         return dict(mapping)
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as fh:
-            return dict.fromkeys(fh.keys(), SINGLE_FILE)
+        try:
+            with safe_open(str(single), framework="pt") as fh:
+                return dict.fromkeys(fh.keys(), SINGLE_FILE)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{single} cannot be read as safetensors ({exc})") from None
     raise CheckpointError(
         f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; the candidate must be a safetensors checkpoint"
     )
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap pages back to the OS (glibc). Expert tensors of a few MB fall below glibc's
+    adaptive mmap threshold after the first frees and are then carved from the heap, where freed
+    layers would otherwise stay resident."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident set size (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _load_libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
 
 
 class LazyModel:
@@ -64,6 +107,7 @@ class LazyModel:
         trust_remote_code: bool = False,
         config=None,
         max_layers: int = 2,
+        weights: dict[str, str] | None = None,
     ):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,7 +116,7 @@ class LazyModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = config or AutoConfig.from_pretrained(self.model_dir, trust_remote_code=trust_remote_code)
-        self.weight_map = weight_map(self.model_dir)
+        self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
         # Parameters on meta, buffers (rotary inv_freq, ...) real: they are computed, not loaded.
         with init_empty_weights(include_buffers=False):
@@ -86,89 +130,103 @@ class LazyModel:
                 for name, buf in list(module._buffers.items()):
                     if buf is not None:
                         module._buffers[name] = buf.to(self.device)
-        from ..record.archs import plan_points
+        from ..record.archs import layers_path
 
-        self.plan = plan_points(self.model, self.config)
-        # "model.layers": the decoder stack, the parent of every layer's `output` point
-        self._layers_path = next(p.module.rsplit(".", 1)[0] for p in self.plan.points if p.component == "output")
+        self._layers_path = layers_path(self.model, self.config)
         layers_name = self._layers_path.rsplit(".", 1)[-1]
         self._layer_re = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
         # Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load.
         self._keys_by_layer: dict[int | None, list[str]] = {}
         for key in self.weight_map:
-            self._keys_by_layer.setdefault(self.layer_of_key(key), []).append(key)
-        self._loaded: set[str] = set()
-        self._layer_lru: list[str] = []
+            self._keys_by_layer.setdefault(self.layer_of(key), []).append(key)
+        self._loaded: list[Unit] = []  # loaded units; decoder layers in least recently used order
         self.max_layers = max(1, max_layers)
         self.evicted: list[str] = []
-        self._handles: dict[str, Any] = {}
+        self._conversion: list[Any] | None = None
+        self._returned_at: int | None = None  # resident bytes after the last give-back
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
-    def layer_of_key(self, key: str) -> int | None:
-        m = self._layer_re.search(key)
+    def layer_of(self, key_or_path: str) -> int | None:
+        """The decoder layer a checkpoint key or module path belongs to (None: model-level)."""
+        m = self._layer_re.search(key_or_path + ".")
         return int(m.group(1)) if m else None
 
-    def unit_of(self, module_path: str) -> str:
-        """`layer_<i>` for anything inside decoder layer i, else the module path itself."""
-        m = self._layer_re.search(module_path + ".")
-        return f"layer_{m.group(1)}" if m else module_path
+    def _unit(self, path: str) -> Unit:
+        layer = self.layer_of(path)
+        return path if layer is None else layer
 
-    def _keys_for(self, unit: str) -> list[str]:
-        if unit.startswith("layer_"):
-            return list(self._keys_by_layer.get(int(unit.removeprefix("layer_")), []))
+    def _keys_for(self, unit: Unit) -> list[str]:
+        if isinstance(unit, int):
+            return list(self._keys_by_layer.get(unit, []))
         # A model-level module: its own keys, with or without the base-model prefix.
         short = unit.split(".", 1)[1] if "." in unit else unit
         return [k for k in self._keys_by_layer.get(None, []) if k.startswith((unit + ".", short + "."))]
 
+    def _unit_module(self, unit: Unit) -> nn.Module:
+        if isinstance(unit, int):
+            return self.model.get_submodule(f"{self._layers_path}.{unit}")
+        return self.model.get_submodule(unit)
+
+    @staticmethod
+    def _unit_name(unit: Unit) -> str:
+        return layer_group(unit) if isinstance(unit, int) else unit
+
     # -- loading --------------------------------------------------------------------------------
     def module(self, path: str) -> nn.Module:
         """The submodule at `path`, with the weights of its unit loaded."""
-        self.ensure(self.unit_of(path))
+        self.ensure(self._unit(path))
         return self.model.get_submodule(path)
 
-    def _unit_module(self, unit: str) -> nn.Module:
-        if unit.startswith("layer_"):
-            return self.model.get_submodule(f"{self._layers_path}.{unit.removeprefix('layer_')}")
-        return self.model.get_submodule(unit)
-
-    def ensure(self, unit: str) -> None:
+    def ensure(self, unit: Unit) -> None:
         if unit in self._loaded:
-            if unit in self._layer_lru:  # most recently used last
-                self._layer_lru.remove(unit)
-                self._layer_lru.append(unit)
+            if isinstance(unit, int):  # most recently used last
+                self._loaded.remove(unit)
+                self._loaded.append(unit)
             return
         keys = self._keys_for(unit)
         target = self._unit_module(unit)
-        if unit.startswith("layer_"):
+        if isinstance(unit, int):
             self._evict(keep=self.max_layers - 1)
         if keys:
             self._load_keys(keys)
-        self._tie_if_needed(unit, target)
+        self._tie_if_needed(target)
         missing = [n for n, p in target.named_parameters() if p.device.type == "meta"]
         if missing:
             raise CheckpointError(
-                f"{self.model_dir} lacks weights for {unit}: {', '.join(missing[:4])}"
+                f"{self.model_dir} lacks weights for {self._unit_name(unit)}: {', '.join(missing[:4])}"
                 + (" ..." if len(missing) > 4 else "")
             )
-        self._loaded.add(unit)
-        if unit.startswith("layer_"):
-            self._layer_lru.append(unit)
+        self._loaded.append(unit)
 
     def _evict(self, keep: int) -> None:
         """Put the least recently used layers' parameters back on the meta device, so a run over
         every layer of a huge model holds `max_layers` layers in memory, not the model."""
-        while len(self._layer_lru) > max(keep, 0):
-            unit = self._layer_lru.pop(0)
+        layers = [u for u in self._loaded if isinstance(u, int)]
+        if len(layers) <= max(keep, 0):
+            return
+        freed = 0
+        for unit in layers[: len(layers) - max(keep, 0)]:
             for module in self._unit_module(unit).modules():
                 for name, p in module._parameters.items():
                     if p is not None:
+                        freed += p.numel() * p.element_size()
                         module._parameters[name] = nn.Parameter(
                             torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
                         )
-            self._loaded.discard(unit)
-            self.evicted.append(unit)
+            self._loaded.remove(unit)
+            self.evicted.append(self._unit_name(unit))
+        self._give_back(freed)
 
-    def _tie_if_needed(self, unit: str, target: nn.Module) -> None:
+    def _give_back(self, freed: int) -> None:
+        """Return freed heap pages to the OS once the process holds more than a layer's worth
+        beyond what it held after the last return: every return costs page faults on the next
+        load, never returning lets the heap grow by a layer's temporaries at each load."""
+        rss = _rss_bytes()
+        if rss is None or self._returned_at is None or rss - self._returned_at > freed:
+            _malloc_trim()
+            self._returned_at = _rss_bytes()
+
+    def _tie_if_needed(self, target: nn.Module) -> None:
         """lm_head tied to the embedding: load the embedding and share its weight."""
         out_emb = self.model.get_output_embeddings()
         if target is not out_emb or not getattr(self.config, "tie_word_embeddings", False):
@@ -180,48 +238,56 @@ class LazyModel:
         self.ensure(emb_path)
         out_emb.weight = in_emb.weight
 
-    def _handle(self, file: str):
-        from safetensors import safe_open
-
-        h = self._handles.get(file)
-        if h is None:
-            path = self.model_dir / file
-            if not path.is_file():
-                raise CheckpointError(f"{path} (named by the checkpoint index) is missing")
-            h = self._handles[file] = safe_open(str(path), framework="pt")
-        return h
-
     def _load_keys(self, keys: list[str]) -> None:
+        from safetensors import SafetensorError, safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        state: dict[str, Any] = {}
+        by_file: dict[str, list[str]] = {}
         for key in keys:
-            file = self.weight_map[key]
-            handle = self._handle(file)
-            sl = handle.get_slice(key)
-            state[key] = sl
-            self.stats.keys.append(key)
-            self.stats.files.add(file)
-            numel = 1
-            for d in sl.get_shape():
-                numel *= d
-            self.stats.bytes += numel * _dtype_size(sl.get_dtype())
-        config = LoadStateDictConfig(
-            dtype=self.dtype,
-            dtype_plan=self.model._get_dtype_plan(self.dtype),
-            device_map={"": self.device},
-            weight_mapping=get_model_conversion_mapping(self.model),
-        )
-        convert_and_load_state_dict_in_model(self.model, state, config)
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        # No shard stays open (nor mapped, once the tensors read from it are freed).
+        with contextlib.ExitStack() as shards:
+            state: dict[str, Any] = {}
+            for file, file_keys in by_file.items():
+                path = self.model_dir / file
+                if not path.is_file():
+                    raise CheckpointError(f"{path} (named by the checkpoint index) is missing")
+                try:
+                    handle = shards.enter_context(safe_open(str(path), framework="pt"))
+                except (SafetensorError, OSError) as exc:
+                    raise CheckpointError(f"{path} cannot be read as safetensors ({exc})") from None
+                self.stats.files.add(file)
+                for key in file_keys:
+                    sl = handle.get_slice(key)
+                    state[key] = sl
+                    self.stats.keys.append(key)
+                    self.stats.bytes += _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
+            if self._conversion is None:  # built once: it costs ~10 ms a call, and is only read
+                self._conversion = get_model_conversion_mapping(self.model)
+            config = LoadStateDictConfig(
+                dtype=self.dtype,
+                dtype_plan=self.model._get_dtype_plan(self.dtype),
+                device_map={"": self.device},
+                weight_mapping=self._conversion,
+            )
+            convert_and_load_state_dict_in_model(self.model, state, config)
+            state.clear()
 
     @property
     def loaded_units(self) -> set[str]:
-        return set(self._loaded)
+        return {self._unit_name(u) for u in self._loaded}
 
     def close(self) -> None:
-        self._handles.clear()
+        self._evict(keep=0)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 _DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
