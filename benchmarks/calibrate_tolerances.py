@@ -14,8 +14,6 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -25,18 +23,11 @@ def main() -> None:
     ap.add_argument("--archs", nargs="*", default=None)
     args = ap.parse_args()
 
-    from transformers.utils import logging as hf_logging
-
-    from pytest_moe_parity.backends import BackendOptions
-    from pytest_moe_parity.backends.hf import TorchBackend
-    from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.record.run import record_golden
     from pytest_moe_parity.record.tiny import available_archs, write_tiny_model
-    from pytest_moe_parity.replay.runner import ParityRunner
+    from pytest_moe_parity.session import ParitySession, RunOptions, quiet_transformers
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    dtype = getattr(torch, args.dtype)
+    quiet_transformers()
     worst: dict[str, dict[str, float]] = defaultdict(lambda: {"rel_l2": 0.0, "cosine": 1.0, "n": 0})
     flips = ties = tokens = 0
     failures: list[str] = []
@@ -47,12 +38,10 @@ def main() -> None:
                 for seq in args.seq_lens:
                     gdir = Path(tmp) / f"g-{arch}-{seed}-{seq}"
                     record_golden(model, gdir, seq_len=seq)
-                    store = GoldenStore(gdir)
-                    runner = ParityRunner(
-                        store, lambda s=store, m=model: TorchBackend(BackendOptions(s, m, dtype)), dtype
-                    )
-                    for pid in store.point_ids:
-                        res = runner.run(pid)
+                    session = ParitySession(RunOptions(golden_dir=gdir, model=model, dtype=args.dtype))
+                    for point in session.points:
+                        pid = point.id
+                        res = session.judge(session.prepare(point))
                         comp = res.component
                         for target, m in res.metrics.items():
                             key = f"{comp}:{target}"

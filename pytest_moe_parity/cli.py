@@ -101,15 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="list the points of a golden directory")
     show.add_argument("golden", type=Path)
     show.add_argument("--verify", action="store_true", help="check every file's sha256")
+    show.add_argument(
+        "--inputs", action="store_true", help="show each point's call: args, kwargs and output, with shapes and dtypes"
+    )
     return parser
 
 
 def _quiet_transformers() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
+    from .session import quiet_transformers
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -158,13 +159,12 @@ def cmd_golden(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from .golden import GoldenError, GoldenStore
-    from .golden.spec import spec_tensor_keys
+    from .golden.spec import describe
 
     try:
         store = GoldenStore(args.golden, verify=args.verify)
         if args.verify:
-            for name in store.manifest["files"]:
-                store._check_file(name)
+            store.verify_all()
     except GoldenError as exc:
         return _fail(str(exc))
     m = store.manifest
@@ -172,79 +172,63 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"{args.golden}: {model['model_type']} from {model['path']}")
     print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
     print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
-    for p in m["points"]:
-        shapes = ", ".join(str(tuple(p["tensors"][k]["shape"])) for k in spec_tensor_keys(p["output"]))
-        print(f"  {p['id']:<28} {p['module']:<40} out {shapes}")
+    for point in store.points:
+        entry = store.entry(point)
+        outputs = describe(entry["output"], entry["tensors"], "out")
+        if not args.inputs:
+            shapes = ", ".join(text.removeprefix("tensor ") for _, text in outputs if text.startswith("tensor"))
+            print(f"  {point.id:<28} {point.module:<40} out {shapes}")
+            continue
+        print(f"  {point.id}  ({point.module})")
+        tensors = entry["tensors"]
+        calls = [row for i, spec in enumerate(entry["inputs"]["args"]) for row in describe(spec, tensors, f"args.{i}")]
+        calls += [
+            row for k, spec in entry["inputs"]["kwargs"].items() for row in describe(spec, tensors, f"kwargs.{k}")
+        ]
+        for path, text in calls + outputs:
+            print(f"    {path:<36} {text}")
     if args.verify:
         print("  all files match their sha256")
     return EXIT_OK
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    import torch
-
-    from .backends import BackendError, BackendOptions, PointUnavailable
-    from .backends.dump import DumpBackend, DumpError
-    from .dtypes import dtype_name, parse_dtype
-    from .golden import GoldenError, GoldenStore
+    """A dump compared offline: the same session, rows and summary lines as `pytest --hw dump`."""
+    from .errors import GoldenError
     from .judge.tolerances import parse_override
-    from .replay.runner import ParityRunner
-    from .report.files import write_reports
-    from .report.text import first_divergence, summary_table
+    from .session import ParitySession, RunOptions, SetupError
 
     try:
-        store = GoldenStore(args.golden)
         tolerances = [parse_override(t) for t in args.tol]
-    except (GoldenError, ValueError) as exc:
-        return _fail(str(exc))
-    options = BackendOptions(store, args.candidate, torch.float32, extra={"map": args.map} if args.map else {})
+    except ValueError as exc:
+        return _fail(f"--tol: {exc}")
+    flags = {"golden": "GOLDEN", "model": "CANDIDATE_DIR", "dtype": "--dtype", "hw": "--hw", "layers": "--layers"}
+    options = RunOptions(
+        golden_dir=args.golden,
+        hw="dump",
+        model=args.candidate,
+        dtype=args.dtype,
+        hw_options=[f"map={args.map.resolve()}"] if args.map else [],
+        cli_tolerances=tolerances,
+        report_dir=args.report,
+        flags=flags,
+    )
     try:
-        backend = DumpBackend(options)
-    except BackendError as exc:
+        session = ParitySession(options)
+        rows = list(session.run_all())
+    except (SetupError, GoldenError) as exc:
         return _fail(str(exc))
-    dtype = None
-    if args.dtype:
-        try:
-            dtype = parse_dtype(args.dtype, floating=True)
-        except ValueError:
-            return _fail(f"--dtype {args.dtype!r} is not a floating-point torch dtype")
-    rows, missing = [], []
-    try:
-        dtype = dtype if args.dtype else (backend.dump.float_dtype() or torch.float32)
-        runner = ParityRunner(store, lambda: backend, dtype, cli_tolerances=tolerances)
-        for pid in store.point_ids:
-            try:
-                result = runner.run(pid)
-            except PointUnavailable:
-                missing.append(pid)
-                continue
-            rows.append(result.to_row())
-    except (DumpError, GoldenError) as exc:
-        return _fail(str(exc))
-    if not rows:
+    if all(r["status"] == "skipped" for r in rows):
+        first = session.points[0]
+        tried = ", ".join(session.backend.dump.candidates(first))
         return _fail(
             f"no dumped tensor in {args.candidate} matched a point of {args.golden} "
-            f"(names tried for the first point: {', '.join(backend.dump.candidates(store.points[0]))}); pass --map FILE"
+            f"(names tried for {first.id}: {tried}); pass --map FILE"
         )
-    for line in summary_table(rows):
+    for line, _ in session.closing_lines():
         print(line)
-    failed = [r for r in rows if r["status"] != "passed"]
-    print(
-        f"{len(rows)} points compared: {len(rows) - len(failed)} passed, {len(failed)} failed; "
-        f"{len(missing)} not in the dump"
-    )
-    first = first_divergence(rows)
-    print(f"first divergence: {first['id'] if first else 'none'}" + (f"  ({first['hint']})" if first else ""))
-    if args.report:
-        meta = {
-            "golden_dir": str(args.golden.resolve()),
-            "model_type": store.model_type,
-            "candidate_model": str(args.candidate.resolve()),
-            "hw": "dump",
-            "dtype": dtype_name(dtype),
-            "missing_points": missing,
-        }
-        write_reports(args.report, rows, meta=meta, interrupted=False)
+    session.write_reports()
+    failed = any(r["status"] in ("failed", "error") for r in rows)
     return EXIT_FAILED if failed else EXIT_OK
 
 

@@ -1,11 +1,13 @@
-"""Dtype names and JSON-safe numbers, shared by every layer of the package."""
+"""Dtype names and JSON-safe numbers, shared by every layer of the package (torch is imported only
+when a dtype is parsed, so the plugin's startup stays free of it)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -16,6 +18,8 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 def parse_dtype(name: str, *, floating: bool = False) -> torch.dtype:
     """A torch dtype from its name; ValueError if there is none (or, with `floating`, if it is not
     a floating-point dtype)."""
+    import torch
+
     dtype = getattr(torch, dtype_name(name), None)
     if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
         raise ValueError(f"unknown dtype {name!r}")

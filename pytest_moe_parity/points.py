@@ -1,8 +1,19 @@
-"""The names of the capture-point components, in forward order (no torch import: the pytest
-plugin reads them at startup even when it is inert)."""
+"""Capture points: the components, their forward order, how a point is named, and which points
+are routed blocks. Point ids are built and parsed here and nowhere else.
+
+A point id reads `embedding`, `layer_17.attention` or, for decode step 3, `step_3.layer_17.attention`,
+so that `-k layer_17`, `-k router` and `-k "layer_3 and experts"` select naturally. No torch import:
+the pytest plugin reads this module at startup even when it is inert."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 # Inside one decoder layer, the parts come before the wholes that contain them, so that
-# `pytest -x` stops at the smallest diverging component.
+# `pytest -x` stops at the smallest diverging component. This tuple *is* the forward order:
+# the recorder plans points by walking it.
 LAYER_COMPONENTS = (
     "input_norm",
     "attention",
@@ -17,3 +28,126 @@ LAYER_COMPONENTS = (
 MODEL_HEAD = ("embedding", "rotary")
 MODEL_TAIL = ("final_norm", "logits")
 COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
+
+ROUTER = "router"
+# Points that contain a router: judged over the tokens whose top-k routing agrees between golden
+# and candidate (a near-tie flip changes a token's output by design), so replaying them needs the
+# golden router's output and, from the backend, the candidate's own routing.
+ROUTED_BLOCKS = frozenset({"moe", "output"})
+
+_ID_RE = re.compile(r"^(?:step_(\d+)\.)?(?:layer_(\d+)\.)?([a-z_]+)$")
+
+
+def point_id(component: str, layer: int | None = None, step: int | None = None) -> str:
+    """`layer_17.attention`, `embedding`, `step_3.layer_17.attention`."""
+    pid = component if layer is None else f"{layer_group(layer)}.{component}"
+    return pid if step is None else f"step_{step}.{pid}"
+
+
+def layer_group(layer: int) -> str:
+    """The name of a decoder layer as a unit: its golden file, its xdist group, its weights."""
+    return f"layer_{layer}"
+
+
+def parse_point_id(pid: str) -> tuple[int | None, int | None, str]:
+    """`step_3.layer_17.attention` -> (3, 17, "attention"); ValueError if it is not a point id."""
+    m = _ID_RE.match(pid)
+    if not m or m.group(3) not in COMPONENTS:
+        raise ValueError(f"not a capture point id: {pid!r}")
+    step, layer, component = m.groups()
+    if layer is None and component in LAYER_COMPONENTS:
+        raise ValueError(f"not a capture point id: {pid!r} ({component} belongs to a layer)")
+    return (int(step) if step is not None else None), (int(layer) if layer is not None else None), component
+
+
+@dataclass(frozen=True)
+class Point:
+    """One (step, layer, component) of the model whose call is recorded and replayed."""
+
+    component: str
+    layer: int | None = None
+    module: str = ""  # dotted path of the module from the model root
+    order: int = 0  # position in forward order among the golden's points
+    step: int | None = None  # decode step; None for the prefill
+    router_kind: str | None = None  # routers and routed blocks: how the router scores experts
+    score_bias: str | None = None  # dotted path of the router's score-correction bias, if any
+
+    def __post_init__(self) -> None:
+        if self.component not in COMPONENTS:
+            raise ValueError(f"unknown component {self.component!r}; known: {', '.join(COMPONENTS)}")
+        if (self.layer is None) != (self.component not in LAYER_COMPONENTS):
+            raise ValueError(f"{self.component}: layer {self.layer!r} does not fit a {self.component} point")
+
+    @property
+    def id(self) -> str:
+        return point_id(self.component, self.layer, self.step)
+
+    @property
+    def group(self) -> str:
+        """The golden file the point is stored in: its layer, or the model-level point itself."""
+        return layer_group(self.layer) if self.layer is not None else self.component
+
+    @property
+    def routed_block(self) -> bool:
+        return self.component in ROUTED_BLOCKS
+
+    @property
+    def router_id(self) -> str | None:
+        """The id of the router whose routing a routed block is judged by (same layer and step)."""
+        return point_id(ROUTER, self.layer, self.step) if self.routed_block and self.layer is not None else None
+
+    @classmethod
+    def parse(cls, pid: str, **fields: Any) -> Point:
+        step, layer, component = parse_point_id(pid)
+        return cls(component, layer, step=step, **fields)
+
+    def with_order(self, order: int) -> Point:
+        return replace(self, order=order)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Point:
+        """A point from its manifest entry (which also holds the recorded call)."""
+        point = cls(
+            data["component"],
+            data.get("layer"),
+            module=data.get("module", ""),
+            order=int(data.get("order", 0)),
+            step=data.get("step"),
+            router_kind=data.get("router_kind"),
+            score_bias=data.get("score_bias"),
+        )
+        if point.id != data.get("id", point.id):
+            raise ValueError(f"point entry {data.get('id')!r} does not match its component and layer")
+        return point
+
+
+def parse_layers(text: str) -> list[int]:
+    """`1,17,20-29` -> [1, 17, 20, ..., 29]; ValueError naming the bad part."""
+    layers: set[int] = set()
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        low, dash, high = part.partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise ValueError(f"{part!r} is not a layer number or a range like 20-29") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} is not a range of layers (expected LOW-HIGH with 0 <= LOW <= HIGH)")
+        layers.update(range(first, last + 1))
+    if not layers:
+        raise ValueError(f"no layer in {text!r}; expected e.g. 1,17,20-29")
+    return sorted(layers)
+
+
+def describe_layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[str] = []
+    for n in sorted(set(layers)):
+        if runs and n == int(runs[-1].rpartition("-")[2]) + 1:
+            runs[-1] = f"{runs[-1].partition('-')[0]}-{n}"
+        else:
+            runs.append(str(n))
+    return ", ".join(runs)

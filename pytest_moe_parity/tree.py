@@ -29,3 +29,12 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+def leaves(obj: Any) -> list[Any]:
+    """The leaves of a nested structure in order (dict values in insertion order)."""
+    if isinstance(obj, tuple | list):
+        return [leaf for item in obj for leaf in leaves(item)]
+    if isinstance(obj, dict):
+        return [leaf for item in obj.values() for leaf in leaves(item)]
+    return [obj]

@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_moe_parity.record.tiny import available_archs
-
-ARCHS = available_archs()
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
+    from pytest_moe_parity.session import quiet_transformers
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
 
 
 @pytest.fixture(scope="session")
@@ -55,20 +50,14 @@ def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable
     return make
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def _import_everything_once(golden_dir, tiny_model) -> None:
     """pytester's in-process runs drop the modules first imported inside them, and some torch
-    modules register C++ operator libraries that cannot be imported twice. Run the whole replay
-    path once up front so that every such module is imported by the outer session."""
-    import torch
+    modules register C++ operator libraries that cannot be imported twice. The modules that run
+    inner sessions use this fixture (see their `pytestmark`) to run the whole replay path once up
+    front, so that every such module is imported by the outer session; pure unit tests do not."""
+    from helpers import session
 
-    from pytest_moe_parity.backends import BackendOptions
-    from pytest_moe_parity.backends.hf import TorchBackend
-    from pytest_moe_parity.golden import GoldenStore
-    from pytest_moe_parity.replay.runner import ParityRunner
-
-    store = GoldenStore(golden_dir("minimax_m2"))
-    backend = TorchBackend(BackendOptions(store, tiny_model("minimax_m2"), torch.bfloat16))
-    runner = ParityRunner(store, lambda: backend, torch.bfloat16)
+    runner = session(golden_dir("minimax_m2"), tiny_model("minimax_m2"), dtype="bfloat16").runner
     for pid in ("embedding", "rotary", "layer_0.attention", "layer_0.router", "layer_0.moe", "logits"):
         runner.run(pid)

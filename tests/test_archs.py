@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import assert_replays_bitwise, load_fp32
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.golden.spec import resolve_params
-from pytest_moe_parity.record.archs import ARCH_TABLE, _plan_from_spec, find_structure, parse_point_id, plan_points
-from pytest_moe_parity.record.run import load_model, record_golden
+from pytest_moe_parity.points import LAYER_COMPONENTS
+from pytest_moe_parity.record.archs import ARCH_TABLE, _plan_from_spec, find_structure, plan_points
+from pytest_moe_parity.record.run import record_golden
 from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
 
 # MoE model types of transformers that the table does not know; their tiny configs live beside the
@@ -30,18 +30,10 @@ def test_structural_fallback_records_and_replays(model_type: str, tiny_model, tm
     record_golden(path, tmp_path / "g", seq_len=12)
     store = GoldenStore(tmp_path / "g")
     assert store.manifest["arch"]["source"] == "structural"
-    comps = {p["component"] for p in store.points}
+    comps = {p.component for p in store.points}
     assert {"embedding", "input_norm", "attention", "post_attn_norm", "router", "experts", "moe", "output"} <= comps
     assert {"final_norm", "logits"} <= comps
-    model = load_model(path, dtype=torch.float32, device="cpu", device_map=None, max_memory=None)
-    for pid in store.point_ids:
-        rec = store.load(pid)
-        module = model.get_submodule(rec.point["module"])
-        with torch.no_grad():
-            out = module(*resolve_params(rec.args, model), **resolve_params(rec.kwargs, model))
-        expected = rec.output if isinstance(rec.output, torch.Tensor) else rec.output[0]
-        actual = out if isinstance(out, torch.Tensor) else out[0]
-        assert torch.equal(actual, expected), pid
+    assert_replays_bitwise(tmp_path / "g", load_fp32(path))
 
 
 def test_structural_details() -> None:
@@ -73,8 +65,10 @@ def test_structural_finder_agrees_with_the_table(arch: str) -> None:
     assert found == table
 
 
-def test_point_ids_parse() -> None:
-    assert parse_point_id("layer_17.attention") == (17, "attention")
-    assert parse_point_id("logits") == (None, "logits")
-    with pytest.raises(ValueError):
-        parse_point_id("layer_x.attention")
+def test_forward_order_is_the_component_table(golden_dir) -> None:
+    """Points are planned by walking LAYER_COMPONENTS: within a layer, the golden's order is the table's."""
+    store = GoldenStore(golden_dir("deepseek_v3"))
+    for layer in store.layers:
+        comps = [p.component for p in store.points if p.layer == layer]
+        assert comps == sorted(comps, key=LAYER_COMPONENTS.index)
+    assert [p.order for p in store.points] == list(range(len(store.points)))

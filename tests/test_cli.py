@@ -14,16 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import cli as run
 
-from pytest_moe_parity.cli import main
 from pytest_moe_parity.golden import GoldenError, GoldenStore
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        sys.exit(main(list(argv)))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 def assert_no_golden(path: Path) -> None:
@@ -124,6 +117,28 @@ def test_unknown_arch(tmp_path: Path, capsys) -> None:
 def test_show_on_bad_golden(tmp_path: Path, capsys) -> None:
     code, _, err = run(capsys, "show", str(tmp_path))
     assert code == 2 and "manifest.json is missing" in err
+
+
+def test_show_inputs_documents_each_call(golden_dir, capsys) -> None:
+    """What a backend author needs: the structure of every point's call, with shapes and dtypes."""
+    code, out, _ = run(capsys, "show", golden_dir("minimax_m2"), "--inputs")
+    assert code == 0
+    lines = [line.strip() for line in out.splitlines()]
+    expect = [
+        "layer_1.attention  (model.layers.1.self_attn)",
+        "kwargs.hidden_states                 tensor (1, 16, 64) float32",
+        "kwargs.position_embeddings.0         tensor (1, 16, 16) float32",
+        "out.1                                omitted (not recorded, not compared)",
+        "layer_1.router  (model.layers.1.mlp.gate)",
+        "args.1                               parameter model.layers.1.mlp.e_score_correction_bias"
+        " (the candidate's own)",
+        "out.2                                tensor (16, 2) int64",
+        "layer_1.experts  (model.layers.1.mlp.experts)",
+        "args.1                               tensor (16, 2) int64",
+    ]
+    at = 0
+    for line in expect:  # in this order
+        at = lines.index(line, at) + 1
 
 
 def test_console_script_exit_code(tmp_path: Path) -> None:

@@ -4,31 +4,30 @@ candidate checkpoint, by module path, by point id, through a map file, and as `.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import faults
 import pytest
 import torch
+from helpers import cli, read_json, run_parity, session, usage_error
 from safetensors.torch import save_file
 
-from pytest_moe_parity.backends import BackendOptions
-from pytest_moe_parity.backends.hf import TorchBackend
-from pytest_moe_parity.cli import main
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import SUMMARY_FILE
+from pytest_moe_parity.points import LAYER_COMPONENTS, MODEL_HEAD, MODEL_TAIL
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
 
-def write_dump(golden: Path, model: Path, out: Path, *, name=lambda p: p["module"], fmt="safetensors", skip=()):
+def write_dump(golden: Path, model: Path, out: Path, *, name=lambda p: p.module, fmt="safetensors", skip=()):
     """What a port's own hooks would dump: every point's output on the golden inputs."""
-    store = GoldenStore(golden)
-    backend = TorchBackend(BackendOptions(store, model, torch.bfloat16))
+    run = session(golden, model, dtype="bfloat16")
     out.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
-    for point in store.points:
-        if point["id"] in skip:
+    for point in run.points:
+        if point.id in skip:
             continue
-        output = backend.run(point, store.load(point["id"])).output
+        output = run.prepare(point).candidate.output
         leaves = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
         key = name(point)
         if fmt == "pt":
@@ -42,11 +41,8 @@ def write_dump(golden: Path, model: Path, out: Path, *, name=lambda p: p["module
     return out
 
 
-def compare(capsys, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        sys.exit(main(["compare", *map(str, argv)]))
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
+def compare(capsys, *argv) -> tuple[int, str, str]:
+    return cli(capsys, "compare", *argv)
 
 
 def test_healthy_dump_passes(tmp_path: Path, golden_dir, tiny_model, capsys) -> None:
@@ -55,7 +51,7 @@ def test_healthy_dump_passes(tmp_path: Path, golden_dir, tiny_model, capsys) -> 
     code, out, err = compare(capsys, golden, dump, "--report", tmp_path / "r")
     assert code == 0, out + err
     n = len(GoldenStore(golden).point_ids)
-    assert f"{n} points compared: {n} passed, 0 failed; 0 not in the dump" in out
+    assert f"{n} points: {n} passed, 0 failed, 0 errors; reports in {tmp_path / 'r'}" in out
     assert "first divergence: none" in out
     summary = json.loads((tmp_path / "r" / SUMMARY_FILE).read_text())
     assert summary["first_divergence"] is None and summary["dtype"] == "bfloat16"
@@ -75,23 +71,22 @@ def test_map_file_and_pt_dumps(tmp_path: Path, golden_dir, tiny_model, capsys) -
     names = {"attention": "attn_out", "moe": "moe_out", "router": "gate"}
 
     def rename(point):
-        comp = point["component"]
-        return f"decoder.{point['layer']}.{names[comp]}" if comp in names else point["id"]
+        return f"decoder.{point.layer}.{names[point.component]}" if point.component in names else point.id
 
     dump = write_dump(golden, tiny_model("olmoe"), tmp_path / "dump", name=rename, fmt="pt", skip={"rotary"})
     mapping = tmp_path / "map.json"
     mapping.write_text(json.dumps({f"layer_{{layer}}.{c}": f"decoder.{{layer}}.{n}" for c, n in names.items()}))
     code, out, _ = compare(capsys, golden, dump, "--map", mapping)
     n = len(GoldenStore(golden).point_ids)
-    assert code == 0 and f"{n - 1} passed, 0 failed; 1 not in the dump" in out
+    assert code == 0 and f"{n} points: {n - 1} passed, 0 failed, 0 errors, 1 skipped" in out
     code, out, _ = compare(capsys, golden, dump)  # without the map, the 12 renamed points are missing
-    assert code == 0 and "13 not in the dump" in out  # and rotary
+    assert code == 0 and f"{n} points: {n - 13} passed, 0 failed, 0 errors, 13 skipped" in out  # and rotary
 
 
 @pytest.mark.parametrize(
     "setup, message",
     [
-        (lambda tmp: (tmp / "nope", []), "dump directory .* does not exist"),
+        (lambda tmp: (tmp / "nope", []), "CANDIDATE_DIR .*nope does not exist"),
         (lambda tmp: (tmp, []), "holds no .safetensors or .pt files"),
         (lambda tmp: (_one_tensor(tmp, "unrelated"), []), "no dumped tensor .* matched a point"),
         (lambda tmp: (_one_tensor(tmp, "x"), ["--map", _write(tmp / "m.json", "{not json")]), "is not valid JSON"),
@@ -136,17 +131,50 @@ def _write(path: Path, text: str) -> str:
     return str(path)
 
 
-def test_pytest_hw_dump(pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model) -> None:
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_pytest_hw_dump_prints_what_compare_prints(
+    xdist, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model, capsys
+) -> None:
+    """One session object behind both: same defaults (the dump's dtype), same rows, same closing lines."""
     golden = golden_dir("minimax_m2")
-    dump = write_dump(golden, tiny_model("minimax_m2"), tmp_path / "dump", skip={"logits"})
+    candidate = faults.edit_checkpoint(tiny_model("minimax_m2"), tmp_path / "c", faults.scale("o_proj", 1, 1.5))
+    dump = write_dump(golden, candidate, tmp_path / "dump", skip={"logits"})
     n = len(GoldenStore(golden).point_ids)
     report = tmp_path / "report"
-    argv = ["--golden-dir", str(golden), "--hw", "dump", "--model", str(dump), "-rs", "--parity-report", str(report)]
-    result = pytester.runpytest(*argv)
-    result.assert_outcomes(passed=n - 1, skipped=1)
-    summary = json.loads((report / SUMMARY_FILE).read_text())
-    assert summary["skipped"] == 1 and summary["passed"] == n - 1 and summary["dtype"] == "bfloat16"
-    result.stdout.fnmatch_lines(["first divergence: none", "*logits is not in the dump*"])
+    result = run_parity(pytester, golden, "--hw", "dump", "-rs", "--parity-report", str(report), *xdist, model=dump)
+    result.assert_outcomes(passed=n - 3, failed=2, skipped=1)  # the attention and the whole layer
+    summary = read_json(report / SUMMARY_FILE)
+    assert (summary["skipped"], summary["failed"], summary["dtype"]) == (1, 2, "bfloat16")
+    assert summary["first_divergence"] == "layer_1.attention"
+    result.stdout.fnmatch_lines(["*logits is not in the dump*"])
+    code, out, _ = compare(capsys, golden, dump, "--report", tmp_path / "cli-report")
+    assert code == 1
+    closing = out.strip().splitlines()[-3:]  # counts, first divergence (no backend errors)
+    plugin_lines = result.stdout.str().splitlines()
+    start = plugin_lines.index(next(line for line in plugin_lines if line.startswith(f"{n} points:")))
+    assert [line.split("; reports in")[0] for line in plugin_lines[start : start + 2]] == [
+        line.split("; reports in")[0] for line in closing[-2:]
+    ]
+    cli_rows = read_json(tmp_path / "cli-report" / REPORT_FILE)["points"]
+    plugin_rows = read_json(report / REPORT_FILE)["points"]
+    assert [(r["id"], r["status"]) for r in cli_rows] == [(r["id"], r["status"]) for r in plugin_rows]
+
+
+def test_dump_needs_a_location_and_takes_its_map_as_an_option(
+    pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+) -> None:
+    golden = golden_dir("olmoe")
     usage = pytester.runpytest("--golden-dir", str(golden), "--hw", "dump")
-    assert usage.ret == pytest.ExitCode.USAGE_ERROR
-    assert "--hw dump needs the candidate's location: pass --model DIR" in usage.stderr.str()
+    usage_error(usage, "--hw dump needs the candidate's location: pass --model DIR")
+    dump = write_dump(golden, tiny_model("olmoe"), tmp_path / "dump", name=lambda p: f"x.{p.id}")
+    mapping = tmp_path / "map.json"
+    templates = {f"layer_{{layer}}.{c}": f"x.layer_{{layer}}.{c}" for c in LAYER_COMPONENTS}
+    mapping.write_text(json.dumps({**templates, **{c: f"x.{c}" for c in MODEL_HEAD + MODEL_TAIL}}))
+    n = len(GoldenStore(golden).point_ids)
+    for option in (["--hw-option", f"map={mapping}"], ["--parity-map", str(mapping)]):
+        run_parity(pytester, golden, "--hw", "dump", *option, model=dump).assert_outcomes(passed=n)
+    run_parity(pytester, golden, "--hw", "dump", model=dump).assert_outcomes(skipped=n)
+    usage_error(
+        run_parity(pytester, golden, "--hw", "dump", "--hw-option", "device=cuda", model=dump),
+        "--hw-option device=cuda: the dump backend has no option 'device'; its options: map",
+    )

@@ -13,12 +13,11 @@ import pytest_moe_parity.golden.store as golden_mod
 from pytest_moe_parity.golden import MANIFEST, SCHEMA_VERSION, GoldenError, GoldenStore, GoldenWriter
 from pytest_moe_parity.golden.spec import Flattener
 from pytest_moe_parity.golden.writer import Recorded
-from pytest_moe_parity.record.archs import CapturePoint
+from pytest_moe_parity.points import Point
 
 
 def _record(pid: str, layer: int | None, tensors: dict[str, torch.Tensor]) -> Recorded:
-    group = f"layer_{layer}" if layer is not None else pid
-    point = CapturePoint(pid, pid.rsplit(".", 1)[-1], layer, f"m.{pid}", group, order=layer or 0)
+    point = Point.parse(pid, module=f"m.{pid}", order=layer or 0)
     fl = Flattener({})
     args = [fl.flatten(tensors["x"], f"{pid}/args.0")]
     kwargs = {
@@ -44,7 +43,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert rec.kwargs["scale"] == 2.5 and rec.kwargs["flag"] is True
     # the same tensor object is stored once and comes back under both uses
     assert torch.equal(rec.kwargs["pair"][0], x) and rec.kwargs["pair"][1] is None
-    assert len(rec.point["tensors"]) == 3
+    assert len(store.entry(rec.point)["tensors"]) == 3
     assert torch.equal(rec.output[0], y) and torch.equal(rec.output[1], i)
     manifest = json.loads((tmp_path / "g" / MANIFEST).read_text())
     assert manifest["schema_version"] == SCHEMA_VERSION and manifest["complete"] is True
@@ -70,12 +69,12 @@ def test_one_point_of_a_48_layer_golden_opens_only_its_layer(golden_dir, monkeyp
     monkeypatch.setattr(golden_mod, "safe_open", spy_open)
     monkeypatch.setattr(golden_mod, "sha256_file", spy_sha)
     store = GoldenStore(root)
-    assert len([p for p in store.points if p["component"] == "output"]) == 48
+    assert len([p for p in store.points if p.component == "output"]) == 48
     assert opened == []  # opening the store reads the manifest only
     rec = store.load("layer_17.experts")
     assert rec.args[0].shape == (16, 64)
     assert set(opened) == {"layer_17.safetensors"}
-    assert store.opened_files == ["layer_17.safetensors"]
+    assert list(store.opened_files) == ["layer_17.safetensors"]
 
 
 @pytest.fixture

@@ -7,36 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_replays_bitwise, load_fp32
 from safetensors import safe_open
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.golden.spec import ParamRef, resolve_params
-from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
 from pytest_moe_parity.tree import map_structure
 
 ARCHS = available_archs()
 
 REQUIRED_ARCHS = {"mixtral", "qwen3_moe", "deepseek_v3", "minimax_m2", "gpt_oss", "qwen2_moe", "olmoe"}
-
-
-def _load(path: Path):
-    return load_model(path, dtype=torch.float32, device="cpu", device_map=None, max_memory=None)
-
-
-def _assert_bitwise(actual, expected, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual, expected), f"{where}: max diff {(actual - expected).abs().max()}"
-    elif isinstance(expected, tuple | list):
-        assert isinstance(actual, tuple | list) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            if e is None:  # omitted (attention weights)
-                continue
-            _assert_bitwise(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, where
 
 
 def test_all_required_archs_have_tiny_configs() -> None:
@@ -46,32 +27,26 @@ def test_all_required_archs_have_tiny_configs() -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_point_replays_bitwise(arch: str, tiny_model, golden_dir) -> None:
     store = GoldenStore(golden_dir(arch))
-    model = _load(tiny_model(arch))
-    components = {p["component"] for p in store.points}
+    components = {p.component for p in store.points}
     assert {"embedding", "attention", "router", "experts", "moe", "output", "final_norm", "logits"} <= components
     if arch in REQUIRED_ARCHS:
         assert "rotary" in components
     assert store.point_ids[0] == "embedding" and store.point_ids[-1] == "logits"
-    for pid in store.point_ids:
-        rec = store.load(pid)
-        module = model.get_submodule(rec.point["module"])
-        with torch.no_grad():
-            out = module(*resolve_params(rec.args, model), **resolve_params(rec.kwargs, model))
-        _assert_bitwise(out, rec.output, pid)
+    assert_replays_bitwise(golden_dir(arch), load_fp32(tiny_model(arch)))
 
 
 def test_points_per_architecture(golden_dir) -> None:
     ds = GoldenStore(golden_dir("deepseek_v3"))
-    layer0 = [p["component"] for p in ds.points if p["layer"] == 0]
-    layer1 = [p["component"] for p in ds.points if p["layer"] == 1]
+    layer0 = [p.component for p in ds.points if p.layer == 0]
+    layer1 = [p.component for p in ds.points if p.layer == 1]
     assert layer0 == ["input_norm", "attention", "post_attn_norm", "mlp", "output"]  # first_k_dense_replace
     assert layer1 == [
         "input_norm", "attention", "post_attn_norm", "router", "experts", "shared_experts", "moe", "output",
     ]  # fmt: skip
     q2 = GoldenStore(golden_dir("qwen2_moe"))
-    assert q2.point("layer_2.shared_experts")["module"] == "model.layers.2.mlp.shared_expert"
+    assert q2.point("layer_2.shared_experts").module == "model.layers.2.mlp.shared_expert"
     gpt = GoldenStore(golden_dir("gpt_oss"))
-    assert gpt.point("layer_1.router")["module"] == "model.layers.1.mlp.router"
+    assert gpt.point("layer_1.router").module == "model.layers.1.mlp.router"
     # gpt_oss sliding and full layers get different masks, each stored with its own layer
     m0 = gpt.load("layer_0.output").kwargs["attention_mask"]
     m1 = gpt.load("layer_1.output").kwargs["attention_mask"]
@@ -84,9 +59,9 @@ def test_parameters_passed_as_arguments_come_from_the_candidate(tiny_model, gold
     store = GoldenStore(golden_dir("minimax_m2"))
     rec = store.load("layer_1.router")
     assert rec.args[1] == ParamRef("model.layers.1.mlp.e_score_correction_bias")
-    assert not any(".e_score_correction_bias" in k for k in rec.point["tensors"])
-    model = _load(tiny_model("minimax_m2"))
-    gate = model.get_submodule(rec.point["module"])
+    assert not any(".e_score_correction_bias" in k for k in store.entry(rec.point)["tensors"])
+    model = load_fp32(tiny_model("minimax_m2"))
+    gate = model.get_submodule(rec.point.module)
     with torch.no_grad():
         good = gate(*resolve_params(rec.args, model))
         model.get_buffer("model.layers.1.mlp.e_score_correction_bias").zero_()
@@ -163,7 +138,7 @@ def test_tiny_model_layers_option(tiny_model) -> None:
     path = tiny_model("gpt_oss", layers=3)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and len(cfg["layer_types"]) == 3
-    model = _load(path)
+    model = load_fp32(path)
     assert len(model.model.layers) == 3
     for name, t in _state(path).items():
         assert torch.equal(model.state_dict()[name], t) or "experts" in name  # fused on load

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
-from pytest_moe_parity.judge.verdict import judge_point
+from pytest_moe_parity.judge.verdict import Custom, judge_point
+from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.text import failure_text, summary_table
 
 
@@ -52,7 +53,7 @@ def test_most_specific_wins() -> None:
 def test_atol_alone_means_allclose() -> None:
     tol, _ = resolve("x", "custom", torch.float32, marker={"atol": 1e-3})
     assert tol.within == 1.0 and tol.atol == 1e-3
-    point = {"id": "x", "layer": None, "component": "custom", "order": 0}
+    point = Custom("x")
     g = torch.zeros(10)
     c = torch.zeros(10)
     c[3] = 0.01
@@ -60,7 +61,7 @@ def test_atol_alone_means_allclose() -> None:
     assert not r.passed and [ch.name for ch in r.failed_checks] == ["cosine", "rel_l2", "within"]
 
 
-POINT = {"id": "layer_1.attention", "layer": 1, "component": "attention", "order": 3}
+POINT = Point("attention", 1, order=3)
 
 
 def test_shape_mismatch_fails_with_both_shapes() -> None:
@@ -83,7 +84,7 @@ def test_nan_says_where() -> None:
 
 
 def test_router_tie_is_not_a_failure_but_a_flip_is() -> None:
-    point = {"id": "layer_0.router", "layer": 0, "component": "router", "order": 0, "router_kind": "softmax"}
+    point = Point("router", 0, router_kind="softmax")
     tol = default_tolerance(torch.bfloat16, "router")
     logits = torch.tensor([[4.0, 3.0, 1.0, 0.0], [2.0, 1.0, 0.9995, -1.0]])
     weights = torch.softmax(logits, -1).topk(2).values
@@ -102,7 +103,7 @@ def test_router_tie_is_not_a_failure_but_a_flip_is() -> None:
 
 
 def test_sigmoid_router_ties_use_the_golden_score_bias() -> None:
-    point = {"id": "layer_0.router", "layer": 0, "component": "router", "order": 0, "router_kind": "sigmoid_bias"}
+    point = Point("router", 0, router_kind="sigmoid_bias")
     tol = default_tolerance(torch.bfloat16, "router")
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
     bias = torch.tensor([0.0, 0.3, 0.0, 0.6])  # the bias alone decides: experts 3 and 1
@@ -126,9 +127,50 @@ def test_summary_table_is_compact_for_big_runs() -> None:
 
 
 def test_a_router_returning_logits_only_is_compared_as_a_tensor() -> None:
-    point = {"id": "layer_0.router", "layer": 0, "component": "router", "order": 0, "router_kind": "softmax"}
+    point = Point("router", 0, router_kind="softmax")
     tol = default_tolerance(torch.bfloat16, "router")
     logits = torch.randn(5, 4)
     assert judge_point(point, logits, logits.clone(), tol, torch.bfloat16).passed
     r = judge_point(point, logits, logits.roll(1, dims=1), tol, torch.bfloat16)
     assert not r.passed and list(r.metrics) == ["out"]
+
+
+def test_failure_text_counts_worst_elements_and_remedy() -> None:
+    tol = default_tolerance(torch.bfloat16, "attention")
+    g = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0))
+    c = g.clone()
+    c[0, 3, 5] = -g[0, 3, 5] * 2  # one element wrong
+    c[0, 6] *= 1.2  # one token 20% off
+    r = judge_point(POINT, g, c, tol, torch.bfloat16)
+    assert not r.passed
+    text = failure_text(r)
+    m = r.metrics["out"]
+    assert f"outside atol=0.01/rtol=0.016: {m.mismatched} / 128 ({m.mismatched / 1.28:.2f}%)" in text
+    assert m.mismatched == round((1 - m.within_tol) * 128) and m.mismatched >= 1
+    (index, golden, candidate, diff) = r.worst_elements["out"][0]
+    assert index == (0, 3, 5) and candidate == pytest.approx(-2 * golden) and diff == pytest.approx(candidate - golden)
+    assert r.worst[0][0] in (3, 6)
+    remedy = r.remedy()
+    assert remedy is not None and remedy.startswith("--parity-tol 'layer_1.attention:")
+    assert f"to accept this result: {remedy}" in text
+    assert all(len(line) <= 100 for line in text.splitlines()), max(text.splitlines(), key=len)
+    # the remedy accepts: re-judged under it, the same result passes
+    pattern, values = parse_override(remedy.removeprefix("--parity-tol ").strip("'"))
+    relaxed, _ = resolve(POINT.id, "attention", torch.bfloat16, cli=[(pattern, values)])
+    assert judge_point(POINT, g, c, relaxed, torch.bfloat16).passed
+
+
+def test_remedy_rounds_outward_and_refuses_the_unacceptable() -> None:
+    from pytest_moe_parity.judge.verdict import _accepting
+
+    assert _accepting(0.0867, "<=") == pytest.approx(0.087)
+    assert _accepting(0.75, "<=") == pytest.approx(0.75)
+    assert _accepting(0.99734, ">=") == pytest.approx(0.9973)
+    assert _accepting(0.5, ">=") == pytest.approx(0.5)
+    tol = default_tolerance(torch.bfloat16, "attention")
+    g = torch.randn(4, 8)
+    assert judge_point(POINT, g, -g, tol, torch.bfloat16).remedy() is None  # cosine -1: nothing accepts it
+    assert judge_point(POINT, g, g[:, :4], tol, torch.bfloat16).remedy() is None  # a shape
+    nan = g.clone()
+    nan[0, 0] = float("nan")
+    assert judge_point(POINT, g, nan, tol, torch.bfloat16).remedy() is None

@@ -1,43 +1,95 @@
-"""Candidate backends: turn a capture point into something callable on the candidate hardware and
-run it on the golden inputs. Built in: `cpu` and `cuda` (transformers modules, weights read per
-layer). Third parties register more under the entry-point group `pytest_moe_parity.backends`."""
+"""Candidate backends: the contract between the parity run and whatever runs the candidate.
+
+A backend gives, for one capture point, the candidate's output on that point's golden inputs.
+Backends are registered under the entry-point group `pytest_moe_parity.backends` (the built-in
+`cpu`, `cuda` and `dump` too, in this package's `pyproject.toml`) and selected with `--hw NAME`.
+
+Lifecycle, once per session (per xdist worker):
+
+1. `__init__(setup)` at configure time: validate cheaply (a missing package or device, an unusable
+   candidate, a bad `--hw-option`) and raise `BackendError` with one sentence: the run stops with a
+   usage error before any test. No weights are read here.
+2. `start()` once, before the first point: load, compile.
+3. `run(point, golden)` per point. `golden` holds the point's recorded call with every floating
+   tensor already cast to `backend.dtype` and moved to `backend.device`; parameters the module
+   received as arguments are `ParamRef` placeholders (resolve them with `resolve_params`). Raise
+   `PointUnavailable` for a point the candidate does not have (it is skipped). Any other exception
+   is reported as an error of the backend at that point, never as a divergence.
+4. `close()` at the end.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..dtypes import parse_dtype
+from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
+from ..golden.spec import ParamRef, resolve_params
+from ..points import Point
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
+    from torch import nn
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendError",
+    "BackendSetup",
+    "CandidateOutput",
+    "GoldenRecord",
+    "HwOption",
+    "ParamRef",
+    "Point",
+    "PointUnavailable",
+    "backend_class",
+    "registry",
+    "resolve_params",
+]
 
 ENTRY_POINT_GROUP = "pytest_moe_parity.backends"
 
 
-class BackendError(RuntimeError):
-    """The backend cannot be set up (missing package, device, or an unusable candidate)."""
+@dataclass(frozen=True)
+class HwOption:
+    """A setting a backend accepts as `--hw-option NAME=VALUE` (ini: `parity_hw_options`)."""
 
-
-class PointUnavailable(LookupError):
-    """The backend has nothing for this point (e.g. a dump that lacks it): the item is skipped."""
+    name: str
+    help: str
+    parse: Callable[[str], Any] = str  # raises ValueError for a bad value
+    default: Any = None
 
 
 @dataclass
-class BackendOptions:
+class BackendSetup:
+    """What a backend is built from."""
+
     golden: GoldenStore
-    model_dir: Path
-    dtype: torch.dtype
-    device: str = "cpu"
+    model_dir: Path | None  # the candidate (--model): a checkpoint, or a directory of dumped tensors
+    dtype: torch.dtype | None = None  # --dtype; None: the backend's native dtype, else the golden's
+    options: dict[str, str] = field(default_factory=dict)  # --hw-option values, parsed by the backend
     trust_remote_code: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class CandidateOutput:
-    """What the candidate produced for one point; `routing` holds the candidate's own router
-    output (logits, weights, top-k ids) when the point contains a router and the backend can see it."""
+    """What the candidate produced for one point.
+
+    `output` has the structure of the golden output (a tensor, or a tuple such as attention's
+    `(out, attn_weights)` or a router's `(logits, weights, top_k_index)`). `routing` is for the
+    points that contain a router (`moe`, `output`): the candidate's own router output
+    `(logits, top_k_weights, top_k_index)` on this call. With it, tokens whose top-k experts differ
+    from the golden (a near-tie can flip in bf16) are left out of the verdict and listed; without it
+    every token is compared, so a single flipped token can fail a healthy block, and the failure
+    text says that the backend did not expose the routing."""
 
     output: Any
     routing: tuple[torch.Tensor, ...] | None = None
@@ -45,65 +97,101 @@ class CandidateOutput:
 
 
 class Backend(ABC):
-    """One per session (per xdist worker), created lazily on the first parity item."""
+    """Base class of candidate backends (see the module docstring for the lifecycle)."""
 
     name: ClassVar[str] = "?"
-    # False for backends whose candidate is not a transformers checkpoint (e.g. a dump directory):
-    # no config comparison, and --model is required.
+    # The candidate is a transformers checkpoint: its config is checked against the golden's.
     needs_checkpoint: ClassVar[bool] = True
+    # The settings this backend accepts through --hw-option.
+    options: ClassVar[tuple[HwOption, ...]] = ()
+    # Capabilities: `module(path)` returns torch modules (for custom tests); `run` fills
+    # CandidateOutput.routing for routed blocks.
+    provides_modules: ClassVar[bool] = False
+    captures_routing: ClassVar[bool] = False
 
-    def __init__(self, options: BackendOptions):
-        self.options = options
+    # What the candidate computes in when --dtype is not given (None: the golden's dtype).
+    native_dtype: torch.dtype | None = None
+    # Where golden inputs are moved before `run`.
+    device: torch.device = torch.device("cpu")
+
+    def __init__(self, setup: BackendSetup) -> None:
+        self.setup = setup
+        self.golden = setup.golden
+        self.hw_options = self.parse_options(setup.options)
 
     @classmethod
-    def default_dtype(cls, options: BackendOptions) -> torch.dtype | None:
-        """The candidate's dtype when --dtype is not given (None: the golden's)."""
-        return None
+    def parse_options(cls, raw: dict[str, str]) -> dict[str, Any]:
+        """The backend's options with defaults, from `--hw-option` values; BackendError on an
+        unknown key or a bad value."""
+        known = {o.name: o for o in cls.options}
+        values = {o.name: o.default for o in cls.options}
+        for key, value in raw.items():
+            option = known.get(key)
+            if option is None:
+                accepted = f"its options: {', '.join(known)}" if known else "it takes no option"
+                raise BackendError(
+                    f"--hw-option {key}={value}: the {cls.name} backend has no option {key!r}; {accepted}"
+                )
+            try:
+                values[key] = option.parse(value)
+            except (ValueError, TypeError) as exc:
+                raise BackendError(f"--hw-option {key}={value}: {exc}") from None
+        return values
 
-    @classmethod
-    def check_options(cls, options: BackendOptions) -> None:
-        """Validate the options up front (raise BackendError with one sentence); cheap, no weights."""
-        return None
+    @property
+    def dtype(self) -> torch.dtype:
+        """The candidate's dtype: --dtype, else the backend's native dtype, else the golden's."""
+        return self.setup.dtype or self.native_dtype or parse_dtype(self.golden.dtype)
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Heavy setup (loading, compiling), once, before the first point."""
 
     @abstractmethod
-    def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
-        """Run the candidate's module for `point` on the golden inputs of `golden`."""
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        """The candidate's output for `point` on the golden inputs in `golden`."""
+
+    def module(self, path: str) -> nn.Module:
+        """The candidate's torch module at a point's module path (backends with `provides_modules`)."""
+        raise BackendError(f"the {self.name} backend has no torch modules; use candidate.call(record)")
+
+    def read_stats(self) -> dict[str, Any] | None:
+        """What was read from the candidate so far (reported in comparison_summary.json)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
 
-BUILTIN_BACKENDS: dict[str, type[Backend] | str] = {
-    "cpu": "pytest_moe_parity.backends.hf:TorchBackend",
-    "cuda": "pytest_moe_parity.backends.hf:CudaBackend",
-    "dump": "pytest_moe_parity.backends.dump:DumpBackend",
-}
+def parse_hw_options(items: Iterable[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings (later ones win) -> {KEY: VALUE}; ValueError naming a malformed one."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, eq, value = str(item).partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--hw-option {item!r} is not KEY=VALUE (e.g. --hw-option device=cuda:1)")
+        options[key.strip()] = value.strip()
+    return options
 
 
-def available_backends() -> dict[str, Any]:
-    """Built-in backends plus entry points (loaded lazily: value is a class or an EntryPoint)."""
-    from importlib.metadata import entry_points
+_REGISTRY: dict[str, EntryPoint | type[Backend]] = {}
 
-    found: dict[str, Any] = dict(BUILTIN_BACKENDS)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep)
-    return found
+
+def registry() -> dict[str, EntryPoint | type[Backend]]:
+    """Backend name -> its entry point (loaded on use) or class; read once per process."""
+    if not _REGISTRY:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            _REGISTRY.setdefault(ep.name, ep)
+    return _REGISTRY
 
 
 def backend_class(name: str) -> type[Backend]:
-    backends = available_backends()
-    if name not in backends:
-        raise KeyError(name)
-    value = backends[name]
+    """The backend registered as `name`; KeyError if there is none, BackendError if it cannot be loaded."""
+    value = registry()[name]
     if not isinstance(value, type):
         try:
-            if isinstance(value, str):
-                import importlib
-
-                module, _, attr = value.partition(":")
-                value = getattr(importlib.import_module(module), attr)
-            else:
-                value = value.load()
+            value = value.load()
         except ImportError as exc:
             raise BackendError(f"backend {name!r} cannot be imported ({exc})") from None
     if not (isinstance(value, type) and issubclass(value, Backend)):

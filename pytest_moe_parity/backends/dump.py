@@ -16,13 +16,16 @@ from typing import Any
 
 import torch
 
+from ..errors import BackendError
 from ..golden import GoldenRecord
-from . import Backend, BackendError, BackendOptions, CandidateOutput, PointUnavailable
+from ..points import Point
+from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-class DumpError(ValueError):
+class DumpError(BackendError):
     """The dump directory or the map file is unusable."""
 
 
@@ -58,7 +61,8 @@ class DumpDir:
             raise DumpError(f"dump directory {self.root} does not exist")
         self.rules = load_map(map_file)
         self._index: dict[str, tuple[Path, str | None]] = {}
-        self._pt_cache: dict[Path, Any] = {}
+        self._header_dtypes: dict[str, str] = {}  # safetensors entries: name -> dtype from the header
+        self._pt_last: tuple[Path, Any] | None = None  # the last .pt file read (one held at a time)
         from safetensors import SafetensorError, safe_open
 
         files = sorted(p for p in self.root.rglob("*") if p.suffix in TENSOR_SUFFIXES and p.is_file())
@@ -68,6 +72,7 @@ class DumpDir:
                     with safe_open(str(f), framework="pt") as fh:
                         for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                             self._index[key] = (f, key)
+                            self._header_dtypes[key] = fh.get_slice(key).get_dtype()
                 except (SafetensorError, OSError) as exc:
                     raise DumpError(f"{f} cannot be read as safetensors ({exc})") from None
             else:
@@ -86,32 +91,38 @@ class DumpDir:
 
             with safe_open(str(f), framework="pt") as fh:
                 return fh.get_tensor(key)
-        if f not in self._pt_cache:
+        if self._pt_last is None or self._pt_last[0] != f:
             try:
-                self._pt_cache[f] = torch.load(f, map_location="cpu", weights_only=True)
+                self._pt_last = (f, torch.load(f, map_location="cpu", weights_only=True))
             except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
                 raise DumpError(f"{f} cannot be loaded with weights_only=True ({type(exc).__name__}: {exc})") from None
-        return self._pt_cache[f]
+        return self._pt_last[1]
 
     def float_dtype(self) -> torch.dtype | None:
-        """The dtype of the first floating-point tensor of the dump (the candidate's precision)."""
+        """The dtype of the first floating-point tensor of the dump (the candidate's precision);
+        safetensors dumps answer from their headers, without reading tensor data."""
         for name in self.names:
+            header = _SAFETENSORS_FLOATS.get(self._header_dtypes.get(name, ""))
+            if header is not None:
+                return header
+            if name in self._header_dtypes:
+                continue
             value = self._read(name)
             for t in value if isinstance(value, tuple | list) else [value]:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     return t.dtype
         return None
 
-    def candidates(self, point: dict[str, Any]) -> list[str]:
+    def candidates(self, point: Point) -> list[str]:
         names = []
         for pattern, template in self.rules:
-            m = pattern.fullmatch(point["id"])
+            m = pattern.fullmatch(point.id)
             if m:
                 names.append(template.format(**m.groupdict()))
-        names += [point["id"], point["module"]]
+        names += [point.id, point.module]
         return names
 
-    def find(self, point: dict[str, Any]) -> tuple[str, Any] | None:
+    def find(self, point: Point) -> tuple[str, Any] | None:
         """The dumped output of `point` and the name it was found under, or None."""
         for name in self.candidates(point):
             if name in self._index:
@@ -125,37 +136,29 @@ class DumpDir:
 
 
 class DumpBackend(Backend):
-    """`--hw dump --model DUMP_DIR [--parity-map FILE]`: outputs come from the dump."""
+    """`--hw dump --model DUMP_DIR [--hw-option map=FILE]`: outputs come from the dump."""
 
     name = "dump"
     needs_checkpoint = False
+    captures_routing = True  # when the router's (logits, weights, top-k ids) were dumped
+    options = (HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),)
 
-    def __init__(self, options: BackendOptions):
-        super().__init__(options)
-        try:
-            self.dump = DumpDir(options.model_dir, options.extra.get("map"))
-        except DumpError as exc:
-            raise BackendError(str(exc)) from None
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        if setup.model_dir is None:
+            raise BackendError("--hw dump needs the dump directory: pass --model DIR")
+        # indexes the dump (names and headers only) and reads the map file
+        self.dump = DumpDir(setup.model_dir, self.hw_options["map"])
+        self.native_dtype = self.dump.float_dtype()
 
-    @classmethod
-    def check_options(cls, options: BackendOptions) -> None:
-        cls(options)  # indexes the dump (names only) and reads the map file
-
-    @classmethod
-    def default_dtype(cls, options: BackendOptions) -> torch.dtype | None:
-        try:
-            return DumpDir(options.model_dir, options.extra.get("map")).float_dtype()
-        except DumpError as exc:
-            raise BackendError(str(exc)) from None
-
-    def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         found = self.dump.find(point)
         if found is None:
             tried = ", ".join(self.dump.candidates(point))
-            raise PointNotDumped(f"{point['id']} is not in the dump {self.dump.root} (looked for {tried})")
+            raise PointNotDumped(f"{point.id} is not in the dump {self.dump.root} (looked for {tried})")
         routing = None
-        router = self.options.golden.router_point(point["layer"])
-        if point["component"] in ("moe", "output") and router is not None:
+        router = self.golden.router_of(point)
+        if router is not None:
             dumped = self.dump.find(router)
             if dumped is not None and isinstance(dumped[1], tuple | list) and len(dumped[1]) >= 3:
                 routing = tuple(dumped[1])

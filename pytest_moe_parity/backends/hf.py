@@ -1,5 +1,5 @@
 """The `cpu` and `cuda` backends: the candidate checkpoint's transformers modules, weights read
-per layer on demand."""
+per layer on demand (see `lazy_model`)."""
 
 from __future__ import annotations
 
@@ -7,41 +7,81 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
-from ..replay.inputs import cast_inputs
-from . import Backend, BackendError, BackendOptions, CandidateOutput
+from ..points import Point
+from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption
+from .lazy_model import LazyModel, weight_map
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 class TorchBackend(Backend):
-    """The transformers model of the candidate checkpoint, in `--dtype` on `device`."""
+    """`--hw cpu`: the transformers model of the candidate checkpoint, in --dtype."""
 
     name = "cpu"
+    provides_modules = True
+    captures_routing = True
+    options = (
+        HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
+        HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", _positive_int, 2),
+    )
     device_type = "cpu"
 
-    def __init__(self, options: BackendOptions):
-        super().__init__(options)
-        from .lazy_model import LazyModel
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        spec = self.hw_options["device"] or self.device_type
+        try:
+            self.device = torch.device(spec)
+        except RuntimeError:
+            raise BackendError(f"--hw-option device={spec}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BackendError(f"--hw {self.name} needs a CUDA device, and torch sees none; use --hw cpu")
+            if self.device.index is not None and self.device.index >= torch.cuda.device_count():
+                raise BackendError(f"device {spec} does not exist: torch sees {torch.cuda.device_count()} GPU(s)")
+        if setup.model_dir is None:
+            raise BackendError(f"--hw {self.name} needs a candidate checkpoint: pass --model DIR")
+        try:
+            self._weights = weight_map(setup.model_dir)  # the shard index only: no tensor is read
+        except CheckpointError as exc:
+            raise BackendError(str(exc)) from None
+        self.lazy: LazyModel | None = None
 
-        if self.device_type == "cuda" and not torch.cuda.is_available():
-            raise BackendError("--hw cuda needs a CUDA device, and torch sees none; use --hw cpu")
-        device = options.device if options.device != "cpu" or self.device_type == "cpu" else self.device_type
-        self.device = torch.device(device)
+    def start(self) -> None:
         self.lazy = LazyModel(
-            options.model_dir, dtype=options.dtype, device=self.device, trust_remote_code=options.trust_remote_code
+            self.setup.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            trust_remote_code=self.setup.trust_remote_code,
+            max_layers=self.hw_options["max_layers"],
+            weights=self._weights,
         )
 
-    def run(self, point: dict[str, Any], golden: GoldenRecord) -> CandidateOutput:
-        module = self.lazy.module(point["module"])
-        args = resolve_params(cast_inputs(golden.args, self.options.dtype, self.device), self.lazy.model)
-        kwargs = resolve_params(cast_inputs(golden.kwargs, self.options.dtype, self.device), self.lazy.model)
+    def _model(self) -> LazyModel:
+        if self.lazy is None:
+            self.start()
+        assert self.lazy is not None
+        return self.lazy
+
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        lazy = self._model()
+        module = lazy.module(point.module)
+        args = resolve_params(golden.args, lazy.model)
+        kwargs = resolve_params(golden.kwargs, lazy.model)
         routing: list[Any] = []
         handle = None
-        router_point = self.options.golden.router_point(point["layer"])
-        if point["component"] in ("moe", "output") and router_point is not None:
-            router = self.lazy.module(router_point["module"])
-            handle = router.register_forward_hook(lambda m, a, out: routing.append(out))
+        router = self.golden.router_of(point)
+        if router is not None:  # a routed block: see the candidate's own routing
+            handle = lazy.module(router.module).register_forward_hook(lambda m, a, out: routing.append(out))
         started = time.perf_counter()
         try:
             with torch.no_grad():
@@ -50,14 +90,31 @@ class TorchBackend(Backend):
             if handle is not None:
                 handle.remove()
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds)
 
+    def module(self, path: str) -> nn.Module:
+        return self._model().module(path)
+
+    def read_stats(self) -> dict[str, Any] | None:
+        if self.lazy is None:
+            return None
+        stats = self.lazy.stats
+        return {
+            "units": sorted(self.lazy.loaded_units | set(self.lazy.evicted)),
+            "keys": list(stats.keys),
+            "bytes": stats.bytes,
+            "files": sorted(stats.files),
+        }
+
     def close(self) -> None:
-        self.lazy.close()
+        if self.lazy is not None:
+            self.lazy.close()
 
 
 class CudaBackend(TorchBackend):
+    """`--hw cuda`: as `cpu`, on a CUDA device."""
+
     name = "cuda"
     device_type = "cuda"

@@ -14,14 +14,11 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name
+from ..errors import RecordError
 from ..tree import map_structure
 
 # A spec is plain JSON describing a nested call structure; tensors are referenced by key.
 Spec = dict[str, Any]
-
-
-class RecordError(RuntimeError):
-    """A module call cannot be recorded faithfully (an argument type we cannot store)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +111,11 @@ def build(spec: Spec, tensors: dict[str, torch.Tensor]) -> Any:
     raise ValueError(f"unknown spec kind {kind!r}")
 
 
-def resolve_params(obj: Any, model: nn.Module) -> Any:
-    """Replace ParamRef placeholders by the named parameter or buffer of `model` (the candidate)."""
-    return map_structure(obj, lambda leaf: named_tensor(model, leaf.name) if isinstance(leaf, ParamRef) else leaf)
+def resolve_params(obj: Any, model: nn.Module | Callable[[str], torch.Tensor]) -> Any:
+    """Replace ParamRef placeholders by the candidate's own parameter or buffer of that name:
+    looked up in `model` (a module, by dotted path from its root) or by calling `model(name)`."""
+    lookup = model if not isinstance(model, nn.Module) else (lambda name: named_tensor(model, name))
+    return map_structure(obj, lambda leaf: lookup(leaf.name) if isinstance(leaf, ParamRef) else leaf)
 
 
 def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -126,3 +125,26 @@ def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     if attr in mod._parameters:
         return mod._parameters[attr]
     return mod.get_buffer(attr)
+
+
+def describe(spec: Spec, tensors: dict[str, dict[str, Any]], path: str) -> list[tuple[str, str]]:
+    """(path, description) for every leaf of a recorded structure, e.g.
+    ("kwargs.position_embeddings.0", "tensor (1, 16, 16) float32"); `tensors` maps a tensor key
+    to its manifest entry (shape and dtype)."""
+    kind = spec["t"]
+    if kind == "tensor":
+        meta = tensors.get(spec["key"], {})
+        return [(path, f"tensor {tuple(meta.get('shape', ()))} {meta.get('dtype', '?')}")]
+    if kind == "param":
+        return [(path, f"parameter {spec['name']} (the candidate's own)")]
+    if kind in ("tuple", "list"):
+        if not spec["items"]:
+            return [(path, f"empty {kind}")]
+        return [row for i, item in enumerate(spec["items"]) for row in describe(item, tensors, f"{path}.{i}")]
+    if kind == "dict":
+        return [row for k, item in spec["items"].items() for row in describe(item, tensors, f"{path}.{k}")]
+    if kind == "omitted":
+        return [(path, "omitted (not recorded, not compared)")]
+    if kind == "none":
+        return [(path, "None")]
+    return [(path, f"{kind} {spec.get('value')!r}")]

@@ -1,5 +1,6 @@
-"""The golden store: one safetensors file per layer (and per model-level point) plus a manifest
-written last and atomically. The reader opens only the file of the point it is asked for."""
+"""Reading a golden directory: one safetensors file per layer (and per model-level point) plus a
+manifest written last. The reader opens only the file of the point it is asked for, checks its
+sha256 once, and hands out owned copies of the tensors (no file stays mapped)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..errors import GoldenError
+from ..points import Point
 from .spec import build
 
 SCHEMA_VERSION = 1
@@ -28,15 +31,14 @@ def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-class GoldenError(Exception):
-    """A golden directory is missing, incomplete, corrupted or from a newer version."""
-
-
 @dataclass
 class GoldenRecord:
-    """One point read back: args/kwargs/output with tensors, and ParamRef for parameters."""
+    """One point read back: the golden call's args, kwargs and output. Tensors are tensors;
+    parameters and buffers passed as arguments are `ParamRef` placeholders, resolved from the
+    candidate (`golden.spec.resolve_params`). `extras` hold reference values for diagnosis only
+    (e.g. the golden score-correction bias), never fed to the candidate."""
 
-    point: dict[str, Any]
+    point: Point
     args: list[Any]
     kwargs: dict[str, Any]
     output: Any
@@ -44,7 +46,7 @@ class GoldenRecord:
 
     @property
     def id(self) -> str:
-        return self.point["id"]
+        return self.point.id
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +62,11 @@ class GoldenStore:
     def __init__(self, root: Path | str, *, verify: bool = True):
         self.root = Path(root)
         self.verify = verify
-        self.opened_files: list[str] = []
+        self.opened_files: dict[str, None] = {}  # file names in the order first read
         self._verified: set[str] = set()
         self.manifest = self._read_manifest()
-        self._points = {p["id"]: p for p in self.manifest["points"]}
+        self._entries = {p["id"]: p for p in self.manifest["points"]}
+        self._points = {pid: self._point(entry) for pid, entry in self._entries.items()}
 
     # -- manifest -------------------------------------------------------------------------------
     def _read_manifest(self) -> dict[str, Any]:
@@ -105,6 +108,12 @@ class GoldenStore:
                 raise GoldenError(f"{path}: point {p['id']} names file {p['file']!r} absent from 'files'")
         return manifest
 
+    def _point(self, entry: dict[str, Any]) -> Point:
+        try:
+            return Point.from_dict(entry)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GoldenError(f"{self.root / MANIFEST}: point {entry.get('id')!r} is malformed ({exc})") from None
+
     def _safe_path(self, name: str) -> Path:
         root = self.root.resolve()
         candidate = (root / name).resolve()
@@ -116,32 +125,60 @@ class GoldenStore:
 
     # -- queries --------------------------------------------------------------------------------
     @property
-    def point_ids(self) -> list[str]:
-        return [p["id"] for p in self.manifest["points"]]
+    def points(self) -> list[Point]:
+        """Every point, in forward order."""
+        return list(self._points.values())
 
     @property
-    def points(self) -> list[dict[str, Any]]:
-        return list(self.manifest["points"])
+    def point_ids(self) -> list[str]:
+        return list(self._points)
+
+    @property
+    def layers(self) -> list[int]:
+        """The decoder layers this golden holds points of."""
+        return sorted({p.layer for p in self._points.values() if p.layer is not None})
 
     @property
     def model_type(self) -> str:
         return self.manifest["model"]["model_type"]
 
-    def point(self, pid: str) -> dict[str, Any]:
+    @property
+    def dtype(self) -> str:
+        """The dtype the reference ran in."""
+        return self.manifest["record"]["dtype"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest["model"].get("config", {})
+
+    def point(self, pid: str | Point) -> Point:
+        if isinstance(pid, Point):
+            return pid
         try:
             return self._points[pid]
         except KeyError:
             raise GoldenError(f"no point {pid!r} in {self.root / MANIFEST}") from None
 
-    def router_point(self, layer: int | None) -> dict[str, Any] | None:
-        """The router point of a decoder layer (None for dense layers and model-level points)."""
-        return self._points.get(f"layer_{layer}.router") if layer is not None else None
+    def entry(self, pid: str | Point) -> dict[str, Any]:
+        """The manifest entry of a point: its recorded call structure, tensors, file."""
+        return self._entries[self.point(pid).id]
 
-    def _check_file(self, name: str) -> Path:
+    def router_of(self, point: Point) -> Point | None:
+        """The router a routed block (`moe`, `output`) is judged by; None for dense layers and for
+        points that are not routed blocks."""
+        rid = point.router_id
+        return self._points.get(rid) if rid is not None else None
+
+    def verify_all(self) -> None:
+        """Check every file against its sha256 (reading normally checks a file on first use)."""
+        for name in self.manifest["files"]:
+            self._check_file(name, force=True)
+
+    def _check_file(self, name: str, *, force: bool = False) -> Path:
         path = self._safe_path(name)
         if not path.is_file():
             raise GoldenError(f"{path} is missing from the golden directory")
-        if self.verify and name not in self._verified:
+        if (self.verify or force) and name not in self._verified:
             expected = self.manifest["files"][name].get("sha256")
             actual = sha256_file(path)
             if actual != expected:
@@ -152,16 +189,16 @@ class GoldenStore:
             self._verified.add(name)
         return path
 
-    def tensors(self, pid: str) -> dict[str, torch.Tensor]:
+    def tensors(self, pid: str | Point) -> dict[str, torch.Tensor]:
         """The tensors of one point, read from its own file only."""
-        point = self.point(pid)
-        path = self._check_file(point["file"])
-        self.opened_files.append(point["file"])
+        entry = self.entry(pid)
+        path = self._check_file(entry["file"])
+        self.opened_files[entry["file"]] = None
         out: dict[str, torch.Tensor] = {}
         try:
             with safe_open(str(path), framework="pt") as fh:
                 available = set(fh.keys())
-                for key in point["tensors"]:
+                for key in entry["tensors"]:
                     if key not in available:
                         raise GoldenError(f"{path} lacks tensor {key!r} listed in the manifest")
                     out[key] = _aligned(fh.get_tensor(key))
@@ -169,10 +206,11 @@ class GoldenStore:
             raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
         return out
 
-    def load(self, pid: str) -> GoldenRecord:
+    def load(self, pid: str | Point) -> GoldenRecord:
         point = self.point(pid)
-        tensors = self.tensors(pid)
-        args = [build(s, tensors) for s in point["inputs"]["args"]]
-        kwargs = {k: build(s, tensors) for k, s in point["inputs"]["kwargs"].items()}
-        extras = {name: tensors[key] for name, key in point.get("extras", {}).items()}
-        return GoldenRecord(point, args, kwargs, build(point["output"], tensors), extras)
+        entry = self._entries[point.id]
+        tensors = self.tensors(point)
+        args = [build(s, tensors) for s in entry["inputs"]["args"]]
+        kwargs = {k: build(s, tensors) for k, s in entry["inputs"]["kwargs"].items()}
+        extras = {name: tensors[key] for name, key in entry.get("extras", {}).items()}
+        return GoldenRecord(point, args, kwargs, build(entry["output"], tensors), extras)

@@ -7,24 +7,23 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from ..dtypes import dtype_name
+from ..errors import GoldenError
+from ..points import Point
 from .spec import Spec
-from .store import FORMAT, MANIFEST, SCHEMA_VERSION, GoldenError, sha256_file
-
-if TYPE_CHECKING:
-    from ..record.archs import CapturePoint
+from .store import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 
 
 @dataclass
 class Recorded:
     """One point's call as recorded: the structure specs plus the tensors they reference."""
 
-    point: CapturePoint
+    point: Point
     args: list[Spec]
     kwargs: dict[str, Spec]
     output: Spec
@@ -84,7 +83,10 @@ class GoldenWriter:
         self.overwrite = overwrite
         self.files: dict[str, dict[str, Any]] = {}
         self.points: list[dict[str, Any]] = []
-        self.bytes_written = 0
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(f["bytes"] for f in self.files.values())
 
     def prepare(self) -> None:
         root = self.root
@@ -119,16 +121,9 @@ class GoldenWriter:
         os.replace(tmp, path)
         self.files[file] = {"sha256": digest, "bytes": size}
         for rec in records:
-            p = rec.point
             self.points.append(
                 {
-                    "id": p.id,
-                    "component": p.component,
-                    "layer": p.layer,
-                    "module": p.module,
-                    "order": p.order,
-                    "router_kind": p.router_kind,
-                    "score_bias": p.score_bias,
+                    **rec.point.to_dict(),
                     "file": file,
                     "sha256": digest,
                     "calls": rec.calls,
@@ -141,7 +136,6 @@ class GoldenWriter:
                     },
                 }
             )
-        self.bytes_written += size
         return size
 
     def finish(self, manifest: dict[str, Any]) -> Path:

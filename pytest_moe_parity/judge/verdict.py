@@ -3,24 +3,26 @@ the numbers and the one-line hint that make a failure a diagnosis. Knows nothing
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..dtypes import dtype_name
-from ..tree import first_tensor
+from ..dtypes import dtype_name, json_safe
+from ..points import ROUTER, Point
+from ..tree import first_tensor, leaves
 from .metrics import (
     TensorMetrics,
     compare_routing,
     compare_tensors,
-    json_safe,
     per_token_error,
     scatter_topk,
     tie_tolerance,
+    worst_elements,
     worst_tokens,
 )
-from .tolerances import Tolerance
+from .tolerances import LIMITS, TENSOR_LIMITS, Tolerance
 
 HINTS = {
     "embedding": "embedding rows permuted or a different vocabulary mapping (or the wrong checkpoint)",
@@ -46,6 +48,19 @@ HINTS = {
     "output": "decoder layer wrong while its parts pass: residual connections or the order of the norms",
     "logits": "lm_head: wrong or scaled weights, or tied vs untied embeddings",
 }
+WORST_ELEMENTS = 5
+
+
+@dataclass(frozen=True)
+class Custom:
+    """What a custom comparison (the `parity` fixture) is about: a name and a component."""
+
+    id: str
+    component: str = "custom"
+    layer: int | None = None
+    order: int = 0
+    step: int | None = None
+    router_kind: str | None = None
 
 
 @dataclass
@@ -56,6 +71,7 @@ class Check:
     limit: float | None
     op: str
     passed: bool
+    key: str | None = None  # the tolerance key that sets the limit; None: no tolerance accepts a failure
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +95,8 @@ class PointResult:
     routing: dict[str, Any] | None = None
     excluded_tokens: list[int] = field(default_factory=list)
     worst: list[tuple[int, float]] = field(default_factory=list)
+    # per failed tensor: the elements that differ most, as (index, golden, candidate, difference)
+    worst_elements: dict[str, list[tuple[tuple[int, ...], float, float, float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hint: str = ""
     tolerance: dict[str, Any] = field(default_factory=dict)
@@ -87,6 +105,7 @@ class PointResult:
     golden_dtype: str = ""
     seconds: float = 0.0
     order: int = 0
+    step: int | None = None
 
     @property
     def status(self) -> str:
@@ -100,11 +119,27 @@ class PointResult:
     def main(self) -> TensorMetrics | None:
         return next(iter(self.metrics.values()), None)
 
+    def remedy(self) -> str | None:
+        """The `--parity-tol` that would accept this result, or None when no tolerance can (a shape
+        mismatch, NaN, a wrong type)."""
+        values: dict[str, float] = {}
+        for check in self.failed_checks:
+            if check.key is None or not math.isfinite(check.value) or (check.op == ">=" and check.value < 0):
+                return None  # a shape, a NaN, a type, a negative cosine: no tolerance accepts these
+            proposed = _accepting(check.value, check.op)
+            previous = values.get(check.key)
+            values[check.key] = proposed if previous is None else _looser(previous, proposed, check.op)
+        if not values:
+            return None
+        body = ",".join(f"{k}={v:.4g}" for k, v in values.items())
+        return f"--parity-tol '{self.id}:{body}'"
+
     def to_row(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "order": self.order,
             "layer": self.layer,
+            "step": self.step,
             "component": self.component,
             "status": self.status,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
@@ -114,23 +149,43 @@ class PointResult:
             "routing": self.routing,
             "excluded_tokens": self.excluded_tokens,
             "worst_tokens": [[t, json_safe(e)] for t, e in self.worst],
+            "worst_elements": {
+                k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
+                for k, rows in self.worst_elements.items()
+            },
             "notes": self.notes,
             "hint": self.hint if not self.passed else "",
+            "remedy": self.remedy() if not self.passed else None,
             "candidate_dtype": self.candidate_dtype,
             "golden_dtype": self.golden_dtype,
             "seconds": round(self.seconds, 6),
         }
 
 
-def _leaves(obj: Any) -> list[torch.Tensor | None]:
-    if isinstance(obj, torch.Tensor) or obj is None:
-        return [obj]
-    if isinstance(obj, tuple | list):
-        out: list[torch.Tensor | None] = []
-        for item in obj:
-            out.extend(_leaves(item))
-        return out
-    return []
+def _ceil_2(x: float) -> float:
+    """x rounded up to two significant digits."""
+    if x <= 0:
+        return 0.0
+    unit = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return math.ceil(x / unit - 1e-9) * unit
+
+
+def _accepting(value: float, op: str) -> float:
+    """A round limit that `value` meets: a maximum rounded up, a minimum rounded down (minimums
+    near 1, like cosine, are rounded on their distance to 1)."""
+    if op == "<=":
+        return _ceil_2(value)
+    return max(0.0, 1.0 - _ceil_2(1.0 - value)) if value <= 1.0 else value
+
+
+def _looser(a: float, b: float, op: str) -> float:
+    return max(a, b) if op == "<=" else min(a, b)
+
+
+def _tensor_leaves(obj: Any) -> list[torch.Tensor | None]:
+    """The tensors of an output structure in order; None where the structure has None (an omitted
+    output such as attention weights) so that positions line up between golden and candidate."""
+    return [x for x in leaves(obj) if x is None or isinstance(x, torch.Tensor)]
 
 
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
@@ -143,19 +198,29 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class Judge:
-    """Applies one tolerance to one point."""
+    """Applies one tolerance to one point. `router` is the router point whose routing a routed
+    block is judged by (the point itself for a router)."""
 
-    def __init__(self, point: dict[str, Any], tol: Tolerance, candidate_dtype: torch.dtype, config: dict[str, Any]):
+    def __init__(
+        self,
+        point: Point | Custom,
+        tol: Tolerance,
+        candidate_dtype: torch.dtype,
+        config: dict[str, Any],
+        router: Point | None = None,
+    ):
         self.point = point
         self.tol = tol
         self.dtype = candidate_dtype
         self.config = config
+        self.router = router if router is not None else (point if point.component == ROUTER else None)
         self.result = PointResult(
-            id=point["id"],
-            layer=point["layer"],
-            component=point["component"],
+            id=point.id,
+            layer=point.layer,
+            component=point.component,
             passed=True,
-            order=int(point.get("order", 0)),
+            order=point.order,
+            step=point.step,
             tolerance=tol.to_dict(),
             candidate_dtype=dtype_name(candidate_dtype),
         )
@@ -182,8 +247,9 @@ class Judge:
                 f"{target}: shape mismatch: golden {tuple(golden.shape)} vs candidate {tuple(candidate.shape)}"
             )
             return m
-        bad_nonfinite = (m.nan_candidate + m.inf_candidate) > (m.nan_golden + m.inf_golden)
-        if bad_nonfinite:
+        failed = False
+        if (m.nan_candidate + m.inf_candidate) > (m.nan_golden + m.inf_golden):
+            failed = True
             r.checks.append(Check("finite", target, float(m.nan_candidate + m.inf_candidate), 0.0, "<=", False))
             where = m.first_nonfinite
             token = where[-2] if where is not None and len(where) >= 2 else (where[0] if where else None)
@@ -191,17 +257,24 @@ class Judge:
                 f"{target}: candidate has {m.nan_candidate} NaN and {m.inf_candidate} Inf "
                 f"(golden {m.nan_golden} / {m.inf_golden}); first at index {where}, token {token}"
             )
-        r.checks.append(Check("cosine", target, m.cosine, self.tol.cosine, ">=", m.cosine >= self.tol.cosine))
-        r.checks.append(Check("rel_l2", target, m.rel_l2, self.tol.rel_l2, "<=", m.rel_l2 <= self.tol.rel_l2))
-        if self.tol.within is not None:
-            r.checks.append(
-                Check("within", target, m.within_tol, self.tol.within, ">=", m.within_tol >= self.tol.within)
-            )
+        for key in TENSOR_LIMITS:
+            limit = self.tol.limit(key)
+            if limit is None:
+                continue
+            value = getattr(m, key.figure)
+            passed = key.passes(value, limit)
+            failed = failed or not passed
+            r.checks.append(Check(key.check_name, target, value, limit, key.op, passed, key.name))
+        if failed and g.numel():
+            rows = worst_elements(g, c, WORST_ELEMENTS)
+            if keep_rows is not None:  # indices of the kept rows -> token positions
+                kept = torch.nonzero(keep_rows).flatten().tolist()
+                rows = [((kept[i[0]], *i[1:]), gv, cv, dv) for i, gv, cv, dv in rows]
+            r.worst_elements[target] = rows
         if not r.worst and g.dim() >= 1 and g.numel() > 0:
             rows_g, rows_c = _token_rows(g), _token_rows(c)
             if rows_g.shape[0] > 1:
-                per_token = per_token_error(rows_g, rows_c, token_dim=0)
-                worst = worst_tokens(per_token, 5)
+                worst = worst_tokens(per_token_error(rows_g, rows_c, token_dim=0), 5)
                 if keep_rows is not None:
                     kept = torch.nonzero(keep_rows).flatten().tolist()
                     worst = [(kept[i], e) for i, e in worst]
@@ -211,7 +284,7 @@ class Judge:
     # -- routing --------------------------------------------------------------------------------
     def selection(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Golden selection scores [T, E] and the per-token tie tolerance [T]."""
-        kind = self.point.get("router_kind") or "softmax"
+        kind = (self.router.router_kind if self.router is not None else None) or "softmax"
         logits = logits.reshape(-1, logits.shape[-1]).to(torch.float64)
         base_tol = tie_tolerance(logits, self.dtype, self.tol.tie_factor)
         if kind in ("sigmoid_bias", "grouped_sigmoid_bias"):
@@ -241,7 +314,7 @@ class Judge:
         deficit = (kth - group_scores).clamp(min=0)
         return (grouped - deficit.unsqueeze(-1)).reshape(T, E)
 
-    def routing(
+    def compare_topk(
         self,
         golden_router_out: Any,
         candidate_router_out: Any,
@@ -257,23 +330,23 @@ class Judge:
         r = self.result
         r.routing = rm.to_dict()
         if judge_flips:
-            share = rm.flip_share
-            r.checks.append(
-                Check("flip_share", "top_k", share, self.tol.max_flip_share, "<=", share <= self.tol.max_flip_share)
-            )
+            for key in (k for k in LIMITS if k.scope == "routing"):
+                value, limit = getattr(rm, key.figure), self.tol.limit(key)
+                passed = key.passes(value, limit)
+                r.checks.append(Check(key.check_name, "top_k", value, limit, key.op, passed, key.name))
         return rm.disagreeing_tokens
 
     # -- per component --------------------------------------------------------------------------
     def judge_router(self, golden_out: Any, cand_out: Any, bias: torch.Tensor | None) -> None:
         g_logits, g_w, g_idx = golden_out[:3]
-        cand = _leaves(cand_out)
+        cand = [t for t in _tensor_leaves(cand_out) if t is not None]
         if len(cand) < 3 or not all(isinstance(t, torch.Tensor) for t in cand[:3]):
             self.result.checks.append(Check("type", "router", float("nan"), None, "tuple", False))
             self.result.notes.append("router: candidate did not return (logits, top_k_weights, top_k_index)")
             return
         c_logits, c_w, c_idx = (t.detach().to("cpu") for t in cand[:3])
         self.compare("logits", g_logits, c_logits)
-        disagree = self.routing(golden_out, cand, bias, judge_flips=True)
+        disagree = self.compare_topk(golden_out, cand, bias, judge_flips=True)
         num_experts = g_logits.shape[-1]
         keep = torch.ones(g_idx.reshape(-1, g_idx.shape[-1]).shape[0], dtype=torch.bool)
         keep[disagree] = False
@@ -283,13 +356,15 @@ class Judge:
             self.compare("weights", dense_g, dense_c, keep_rows=keep)
         self.result.excluded_tokens = disagree
 
-    def judge_block(self, golden_out: Any, cand: Any, golden_router: Any | None, cand_router: Any | None, bias) -> None:
+    def judge_routed_block(
+        self, golden_out: Any, cand: Any, golden_router: Any | None, cand_router: Any | None, bias
+    ) -> None:
         """`moe` and `output`: the verdict over tokens whose routing did not flip."""
         g = first_tensor(golden_out)
         c = first_tensor(cand)
         keep = None
         if golden_router is not None and cand_router is not None:
-            disagree = self.routing(golden_router, cand_router, bias, judge_flips=False)
+            disagree = self.compare_topk(golden_router, cand_router, bias, judge_flips=False)
             if disagree:
                 rows = _token_rows(g).shape[0]
                 keep = torch.ones(rows, dtype=torch.bool)
@@ -303,10 +378,8 @@ class Judge:
         self.compare("out", g, c, keep_rows=keep)
 
     def judge_generic(self, golden_out: Any, cand_out: Any) -> None:
-        gl = [t for t in _leaves(golden_out) if t is not None]
-        cl = _leaves(cand_out)
-        if isinstance(cand_out, torch.Tensor):
-            cl = [cand_out]
+        gl = [t for t in _tensor_leaves(golden_out) if t is not None]
+        cl = _tensor_leaves(cand_out)
         if len(cl) < len(gl):
             self.result.notes.append(f"candidate returned {len(cl)} tensor(s), golden has {len(gl)}")
         for i, g in enumerate(gl):
@@ -321,16 +394,16 @@ class Judge:
         return r
 
     def _hint(self) -> str:
-        comp = self.point["component"]
+        comp = self.point.component
         routing = self.result.routing or {}
-        if comp == "router" and routing.get("set_agreement", 1.0) < 0.5:
+        if comp == ROUTER and routing.get("set_agreement", 1.0) < 0.5:
             return HINTS["router_layout"]
-        if comp == "attention" and self.point.get("layer") == 0:
+        if comp == "attention" and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"
         return HINTS.get(comp, "")
 
 
-def _router_triple(out: Any) -> bool:
+def router_triple(out: Any) -> bool:
     """(router_logits, top_k_weights, top_k_index), as every transformers MoE router returns."""
     return (
         isinstance(out, tuple | list)
@@ -341,26 +414,29 @@ def _router_triple(out: Any) -> bool:
 
 
 def judge_point(
-    point: dict[str, Any],
+    point: Point | Custom,
     golden_out: Any,
     candidate: Any,
     tol: Tolerance,
     candidate_dtype: torch.dtype,
     *,
     config: dict[str, Any] | None = None,
+    router: Point | None = None,
     golden_router: Any | None = None,
     candidate_router: Any | None = None,
     score_bias: torch.Tensor | None = None,
 ) -> PointResult:
-    judge = Judge(point, tol, candidate_dtype, config or {})
-    comp = point["component"]
-    if comp == "router" and _router_triple(golden_out):
+    """The verdict of one point. Routers are judged on logits, weights by expert id and top-k sets;
+    routed blocks (`Point.routed_block`) over the tokens whose routing agrees, given the golden
+    and candidate outputs of their `router`; every other point tensor by tensor."""
+    judge = Judge(point, tol, candidate_dtype, config or {}, router)
+    if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
-    elif comp in ("moe", "output"):
+    elif isinstance(point, Point) and point.routed_block:
         # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
-        golden_router = golden_router if _router_triple(golden_router) else None
-        candidate_router = candidate_router if _router_triple(candidate_router) else None
-        judge.judge_block(golden_out, candidate, golden_router, candidate_router, score_bias)
+        golden_router = golden_router if router_triple(golden_router) else None
+        candidate_router = candidate_router if router_triple(candidate_router) else None
+        judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, score_bias)
     else:
         judge.judge_generic(golden_out, candidate)
     return judge.finish()

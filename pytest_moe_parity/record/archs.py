@@ -3,12 +3,12 @@ plus a structural finder for MoE models the table does not know."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..points import COMPONENTS
+from ..errors import ArchError
+from ..points import LAYER_COMPONENTS, MODEL_HEAD, MODEL_TAIL, Point
 
 # How a router picks its experts, so that a top-k disagreement can be judged against the golden
 # selection scores: softmax and top-k-then-softmax rank by the raw logits; sigmoid routers rank by
@@ -36,6 +36,10 @@ class ArchSpec:
     # Where a sigmoid router's score-correction bias lives, relative to the layer.
     score_bias: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.router_kind not in ROUTER_KINDS:
+            raise ValueError(f"router_kind {self.router_kind!r} is not one of {', '.join(ROUTER_KINDS)}")
+
 
 ARCH_TABLE: dict[str, ArchSpec] = {
     "mixtral": ArchSpec(),
@@ -52,46 +56,14 @@ ARCH_TABLE: dict[str, ArchSpec] = {
 }
 
 
-@dataclass(frozen=True)
-class CapturePoint:
-    """One (layer, component) whose inputs and outputs are recorded and replayed."""
-
-    id: str
-    component: str
-    layer: int | None
-    module: str  # dotted path from the model root
-    group: str  # the golden file the point is stored in (one per layer, one per model-level point)
-    order: int = 0
-    router_kind: str | None = None
-    score_bias: str | None = None  # dotted path of the router's score-correction bias, if any
-
-
 @dataclass
 class PointPlan:
     """The capture points of one model, in forward order, and how they were found."""
 
     model_type: str
     source: str  # "table" or "structural"
-    points: list[CapturePoint] = field(default_factory=list)
+    points: list[Point] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-class ArchError(ValueError):
-    """The model's structure cannot be mapped onto capture points."""
-
-
-def point_id(component: str, layer: int | None) -> str:
-    return component if layer is None else f"layer_{layer}.{component}"
-
-
-_POINT_RE = re.compile(r"^(?:layer_(\d+)\.)?([a-z_]+)$")
-
-
-def parse_point_id(pid: str) -> tuple[int | None, str]:
-    m = _POINT_RE.match(pid)
-    if not m or m.group(2) not in COMPONENTS:
-        raise ValueError(f"not a capture point id: {pid!r}")
-    return (int(m.group(1)) if m.group(1) is not None else None), m.group(2)
 
 
 def _get(model: nn.Module, path: str | None) -> nn.Module | None:
@@ -134,46 +106,66 @@ def plan_points(model: nn.Module, config=None) -> PointPlan:
     return _plan_from_spec(model, model_type, find_structure(model, config), "structural")
 
 
+def layers_path(model: nn.Module, config=None) -> str:
+    """Dotted path of the decoder layer list ("model.layers")."""
+    config = config if config is not None else model.config
+    spec = ARCH_TABLE.get(getattr(config, "model_type", "") or "")
+    return spec.layers if spec is not None else find_structure(model, config).layers
+
+
 def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: str) -> PointPlan:
     plan = PointPlan(model_type=model_type, source=source)
     layers = _get(model, spec.layers)
     if not isinstance(layers, nn.ModuleList):
         raise ArchError(f"{model_type}: no decoder layer list at {spec.layers!r}")
 
-    def add(component: str, layer: int | None, path: str | None, **extra) -> None:
-        if path is None or _get(model, path) is None:
-            return
-        pid = point_id(component, layer)
-        group = f"layer_{layer}" if layer is not None else component
-        plan.points.append(CapturePoint(pid, component, layer, path, group, len(plan.points), **extra))
+    def add(component: str, layer: int | None, path: str | None, **extra: str | None) -> None:
+        if path and _get(model, path) is not None:
+            plan.points.append(Point(component, layer, module=path, order=len(plan.points), **extra))
 
-    add("embedding", None, spec.embedding)
-    add("rotary", None, spec.rotary)
+    for component in MODEL_HEAD:
+        add(component, None, getattr(spec, component))
     for i, layer in enumerate(layers):
-        base = f"{spec.layers}.{i}"
-        add("input_norm", i, f"{base}.{spec.input_norm}")
-        # hybrid models name their token mixer per layer (self_attn on some, mamba on others)
-        mixer = next((n for n in spec.attention.split("|") if n and _get(layer, n) is not None), None)
-        add("attention", i, f"{base}.{mixer}" if mixer else None)
-        add("post_attn_norm", i, f"{base}.{spec.post_attn_norm}")
-        block = _get(layer, spec.moe)
-        if block is not None and _has_experts(block):
-            bias = f"{base}.{spec.score_bias}" if spec.score_bias else None
-            if bias is not None and not _has_tensor(model, bias):
-                bias = None
-            add("router", i, f"{base}.{spec.router}", router_kind=spec.router_kind, score_bias=bias)
-            add("experts", i, f"{base}.{spec.experts}")
-            if spec.shared_experts:
-                add("shared_experts", i, f"{base}.{spec.shared_experts}")
-            add("moe", i, f"{base}.{spec.moe}", router_kind=spec.router_kind, score_bias=bias)
-        else:
-            add("mlp", i, f"{base}.{spec.moe}")
-        add("output", i, base)
-    add("final_norm", None, spec.final_norm)
-    add("logits", None, spec.logits)
+        paths, extras = _layer_paths(model, layer, f"{spec.layers}.{i}", spec)
+        for component in LAYER_COMPONENTS:  # the forward order
+            add(component, i, paths.get(component), **extras.get(component, {}))
+    for component in MODEL_TAIL:
+        add(component, None, getattr(spec, component))
     if not any(p.component == "experts" for p in plan.points):
         plan.notes.append(f"{model_type}: no experts found; recording a dense model")
     return plan
+
+
+def _layer_paths(
+    model: nn.Module, layer: nn.Module, base: str, spec: ArchSpec
+) -> tuple[dict[str, str | None], dict[str, dict[str, str | None]]]:
+    """Module path of every component of one decoder layer (absent ones omitted), and the
+    router details of the points that contain a router."""
+    # hybrid models name their token mixer per layer (self_attn on some, mamba on others)
+    mixer = next((n for n in spec.attention.split("|") if n and _get(layer, n) is not None), None)
+    paths: dict[str, str | None] = {
+        "input_norm": f"{base}.{spec.input_norm}",
+        "attention": f"{base}.{mixer}" if mixer else None,
+        "post_attn_norm": f"{base}.{spec.post_attn_norm}",
+        "output": base,
+    }
+    extras: dict[str, dict[str, str | None]] = {}
+    block = _get(layer, spec.moe)
+    if block is None or not _has_experts(block):
+        paths["mlp"] = f"{base}.{spec.moe}"
+        return paths, extras
+    bias = f"{base}.{spec.score_bias}" if spec.score_bias else None
+    if bias is not None and not _has_tensor(model, bias):
+        bias = None
+    paths.update(
+        router=f"{base}.{spec.router}",
+        experts=f"{base}.{spec.experts}",
+        shared_experts=f"{base}.{spec.shared_experts}" if spec.shared_experts else None,
+        moe=f"{base}.{spec.moe}",
+    )
+    routing = {"router_kind": spec.router_kind, "score_bias": bias}
+    extras.update(router=routing, moe=routing)
+    return paths, extras
 
 
 def _has_tensor(model: nn.Module, path: str) -> bool:

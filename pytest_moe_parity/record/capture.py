@@ -1,6 +1,5 @@
-"""Record every capture point's call (args, kwargs, output) with forward hooks, and rebuild the
-call from the record for replay. Parameters and buffers passed as arguments are recorded by name
-and, on replay, taken from the model under test: only activations are golden."""
+"""Record every capture point's call (args, kwargs, output) with forward hooks, one layer at a
+time. Parameters and buffers passed as arguments are recorded by name (see `golden.spec`)."""
 
 from __future__ import annotations
 
@@ -12,10 +11,7 @@ from torch import nn
 
 from ..golden.spec import Flattener, named_tensor, spec_tensor_keys
 from ..golden.writer import Recorded
-from .archs import CapturePoint
-
-# A spec is plain JSON describing a nested call structure; tensors are referenced by key.
-Spec = dict[str, Any]
+from ..points import Point
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -34,7 +30,7 @@ class Recorder:
     def __init__(
         self,
         model: nn.Module,
-        points: list[CapturePoint],
+        points: list[Point],
         on_group: Callable[[str, list[Recorded]], None],
     ):
         self.model = model
@@ -68,7 +64,7 @@ class Recorder:
             fl = self._group_flattener[group] = Flattener(self.params)
         return fl
 
-    def _pre(self, point: CapturePoint):
+    def _pre(self, point: Point):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if point.id in self._recorded or point.id in self._pending:
                 rec = self._recorded.get(point.id)
@@ -82,7 +78,7 @@ class Recorder:
 
         return hook
 
-    def _post(self, point: CapturePoint):
+    def _post(self, point: Point):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             pending = self._pending.pop(point.id, None)
             if pending is None:

@@ -18,18 +18,15 @@ import torch
 
 from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
-from ..golden import GoldenError, GoldenWriter, Recorded
-from .archs import ArchError, plan_points
+from ..errors import ArchError, BadInput, GoldenError
+from ..golden import GoldenWriter, Recorded
+from .archs import plan_points
 from .capture import Recorder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16
 # Config keys that say nothing about the numbers a model computes.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures"}
-
-
-class BadInput(ValueError):
-    """Input the user must fix; reported as one line, exit code 2."""
 
 
 @dataclass
@@ -259,7 +256,7 @@ def record_golden(
     def on_group(group: str, records: list[Recorded]) -> None:
         nonlocal layers_done
         size = writer.write_group(group, records)
-        if group.startswith("layer_"):
+        if records[0].point.layer is not None:
             layers_done += 1
             say(
                 f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ..golden import GoldenRecord
 from ..golden.spec import ParamRef
 from ..tree import map_structure
 
@@ -26,3 +28,10 @@ def _cast_input(t: Any, dtype: torch.dtype, device: torch.device) -> Any:
 
 def cast_inputs(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
     return map_structure(obj, lambda leaf: leaf if isinstance(leaf, ParamRef) else _cast_input(leaf, dtype, device))
+
+
+def candidate_inputs(record: GoldenRecord, dtype: torch.dtype, device: torch.device) -> GoldenRecord:
+    """The record a backend receives: the golden call with its inputs cast, and without the golden
+    output and extras (what the candidate must produce is not shown to it)."""
+    args, kwargs = cast_inputs(record.args, dtype, device), cast_inputs(record.kwargs, dtype, device)
+    return replace(record, args=args, kwargs=kwargs, output=None, extras={})

@@ -1,95 +1,119 @@
 """Replay one point on the candidate and judge it: the engine shared by the pytest plugin and the
-command line. The backend is created on first use, so collecting items costs nothing."""
+command line. `prepare` runs the candidate (its failures are the backend's errors), `judge` decides."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from ..backends import Backend
+from ..backends import Backend, CandidateOutput
+from ..errors import BackendFailure, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
-from ..judge.tolerances import Tolerance, resolve
+from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import PointResult, judge_point
+from ..points import ROUTER, Point
+from .inputs import candidate_inputs
 
-Overrides = list[tuple[str, dict[str, float | None]]]
+
+@dataclass
+class Prepared:
+    """A point whose candidate output is ready to be judged."""
+
+    point: Point
+    golden: GoldenRecord
+    candidate: CandidateOutput
 
 
 class ParityRunner:
+    """Replays golden points on one backend. The backend starts on the first point."""
+
     def __init__(
         self,
         golden: GoldenStore,
-        backend_factory: Callable[[], Backend],
-        dtype: torch.dtype,
+        backend: Backend,
         *,
-        cli_tolerances: Overrides = (),
-        ini_tolerances: Overrides = (),
+        cli_tolerances: list[Override] = (),
+        ini_tolerances: list[Override] = (),
     ):
         self.golden = golden
-        self._factory = backend_factory
-        self._backend: Backend | None = None
-        self.dtype = dtype
+        self.backend = backend
+        self.dtype = backend.dtype
         self.cli_tolerances = list(cli_tolerances)
         self.ini_tolerances = list(ini_tolerances)
-        self.config = golden.manifest["model"].get("config", {})
-        self._router_cache: dict[int, GoldenRecord] = {}
+        self.started = False
+        self._router_cache: dict[str, GoldenRecord] = {}
 
-    @property
-    def backend(self) -> Backend:
-        if self._backend is None:
-            self._backend = self._factory()
-        return self._backend
-
-    @property
-    def backend_started(self) -> bool:
-        return self._backend is not None
-
-    def tolerance(self, pid: str, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
+    def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = self.golden.point(pid)
         return resolve(
-            pid, point["component"], self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
+            point.id, point.component, self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
         )
 
-    def _router_record(self, layer: int | None) -> GoldenRecord | None:
-        point = self.golden.router_point(layer)
-        if point is None:
-            return None
-        if layer not in self._router_cache:
-            self._router_cache.clear()  # one layer at a time
-            self._router_cache[layer] = self.golden.load(point["id"])
-        return self._router_cache[layer]
+    def _start(self, point: Point) -> None:
+        if not self.started:
+            try:
+                self.backend.start()
+            except (PointUnavailable, KeyboardInterrupt):
+                raise
+            except Exception as exc:
+                raise BackendFailure(point.id, exc) from exc
+            self.started = True
 
-    def run(self, pid: str, marker: dict[str, Any] | None = None) -> PointResult:
+    def call(self, point: Point, record: GoldenRecord) -> CandidateOutput:
+        """The backend's output for a golden record; anything it raises but `PointUnavailable` is
+        a `BackendFailure` (an error of the backend, not a divergence)."""
+        self._start(point)
+        inputs = candidate_inputs(record, self.dtype, self.backend.device)
+        try:
+            return self.backend.run(point, inputs)
+        except PointUnavailable:
+            raise
+        except Exception as exc:
+            raise BackendFailure(point.id, exc) from exc
+
+    def prepare(self, pid: str | Point) -> Prepared:
+        """Read the point's golden record and run the candidate on it."""
         point = self.golden.point(pid)
-        tol, sources = self.tolerance(pid, marker)
-        record = self.golden.load(pid)
-        cand = self.backend.run(point, record)
+        record = self.golden.load(point)
+        return Prepared(point, record, self.call(point, record))
+
+    def _router_record(self, router: Point) -> GoldenRecord:
+        if router.id not in self._router_cache:
+            self._router_cache.clear()  # one layer at a time
+            self._router_cache[router.id] = self.golden.load(router)
+        return self._router_cache[router.id]
+
+    def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
+        point, record, cand = prepared.point, prepared.golden, prepared.candidate
+        tol, sources = self.tolerance(point, marker)
+        router = self.golden.router_of(point) if point.routed_block else None
         golden_router = bias = None
-        comp = point["component"]
-        if comp == "router":
+        if point.component == ROUTER:
             bias = record.extras.get("score_bias")
-        elif comp in ("moe", "output"):
-            router = self._router_record(point["layer"])
-            if router is not None:
-                golden_router = router.output
-                bias = router.extras.get("score_bias")
+        elif router is not None:
+            router_record = self._router_record(router)
+            golden_router = router_record.output
+            bias = router_record.extras.get("score_bias")
         result = judge_point(
             point,
             record.output,
             cand.output,
             tol,
             self.dtype,
-            config=self.config,
+            config=self.golden.config,
+            router=router,
             golden_router=golden_router,
             candidate_router=cand.routing,
             score_bias=bias,
         )
         result.tolerance_sources = sources
         result.seconds = cand.seconds
-        result.golden_dtype = self.golden.manifest["record"]["dtype"]
+        result.golden_dtype = self.golden.dtype
         return result
 
+    def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
+        return self.judge(self.prepare(pid), marker)
+
     def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
+        self._router_cache.clear()
+        self.backend.close()

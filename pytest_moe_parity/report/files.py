@@ -7,28 +7,27 @@ from pathlib import Path
 from typing import Any
 
 from ..golden.writer import atomic_write_text
-from .text import first_divergence
+from .text import counts, first_divergence, first_error
 
 REPORT_SCHEMA_VERSION = 1
-
-
 REPORT_FILE = "comparison_report.json"
-
-
 SUMMARY_FILE = "comparison_summary.json"
 
 
 def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
-    counts = {s: sum(1 for r in rows if r["status"] == s) for s in ("passed", "failed", "error", "skipped")}
     first = first_divergence(rows)
+    error = first_error(rows)
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "total": len(rows),
-        **counts,
+        **counts(rows),
         "first_divergence": first["id"] if first else None,
         "first_divergence_layer": first["layer"] if first else None,
         "first_divergence_component": first["component"] if first else None,
         "hint": first.get("hint") if first else None,
+        "remedy": first.get("remedy") if first else None,
+        "first_error": error["id"] if error else None,
+        "first_error_message": error.get("error") if error else None,
         "complete": not interrupted,
         **meta,
     }

@@ -1,12 +1,18 @@
-"""Reports: the failure text of one point, the terminal summary table, and the JSON files
-`comparison_report.json` / `comparison_summary.json` (written atomically). No pytest here."""
+"""What a run prints: the failure text of one point, the summary table and the closing lines,
+shared by the pytest plugin and `moe-parity compare`. Rows are the plain dicts of the JSON report
+(`PointResult.to_row()`, or `status_row` for points that were skipped or errored). No pytest here."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 from ..judge.verdict import PointResult
+from ..points import Point
+
+WIDTH = 100  # failure text: no line wider than this
+STATUSES = ("passed", "failed", "error", "skipped")
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -14,9 +20,7 @@ def _fmt(x: Any, digits: int = 4) -> str:
         return "-"
     if isinstance(x, str):
         return x
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
+    if isinstance(x, bool | int):
         return str(x)
     if not math.isfinite(x):
         return "nan" if x != x else ("inf" if x > 0 else "-inf")
@@ -27,8 +31,15 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return f"{x:.{digits - 1}e}"
 
 
+def _wrapped(prefix: str, text: str, indent: int = 4) -> list[str]:
+    return textwrap.wrap(
+        text, width=WIDTH, initial_indent=prefix, subsequent_indent=" " * indent, break_on_hyphens=False
+    )
+
+
 def failure_text(r: PointResult) -> str:
-    """pytest-regressions style: shapes, a metrics table with limits, worst tokens, flips, a hint."""
+    """pytest-regressions style: shapes, a check table with limits, the count and the worst elements
+    of what differs, worst tokens, routing flips, a hint and the tolerance that would accept it."""
     lines = [f"{r.id}: candidate ({r.candidate_dtype}) diverges from the golden ({r.golden_dtype})"]
     for target, m in r.metrics.items():
         lines.append(
@@ -41,43 +52,75 @@ def failure_text(r: PointResult) -> str:
         limit = "-" if c.limit is None else f"{c.op} {_fmt(c.limit)}"
         lines.append(f"  {c.target:<9}{c.name:<16}{_fmt(c.value):>14}{limit:>14}  {'ok' if c.passed else 'FAIL'}")
     for target, m in r.metrics.items():
-        extra = (
-            f"snr {_fmt(m.snr_db)} dB, pearson {_fmt(m.pearson, 6)}, max_abs {_fmt(m.max_abs)}, "
-            f"mean_abs {_fmt(m.mean_abs)}, max_rel {_fmt(m.max_rel)}, "
-            f"within atol={_fmt(m.atol)}/rtol={_fmt(m.rtol)}: {m.within_tol * 100:.1f}%"
+        lines.append(
+            f"  {target:<9}snr {_fmt(m.snr_db)} dB, pearson {_fmt(m.pearson, 6)}, max_abs {_fmt(m.max_abs)}, "
+            f"mean_abs {_fmt(m.mean_abs)}, max_rel {_fmt(m.max_rel)}"
         )
-        lines.append(f"  {target:<9}{extra}")
+        if m.shape_match:
+            share = m.mismatched / m.numel * 100 if m.numel else 0.0
+            lines.append(
+                f"  {'':<9}outside atol={_fmt(m.atol)}/rtol={_fmt(m.rtol)}: {m.mismatched} / {m.numel} ({share:.2f}%)"
+            )
         if m.nan_candidate or m.inf_candidate or m.nan_golden or m.inf_golden:
             lines.append(
                 f"  {'':<9}NaN/Inf: candidate {m.nan_candidate}/{m.inf_candidate}, "
                 f"golden {m.nan_golden}/{m.inf_golden}, first non-finite at {m.first_nonfinite}"
             )
+    for target, rows in r.worst_elements.items():
+        lines.append(f"  worst elements of {target}:")
+        lines.append(f"    {'index':<22}{'golden':>14}{'candidate':>14}{'difference':>14}")
+        for index, g, c, d in rows:
+            lines.append(f"    {index!s:<22}{_fmt(g):>14}{_fmt(c):>14}{_fmt(d):>14}")
     if r.worst:
         worst = ", ".join(f"{t} ({_fmt(e, 3)})" for t, e in r.worst)
-        lines.append(f"  worst tokens (position, rel error): {worst}")
+        lines.extend(_wrapped("  worst tokens (position, rel error): ", worst))
     if r.routing:
-        rt = r.routing
-        lines.append(
-            f"  routing: {rt['num_tokens']} tokens, top-{rt['top_k']} of {rt['num_experts']} experts, "
-            f"set agreement {rt['set_agreement'] * 100:.1f}%, real flips {len(rt['flips'])}, ties {len(rt['ties'])}"
-        )
-        shown = rt["flips"][:8] or rt["ties"][:4]
-        if shown:
-            lines.append(f"    {'token':>6}  {'golden experts':<20}{'candidate experts':<20}{'score gap':>10}  kind")
-            for f in shown:
-                lines.append(
-                    f"    {f['token']:>6}  {f['golden_experts']!s:<20}{f['candidate_experts']!s:<20}"
-                    f"{_fmt(f['gap'], 3):>10}  {'tie' if f['is_tie'] else 'flip'}"
-                )
-            more = len(rt["flips"]) - len(rt["flips"][:8])
-            if more > 0:
-                lines.append(f"    ... and {more} more flips")
+        lines.extend(_routing_lines(r.routing))
     for note in r.notes:
-        lines.append(f"  note: {note}")
+        lines.extend(_wrapped("  note: ", note))
     if r.hint:
-        lines.append(f"  hint: {r.hint}")
-    lines.append(f"  tolerance from: {' < '.join(r.tolerance_sources)}")
+        lines.extend(_wrapped("  hint: ", r.hint))
+    remedy = r.remedy()
+    if remedy:
+        lines.extend(_wrapped("  to accept this result: ", remedy))
+    lines.extend(_wrapped("  tolerance from: ", " < ".join(r.tolerance_sources)))
     return "\n".join(lines)
+
+
+def _routing_lines(rt: dict[str, Any]) -> list[str]:
+    lines = [
+        f"  routing: {rt['num_tokens']} tokens, top-{rt['top_k']} of {rt['num_experts']} experts, "
+        f"set agreement {rt['set_agreement'] * 100:.1f}%, real flips {len(rt['flips'])}, ties {len(rt['ties'])}"
+    ]
+    shown = rt["flips"][:8] or rt["ties"][:4]
+    if shown:
+        lines.append(f"    {'token':>6}  {'golden only':<24}{'candidate only':<24}{'score gap':>10}  kind")
+        for f in shown:
+            lost = sorted(set(f["golden_experts"]) - set(f["candidate_experts"]))
+            gained = sorted(set(f["candidate_experts"]) - set(f["golden_experts"]))
+            lines.append(
+                f"    {f['token']:>6}  {lost!s:<24}{gained!s:<24}{_fmt(f['gap'], 3):>10}  "
+                f"{'tie' if f['is_tie'] else 'flip'}"
+            )
+        more = len(rt["flips"]) - len(rt["flips"][:8])
+        if more > 0:
+            lines.append(f"    ... and {more} more flips")
+    return lines
+
+
+def status_row(point: Point, status: str, message: str) -> dict[str, Any]:
+    """The report row of a point that was not judged: `skipped` (with a reason) or `error`."""
+    return {
+        "id": point.id,
+        "order": point.order,
+        "layer": point.layer,
+        "step": point.step,
+        "component": point.component,
+        "status": status,
+        "error" if status == "error" else "reason": message,
+        "metrics": {},
+        "checks": [],
+    }
 
 
 def short_metrics(row: dict[str, Any]) -> tuple[str, str, str]:
@@ -114,8 +157,42 @@ def row_note(row: dict[str, Any]) -> str:
 
 
 def first_divergence(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    bad = [r for r in rows if r["status"] in ("failed", "error")]
+    """The first failed point in forward order. Errors are the backend's, not divergences."""
+    bad = [r for r in rows if r["status"] == "failed"]
     return min(bad, key=lambda r: r["order"]) if bad else None
+
+
+def first_error(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    bad = [r for r in rows if r["status"] == "error"]
+    return min(bad, key=lambda r: r["order"]) if bad else None
+
+
+def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    return {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
+
+
+def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list[tuple[str, str | None]]:
+    """The closing lines of a run, as (text, colour): counts, the first divergence, the first
+    backend error. The plugin and `moe-parity compare` print the same lines."""
+    n = counts(rows)
+    lines: list[tuple[str, str | None]] = [
+        (
+            f"{len(rows)} points: {n['passed']} passed, {n['failed']} failed, {n['error']} errors"
+            + (f", {n['skipped']} skipped" if n["skipped"] else "")
+            + (f"; reports in {report_dir}" if report_dir else ""),
+            None,
+        )
+    ]
+    first = first_divergence(rows)
+    if first is None:
+        lines.append(("first divergence: none", "green"))
+    else:
+        hint = f"  ({first['hint']})" if first.get("hint") else ""
+        lines.append((f"first divergence: {first['id']}{hint}", "red"))
+    error = first_error(rows)
+    if error is not None:
+        lines.append((f"backend errors: {n['error']}, first at {error['id']}: {error.get('error', '')}", "red"))
+    return lines
 
 
 def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: int = 1) -> list[str]:
@@ -128,18 +205,19 @@ def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: 
         for i, r in enumerate(ordered):
             if r["status"] in ("failed", "error"):
                 shown.update(range(max(0, i - context), min(len(ordered), i + context + 1)))
-    lines = [f"{'point':<26}{'status':<8}{'cosine':>12}{'rel_l2':>11}{'max_abs':>11}  notes"]
+    width = max([26, *(len(r["id"]) + 2 for r in ordered)])
+    lines = [f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{'max_abs':>11}  notes"]
     last = -1
     for i, r in enumerate(ordered):
         if i not in shown:
             continue
         if i != last + 1:
-            lines.append(f"{'...':<26}({i - last - 1} passing points)")
+            lines.append(f"{'...':<{width}}({i - last - 1} passing points)")
         cos, rel, mx = short_metrics(r)
-        lines.append(f"{r['id']:<26}{r['status']:<8}{cos:>12}{rel:>11}{mx:>11}  {row_note(r)}")
+        lines.append(f"{r['id']:<{width}}{r['status']:<8}{cos:>12}{rel:>11}{mx:>11}  {row_note(r)}")
         last = i
     if not shown:
         lines.append(f"(all {len(ordered)} points passed)")
     elif last != len(ordered) - 1:
-        lines.append(f"{'...':<26}({len(ordered) - 1 - last} passing points)")
+        lines.append(f"{'...':<{width}}({len(ordered) - 1 - last} passing points)")
     return lines

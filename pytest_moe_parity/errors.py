@@ -1,0 +1,46 @@
+"""The errors of pytest-moe-parity. Every message is one sentence that says what is wrong and what
+to do; the pytest plugin turns a `ParityError` raised while setting up into a usage error (exit 4)
+and `moe-parity` into one line on stderr (exit 2)."""
+
+from __future__ import annotations
+
+
+class ParityError(Exception):
+    """Base class: something the user must fix, said in one sentence."""
+
+
+class GoldenError(ParityError):
+    """A golden directory is missing, incomplete, corrupted or from a newer version."""
+
+
+class RecordError(ParityError):
+    """A module call cannot be recorded faithfully (an argument type we cannot store)."""
+
+
+class ArchError(ParityError):
+    """The model's structure cannot be mapped onto capture points."""
+
+
+class BadInput(ParityError):
+    """Input the user must fix (a command-line value, a model directory)."""
+
+
+class CheckpointError(ParityError):
+    """The candidate checkpoint cannot be read (missing, not safetensors, lacks a layer)."""
+
+
+class BackendError(ParityError):
+    """A backend cannot be set up: a missing package or device, an unusable candidate, a bad option."""
+
+
+class PointUnavailable(ParityError):
+    """The backend has nothing for this point (e.g. a dump that lacks it): the point is skipped."""
+
+
+class BackendFailure(ParityError):
+    """The backend raised while running one point: an error of the backend, not a divergence."""
+
+    def __init__(self, point_id: str, exc: BaseException):
+        super().__init__(f"{point_id}: the backend raised {type(exc).__name__}: {exc}")
+        self.point_id = point_id
+        self.original = exc

@@ -1,0 +1,321 @@
+"""One parity run, without pytest: which candidate and why, the config check, the dtype, the
+backend (validated, not started), the layer selection, the rows of the report, the header and
+summary lines. The pytest plugin and `moe-parity compare` both drive this object, so they agree on
+defaults and print the same lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import BackendSetup, backend_class, parse_hw_options, registry
+from .dtypes import dtype_name, parse_dtype
+from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
+from .golden import GoldenStore
+from .judge.tolerances import Override, resolve
+from .judge.verdict import Custom, PointResult, judge_point
+from .points import Point, describe_layers, parse_layers
+from .replay.runner import ParityRunner, Prepared
+from .report.files import write_reports
+from .report.text import status_row, summary_lines, summary_table
+
+# Config entries a candidate must share with the golden (label, then the names models use for it).
+CONFIG_KEYS_THAT_MUST_MATCH = (
+    ("model_type", ("model_type",)),
+    ("hidden_size", ("hidden_size",)),
+    ("num_hidden_layers", ("num_hidden_layers",)),
+    ("experts", ("num_local_experts", "num_experts", "n_routed_experts")),
+    ("top_k", ("num_experts_per_tok", "moe_topk", "top_k")),
+    ("vocab_size", ("vocab_size",)),
+)
+
+
+class SetupError(ParityError):
+    """A setting of the run is unusable (pytest: usage error, exit 4; `moe-parity`: exit 2)."""
+
+
+def quiet_transformers() -> None:
+    """No progress bars or warnings from transformers in our output."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@dataclass
+class RunOptions:
+    """What the user asked for; the names in `flags` are how the front end spells each option."""
+
+    golden_dir: Path
+    hw: str = "cpu"
+    model: Path | None = None
+    dtype: str | None = None
+    hw_options: Sequence[str] = ()  # KEY=VALUE
+    cli_tolerances: Sequence[Override] = ()
+    ini_tolerances: Sequence[Override] = ()
+    layers: str | None = None
+    report_dir: Path | None = None
+    trust_remote_code: bool = False
+    flags: dict[str, str] = field(
+        default_factory=lambda: {
+            "golden": "--golden-dir",
+            "model": "--model",
+            "dtype": "--dtype",
+            "hw": "--hw",
+            "layers": "--parity-layers",
+        }
+    )
+
+
+def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
+    def value(cfg: dict[str, Any], names: tuple[str, ...]) -> Any:
+        return next((cfg[n] for n in names if cfg.get(n) is not None), None)
+
+    diffs = []
+    for label, names in CONFIG_KEYS_THAT_MUST_MATCH:
+        g, c = value(golden_cfg, names), value(candidate_cfg, names)
+        if g != c:
+            diffs.append(f"{label}: golden {g!r}, candidate {c!r}")
+    return diffs
+
+
+class ParitySession:
+    """Set up in the constructor, which raises `SetupError` with one sentence for anything the user
+    must fix; nothing heavy happens until the first point runs."""
+
+    def __init__(self, options: RunOptions):
+        self.options = options
+        flags = options.flags
+        try:
+            self.golden = GoldenStore(options.golden_dir)
+        except GoldenError as exc:
+            raise SetupError(f"{flags['golden']}: {exc}") from None
+        self.hw = options.hw
+        backends = registry()
+        if self.hw not in backends:
+            known = ", ".join(sorted(backends)) or "none (is pytest-moe-parity installed?)"
+            raise SetupError(f"{flags['hw']} {self.hw!r} is not a known backend; available: {known}")
+        try:
+            cls = backend_class(self.hw)
+        except BackendError as exc:
+            raise SetupError(f"{flags['hw']} {self.hw}: {exc}") from None
+        self.candidate, self.candidate_source = self._candidate(cls.needs_checkpoint)
+        if cls.needs_checkpoint:
+            self._check_config()
+        dtype = None
+        if options.dtype is not None:
+            try:
+                dtype = parse_dtype(options.dtype, floating=True)
+            except ValueError:
+                raise SetupError(
+                    f"{flags['dtype']} {options.dtype!r} is not a floating-point torch dtype (e.g. bfloat16)"
+                ) from None
+        try:
+            setup = BackendSetup(
+                self.golden,
+                self.candidate,
+                dtype,
+                options=parse_hw_options(options.hw_options),
+                trust_remote_code=options.trust_remote_code,
+            )
+            self.backend = cls(setup)
+        except (ValueError, BackendError) as exc:
+            message = str(exc)  # a backend's sentence names its flag, else the run names the backend
+            raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
+        self.dtype: torch.dtype = self.backend.dtype
+        self.layers = self._layers()
+        self.runner = ParityRunner(
+            self.golden,
+            self.backend,
+            cli_tolerances=list(options.cli_tolerances),
+            ini_tolerances=list(options.ini_tolerances),
+        )
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.interrupted = False
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
+        """The candidate's location and why it was taken."""
+        flags, option = self.options.flags, self.options.model
+        if option:
+            path = Path(option).expanduser().resolve()
+            if not path.exists():
+                raise SetupError(f"{flags['model']} {option} does not exist; pass the candidate's directory")
+            return path, flags["model"]
+        if not needs_checkpoint:
+            raise SetupError(f"{flags['hw']} {self.hw} needs the candidate's location: pass {flags['model']} DIR")
+        model = self.golden.manifest["model"]
+        relative, recorded = model.get("path_relative"), model.get("path")
+        # A golden that travelled with its model (a bundled demo, a copied directory) names it
+        # relative to itself: that copy beats whatever sits at the recording machine's path.
+        if relative:
+            path = (self.golden.root / relative).resolve()
+            if path.is_dir():
+                return path, "the golden's model, found relative to the golden"
+        if recorded and Path(recorded).is_dir():
+            return Path(recorded), "the golden's model, at the path it was recorded from"
+        raise SetupError(
+            f"the golden's model {recorded} does not exist on this machine; "
+            f"pass the candidate checkpoint with {flags['model']} DIR"
+        )
+
+    def _check_config(self) -> None:
+        assert self.candidate is not None
+        config_file = self.candidate / "config.json"
+        if not config_file.is_file():
+            raise SetupError(f"candidate {self.candidate} is not a transformers checkpoint (no config.json)")
+        try:
+            candidate = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise SetupError(f"{config_file} is not valid JSON ({exc})") from None
+        golden_cfg = {**self.golden.config, "model_type": self.golden.model_type}
+        diffs = config_differences(golden_cfg, candidate)
+        if diffs:
+            raise SetupError(f"candidate {self.candidate} does not match the golden's model: " + "; ".join(diffs))
+
+    def _layers(self) -> list[int] | None:
+        text = self.options.layers
+        if text is None or not str(text).strip():
+            return None
+        flag = self.options.flags["layers"]
+        try:
+            layers = parse_layers(text)
+        except ValueError as exc:
+            raise SetupError(f"{flag} {text}: {exc}") from None
+        unknown = sorted(set(layers) - set(self.golden.layers))
+        if unknown:
+            raise SetupError(
+                f"{flag} {text}: the golden has no layer {describe_layers(unknown)}; "
+                f"its layers are {describe_layers(self.golden.layers)}"
+            )
+        return layers
+
+    # -- points ---------------------------------------------------------------------------------
+    @property
+    def points(self) -> list[Point]:
+        """Every point of the golden, in forward order."""
+        return self.golden.points
+
+    def selected(self, point: Point) -> bool:
+        """Whether --parity-layers keeps the point (model-level points are not layers)."""
+        return self.layers is None or point.layer in self.layers
+
+    def prepare(self, point: Point) -> Prepared:
+        return self.runner.prepare(point)
+
+    def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
+        return self.runner.judge(prepared, marker)
+
+    def run_all(self) -> Iterator[dict[str, Any]]:
+        """Judge every selected point in forward order, recording and yielding its row."""
+        for point in self.points:
+            if not self.selected(point):
+                continue
+            try:
+                row = self.judge(self.prepare(point)).to_row()
+            except PointUnavailable as exc:
+                row = status_row(point, "skipped", str(exc))
+            except BackendFailure as exc:
+                row = status_row(point, "error", str(exc))
+            self.record(row)
+            yield row
+
+    # -- rows and reports -----------------------------------------------------------------------
+    def record(self, row: dict[str, Any]) -> None:
+        self.rows[row["id"]] = row
+
+    def header_lines(self) -> list[str]:
+        m = self.golden.manifest
+        layers = f", layers {describe_layers(self.layers)}" if self.layers is not None else ""
+        return [
+            f"moe-parity: golden {self.golden.root} ({m['model']['model_type']}, "
+            f"{m['model'].get('num_hidden_layers')} layers, {len(self.golden.point_ids)} points, "
+            f"{m['inputs']['seq_len']} tokens, {self.golden.dtype}){layers}",
+            f"moe-parity: candidate {self.candidate} ({self.candidate_source}) on --hw {self.hw} "
+            f"in {dtype_name(self.dtype)}",
+        ]
+
+    def closing_lines(self) -> list[tuple[str, str | None]]:
+        """The summary table and the closing lines, as (text, colour)."""
+        rows = list(self.rows.values())
+        if not rows:
+            return [("no parity items ran", None)]
+        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
+        return table + summary_lines(rows, report_dir=self.options.report_dir)
+
+    def meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "golden_dir": str(self.golden.root.resolve()),
+            "model_type": self.golden.model_type,
+            "candidate_model": str(self.candidate),
+            "candidate_source": self.candidate_source,
+            "hw": self.hw,
+            "hw_options": dict(parse_hw_options(self.options.hw_options)),
+            "dtype": dtype_name(self.dtype),
+            "layers": self.layers,
+        }
+        # What this process read (absent under xdist, where the workers did the reading).
+        if self.golden.opened_files:
+            meta["golden_files_read"] = sorted(self.golden.opened_files)
+        reads = self.backend.read_stats()
+        if reads:
+            meta["candidate_reads"] = reads
+        return meta
+
+    def write_reports(self) -> None:
+        if self.options.report_dir is not None and self.rows:
+            write_reports(
+                self.options.report_dir, list(self.rows.values()), meta=self.meta(), interrupted=self.interrupted
+            )
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class Candidate:
+    """The candidate of a run, for custom tests (the `candidate` fixture)."""
+
+    def __init__(self, session: ParitySession):
+        self._session = session
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._session.dtype
+
+    def module(self, point_or_path: str) -> Any:
+        """The backend's torch module for a point id or module path (backends with modules)."""
+        golden = self._session.golden
+        path = golden.point(point_or_path).module if point_or_path in golden.point_ids else point_or_path
+        return self._session.backend.module(path)
+
+    def call(self, record: Any) -> Any:
+        """The candidate's output on a golden record's inputs (cast as for the parity items)."""
+        return self._session.runner.call(record.point, record).output
+
+
+def judge_custom(
+    name: str,
+    golden: torch.Tensor,
+    candidate: torch.Tensor,
+    *,
+    component: str = "custom",
+    marker: dict[str, Any] | None = None,
+    session: ParitySession | None = None,
+) -> PointResult:
+    """A comparison of two tensors under the tolerance a point called `name` would get (the `parity`
+    fixture): the marker, then the run's --parity-tol and ini patterns, then the dtype defaults."""
+    dtype = session.dtype if session is not None else candidate.dtype
+    cli = session.runner.cli_tolerances if session is not None else []
+    ini = session.runner.ini_tolerances if session is not None else []
+    tol, sources = resolve(name, component, dtype, marker=marker, cli=cli, ini=ini)
+    result = judge_point(Custom(name, component), golden, candidate, tol, dtype)
+    result.tolerance_sources = sources
+    result.golden_dtype = dtype_name(golden.dtype)
+    return result

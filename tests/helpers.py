@@ -1,0 +1,86 @@
+"""Helpers shared by the test modules (imported as `helpers`, like `faults`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_moe_parity.cli import main
+from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.session import ParitySession, RunOptions
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    """Run `moe-parity ARGV` in-process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main([str(a) for a in argv]))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def load_fp32(path: Path):
+    """The whole reference model in float32 on the CPU, loaded as `moe-parity golden` loads it."""
+    return load_model(path, dtype=torch.float32, device="cpu", device_map=None, max_memory=None)
+
+
+def session(golden: Path, model: Path | None = None, **options: Any) -> ParitySession:
+    """A pytest-free parity session (what the plugin and `moe-parity compare` drive)."""
+    return ParitySession(RunOptions(golden_dir=golden, model=model, **options))
+
+
+def run_parity(
+    pytester: pytest.Pytester, golden: Path, *args: str, model: Path | None = None, subprocess: bool = False
+) -> pytest.RunResult:
+    """An inner pytest session over a golden (in a fresh process with `subprocess`: needed where
+    xdist workers must import what only PYTHONPATH provides, since xdist hands its workers the
+    sys.path it saw when first imported)."""
+    argv = ["--golden-dir", str(golden), "-p", "no:cacheprovider", *args]
+    if model is not None:
+        argv += ["--model", str(model)]
+    return pytester.runpytest_subprocess(*argv) if subprocess else pytester.runpytest(*argv)
+
+
+def usage_error(result: pytest.RunResult, message: str) -> None:
+    """Exit 4 with `message` on stderr, and no traceback anywhere."""
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    err = result.stderr.str()
+    assert message in err, err
+    assert "INTERNALERROR" not in err + result.stdout.str() and "Traceback" not in err
+
+
+def assert_bitwise(actual, expected, where: str) -> None:
+    """Equal dtype, shape and bits, through tuples; None in `expected` is an omitted output."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert torch.equal(actual, expected), f"{where}: max diff {(actual - expected).abs().max()}"
+    elif isinstance(expected, tuple | list):
+        assert isinstance(actual, tuple | list) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            if e is not None:
+                assert_bitwise(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
+
+
+def assert_replays_bitwise(golden: Path, model) -> None:
+    """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
+    from pytest_moe_parity.golden import GoldenStore
+    from pytest_moe_parity.golden.spec import resolve_params
+
+    store = GoldenStore(golden)
+    for point in store.points:
+        rec = store.load(point)
+        module = model.get_submodule(point.module)
+        with torch.no_grad():
+            out = module(*resolve_params(rec.args, model), **resolve_params(rec.kwargs, model))
+        assert_bitwise(out, rec.output, point.id)

@@ -1,0 +1,286 @@
+"""The backend contract: registration through entry points, options validated up front, inputs
+handed over cast to the candidate's dtype, errors of a backend reported as such, and the README's
+example backend, run exactly as a stranger would install it."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import tomllib
+import torch
+from helpers import read_json, run_parity, session, usage_error
+
+from pytest_moe_parity import backends
+from pytest_moe_parity.backends import Backend, BackendError, BackendSetup, CandidateOutput, parse_hw_options
+from pytest_moe_parity.backends.hf import TorchBackend
+from pytest_moe_parity.errors import BackendFailure
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.report.files import SUMMARY_FILE
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def register(monkeypatch: pytest.MonkeyPatch, cls: type[Backend]) -> None:
+    monkeypatch.setitem(backends.registry(), cls.name, cls)
+
+
+def test_builtin_backends_are_entry_points() -> None:
+    found = backends.registry()
+    assert {"cpu", "cuda", "dump"} <= set(found)
+    assert backends.backend_class("cpu") is TorchBackend
+    with pytest.raises(KeyError):
+        backends.backend_class("tpu")
+
+
+def test_hw_options_are_parsed_and_validated(golden_dir, tiny_model) -> None:
+    assert parse_hw_options(["device=cpu", "max_layers=3", "max_layers=4"]) == {"device": "cpu", "max_layers": "4"}
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        parse_hw_options(["=3"])
+    setup = BackendSetup(GoldenStore(golden_dir("olmoe")), tiny_model("olmoe"), options={"max_layers": "3"})
+    assert TorchBackend(setup).hw_options == {"device": None, "max_layers": 3}
+    with pytest.raises(BackendError, match="no option 'speed'; its options: device, max_layers"):
+        TorchBackend(BackendSetup(setup.golden, setup.model_dir, options={"speed": "1"}))
+
+
+def test_construction_is_cheap_and_loading_lazy(golden_dir, tiny_model) -> None:
+    """Validation at construction reads the shard index only; weights come with the first point."""
+    run = session(golden_dir("olmoe"), tiny_model("olmoe"))
+    assert run.backend.lazy is None and not run.runner.started
+    run.runner.run("layer_1.router")
+    assert run.backend.read_stats()["units"] == ["layer_1"]
+
+
+class Recording(TorchBackend):
+    """A backend that checks what it is handed: inputs in its dtype, no golden output."""
+
+    name = "recording"
+    seen: ClassVar[list[tuple[str, set[torch.dtype], object]]] = []
+
+    def run(self, point, golden):
+        floats = {t.dtype for t in _tensors((golden.args, golden.kwargs)) if t.is_floating_point()}
+        Recording.seen.append((point.id, floats, golden.output))
+        return super().run(point, golden)
+
+
+def _tensors(obj):
+    from pytest_moe_parity.tree import leaves
+
+    return [t for t in leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def test_a_backend_gets_inputs_in_its_dtype_and_not_the_answer(
+    monkeypatch, pytester: pytest.Pytester, golden_dir
+) -> None:
+    register(monkeypatch, Recording)
+    Recording.seen.clear()
+    golden = golden_dir("minimax_m2")
+    run_parity(pytester, golden, "--hw", "recording", "--dtype", "bfloat16").assert_outcomes(
+        passed=len(GoldenStore(golden).point_ids)
+    )
+    assert Recording.seen and all(floats <= {torch.bfloat16} for _, floats, _ in Recording.seen)
+    assert all(output is None for _, _, output in Recording.seen)
+
+
+CRASHING = """
+from pytest_moe_parity.backends.hf import TorchBackend
+
+
+class Crashing(TorchBackend):
+    name = "crashing"
+
+    def run(self, point, golden):
+        out = super().run(point, golden)
+        if point.id == "layer_1.post_attn_norm":
+            out.output = out.output[:, :-1]  # a wrong shape: a divergence
+        if point.id == "layer_2.post_attn_norm":
+            raise RuntimeError("device lost")  # the backend's own failure: an error, not a divergence
+        return out
+"""
+
+
+def install(
+    monkeypatch: pytest.MonkeyPatch, site: Path, module: str, source: str, entry_points: dict[str, str]
+) -> None:
+    """A backend package as pip leaves it: the module and a dist-info with its entry points, on
+    sys.path and PYTHONPATH (xdist workers are other processes)."""
+    dist = site / f"{module}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (site / f"{module}.py").write_text(source)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    (dist / "entry_points.txt").write_text(f"[pytest_moe_parity.backends]\n{lines}")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(backends, "_REGISTRY", {})  # read the entry points again
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_backend_exceptions_are_errors_not_divergences(xdist, monkeypatch, pytester: pytest.Pytester, golden_dir):
+    install(
+        monkeypatch, pytester.path / "site", "crashing_backend", CRASHING, {"crashing": "crashing_backend:Crashing"}
+    )
+    report = pytester.path / "report"
+    args = ["--hw", "crashing", "-m", "post_attn_norm", "--parity-report", str(report), *xdist]
+    result = run_parity(pytester, golden_dir("olmoe"), *args, subprocess=bool(xdist))
+    result.assert_outcomes(passed=2, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of *layer_2.post_attn_norm*",
+            "layer_2.post_attn_norm: the backend raised RuntimeError: device lost",
+            "*in run*",
+            "*RuntimeError: device lost",
+            "*out: shape mismatch: golden (1, 16, 64) vs candidate (1, 15, 64)*",
+            "first divergence: layer_1.post_attn_norm*",
+            "backend errors: 1, first at layer_2.post_attn_norm: *RuntimeError: device lost",
+        ]
+    )
+    assert "INTERNALERROR" not in result.stdout.str() and "runner.py" not in result.stdout.str()
+    summary = read_json(report / SUMMARY_FILE)
+    assert summary["first_divergence"] == "layer_1.post_attn_norm"
+    assert (summary["failed"], summary["error"], summary["first_error"]) == (1, 1, "layer_2.post_attn_norm")
+
+
+def test_an_error_alone_is_no_divergence(monkeypatch, pytester: pytest.Pytester, golden_dir) -> None:
+    install(
+        monkeypatch, pytester.path / "site", "crashing_backend", CRASHING, {"crashing": "crashing_backend:Crashing"}
+    )
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester,
+        golden_dir("olmoe"),
+        "--hw",
+        "crashing",
+        "-k",
+        "layer_2.post_attn_norm",
+        "--parity-report",
+        str(report),
+    )
+    result.assert_outcomes(errors=1)
+    assert read_json(report / SUMMARY_FILE)["first_divergence"] is None
+    result.stdout.fnmatch_lines(["first divergence: none"])
+
+
+class FailingStart(TorchBackend):
+    name = "failing-start"
+
+    def start(self):
+        raise OSError("no NeuronCore visible")
+
+
+def test_a_failing_start_errors_at_the_first_point(monkeypatch, pytester: pytest.Pytester, golden_dir) -> None:
+    register(monkeypatch, FailingStart)
+    result = run_parity(pytester, golden_dir("olmoe"), "--hw", "failing-start", "-x")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["embedding: the backend raised OSError: no NeuronCore visible", "*in start*"])
+
+
+class Unconfigurable(Backend):
+    name = "unconfigurable"
+    needs_checkpoint = False
+
+    def __init__(self, setup):
+        super().__init__(setup)
+        raise BackendError("torch_neuronx is not installed; pip install torch-neuronx from the Neuron index")
+
+    def run(self, point, golden):  # pragma: no cover - never constructed
+        raise AssertionError
+
+
+def test_a_backend_that_cannot_be_set_up_is_a_usage_error(monkeypatch, pytester, golden_dir) -> None:
+    register(monkeypatch, Unconfigurable)
+    result = run_parity(pytester, golden_dir("olmoe"), "--hw", "unconfigurable", model=golden_dir("olmoe"))
+    usage_error(result, "--hw unconfigurable: torch_neuronx is not installed")
+
+
+class NoRouting(TorchBackend):
+    """A backend that cannot see the candidate's routing."""
+
+    name = "no-routing"
+    captures_routing = False
+
+    def run(self, point, golden):
+        out = super().run(point, golden)
+        return CandidateOutput(out.output)
+
+
+def test_without_routing_every_token_is_compared_and_the_text_says_so(
+    monkeypatch, pytester: pytest.Pytester, golden_dir
+) -> None:
+    register(monkeypatch, NoRouting)
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, golden_dir("minimax_m2"), "--hw", "no-routing", "-m", "moe", "--parity-report", str(report)
+    )
+    result.assert_outcomes(passed=4)  # fp32: nothing flips
+    rows = read_json(report.parent / "report" / "comparison_report.json")["points"]
+    assert all("does not expose the candidate's routing" in " ".join(r["notes"]) for r in rows)
+
+
+def test_interrupted_run_leaves_no_half_written_report(monkeypatch, pytester: pytest.Pytester, golden_dir) -> None:
+    class Interrupting(TorchBackend):
+        name = "interrupting"
+
+        def run(self, point, golden):
+            if point.id == "layer_2.attention":
+                raise KeyboardInterrupt
+            return super().run(point, golden)
+
+    register(monkeypatch, Interrupting)
+    report = pytester.path / "report"
+    argv = ["--golden-dir", str(golden_dir("olmoe")), "--hw", "interrupting", "--parity-report", str(report)]
+    result = pytester.runpytest(*argv, "-p", "no:cacheprovider", no_reraise_ctrlc=True)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    summary = read_json(report / SUMMARY_FILE)  # complete JSON, marked incomplete
+    assert summary["complete"] is False and summary["failed"] == 0
+    assert not list(report.glob(".*tmp*"))
+
+
+def test_runner_wraps_backend_exceptions(golden_dir, tiny_model, monkeypatch) -> None:
+    run = session(golden_dir("olmoe"), tiny_model("olmoe"), hw="cpu")
+
+    def boom(point, golden):
+        raise ValueError("bad layout")
+
+    monkeypatch.setattr(run.backend, "run", boom)
+    with pytest.raises(BackendFailure, match=r"layer_0\.router: the backend raised ValueError: bad layout"):
+        run.runner.run("layer_0.router")
+
+
+# -- the README's backend, installed as the README says --------------------------------------------
+
+
+def _readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_the_readme_backend_example_works_as_documented(
+    monkeypatch, pytester: pytest.Pytester, golden_dir, tiny_model
+) -> None:
+    """The example module and its pyproject lines, taken from the README, installed as an entry
+    point (a dist-info on sys.path, as pip would leave it): its ported points pass in bf16, the
+    others are skipped with the backend's reason, and a port bug fails at its point."""
+    import faults
+
+    code = next(b for b in _readme_blocks("python") if b.startswith("# my_port_parity.py"))
+    toml = next(b for b in _readme_blocks("toml") if "pytest_moe_parity.backends" in b)
+    entry_points = tomllib.loads(toml)["project"]["entry-points"]["pytest_moe_parity.backends"]
+    install(monkeypatch, pytester.path / "site", "my_port_parity", code, entry_points)
+    golden = golden_dir("qwen3_moe")
+    n = len(GoldenStore(golden).point_ids)
+    ported = 4 * 3 + 1  # input_norm, post_attn_norm and experts of 4 layers, and the final norm
+    result = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-rs")
+    result.assert_outcomes(passed=ported, skipped=n - ported)
+    result.stdout.fnmatch_lines(["*layer_0.attention: not ported yet*"])
+    buggy = faults.edit_checkpoint(tiny_model("qwen3_moe"), pytester.path / "buggy", faults.swap_gate_up(2))
+    result = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-m", "experts", model=buggy)
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["first divergence: layer_2.experts*"])
+    usage_error(
+        run_parity(pytester, golden, "--hw", "handport", "--hw-option", "eps=tiny"),
+        "--hw-option eps=tiny: could not convert string to float: 'tiny'",
+    )

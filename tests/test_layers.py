@@ -1,0 +1,84 @@
+"""The package's layering: each module imports only from the layers below it, so that the next
+backends and modes land on one seam each. The rule is the package docstring's."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
+# lowest first; a module may import from its own layer's package (inside a sub-package) and below
+LAYERS = [
+    {"points", "dtypes", "errors", "tree"},
+    {"golden", "judge"},
+    {"record"},
+    {"backends"},
+    {"replay"},
+    {"report"},
+    {"session"},
+    {"plugin", "cli"},
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+ORDER = [
+    "points",
+    "dtypes",
+    "errors",
+    "tree",
+    "golden",
+    "judge",
+    "record",
+    "backends",
+    "replay",
+    "report",
+    "session",
+    "plugin",
+    "cli",
+]  # how the docstring lists them
+
+
+def _top(module: str) -> str:
+    """The first component below the package: `golden` for pytest_moe_parity.golden.store."""
+    return module.split(".")[1] if module.count(".") >= 1 else ""
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Intra-package modules imported by the file at `path` (absolute dotted names, line numbers)."""
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    package = parts if parts[-1] == "__init__" else parts[:-1]
+    package = [p for p in package if p != "__init__"]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{target}.{a.name}" for a in node.names] if not node.module else [target]
+            found += [(name, node.lineno) for name in names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pytest_moe_parity"):
+            found.append((node.module, node.lineno))
+    return found
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    tops = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")}
+    assert tops - {"__init__", "fixtures"} <= set(RANK), tops - set(RANK)
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_down_the_layers(path: Path) -> None:
+    own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    if own == "__init__":
+        return
+    for module, line in _imports(path):
+        top = _top(module)
+        if top in ("", "__version__") or top == own:
+            continue
+        assert RANK[top] < RANK[own], f"{path.name}:{line} imports {module}: {top} is not below {own}"
+
+
+def test_the_docstring_states_the_rule() -> None:
+    doc = (PACKAGE / "__init__.py").read_text()
+    rule = " <- ".join(", ".join(sorted(names, key=ORDER.index)) for names in LAYERS)
+    assert rule in doc, rule
