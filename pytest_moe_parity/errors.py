@@ -41,6 +41,10 @@ class BackendFailure(ParityError):
     """The backend raised while running one point: an error of the backend, not a divergence."""
 
     def __init__(self, point_id: str, exc: BaseException):
-        super().__init__(f"{point_id}: the backend raised {type(exc).__name__}: {exc}")
+        if isinstance(exc, ParityError):  # a sentence of ours: say it as it is
+            message = str(exc) if str(exc).startswith(point_id) else f"{point_id}: {exc}"
+        else:
+            message = f"{point_id}: the backend raised {type(exc).__name__}: {exc}"
+        super().__init__(message)
         self.point_id = point_id
         self.original = exc

@@ -38,8 +38,8 @@ def _tolerance_arg(text: str) -> tuple[str, dict]:
 _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--golden-dir", "parity_golden_dir", {},
      "golden directory recorded by `moe-parity golden`; enables the parity items (ini: golden_dir)"),
-    ("--hw", "parity_hw", {}, "candidate backend: cpu, cuda, dump, or one registered under the entry-point "
-     "group pytest_moe_parity.backends (default: cpu)"),
+    ("--hw", "parity_hw", {}, "candidate backend: cpu, cuda, trace, compile, neuron, dump, or one registered "
+     "under the entry-point group pytest_moe_parity.backends (default: cpu)"),
     ("--model", "parity_model", {}, "the candidate: a checkpoint directory, or for --hw dump a directory of "
      "dumped tensors (default: the golden's model, found relative to the golden first)"),
     ("--dtype", "parity_dtype", {}, "candidate dtype, e.g. bfloat16 (default: the backend's, else the golden's)"),
@@ -113,10 +113,20 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 layers=config.getoption("parity_layers") or config.getini("parity_layers"),
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
+                **_xdist_role(config),
             )
         )
     except SetupError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def _xdist_role(config: pytest.Config) -> dict[str, Any]:
+    """How many processes run points and which one this is (backends that share devices need it)."""
+    inputs = getattr(config, "workerinput", None)
+    if inputs is not None:
+        return {"workers": int(inputs["workercount"]), "worker": int(str(inputs["workerid"]).removeprefix("gw"))}
+    count = getattr(config.option, "numprocesses", None) if config.pluginmanager.hasplugin("xdist") else None
+    return {"workers": count if isinstance(count, int) and count > 0 else 1, "worker": None}
 
 
 def pytest_configure(config: pytest.Config) -> None:

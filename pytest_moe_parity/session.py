@@ -63,6 +63,8 @@ class RunOptions:
     layers: str | None = None
     report_dir: Path | None = None
     trust_remote_code: bool = False
+    workers: int = 1  # xdist workers (-n)
+    worker: int | None = None  # this worker's index; None on a controller or without xdist
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -124,6 +126,8 @@ class ParitySession:
                 dtype,
                 options=parse_hw_options(options.hw_options),
                 trust_remote_code=options.trust_remote_code,
+                workers=options.workers,
+                worker=options.worker,
             )
             self.backend = cls(setup)
         except (ValueError, BackendError) as exc:

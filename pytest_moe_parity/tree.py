@@ -1,8 +1,9 @@
-"""Nested call structures (tuples, lists, dicts of tensors and values): map over their leaves."""
+"""Nested call structures (tuples, lists, dicts of tensors and values): map over their leaves,
+flatten them to their tensors and rebuild them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,3 +39,37 @@ def leaves(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [leaf for item in obj.values() for leaf in leaves(item)]
     return [obj]
+
+
+def flatten(obj: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+    """The leaves of a nested structure that `is_leaf` picks (default: tensors), in order, and a
+    spec of everything else (plain dicts and lists; JSON-able when the other values are), so that
+    `unflatten(spec, leaves)` rebuilds the structure. Other values (None, numbers, strings,
+    dtypes...) are kept in the spec as they are."""
+    pick = is_leaf or (lambda x: isinstance(x, torch.Tensor))
+    leaves: list[Any] = []
+
+    def walk(x: Any) -> Any:
+        if pick(x):
+            leaves.append(x)
+            return {"t": "leaf", "i": len(leaves) - 1}
+        if isinstance(x, tuple | list):
+            return {"t": "tuple" if isinstance(x, tuple) else "list", "items": [walk(v) for v in x]}
+        if isinstance(x, dict):
+            return {"t": "dict", "items": {k: walk(v) for k, v in x.items()}}
+        return {"t": "const", "value": x}
+
+    return leaves, walk(obj)
+
+
+def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
+    """Rebuild what `flatten` took apart, with `leaves` in place of the original leaves."""
+    kind = spec["t"]
+    if kind == "leaf":
+        return leaves[spec["i"]]
+    if kind in ("tuple", "list"):
+        items = [unflatten(s, leaves) for s in spec["items"]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: unflatten(s, leaves) for k, s in spec["items"].items()}
+    return spec["value"]

@@ -61,3 +61,26 @@ def _import_everything_once(golden_dir, tiny_model) -> None:
     runner = session(golden_dir("minimax_m2"), tiny_model("minimax_m2"), dtype="bfloat16").runner
     for pid in ("embedding", "rotary", "layer_0.attention", "layer_0.router", "layer_0.moe", "logits"):
         runner.run(pid)
+
+
+@pytest.fixture(scope="session")
+def _import_inductor_once() -> None:
+    """As `_import_everything_once`, for torch.compile: inductor registers its cache artifacts at
+    import, and a second import inside a later inner session would register them twice."""
+    import importlib
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # inductor's imports touch deprecated torch.jit helpers
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.compile(lambda x: x * 2 + 1, dynamic=False)(torch.ones(3))
+        # the modules that register cache artifacts, which a small compile does not import
+        for name in (
+            "torch._inductor.runtime.autotune_cache",
+            "torch._inductor.codecache",
+            "torch._functorch._aot_autograd.autograd_cache",
+            "torch._dynamo.package",
+            "torch._dynamo.pgo",
+        ):
+            importlib.import_module(name)

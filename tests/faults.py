@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pytest_moe_parity.golden import GoldenStore
+
 Tensors = dict[str, torch.Tensor]
 
 
@@ -151,3 +153,52 @@ def poison(key_fragment: str, layer: int) -> Callable[[Tensors], None]:
         t[key] = w
 
     return edit
+
+
+def _used_experts(golden: Path, layer: int) -> tuple[int, int]:
+    index = GoldenStore(golden).load(f"layer_{layer}.router").output[2]
+    counts = index.flatten().bincount()
+    top = counts.argsort(descending=True)
+    return int(top[0]), int(top[1])
+
+
+def _two_input_ids(golden: Path) -> tuple[int, int]:
+    ids = GoldenStore(golden).manifest["inputs"]["input_ids"][0]
+    a = ids[0]
+    b = next(i for i in ids if i != a)
+    return a, b
+
+
+# name: (arch, the point that must fail first, edit factory (golden dir) -> (tensor edit, config edit))
+CASES = {
+    "gate_up_swapped": ("mixtral", "layer_2.experts", lambda g: (swap_gate_up(2), None)),
+    "gate_up_swapped_gpt_oss": ("gpt_oss", "layer_2.experts", lambda g: (swap_gate_up(2), None)),
+    "two_experts_swapped": (
+        "qwen3_moe", "layer_2.experts", lambda g: (swap_experts(2, *_used_experts(g, 2)), None)
+    ),
+    "router_rows_permuted": ("olmoe", "layer_2.router", lambda g: (permute_router_rows(2), None)),
+    "router_rows_permuted_gpt_oss": ("gpt_oss", "layer_1.router", lambda g: (permute_router_rows(1), None)),
+    "score_bias_dropped_minimax": ("minimax_m2", "layer_2.router", lambda g: (drop_score_bias(2), None)),
+    "score_bias_dropped_deepseek": ("deepseek_v3", "layer_2.router", lambda g: (drop_score_bias(2), None)),
+    "post_attn_norm_lost": (
+        "qwen2_moe", "layer_2.post_attn_norm",
+        lambda g: (lose_weight("model.layers.2.post_attention_layernorm.weight"), None),
+    ),
+    "input_norm_lost": (
+        "minimax_m2", "layer_1.input_norm",
+        lambda g: (lose_weight("model.layers.1.input_layernorm.weight"), None),
+    ),
+    "final_norm_lost": ("deepseek_v3", "final_norm", lambda g: (lose_weight("model.norm.weight"), None)),
+    "rope_theta_changed": (
+        "mixtral", "rotary", lambda g: (None, lambda c: c["rope_parameters"].update(rope_theta=40000.0))
+    ),
+    "o_proj_heads_permuted": ("qwen3_moe", "layer_2.attention", lambda g: (permute_o_proj_heads(2, 4), None)),
+    "shared_expert_scaled_deepseek": (
+        "deepseek_v3", "layer_2.shared_experts", lambda g: (scale("shared_experts.down_proj", 2, 1.5), None)
+    ),
+    "shared_expert_scaled_qwen2": (
+        "qwen2_moe", "layer_2.shared_experts", lambda g: (scale("shared_expert.down_proj", 2, 1.5), None)
+    ),
+    "embedding_rows_swapped": ("olmoe", "embedding", lambda g: (swap_embedding_rows(*_two_input_ids(g)), None)),
+    "lm_head_scaled": ("minimax_m2", "logits", lambda g: (scale("lm_head.weight", None, 1.25), None)),
+}  # fmt: skip

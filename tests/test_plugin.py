@@ -107,58 +107,9 @@ def test_ties_are_counted_and_their_tokens_excluded(pytester: pytest.Pytester, g
 # -- fault injection -----------------------------------------------------------------------------
 
 
-def _used_experts(golden: Path, layer: int) -> tuple[int, int]:
-    index = GoldenStore(golden).load(f"layer_{layer}.router").output[2]
-    counts = index.flatten().bincount()
-    top = counts.argsort(descending=True)
-    return int(top[0]), int(top[1])
-
-
-def _two_input_ids(golden: Path) -> tuple[int, int]:
-    ids = GoldenStore(golden).manifest["inputs"]["input_ids"][0]
-    a = ids[0]
-    b = next(i for i in ids if i != a)
-    return a, b
-
-
-FAULTS = {
-    # name: (arch, expected first failing point, edit factory (golden dir) -> (tensor edit, config edit))
-    "gate_up_swapped": ("mixtral", "layer_2.experts", lambda g: (faults.swap_gate_up(2), None)),
-    "gate_up_swapped_gpt_oss": ("gpt_oss", "layer_2.experts", lambda g: (faults.swap_gate_up(2), None)),
-    "two_experts_swapped": (
-        "qwen3_moe", "layer_2.experts", lambda g: (faults.swap_experts(2, *_used_experts(g, 2)), None)
-    ),
-    "router_rows_permuted": ("olmoe", "layer_2.router", lambda g: (faults.permute_router_rows(2), None)),
-    "router_rows_permuted_gpt_oss": ("gpt_oss", "layer_1.router", lambda g: (faults.permute_router_rows(1), None)),
-    "score_bias_dropped_minimax": ("minimax_m2", "layer_2.router", lambda g: (faults.drop_score_bias(2), None)),
-    "score_bias_dropped_deepseek": ("deepseek_v3", "layer_2.router", lambda g: (faults.drop_score_bias(2), None)),
-    "post_attn_norm_lost": (
-        "qwen2_moe", "layer_2.post_attn_norm",
-        lambda g: (faults.lose_weight("model.layers.2.post_attention_layernorm.weight"), None),
-    ),
-    "input_norm_lost": (
-        "minimax_m2", "layer_1.input_norm",
-        lambda g: (faults.lose_weight("model.layers.1.input_layernorm.weight"), None),
-    ),
-    "final_norm_lost": ("deepseek_v3", "final_norm", lambda g: (faults.lose_weight("model.norm.weight"), None)),
-    "rope_theta_changed": (
-        "mixtral", "rotary", lambda g: (None, lambda c: c["rope_parameters"].update(rope_theta=40000.0))
-    ),
-    "o_proj_heads_permuted": ("qwen3_moe", "layer_2.attention", lambda g: (faults.permute_o_proj_heads(2, 4), None)),
-    "shared_expert_scaled_deepseek": (
-        "deepseek_v3", "layer_2.shared_experts", lambda g: (faults.scale("shared_experts.down_proj", 2, 1.5), None)
-    ),
-    "shared_expert_scaled_qwen2": (
-        "qwen2_moe", "layer_2.shared_experts", lambda g: (faults.scale("shared_expert.down_proj", 2, 1.5), None)
-    ),
-    "embedding_rows_swapped": ("olmoe", "embedding", lambda g: (faults.swap_embedding_rows(*_two_input_ids(g)), None)),
-    "lm_head_scaled": ("minimax_m2", "logits", lambda g: (faults.scale("lm_head.weight", None, 1.25), None)),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("fault", sorted(faults.CASES))
 def test_fault_is_caught_at_its_own_point(fault: str, pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
-    arch, expected, make = FAULTS[fault]
+    arch, expected, make = faults.CASES[fault]
     golden = golden_dir(arch)
     tensor_edit, config_edit = make(golden)
     candidate = pytester.path / "candidate"
@@ -378,7 +329,7 @@ def test_invalid_golden_dir(pytester: pytest.Pytester, tmp_path: Path) -> None:
 def test_unknown_hw_lists_the_available(pytester: pytest.Pytester, golden_dir) -> None:
     usage_error(
         run_parity(pytester, golden_dir("olmoe"), "--hw", "tpu"),
-        "--hw 'tpu' is not a known backend; available: cpu, cuda, dump",
+        "--hw 'tpu' is not a known backend; available: compile, cpu, cuda, dump, neuron, trace",
     )
 
 

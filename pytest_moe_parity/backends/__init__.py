@@ -77,6 +77,8 @@ class BackendSetup:
     dtype: torch.dtype | None = None  # --dtype; None: the backend's native dtype, else the golden's
     options: dict[str, str] = field(default_factory=dict)  # --hw-option values, parsed by the backend
     trust_remote_code: bool = False
+    workers: int = 1  # processes running points (xdist's -n), for backends that share devices
+    worker: int | None = None  # this process's index among them (None: not an xdist worker)
 
 
 @dataclass
@@ -94,6 +96,9 @@ class CandidateOutput:
     output: Any
     routing: tuple[torch.Tensor, ...] | None = None
     seconds: float = 0.0
+    # What the backend says about this point, kept in its report row (compiled backends: the graph,
+    # whether it was compiled, loaded from the cache or reused, and the compile seconds).
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend(ABC):

@@ -106,6 +106,7 @@ class PointResult:
     seconds: float = 0.0
     order: int = 0
     step: int | None = None
+    backend: dict[str, Any] = field(default_factory=dict)  # what the backend said (CandidateOutput.info)
 
     @property
     def status(self) -> str:
@@ -159,6 +160,7 @@ class PointResult:
             "candidate_dtype": self.candidate_dtype,
             "golden_dtype": self.golden_dtype,
             "seconds": round(self.seconds, 6),
+            "backend": self.backend,
         }
 
 

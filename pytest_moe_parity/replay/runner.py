@@ -109,6 +109,8 @@ class ParityRunner:
         result.tolerance_sources = sources
         result.seconds = cand.seconds
         result.golden_dtype = self.golden.dtype
+        result.backend = cand.info
+        result.notes.extend(cand.info.get("notes", []))
         return result
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:

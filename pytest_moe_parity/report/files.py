@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..golden.writer import atomic_write_text
-from .text import counts, first_divergence, first_error
+from .text import counts, first_divergence, first_error, graph_summary
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "comparison_report.json"
@@ -28,6 +28,7 @@ def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bo
         "remedy": first.get("remedy") if first else None,
         "first_error": error["id"] if error else None,
         "first_error_message": error.get("error") if error else None,
+        "graphs": graph_summary(rows),
         "complete": not interrupted,
         **meta,
     }

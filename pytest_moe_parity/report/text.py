@@ -171,6 +171,24 @@ def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
     return {s: sum(1 for r in rows if r["status"] == s) for s in STATUSES}
 
 
+def graph_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """For compiled backends: how many graphs served the points, how many were compiled or loaded
+    from the cache, and the graphs of the decoder layers (the kinds of layer: DeepSeek-V3 has two)."""
+    info = [(r, r["backend"]) for r in rows if (r.get("backend") or {}).get("graph")]
+    if not info:
+        return None
+    compiled = [b for _, b in info if b.get("origin") == "compiled"]
+    return {
+        "graphs": len({b["graph"] for _, b in info}),
+        "points": len(info),
+        "compiled": len(compiled),
+        "from_cache": sum(b.get("origin") == "cache" for _, b in info),
+        "compile_seconds": round(sum(b.get("compile_s", 0.0) for b in compiled), 3),
+        "layers": len({r["layer"] for r, _ in info if r["layer"] is not None}),
+        "layer_graphs": len({b["graph"] for r, b in info if r["component"] == "output"}),
+    }
+
+
 def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list[tuple[str, str | None]]:
     """The closing lines of a run, as (text, colour): counts, the first divergence, the first
     backend error. The plugin and `moe-parity compare` print the same lines."""
@@ -192,6 +210,16 @@ def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list
     error = first_error(rows)
     if error is not None:
         lines.append((f"backend errors: {n['error']}, first at {error['id']}: {error.get('error', '')}", "red"))
+    graphs = graph_summary(rows)
+    if graphs is not None:
+        lines.append(
+            (
+                f"{graphs['graphs']} graphs for {graphs['points']} points ({graphs['layer_graphs']} for the "
+                f"decoder layers of {graphs['layers']} layers); compiled {graphs['compiled']} in "
+                f"{graphs['compile_seconds']:.1f} s, {graphs['from_cache']} from the cache",
+                None,
+            )
+        )
     return lines
 
 
