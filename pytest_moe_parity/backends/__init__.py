@@ -167,6 +167,14 @@ class Backend(ABC):
         pass
 
 
+def positive_int(text: str) -> int:
+    """An HwOption parser: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def parse_hw_options(items: Iterable[str]) -> dict[str, str]:
     """`KEY=VALUE` strings (later ones win) -> {KEY: VALUE}; ValueError naming a malformed one."""
     options: dict[str, str] = {}

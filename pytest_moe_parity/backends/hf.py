@@ -13,15 +13,8 @@ from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..points import Point
-from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption
+from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
 from .lazy_model import LazyModel, weight_map
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
-    return value
 
 
 class TorchBackend(Backend):
@@ -32,7 +25,7 @@ class TorchBackend(Backend):
     captures_routing = True
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
-        HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", _positive_int, 2),
+        HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
     )
     device_type = "cpu"
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import BackendError, BackendSetup, HwOption
+from . import BackendError, BackendSetup, HwOption, positive_int
 from .compiled import CompiledBackend, PointModule
 
 INSTALL = (
@@ -77,13 +77,6 @@ def visible_cores(devices: int, cores_per_device: int, env: dict[str, str] | Non
     return list(range(total))
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
 class NeuronBackend(CompiledBackend):
     """`--hw neuron`: the candidate checkpoint's transformers modules on a NeuronCore."""
 
@@ -91,9 +84,9 @@ class NeuronBackend(CompiledBackend):
     options = (
         *CompiledBackend.options,
         HwOption("compiler_args", "neuronx-cc arguments (default: --auto-cast=none)", str, "--auto-cast=none"),
-        HwOption("cores_per_worker", "NeuronCores per xdist worker (default: 1)", _positive_int, 1),
-        HwOption("cores_per_device", "NeuronCores of a Neuron device (default: 2, trn1 and inf2)", _positive_int, 2),
-        HwOption("devices", "Neuron devices on this host (default: counted from /dev/neuron*)", _positive_int),
+        HwOption("cores_per_worker", "NeuronCores per xdist worker (default: 1)", positive_int, 1),
+        HwOption("cores_per_device", "NeuronCores of a Neuron device (default: 2, trn1 and inf2)", positive_int, 2),
+        HwOption("devices", "Neuron devices on this host (default: counted from /dev/neuron*)", positive_int),
     )
 
     def __init__(self, setup: BackendSetup) -> None:
