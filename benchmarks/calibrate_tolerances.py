@@ -4,7 +4,7 @@
 
 For every tiny architecture, model seed and sequence length: record a float32 golden, replay every
 point on a candidate of the same weights in `--dtype`, and report per component the worst rel_l2
-and cosine, plus routing flips and ties, and every point that fails the current defaults.
+and cosine and the worst token's rel_l2, plus routing and top-1 flips and ties, and every point that fails the current defaults.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def main() -> None:
     from pytest_moe_parity.session import ParitySession, RunOptions, quiet_transformers
 
     quiet_transformers()
-    worst: dict[str, dict[str, float]] = defaultdict(lambda: {"rel_l2": 0.0, "cosine": 1.0, "n": 0})
-    flips = ties = tokens = 0
+    worst: dict[str, dict[str, float]] = defaultdict(lambda: {"rel_l2": 0.0, "cosine": 1.0, "token": 0.0, "n": 0})
+    flips = ties = tokens = top1_flips = top1_ties = 0
     failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs or available_archs():
@@ -47,19 +47,24 @@ def main() -> None:
                             key = f"{comp}:{target}"
                             worst[key]["rel_l2"] = max(worst[key]["rel_l2"], m.rel_l2)
                             worst[key]["cosine"] = min(worst[key]["cosine"], m.cosine)
+                            worst[key]["token"] = max(worst[key]["token"], m.max_token_rel_l2 or 0.0)
                             worst[key]["n"] += 1
                         if comp == "router" and res.routing:
                             flips += len(res.routing["flips"])
                             ties += len(res.routing["ties"])
                             tokens += res.routing["num_tokens"]
+                        if res.logits is not None:
+                            top1_flips += len(res.logits.top1.flips)
+                            top1_ties += len(res.logits.top1.ties)
                         if not res.passed:
                             failed = ", ".join(f"{c.target}.{c.name}={c.value:.3g}" for c in res.failed_checks)
                             failures.append(f"{arch} seed={seed} seq={seq} {pid}: {failed}")
-    print(f"{'component:tensor':<28}{'points':>8}{'worst rel_l2':>14}{'worst cosine':>14}")
+    print(f"{'component:tensor':<28}{'points':>8}{'worst rel_l2':>14}{'worst cosine':>14}{'worst token':>14}")
     for key in sorted(worst):
         w = worst[key]
-        print(f"{key:<28}{w['n']:>8}{w['rel_l2']:>14.3e}{w['cosine']:>14.6f}")
+        print(f"{key:<28}{w['n']:>8}{w['rel_l2']:>14.3e}{w['cosine']:>14.6f}{w['token']:>14.3e}")
     print(f"router tokens {tokens}: real flips {flips}, ties {ties}")
+    print(f"logits top-1: real flips {top1_flips}, ties {top1_ties}")
     print(f"{len(failures)} failing points at the default tolerances")
     for line in failures:
         print("  " + line)

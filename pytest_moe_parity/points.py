@@ -30,10 +30,15 @@ MODEL_TAIL = ("final_norm", "logits")
 COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
 
 ROUTER = "router"
+EXPERTS = "experts"
 # Points that contain a router: judged over the tokens whose top-k routing agrees between golden
 # and candidate (a near-tie flip changes a token's output by design), so replaying them needs the
 # golden router's output and, from the backend, the candidate's own routing.
 ROUTED_BLOCKS = frozenset({"moe", "output"})
+# Points whose output follows a router's decision: the routed blocks, and the experts, which take the
+# routing as input (the golden's in isolated replay; the candidate's own in a dump or a chained run,
+# where its flipped tokens are left out too).
+FOLLOWS_ROUTER = ROUTED_BLOCKS | {EXPERTS}
 
 _ID_RE = re.compile(r"^(?:step_(\d+)\.)?(?:layer_(\d+)\.)?([a-z_]+)$")
 
@@ -92,9 +97,13 @@ class Point:
         return self.component in ROUTED_BLOCKS
 
     @property
+    def follows_router(self) -> bool:
+        return self.component in FOLLOWS_ROUTER
+
+    @property
     def router_id(self) -> str | None:
-        """The id of the router whose routing a routed block is judged by (same layer and step)."""
-        return point_id(ROUTER, self.layer, self.step) if self.routed_block and self.layer is not None else None
+        """The id of the router whose routing this point follows (same layer and step)."""
+        return point_id(ROUTER, self.layer, self.step) if self.follows_router and self.layer is not None else None
 
     @classmethod
     def parse(cls, pid: str, **fields: Any) -> Point:

@@ -17,16 +17,17 @@ def _quiet_transformers() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """tiny_model(arch, layers=None, seed=0) -> checkpoint directory, written once per session."""
+    """tiny_model(arch, layers=None, seed=0, **config_overrides) -> checkpoint directory, written
+    once per session."""
     from pytest_moe_parity.record.tiny import write_tiny_model
 
     cache: dict[tuple, Path] = {}
 
-    def make(arch: str, layers: int | None = None, seed: int = 0) -> Path:
-        key = (arch, layers, seed)
+    def make(arch: str, layers: int | None = None, seed: int = 0, **overrides) -> Path:
+        key = (arch, layers, seed, tuple(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tiny-{arch}-{layers}-{seed}")
-            cache[key] = write_tiny_model(arch, out, layers=layers, seed=seed)
+            cache[key] = write_tiny_model(arch, out, layers=layers, seed=seed, overrides=overrides)
         return cache[key]
 
     return make

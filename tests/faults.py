@@ -77,6 +77,16 @@ def swap_experts(layer: int, a: int, b: int) -> Callable[[Tensors], None]:
     return edit
 
 
+def zero_expert(layer: int, expert: int) -> Callable[[Tensors], None]:
+    """One expert whose down projection the port never loaded (zeros)."""
+
+    def edit(t: Tensors) -> None:
+        key = _expert_keys(t, layer, expert)["down"]
+        t[key] = torch.zeros_like(t[key])
+
+    return edit
+
+
 def _one(t: Tensors, *fragments: str) -> str:
     found = [k for k in t if all(f in k for f in fragments)]
     assert len(found) == 1, (fragments, found)
@@ -129,6 +139,18 @@ def scale(key_fragment: str, layer: int | None, factor: float) -> Callable[[Tens
         frags = (f"layers.{layer}.", key_fragment) if layer is not None else (key_fragment,)
         key = _one(t, *frags)
         t[key] = t[key] * factor
+
+    return edit
+
+
+def scale_rows(key_fragment: str, rows: list[int], factor: float) -> Callable[[Tensors], None]:
+    """Some rows of one weight scaled, e.g. a few vocabulary rows of lm_head."""
+
+    def edit(t: Tensors) -> None:
+        key = _one(t, key_fragment)
+        w = t[key].clone()
+        w[rows] *= factor
+        t[key] = w
 
     return edit
 

@@ -16,9 +16,11 @@ import torch
 from pytest_moe_parity.judge.metrics import (
     RoutingMetrics,
     TensorMetrics,
+    compare_logits,
     compare_routing,
     compare_tensors,
     per_token_error,
+    row_sums,
     scatter_topk,
     tie_tolerance,
     worst_tokens,
@@ -533,3 +535,63 @@ def test_worst_elements() -> None:
     assert worst_elements(inf, inf.clone(), 1)[0][3] == 0.0  # equal Infs are no difference
     with pytest.raises(ValueError, match="shape mismatch"):
         worst_elements(torch.zeros(2), torch.zeros(3))
+
+
+# ------------------------------------------------------------------------ row sums, per expert, logits
+
+
+def test_group_errors_are_the_rel_l2_over_each_groups_rows() -> None:
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(40, 8, generator=gen, dtype=torch.float64)
+    c = g + 0.01 * torch.randn(40, 8, generator=gen, dtype=torch.float64)
+    groups = torch.randint(0, 6, (40, 2), generator=gen)
+    groups[3, 1] = -1  # a row in one group only
+    errors, counts = row_sums(g, c, token_dim=0).group_errors(groups, 7)
+    for e in range(7):
+        rows = (groups == e).any(dim=1)
+        assert int(counts[e]) == int((groups == e).sum())
+        if not rows.any():
+            assert math.isnan(float(errors[e]))
+            continue
+        # a row listed twice for one group counts twice
+        weight = (groups == e).sum(dim=1).to(torch.float64)
+        d2 = ((c - g).square().sum(dim=1) * weight).sum()
+        g2 = (g.square().sum(dim=1) * weight).sum()
+        assert float(errors[e]) == pytest.approx(float((d2 / g2).sqrt()), rel=1e-12)
+    c[10, 0] = float("nan")
+    errors, _ = row_sums(g, c, token_dim=0).group_errors(groups, 7)
+    assert all(float(errors[e]) == math.inf for e in groups[10].tolist())
+
+
+def test_floor_share_measures_small_rows_against_the_median() -> None:
+    g = torch.ones(5, 4)
+    g[0] = 1e-4
+    c = g + 1e-3
+    plain = per_token_error(g, c, token_dim=0)
+    floored = per_token_error(g, c, token_dim=0, floor_share=0.5)
+    assert float(plain[0]) == pytest.approx(10.0)
+    assert float(floored[0]) == pytest.approx(1e-3 * 2 / 1.0)  # against half of the median norm 2
+    assert torch.allclose(plain[1:], floored[1:])
+
+
+def test_compare_logits_against_a_float64_reference() -> None:
+    gen = torch.Generator().manual_seed(8)
+    g = torch.randn(2, 9, 50, generator=gen)
+    c = g + 0.3 * torch.randn(2, 9, 50, generator=gen)
+    lm = compare_logits(g, c, torch.bfloat16, top_k=5)
+    pg = torch.log_softmax(g.double().reshape(18, 50), -1)
+    pc = torch.log_softmax(c.double().reshape(18, 50), -1)
+    kl = (pg.exp() * (pg - pc)).sum(-1)
+    assert lm.num_tokens == 18 and lm.kl_mean == pytest.approx(float(kl.mean()), rel=1e-9)
+    assert lm.kl_max == pytest.approx(float(kl.max()), rel=1e-9)
+    assert lm.kl_worst[0][0] == int(kl.argmax())
+    g5 = g.reshape(18, 50).topk(5).indices.tolist()
+    c5 = c.reshape(18, 50).topk(5).indices.tolist()
+    overlap = sum(len(set(a) & set(b)) for a, b in zip(g5, c5, strict=True)) / (18 * 5)
+    assert lm.top_k_overlap == pytest.approx(overlap)
+    agree = (g.reshape(18, 50).argmax(-1) == c.reshape(18, 50).argmax(-1)).double().mean()
+    assert lm.top1_agreement == pytest.approx(float(agree))
+    assert len(lm.top1.flips) + len(lm.top1.ties) == round((1 - float(agree)) * 18)
+    same = compare_logits(g, g.clone(), torch.bfloat16)
+    assert same.top1_agreement == 1.0 and same.kl_max == 0.0 and same.top_k_overlap == 1.0
+    json.dumps(lm.to_dict())

@@ -174,3 +174,101 @@ def test_remedy_rounds_outward_and_refuses_the_unacceptable() -> None:
     nan = g.clone()
     nan[0, 0] = float("nan")
     assert judge_point(POINT, g, nan, tol, torch.bfloat16).remedy() is None
+
+
+# -- per-token damage, experts that follow the candidate's routing, per-expert breakdown, logits --------
+
+
+def test_a_dropped_token_fails_the_token_check_though_the_whole_tensor_passes() -> None:
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(1, 1024, 16, generator=gen)
+    c = g + 2e-3 * torch.randn(g.shape, generator=gen)
+    c[0, 700] = 0.0  # one token of 1024 lost: diluted to rel_l2 0.03 in the whole
+    r = judge_point(POINT, g, c, default_tolerance(torch.bfloat16, "input_norm"), torch.bfloat16)
+    assert not r.passed
+    assert [(ch.target, ch.name) for ch in r.failed_checks] == [("out", "max_token_rel_l2")]
+    assert r.metrics["out"].max_token_rel_l2 == pytest.approx(1.0) and r.metrics["out"].worst_token == 700
+    assert r.worst[0] == (700, pytest.approx(1.0))
+    assert r.remedy() == "--parity-tol 'layer_1.attention:token_rel_l2=1'"
+    text = failure_text(r)
+    assert "worst tokens (position, rel error): 700 (1)" in text
+    # a near-zero golden token (sin at position 0) is measured against half the median token
+    small = g.clone()
+    small[0, 3] = 1e-6
+    noisy = small + 2e-3 * torch.randn(g.shape, generator=gen)
+    assert judge_point(POINT, small, noisy, default_tolerance(torch.bfloat16, "input_norm"), torch.bfloat16).passed
+
+
+def _routing(num_tokens: int, num_experts: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen) * 3
+    weights, index = torch.softmax(logits, -1).topk(k, dim=-1)
+    return logits, weights, index
+
+
+def test_experts_leave_out_the_tokens_the_candidate_routed_elsewhere() -> None:
+    """A dumped or chained candidate computed its own routing: a token it routed to other experts
+    has a different experts output by design, which must neither fail nor be blamed on the experts."""
+    point = Point("experts", 0)
+    golden_router = _routing(24, 8, 2)
+    g = torch.randn(24, 16, generator=torch.Generator().manual_seed(2))
+    c = g.clone()
+    c[5] = torch.randn(16)  # token 5 went to other experts
+    cand_index = golden_router[2].clone()
+    cand_index[5] = torch.tensor([x for x in range(8) if x not in golden_router[2][5].tolist()][:2])
+    cand_router = (golden_router[0], golden_router[1], cand_index)
+    tol = default_tolerance(torch.bfloat16, "experts")
+    r = judge_point(point, g, c, tol, torch.bfloat16, golden_router=golden_router, candidate_router=cand_router)
+    assert r.passed, failure_text(r)
+    assert r.excluded_tokens == [5] and "1 token(s) whose routing flipped are excluded" in r.notes[0]
+    # without the candidate's routing (an isolated replay takes the golden's), token 5 is a failure
+    r = judge_point(point, g, c, tol, torch.bfloat16, golden_router=golden_router)
+    assert not r.passed and r.worst[0][0] == 5 and not r.notes
+    assert "max_token_rel_l2" in [ch.name for ch in r.failed_checks]
+
+
+def test_one_broken_expert_of_64_is_named() -> None:
+    point = Point("experts", 3)
+    logits, weights, index = _routing(256, 64, 8, seed=3)
+    counts = index.flatten().bincount(minlength=64)
+    rare = int(torch.where(counts > 0, counts, 10**6).argmin())  # the used expert with the fewest tokens
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(256, 32, generator=gen)
+    c = g + 2e-3 * torch.randn(g.shape, generator=gen)
+    served = (index == rare).any(dim=-1)
+    c[served] = 0.4 * g[served]  # its tokens lose most of their output
+    r = judge_point(point, g, c, default_tolerance(torch.bfloat16, "experts"), torch.bfloat16,
+                    golden_router=(logits, weights, index))  # fmt: skip
+    assert not r.passed
+    expert, tokens, err = r.worst_experts[0]
+    assert (expert, tokens) == (rare, int(counts[rare])) and err == pytest.approx(0.6, rel=0.05)
+    assert all(e != rare and x < err for e, _, x in r.worst_experts[1:])
+    text = failure_text(r)
+    assert f"worst experts (rel error over their golden-routed tokens): #{rare} 0.6" in text
+    row = r.to_row()
+    assert row["worst_experts"][0][:2] == [rare, int(counts[rare])]
+
+
+def test_logits_fail_on_a_real_top1_flip_and_report_a_tie() -> None:
+    point = Point("logits")
+    tol = default_tolerance(torch.bfloat16, "logits")
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(1, 12, 256, generator=gen)
+    top = g[0].topk(2, dim=-1)
+    c = g.clone()
+    # token 4: the runner-up is raised just above the top-1 while the golden gap is within rounding
+    g[0, 4, top.indices[4, 1]] = top.values[4, 0] - 1e-3
+    c[0, 4, top.indices[4, 1]] = top.values[4, 0] + 1e-3
+    r = judge_point(point, g, c, tol, torch.bfloat16)
+    assert r.passed, failure_text(r)
+    assert r.logits is not None and [f.token for f in r.logits.top1.ties] == [4] and not r.logits.top1.flips
+    assert r.logits.top1_agreement == pytest.approx(11 / 12)
+    # token 7: the candidate's choice lost by a clear margin in the golden: a real flip
+    c[0, 7, top.indices[7, 1]] = top.values[7, 0] + 1.0
+    r = judge_point(point, g, c, tol, torch.bfloat16)
+    assert not r.passed and [(ch.target, ch.name) for ch in r.failed_checks] == [("top1", "flip_share")]
+    assert [f.token for f in r.logits.top1.flips] == [7]
+    text = failure_text(r)
+    assert "next token: top-1 agreement 83.3% of 12 tokens (real flips 1, ties 1)" in text
+    assert f"token 7: golden top-1 {int(top.indices[7, 0])}, candidate {int(top.indices[7, 1])}" in text
+    assert r.to_row()["logits"]["top1"]["flipped_tokens"] == [7]

@@ -348,9 +348,10 @@ class CompiledBackend(TorchBackend):
         return CandidateOutput(output, routing, seconds, info)
 
     def _router_path(self, point: Point) -> str | None:
+        """The router inside the point's module, whose outputs the graph also returns."""
         router = self.golden.router_of(point)
-        if router is None:
-            return None
+        if router is None or not router.module.startswith(point.module + "."):
+            return None  # no router inside (the experts take the routing as input)
         return router.module.removeprefix(point.module + ".")
 
     def _graph(

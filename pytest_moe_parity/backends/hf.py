@@ -73,7 +73,7 @@ class TorchBackend(Backend):
         routing: list[Any] = []
         handle = None
         router = self.golden.router_of(point)
-        if router is not None:  # a routed block: see the candidate's own routing
+        if router is not None and point.routed_block:  # the router runs inside: see its routing
             handle = lazy.module(router.module).register_forward_hook(lambda m, a, out: routing.append(out))
         started = time.perf_counter()
         try:

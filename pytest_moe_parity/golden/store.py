@@ -164,8 +164,8 @@ class GoldenStore:
         return self._entries[self.point(pid).id]
 
     def router_of(self, point: Point) -> Point | None:
-        """The router a routed block (`moe`, `output`) is judged by; None for dense layers and for
-        points that are not routed blocks."""
+        """The router whose routing a point follows (`moe`, `output`, `experts`); None for dense
+        layers and for points that follow no router."""
         rid = point.router_id
         return self._points.get(rid) if rid is not None else None
 

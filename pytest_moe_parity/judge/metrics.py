@@ -19,12 +19,16 @@ import torch
 from ..dtypes import dtype_name, json_safe
 
 __all__ = [
+    "LogitsMetrics",
     "RoutingFlip",
     "RoutingMetrics",
     "TensorMetrics",
+    "compare_logits",
     "compare_routing",
     "compare_tensors",
+    "RowSums",
     "per_token_error",
+    "row_sums",
     "scatter_topk",
     "tie_tolerance",
     "worst_elements",
@@ -187,6 +191,9 @@ class TensorMetrics:
     inf_golden: int
     inf_candidate: int
     first_nonfinite: tuple[int, ...] | None
+    # per token (rows of the last dimension), where the judge looked: the worst one's error and position
+    max_token_rel_l2: float | None = None
+    worst_token: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: non-finite floats become "inf" / "-inf" / "nan", tuples become lists."""
@@ -545,41 +552,99 @@ def worst_elements(
     return out
 
 
-def per_token_error(golden: torch.Tensor, candidate: torch.Tensor, token_dim: int = -2) -> torch.Tensor:
-    """Relative L2 error ``||c_t - g_t|| / ||g_t||`` of every slice ``t`` along ``token_dim``.
+@dataclass
+class RowSums:
+    """Per-row sums of squares of the difference (``d2``) and of the finite golden (``g2``), float64
+    ``[T]``, with ``bad`` marking rows where the candidate has a NaN or an unmatched Inf. Relative
+    errors of any set of rows (one token, the tokens of one expert) follow from them."""
 
-    All other dimensions are flattened. Returns float64 ``[T]``. A slice with ``||g_t|| = 0`` gives 0.0 if
-    it is equal to the golden, else inf. Non-finite values never yield nan: equal Infs count as equal,
-    ``||g_t||`` is taken over the finite golden values, and a NaN or unmatched Inf makes the error inf.
-    Processed in blocks of tokens, so no float64 copy of the whole tensor is made.
-    """
+    d2: torch.Tensor
+    g2: torch.Tensor
+    bad: torch.Tensor
+
+    def errors(self, floor_share: float = 0.0) -> torch.Tensor:
+        """``||c_t - g_t|| / max(||g_t||, floor)`` per row, ``floor = floor_share * median_t ||g_t||``
+        (so a row whose golden is almost zero, like sin at position 0, is measured against the
+        typical row instead of its own near-zero norm). 0 where equal, inf where the golden row is 0
+        and the candidate's is not, or where the candidate is not finite."""
+        g2 = self.g2
+        if floor_share > 0.0 and g2.numel():
+            g2 = g2.clamp(min=float(floor_share**2 * g2.median()))
+        err = torch.sqrt(self.d2) / torch.sqrt(g2)
+        err = torch.where(self.d2 == 0.0, 0.0, torch.where(g2 == 0.0, _INF, err))
+        return torch.where(self.bad | torch.isnan(err), _INF, err)
+
+    def group_errors(self, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Relative L2 error over the rows of each group, and the number of rows per group.
+
+        ``groups [T, k]`` lists, per row, the groups it belongs to (e.g. the experts a token was routed
+        to; -1 for none). Returns float64 ``[G]`` errors (nan for an empty group, inf where a member
+        row is not finite) and int64 ``[G]`` counts."""
+        groups = groups.reshape(self.d2.shape[0], -1).to(torch.int64)
+        valid = (groups >= 0) & (groups < num_groups)
+        member = groups.clamp(min=0)
+        weights = valid.to(_F64)
+        d2 = torch.zeros(num_groups, dtype=_F64).index_add_(0, member.flatten(), (self.d2[:, None] * weights).flatten())
+        g2 = torch.zeros(num_groups, dtype=_F64).index_add_(0, member.flatten(), (self.g2[:, None] * weights).flatten())
+        count = torch.zeros(num_groups, dtype=torch.int64).index_add_(0, member.flatten(), valid.flatten().long())
+        bad = torch.zeros(num_groups, dtype=torch.int64).index_add_(
+            0, member.flatten(), (valid & self.bad[:, None]).flatten().long()
+        )
+        err = torch.sqrt(d2) / torch.sqrt(g2)
+        err = torch.where(d2 == 0.0, 0.0, torch.where(g2 == 0.0, _INF, err))
+        err = torch.where(bad > 0, _INF, err)
+        return torch.where(count == 0, math.nan, err), count
+
+    def select(self, rows: torch.Tensor) -> RowSums:
+        return RowSums(self.d2[rows], self.g2[rows], self.bad[rows])
+
+
+def row_sums(golden: torch.Tensor, candidate: torch.Tensor, token_dim: int = -2) -> RowSums:
+    """The :class:`RowSums` of every slice ``t`` along ``token_dim`` (other dimensions flattened).
+
+    Non-finite values never yield nan: equal Infs count as equal, ``g2`` is taken over the finite golden
+    values, and a NaN or unmatched Inf marks the row ``bad``. Processed in blocks of rows, so no float64
+    copy of the whole tensor is made."""
     golden = _check_tensor(golden, "golden")
     candidate = _check_tensor(candidate, "candidate")
     if golden.shape != candidate.shape:
         raise ValueError(f"shape mismatch: golden {tuple(golden.shape)} vs candidate {tuple(candidate.shape)}")
     if golden.ndim == 0:
-        raise ValueError("per_token_error needs at least one dimension")
+        raise ValueError("per-token errors need at least one dimension")
     if not -golden.ndim <= token_dim < golden.ndim:
         raise ValueError(f"token_dim {token_dim} out of range for a {golden.ndim}-d tensor")
     g_all = golden.movedim(token_dim, 0)
     c_all = candidate.movedim(token_dim, 0)
     num_tokens = g_all.shape[0]
     inner = math.prod(g_all.shape[1:])
-    out = torch.zeros(num_tokens, dtype=_F64)
+    d2_all = torch.zeros(num_tokens, dtype=_F64)
+    g2_all = torch.zeros(num_tokens, dtype=_F64)
+    bad_all = torch.zeros(num_tokens, dtype=torch.bool)
     if num_tokens == 0 or inner == 0:
-        return out
+        return RowSums(d2_all, g2_all, bad_all)
     rows = max(1, (1 << 20) // inner)  # a few block-sized float64 temporaries, ~8 MB each
     for start in range(0, num_tokens, rows):
         stop = min(start + rows, num_tokens)
         g = g_all[start:stop].reshape(stop - start, inner).to(_F64)
         c = c_all[start:stop].reshape(stop - start, inner).to(_F64)
         diff = torch.where(g == c, 0.0, c - g)  # equal Infs -> 0; NaN / unmatched Inf -> nan or inf
-        d2 = diff.square_().sum(dim=1)
-        g2 = torch.where(torch.isfinite(g), g, 0.0).square_().sum(dim=1)
-        err = torch.sqrt(d2) / torch.sqrt(g2)
-        err = torch.where(d2 == 0.0, 0.0, torch.where(g2 == 0.0, _INF, err))
-        out[start:stop] = torch.where(torch.isnan(err), _INF, err).cpu()
-    return out
+        bad_all[start:stop] = (~torch.isfinite(diff)).any(dim=1).cpu()
+        d2_all[start:stop] = torch.where(torch.isfinite(diff), diff, 0.0).square_().sum(dim=1).cpu()
+        g2_all[start:stop] = torch.where(torch.isfinite(g), g, 0.0).square_().sum(dim=1).cpu()
+    return RowSums(d2_all, g2_all, bad_all)
+
+
+def per_token_error(
+    golden: torch.Tensor, candidate: torch.Tensor, token_dim: int = -2, *, floor_share: float = 0.0
+) -> torch.Tensor:
+    """Relative L2 error ``||c_t - g_t|| / ||g_t||`` of every slice ``t`` along ``token_dim``.
+
+    All other dimensions are flattened. Returns float64 ``[T]``. A slice with ``||g_t|| = 0`` gives 0.0 if
+    it is equal to the golden, else inf; a NaN or unmatched Inf makes the error inf. With
+    ``floor_share``, the denominator is at least that share of the median row norm (see
+    :meth:`RowSums.errors`).
+    """
+    return row_sums(golden, candidate, token_dim).errors(floor_share)
 
 
 def worst_tokens(per_token: torch.Tensor, n: int = 5) -> list[tuple[int, float]]:
@@ -756,3 +821,72 @@ def scatter_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_exp
     dtype = weights.dtype if weights.is_floating_point() else torch.float32
     dense = torch.zeros(ids.shape[0], num_experts, dtype=dtype, device=weights.device)
     return dense.scatter_add_(1, ids.to(weights.device), weights.to(dtype))
+
+
+# --------------------------------------------------------------------------------------------------------
+# logits: next-token agreement
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LogitsMetrics:
+    """How well candidate logits predict the same next tokens (see :func:`compare_logits`)."""
+
+    num_tokens: int
+    top1_agreement: float  # share of tokens whose argmax agrees
+    top1: RoutingMetrics  # the argmax as a top-1 "routing": real flips and ties (golden gap within rounding)
+    top_k: int  # the k of the overlap below
+    top_k_overlap: float  # mean over tokens of |top-k(golden) & top-k(candidate)| / k
+    kl_mean: float  # KL(p_golden || p_candidate) per token, in nats: mean and max
+    kl_max: float
+    kl_worst: list[tuple[int, float]]  # the tokens with the largest KL
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["top1"] = self.top1.to_dict()
+        return json_safe(data)
+
+
+def compare_logits(
+    golden: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype, *, tie_factor: float = 8.0, top_k: int = 5
+) -> LogitsMetrics:
+    """Top-1 agreement (a disagreement is a tie when the golden's gap between its top-1 and the
+    candidate's choice is within :func:`tie_tolerance` of ``dtype``), top-k overlap and the KL divergence
+    of the candidate's next-token distribution from the golden's, per token. ``[..., V]``; leading dims
+    are tokens. Computed in float64, in blocks of tokens."""
+    g_all = _as_token_matrix(_check_tensor(golden, "golden"), "golden")
+    c_all = _as_token_matrix(_check_tensor(candidate, "candidate"), "candidate")
+    if g_all.shape != c_all.shape:
+        raise ValueError(f"shape mismatch: golden {tuple(golden.shape)} vs candidate {tuple(candidate.shape)}")
+    num_tokens, vocab = g_all.shape
+    k = max(1, min(top_k, vocab))
+    g_top1 = torch.empty(num_tokens, 1, dtype=torch.int64)
+    c_top1 = torch.empty(num_tokens, 1, dtype=torch.int64)
+    overlap = torch.zeros(num_tokens, dtype=_F64)
+    kl = torch.zeros(num_tokens, dtype=_F64)
+    rows = max(1, (1 << 20) // max(vocab, 1))
+    for start in range(0, num_tokens, rows):
+        stop = min(start + rows, num_tokens)
+        g = g_all[start:stop].to(_F64)
+        c = c_all[start:stop].to(_F64)
+        g_top1[start:stop, 0] = g.argmax(dim=1).cpu()
+        c_top1[start:stop, 0] = c.argmax(dim=1).cpu()
+        g_k = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(k, dim=1).indices, True)
+        c_k = torch.zeros_like(c, dtype=torch.bool).scatter_(1, c.topk(k, dim=1).indices, True)
+        overlap[start:stop] = ((g_k & c_k).sum(dim=1).to(_F64) / k).cpu()
+        log_pg, log_pc = torch.log_softmax(g, dim=1), torch.log_softmax(c, dim=1)
+        terms = torch.where(log_pg == -_INF, 0.0, log_pg.exp() * (log_pg - log_pc))
+        kl[start:stop] = terms.sum(dim=1).clamp(min=0.0).cpu()  # rounding may give -1e-17
+    kl = torch.where(torch.isnan(kl), _INF, kl)
+    scores = g_all  # the golden logits are the selection scores of the argmax
+    top1 = compare_routing(scores, g_top1, c_top1, tolerance=tie_tolerance(scores, dtype, tie_factor))
+    return LogitsMetrics(
+        num_tokens=num_tokens,
+        top1_agreement=float((g_top1 == c_top1).to(_F64).mean()) if num_tokens else 1.0,
+        top1=top1,
+        top_k=k,
+        top_k_overlap=float(overlap.mean()) if num_tokens else 1.0,
+        kl_mean=float(kl.mean()) if num_tokens else 0.0,
+        kl_max=float(kl.max()) if num_tokens else 0.0,
+        kl_worst=worst_tokens(kl, 5),
+    )

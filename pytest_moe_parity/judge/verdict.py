@@ -10,19 +10,22 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, json_safe
-from ..points import ROUTER, Point
+from ..points import EXPERTS, ROUTER, Point
 from ..tree import first_tensor, leaves
 from .metrics import (
+    LogitsMetrics,
     TensorMetrics,
+    compare_logits,
     compare_routing,
     compare_tensors,
-    per_token_error,
+    RowSums,
+    row_sums,
     scatter_topk,
     tie_tolerance,
     worst_elements,
     worst_tokens,
 )
-from .tolerances import LIMITS, TENSOR_LIMITS, Tolerance
+from .tolerances import LOGITS_LIMITS, ROUTING_LIMITS, TENSOR_LIMITS, TOKEN_LIMIT, Tolerance
 
 HINTS = {
     "embedding": "embedding rows permuted or a different vocabulary mapping (or the wrong checkpoint)",
@@ -49,6 +52,11 @@ HINTS = {
     "logits": "lm_head: wrong or scaled weights, or tied vs untied embeddings",
 }
 WORST_ELEMENTS = 5
+WORST_EXPERTS = 5
+PER_EXPERT = frozenset({EXPERTS, "moe"})  # points whose error is broken down per expert
+# A token is measured against at least this share of the median token's norm: a token whose golden
+# row is nearly zero (sin at position 0, a padding row) would otherwise turn rounding into a failure.
+TOKEN_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,9 @@ class PointResult:
     routing: dict[str, Any] | None = None
     excluded_tokens: list[int] = field(default_factory=list)
     worst: list[tuple[int, float]] = field(default_factory=list)
+    # experts / moe: the experts whose tokens have the largest error, as (expert, tokens, rel_l2)
+    worst_experts: list[tuple[int, int, float]] = field(default_factory=list)
+    logits: LogitsMetrics | None = None  # the logits point: next-token agreement
     # per failed tensor: the elements that differ most, as (index, golden, candidate, difference)
     worst_elements: dict[str, list[tuple[tuple[int, ...], float, float, float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -150,6 +161,8 @@ class PointResult:
             "routing": self.routing,
             "excluded_tokens": self.excluded_tokens,
             "worst_tokens": [[t, json_safe(e)] for t, e in self.worst],
+            "worst_experts": [[e, n, json_safe(err)] for e, n, err in self.worst_experts],
+            "logits": self.logits.to_dict() if self.logits is not None else None,
             "worst_elements": {
                 k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
                 for k, rows in self.worst_elements.items()
@@ -216,6 +229,8 @@ class Judge:
         self.dtype = candidate_dtype
         self.config = config
         self.router = router if router is not None else (point if point.component == ROUTER else None)
+        # per compared target: its token rows' sums and which tokens they are (see _token_check)
+        self.row_sums: dict[str, tuple[RowSums, torch.Tensor | None]] = {}
         self.result = PointResult(
             id=point.id,
             layer=point.layer,
@@ -267,21 +282,40 @@ class Judge:
             passed = key.passes(value, limit)
             failed = failed or not passed
             r.checks.append(Check(key.check_name, target, value, limit, key.op, passed, key.name))
+        kept = torch.nonzero(keep_rows).flatten().tolist() if keep_rows is not None else None
+        failed = self._token_check(target, g, c, m, keep_rows) or failed
         if failed and g.numel():
             rows = worst_elements(g, c, WORST_ELEMENTS)
-            if keep_rows is not None:  # indices of the kept rows -> token positions
-                kept = torch.nonzero(keep_rows).flatten().tolist()
+            if kept is not None:  # indices of the kept rows -> token positions
                 rows = [((kept[i[0]], *i[1:]), gv, cv, dv) for i, gv, cv, dv in rows]
             r.worst_elements[target] = rows
-        if not r.worst and g.dim() >= 1 and g.numel() > 0:
-            rows_g, rows_c = _token_rows(g), _token_rows(c)
-            if rows_g.shape[0] > 1:
-                worst = worst_tokens(per_token_error(rows_g, rows_c, token_dim=0), 5)
-                if keep_rows is not None:
-                    kept = torch.nonzero(keep_rows).flatten().tolist()
-                    worst = [(kept[i], e) for i, e in worst]
-                r.worst = worst
         return m
+
+    def _token_check(
+        self, target: str, g: torch.Tensor, c: torch.Tensor, m: TensorMetrics, keep_rows: torch.Tensor | None
+    ) -> bool:
+        """The worst token's own error against `token_rel_l2` (a whole-tensor figure dilutes damage to
+        a few tokens); True when it fails. Tokens are the rows of the tensor's last dimension; their
+        sums are kept for the per-expert breakdown."""
+        if g.dim() < 2 or g.numel() == 0 or c.shape != g.shape or _token_rows(g).shape[0] < 2:
+            return False
+        sums = row_sums(_token_rows(g), _token_rows(c), token_dim=0)
+        self.row_sums[target] = (sums, keep_rows)
+        errors = sums.errors(TOKEN_FLOOR)
+        worst = worst_tokens(errors, 5)
+        if keep_rows is not None:  # rows of the kept tokens -> token positions
+            kept = torch.nonzero(keep_rows).flatten().tolist()
+            worst = [(kept[i], e) for i, e in worst]
+        m.max_token_rel_l2, m.worst_token = worst[0][1], worst[0][0]
+        if not self.result.worst:
+            self.result.worst = worst
+        key = TOKEN_LIMIT
+        limit = self.tol.limit(key)
+        if limit is None:
+            return False
+        passed = key.passes(m.max_token_rel_l2, limit)
+        self.result.checks.append(Check(key.check_name, target, m.max_token_rel_l2, limit, key.op, passed, key.name))
+        return not passed
 
     # -- routing --------------------------------------------------------------------------------
     def selection(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,7 +366,7 @@ class Judge:
         r = self.result
         r.routing = rm.to_dict()
         if judge_flips:
-            for key in (k for k in LIMITS if k.scope == "routing"):
+            for key in ROUTING_LIMITS:
                 value, limit = getattr(rm, key.figure), self.tol.limit(key)
                 passed = key.passes(value, limit)
                 r.checks.append(Check(key.check_name, "top_k", value, limit, key.op, passed, key.name))
@@ -361,7 +395,9 @@ class Judge:
     def judge_routed_block(
         self, golden_out: Any, cand: Any, golden_router: Any | None, cand_router: Any | None, bias
     ) -> None:
-        """`moe` and `output`: the verdict over tokens whose routing did not flip."""
+        """Points that follow a router (`moe`, `output`, `experts`): the verdict over the tokens whose
+        routing did not flip, when the candidate's own routing is known; for `experts` and `moe`, the
+        error of each expert over the tokens routed to it."""
         g = first_tensor(golden_out)
         c = first_tensor(cand)
         keep = None
@@ -375,9 +411,48 @@ class Judge:
                 self.result.notes.append(
                     f"{len(disagree)} token(s) whose routing flipped are excluded from the verdict: {disagree[:16]}"
                 )
-        elif golden_router is not None:
+        elif golden_router is not None and self.point.component != EXPERTS:
+            # (the experts of an isolated replay take the golden routing as input: nothing to exclude)
             self.result.notes.append("the backend does not expose the candidate's routing: all tokens compared")
         self.compare("out", g, c, keep_rows=keep)
+        if golden_router is not None and self.point.component in PER_EXPERT:
+            self._expert_breakdown("out", golden_router)
+
+    def _expert_breakdown(self, target: str, golden_router: Any) -> None:
+        """The experts whose (golden-routed) tokens have the largest error: one broken expert of many,
+        used by a few tokens, is named even where its damage is diluted in the whole tensor."""
+        if target not in self.row_sums:
+            return
+        sums, keep_rows = self.row_sums[target]
+        g_logits, _, g_idx = golden_router[:3]
+        idx = g_idx.reshape(-1, g_idx.shape[-1])
+        if idx.shape[0] != (keep_rows.shape[0] if keep_rows is not None else sums.d2.shape[0]):
+            return  # the output's rows are not the router's tokens (an unusual layout): no breakdown
+        if keep_rows is not None:
+            idx = idx[keep_rows]
+        errors, counts = sums.group_errors(idx, g_logits.shape[-1])
+        used = torch.nonzero(counts > 0).flatten()
+        if not used.numel():
+            return
+        order = torch.sort(torch.where(torch.isnan(errors[used]), -1.0, errors[used]), descending=True, stable=True)
+        self.result.worst_experts = [
+            (int(used[i]), int(counts[used[i]]), float(errors[used[i]])) for i in order.indices[:WORST_EXPERTS]
+        ]
+
+    def judge_logits(self, golden_out: Any, cand_out: Any) -> None:
+        """The logits point: the tensor checks, then next-token agreement: top-1 (a real flip fails,
+        a flip within the golden's rounding is a tie), top-k overlap and KL divergence per token."""
+        g = first_tensor(golden_out)
+        c = first_tensor(cand_out)
+        m = self.compare("out", g, c)
+        if m is None or not m.shape_match or not isinstance(c, torch.Tensor) or g.dim() < 1:
+            return
+        lm = compare_logits(g, c.detach().to("cpu"), self.dtype, tie_factor=self.tol.tie_factor)
+        self.result.logits = lm
+        for key in LOGITS_LIMITS:
+            value, limit = getattr(lm.top1, key.figure), self.tol.limit(key)
+            passed = key.passes(value, limit)
+            self.result.checks.append(Check(key.check_name, "top1", value, limit, key.op, passed, key.name))
 
     def judge_generic(self, golden_out: Any, cand_out: Any) -> None:
         gl = [t for t in _tensor_leaves(golden_out) if t is not None]
@@ -434,11 +509,13 @@ def judge_point(
     judge = Judge(point, tol, candidate_dtype, config or {}, router)
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
-    elif isinstance(point, Point) and point.routed_block:
+    elif isinstance(point, Point) and point.follows_router:
         # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
         golden_router = golden_router if router_triple(golden_router) else None
         candidate_router = candidate_router if router_triple(candidate_router) else None
         judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, score_bias)
+    elif point.component == "logits" and isinstance(first_tensor(golden_out), torch.Tensor):
+        judge.judge_logits(golden_out, candidate)
     else:
         judge.judge_generic(golden_out, candidate)
     return judge.finish()

@@ -25,11 +25,13 @@ def available_archs() -> list[str]:
     return sorted(p.stem for p in (fixtures_dir() / "configs").glob("*.json"))
 
 
-def tiny_config_dict(arch: str, layers: int | None = None) -> dict[str, Any]:
+def tiny_config_dict(arch: str, layers: int | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fixture config of `arch`, at `layers` depth, with `overrides` (e.g. more experts)."""
     path = fixtures_dir() / "configs" / f"{arch}.json"
     if not path.is_file():
         raise KeyError(arch)
     cfg = json.loads(path.read_text())
+    cfg.update(overrides or {})
     if layers is not None:
         cfg["num_hidden_layers"] = layers
         if "layer_types" in cfg:  # repeat the pattern (e.g. gpt_oss sliding/full) to the new depth
@@ -38,10 +40,10 @@ def tiny_config_dict(arch: str, layers: int | None = None) -> dict[str, Any]:
     return cfg
 
 
-def tiny_config(arch: str, layers: int | None = None):
+def tiny_config(arch: str, layers: int | None = None, overrides: dict[str, Any] | None = None):
     from transformers import AutoConfig
 
-    cfg = dict(tiny_config_dict(arch, layers))
+    cfg = dict(tiny_config_dict(arch, layers, overrides))
     model_type = cfg.pop("model_type")
     return AutoConfig.for_model(model_type, **cfg)
 
@@ -76,11 +78,13 @@ def _perturb_trivial(model: torch.nn.Module, seed: int) -> None:
             t.copy_(first + 0.05 * noise)
 
 
-def build_tiny_model(arch: str, *, layers: int | None = None, seed: int = DEFAULT_SEED):
+def build_tiny_model(
+    arch: str, *, layers: int | None = None, seed: int = DEFAULT_SEED, overrides: dict[str, Any] | None = None
+):
     """The tiny model in float32 with eager attention; same arch + seed gives identical tensors."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(arch, layers)
+    config = tiny_config(arch, layers, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     _perturb_trivial(model, seed)
@@ -94,11 +98,12 @@ def write_tiny_model(
     layers: int | None = None,
     seed: int = DEFAULT_SEED,
     max_shard_size: str | int = "500KB",
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Save a tiny checkpoint that `AutoModelForCausalLM.from_pretrained` loads, in the hub's
     per-expert layout, sharded with a `model.safetensors.index.json` like a published model."""
     out = Path(out)
-    model = build_tiny_model(arch, layers=layers, seed=seed)
+    model = build_tiny_model(arch, layers=layers, seed=seed, overrides=overrides)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     return out

@@ -86,7 +86,7 @@ class ParityRunner:
     def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
         point, record, cand = prepared.point, prepared.golden, prepared.candidate
         tol, sources = self.tolerance(point, marker)
-        router = self.golden.router_of(point) if point.routed_block else None
+        router = self.golden.router_of(point)
         golden_router = bias = None
         if point.component == ROUTER:
             bias = record.extras.get("score_bias")

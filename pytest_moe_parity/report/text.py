@@ -74,6 +74,11 @@ def failure_text(r: PointResult) -> str:
     if r.worst:
         worst = ", ".join(f"{t} ({_fmt(e, 3)})" for t, e in r.worst)
         lines.extend(_wrapped("  worst tokens (position, rel error): ", worst))
+    if r.worst_experts:
+        experts = ", ".join(f"#{e} {_fmt(err, 3)} over {n} token{'s' * (n != 1)}" for e, n, err in r.worst_experts)
+        lines.extend(_wrapped("  worst experts (rel error over their golden-routed tokens): ", experts))
+    if r.logits is not None:
+        lines.extend(_logits_lines(r.logits.to_dict()))
     if r.routing:
         lines.extend(_routing_lines(r.routing))
     for note in r.notes:
@@ -105,6 +110,22 @@ def _routing_lines(rt: dict[str, Any]) -> list[str]:
         more = len(rt["flips"]) - len(rt["flips"][:8])
         if more > 0:
             lines.append(f"    ... and {more} more flips")
+    return lines
+
+
+def _logits_lines(lg: dict[str, Any]) -> list[str]:
+    top1 = lg["top1"]
+    lines = _wrapped(
+        "  next token: ",
+        f"top-1 agreement {lg['top1_agreement'] * 100:.1f}% of {lg['num_tokens']} tokens "
+        f"(real flips {len(top1['flips'])}, ties {len(top1['ties'])}), top-{lg['top_k']} overlap "
+        f"{lg['top_k_overlap'] * 100:.1f}%, KL mean {_fmt(lg['kl_mean'], 3)} max {_fmt(lg['kl_max'], 3)} nats",
+    )
+    for f in (top1["flips"] or top1["ties"])[:5]:
+        lines.append(
+            f"    token {f['token']}: golden top-1 {f['golden_experts'][0]}, candidate {f['candidate_experts'][0]}, "
+            f"golden logit gap {_fmt(f['gap'], 3)} ({'tie' if f['is_tie'] else 'flip'})"
+        )
     return lines
 
 
