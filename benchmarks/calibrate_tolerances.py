@@ -4,7 +4,8 @@
 
 For every tiny architecture, model seed and sequence length: record a float32 golden, replay every
 point on a candidate of the same weights in `--dtype`, and report per component the worst rel_l2
-and cosine and the worst token's rel_l2, plus routing and top-1 flips and ties, and every point that fails the current defaults.
+and cosine and the worst token's rel_l2, plus routing and top-1 flips and ties, and every point that
+fails the current defaults.
 """
 
 from __future__ import annotations

@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     golden.add_argument("--device", default="cpu", help="device for a single-device run (default: cpu)")
     golden.add_argument("--device-map", default=None, help="accelerate device map: auto, balanced, sequential, ...")
     golden.add_argument("--max-memory", default=None, help="per-device memory caps, e.g. 40GB or 0:60GB,1:40GB")
+    golden.add_argument(
+        "--noise-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="also run the reference in this dtype (e.g. bfloat16), isolated and chained, and keep its own error at "
+        "every point: the noise floor that candidates in that dtype are judged against (noise_factor)",
+    )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(
         "--trust-remote-code",
@@ -89,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--map", type=Path, default=None, help="JSON map of point ids to dumped tensor names")
     compare.add_argument("--report", type=Path, default=None, help="write comparison_report/summary.json here")
     compare.add_argument("--dtype", default=None, help="the candidate's dtype for the default tolerances")
+    compare.add_argument(
+        "--mode",
+        choices=("isolated", "chain"),
+        default="isolated",
+        help="isolated: the dump was taken on the golden's inputs; chain: it is the candidate's own whole-model run, "
+        "judged against the reference's own error (needs a golden recorded with --noise-dtype)",
+    )
     compare.add_argument(
         "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
     )
@@ -129,12 +143,34 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _noise_dtype(text: str | None, golden_dtype: str) -> str | None:
+    """The --noise-dtype, checked before anything is recorded; BadInput naming what is wrong."""
+    from .dtypes import dtype_name, parse_dtype
+    from .errors import BadInput
+
+    if text is None:
+        return None
+    try:
+        name = dtype_name(parse_dtype(text, floating=True))
+    except ValueError:
+        raise BadInput(f"--noise-dtype {text!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
+    try:
+        same = name == dtype_name(parse_dtype(golden_dtype))
+    except ValueError:
+        return name  # record_golden reports the bad --dtype
+    if same:
+        raise BadInput(f"--noise-dtype {name} is the dtype the reference records in: pick a lower one, e.g. bfloat16")
+    return name
+
+
 def cmd_golden(args: argparse.Namespace) -> int:
     from .record.run import BadInput, record_golden
+    from .replay.noise import record_noise
 
     _quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     try:
+        noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
         result = record_golden(
             args.model,
             args.out,
@@ -149,12 +185,26 @@ def cmd_golden(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             progress=say,
         )
+        if noise_dtype is not None:
+            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
+            record_noise(
+                result.out, noise_dtype, model_dir=args.model, device=device,
+                trust_remote_code=args.trust_remote_code, progress=say,
+            )  # fmt: skip
     except BadInput as exc:
         return _fail(str(exc))
+    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
     print(
-        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB, {result.seconds:.1f} s -> {result.out}"
+        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {result.seconds:.1f} s "
+        f"-> {result.out}"
     )
     return EXIT_OK
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -202,12 +252,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
         tolerances = [parse_override(t) for t in args.tol]
     except ValueError as exc:
         return _fail(f"--tol: {exc}")
-    flags = {"golden": "GOLDEN", "model": "CANDIDATE_DIR", "dtype": "--dtype", "hw": "--hw", "layers": "--layers"}
+    flags = {
+        "golden": "GOLDEN",
+        "model": "CANDIDATE_DIR",
+        "dtype": "--dtype",
+        "hw": "--hw",
+        "layers": "--layers",
+        "mode": "--mode",
+    }
     options = RunOptions(
         golden_dir=args.golden,
         hw="dump",
         model=args.candidate,
         dtype=args.dtype,
+        mode=args.mode,
         hw_options=[f"map={args.map.resolve()}"] if args.map else [],
         cli_tolerances=tolerances,
         report_dir=args.report,

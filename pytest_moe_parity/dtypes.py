@@ -15,12 +15,17 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Short names people write on command lines.
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
 def parse_dtype(name: str, *, floating: bool = False) -> torch.dtype:
-    """A torch dtype from its name; ValueError if there is none (or, with `floating`, if it is not
-    a floating-point dtype)."""
+    """A torch dtype from its name (or bf16, fp16, fp32, fp64); ValueError if there is none (or,
+    with `floating`, if it is not a floating-point dtype)."""
     import torch
 
-    dtype = getattr(torch, dtype_name(name), None)
+    text = dtype_name(name)
+    dtype = getattr(torch, _ALIASES.get(text, text), None)
     if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype

@@ -47,6 +47,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "a backend setting, e.g. device=cuda:1 or map=names.json; repeatable (ini: parity_hw_options)"),
     ("--parity-layers", "parity_layers", {"metavar": "1,17,20-29"},
      "run exactly these decoder layers (-k layer_1 also matches layers 10-19; ini: parity_layers)"),
+    ("--parity-mode", "parity_mode", {"choices": ("isolated", "chain", "both")},
+     "isolated: every point on the golden's inputs (default); chain: on the candidate's own outputs, as in a "
+     "real run, judged against the reference's own error; both: each point both ways (ini: parity_mode)"),
     ("--parity-report", "parity_report", {"metavar": "DIR"},
      "write comparison_report.json and comparison_summary.json to DIR"),
     ("--parity-tol", "parity_tol", {"action": "append", "default": [], "type": _tolerance_arg,
@@ -62,6 +65,7 @@ _INI = (
     ("parity_tolerances", "tolerance overrides, one 'PATTERN:key=value,...' per line", "linelist"),
     ("parity_hw_options", "backend settings, one KEY=VALUE per line", "linelist"),
     ("parity_layers", "decoder layers to run, e.g. 1,17,20-29 (same as --parity-layers)", None),
+    ("parity_mode", "isolated, chain or both (same as --parity-mode)", None),
 )
 # fmt: on
 
@@ -111,6 +115,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 cli_tolerances=config.getoption("parity_tol"),
                 ini_tolerances=ini_tolerances,
                 layers=config.getoption("parity_layers") or config.getini("parity_layers"),
+                mode=config.getoption("parity_mode") or config.getini("parity_mode") or "isolated",
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 **_xdist_role(config),
@@ -337,9 +342,14 @@ class ParityItem(pytest.Item):
         assert session is not None and self.prepared is not None
         marker = self.get_closest_marker("parity")
         self.result = session.judge(self.prepared, dict(marker.kwargs) if marker else None)
-        main = self.result.main
-        if main is not None:
-            self.user_properties.extend((name, getattr(main, name)) for name in JUNIT_FIGURES)
+        for prefix, result in (("", self.result), ("chain_", self.result.chain)):
+            if result is None:
+                continue
+            main = result.main
+            if main is not None:
+                self.user_properties.extend((prefix + name, getattr(main, name)) for name in JUNIT_FIGURES)
+            if result.noise_ratio is not None:
+                self.user_properties.append((prefix + "noise_ratio", result.noise_ratio))
         self.user_properties.append(("parity_status", self.result.status))
         if not self.result.passed:
             raise ParityFailure(self.result)

@@ -21,7 +21,7 @@ from .golden import GoldenStore
 from .judge.tolerances import Override, resolve
 from .judge.verdict import Custom, PointResult, judge_point
 from .points import Point, describe_layers, parse_layers
-from .replay.runner import ParityRunner, Prepared
+from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
 from .report.text import status_row, summary_lines, summary_table
 
@@ -34,6 +34,14 @@ CONFIG_KEYS_THAT_MUST_MATCH = (
     ("top_k", ("num_experts_per_tok", "moe_topk", "top_k")),
     ("vocab_size", ("vocab_size",)),
 )
+
+
+def _chain_of(name: str) -> str | None:
+    """How a registered backend chains (None when it cannot, or cannot be loaded)."""
+    try:
+        return backend_class(name).chain
+    except BackendError:
+        return None
 
 
 class SetupError(ParityError):
@@ -61,6 +69,7 @@ class RunOptions:
     cli_tolerances: Sequence[Override] = ()
     ini_tolerances: Sequence[Override] = ()
     layers: str | None = None
+    mode: str = "isolated"  # isolated, chain or both
     report_dir: Path | None = None
     trust_remote_code: bool = False
     workers: int = 1  # xdist workers (-n)
@@ -72,6 +81,7 @@ class RunOptions:
             "dtype": "--dtype",
             "hw": "--hw",
             "layers": "--parity-layers",
+            "mode": "--parity-mode",
         }
     )
 
@@ -135,11 +145,14 @@ class ParitySession:
             raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
         self.dtype: torch.dtype = self.backend.dtype
         self.layers = self._layers()
+        self.mode = self._mode(cls)
+        self._check_noise()
         self.runner = ParityRunner(
             self.golden,
             self.backend,
             cli_tolerances=list(options.cli_tolerances),
             ini_tolerances=list(options.ini_tolerances),
+            mode=self.mode,
         )
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
@@ -200,6 +213,44 @@ class ParitySession:
                 f"its layers are {describe_layers(self.golden.layers)}"
             )
         return layers
+
+    def _mode(self, cls: type) -> str:
+        flag, mode = self.options.flags["mode"], self.options.mode or "isolated"
+        if mode not in MODES:
+            raise SetupError(f"{flag} {mode!r} is not a mode; use one of {', '.join(MODES)}")
+        if mode == "isolated":
+            return mode
+        if cls.chain is None:
+            able = ", ".join(name for name in sorted(registry()) if _chain_of(name) is not None)
+            raise SetupError(
+                f"{flag} {mode}: the {self.hw} backend cannot run the candidate on its own inputs; "
+                f"backends that can: {able}"
+            )
+        if mode == "both" and cls.chain == "recorded":
+            raise SetupError(
+                f"{flag} both: a {self.hw} candidate holds one run of its own; use {flag} chain if it is "
+                "a whole-model run, isolated if it was fed the golden inputs"
+            )
+        if self.dtype.itemsize < 4 and not self.golden.has_noise(self.dtype, "chain"):
+            raise SetupError(
+                f"{flag} {mode} in {dtype_name(self.dtype)} judges each point against the reference's own "
+                f"{dtype_name(self.dtype)} error, and {self.golden.root} has none: record the golden with "
+                f"`moe-parity golden ... --noise-dtype {dtype_name(self.dtype)}`"
+            )
+        return mode
+
+    def _check_noise(self) -> None:
+        """`noise_factor` set by the user needs noise figures in the candidate's dtype."""
+        asked = [
+            p for p, values in (*self.options.cli_tolerances, *self.options.ini_tolerances) if "noise_factor" in values
+        ]
+        if asked and not self.golden.has_noise(self.dtype, "isolated"):
+            recorded = ", ".join(self.golden.noise_dtypes) or "none"
+            raise SetupError(
+                f"noise_factor ({asked[0]}) needs the reference's own error in {dtype_name(self.dtype)}, which "
+                f"{self.golden.root} does not hold (noise dtypes recorded: {recorded}): record the golden with "
+                f"`moe-parity golden ... --noise-dtype {dtype_name(self.dtype)}`"
+            )
 
     # -- points ---------------------------------------------------------------------------------
     @property
@@ -264,6 +315,8 @@ class ParitySession:
             "hw_options": dict(parse_hw_options(self.options.hw_options)),
             "dtype": dtype_name(self.dtype),
             "layers": self.layers,
+            "mode": self.mode,
+            "noise_dtypes": self.golden.noise_dtypes,
         }
         # What this process read (absent under xdist, where the workers did the reading).
         if self.golden.opened_files:

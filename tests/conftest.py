@@ -35,20 +35,30 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable[..., Path]:
-    """golden_dir(arch, layers=None, seq_len=16) -> golden directory recorded once per session."""
+    """golden_dir(arch, layers=None, seq_len=16, noise=None) -> golden directory recorded once per
+    session (with `noise="bfloat16"`, with the reference's own error in that dtype)."""
     from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.replay.noise import record_noise
 
     cache: dict[tuple, Path] = {}
 
-    def make(arch: str, layers: int | None = None, seq_len: int = 16) -> Path:
-        key = (arch, layers, seq_len)
+    def make(arch: str, layers: int | None = None, seq_len: int = 16, noise: str | None = None) -> Path:
+        key = (arch, layers, seq_len, noise)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"golden-{arch}-{layers}-{seq_len}") / "golden"
+            out = tmp_path_factory.mktemp(f"golden-{arch}-{layers}-{seq_len}-{noise}") / "golden"
             record_golden(tiny_model(arch, layers), out, seq_len=seq_len)
+            if noise is not None:
+                record_noise(out, noise, model_dir=tiny_model(arch, layers))
             cache[key] = out
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One trace cache per test worker, away from ~/.cache."""
+    return tmp_path_factory.mktemp("trace-cache")
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +69,16 @@ def _import_everything_once(golden_dir, tiny_model) -> None:
     front, so that every such module is imported by the outer session; pure unit tests do not."""
     from helpers import session
 
+    from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
+
     runner = session(golden_dir("minimax_m2"), tiny_model("minimax_m2"), dtype="bfloat16").runner
     for pid in ("embedding", "rotary", "layer_0.attention", "layer_0.router", "layer_0.moe", "logits"):
         runner.run(pid)
+    # every architecture's modeling module, through transformers' auto classes (which keep the
+    # module they first import): a module first imported inside a run would be dropped after it,
+    # and a code fault patched into a fresh import would not reach the model the next run builds
+    for arch in available_archs():
+        build_tiny_model(arch, layers=1)
 
 
 @pytest.fixture(scope="session")

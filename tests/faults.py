@@ -3,6 +3,8 @@ conversion script or loader would produce them."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import shutil
 from collections.abc import Callable
@@ -224,3 +226,70 @@ CASES = {
     "embedding_rows_swapped": ("olmoe", "embedding", lambda g: (swap_embedding_rows(*_two_input_ids(g)), None)),
     "lm_head_scaled": ("minimax_m2", "logits", lambda g: (scale("lm_head.weight", None, 1.25), None)),
 }  # fmt: skip
+
+
+# -- code faults: a port's code, not its weights, is wrong ------------------------------------------
+#
+# Each is a set of attributes of transformers' modeling modules replaced while `code_fault` is
+# active, around an in-process pytester run. The modules must have been imported before pytester's
+# module snapshot (the `_import_everything_once` fixture does it), else the run builds its model
+# from a module the patch never reached.
+
+
+def _router_softmax_in_its_dtype(self, hidden_states):
+    """A softmax router that takes the softmax in the logits' dtype (bf16 for a bf16 candidate)
+    instead of float32: the routing weights' error doubles and near-ties appear."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = torch.softmax(router_logits, dim=-1)  # the bug: no dtype=torch.float
+    top, index = torch.topk(router_probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return router_logits, top.to(router_logits.dtype), index
+
+
+def _mask_one_ahead(create_mask):
+    """A causal mask built one position off: every token also sees the next one."""
+
+    def create(*args, **kwargs):
+        mask = create_mask(*args, **kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] > 1:
+            mask = mask.clone()
+            mask[..., :, 1:] = mask[..., :, :-1].clone()
+        return mask
+
+    return create
+
+
+_QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe"
+_MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+# name: [(module, attribute path, replacement factory (original -> replacement))]
+CODE_FAULTS: dict[str, list[tuple[str, str, Callable]]] = {
+    "router_softmax_bf16": [
+        (_QWEN3, "Qwen3MoeTopKRouter.forward", lambda original: _router_softmax_in_its_dtype),
+        (_MIXTRAL, "MixtralTopKRouter.forward", lambda original: _router_softmax_in_its_dtype),
+    ],
+    "causal_mask_one_ahead": [
+        (_QWEN3, "create_causal_mask", _mask_one_ahead),
+        (_MIXTRAL, "create_causal_mask", _mask_one_ahead),
+    ],
+}
+
+
+@contextlib.contextmanager
+def code_fault(name: str):
+    """Replace the attributes of fault `name` while the context is active."""
+    undo = []
+    try:
+        for module_name, path, make in CODE_FAULTS[name]:
+            owner = importlib.import_module(module_name)
+            *parents, attr = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            original = getattr(owner, attr)
+            setattr(owner, attr, make(original))
+            undo.append((owner, attr, original))
+        yield
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)

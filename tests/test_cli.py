@@ -120,21 +120,22 @@ def test_show_on_bad_golden(tmp_path: Path, capsys) -> None:
 
 
 def test_show_inputs_documents_each_call(golden_dir, capsys) -> None:
-    """What a backend author needs: the structure of every point's call, with shapes and dtypes."""
+    """What a backend author needs: the structure of every point's call, with shapes and dtypes,
+    and which earlier point's output each input is (what chain mode feeds the candidate's own)."""
     code, out, _ = run(capsys, "show", golden_dir("minimax_m2"), "--inputs")
     assert code == 0
     lines = [line.strip() for line in out.splitlines()]
     expect = [
         "layer_1.attention  (model.layers.1.self_attn)",
-        "kwargs.hidden_states                 tensor (1, 16, 64) float32",
-        "kwargs.position_embeddings.0         tensor (1, 16, 16) float32",
+        "kwargs.hidden_states                 tensor (1, 16, 64) float32 = layer_1.input_norm.out[0]",
+        "kwargs.position_embeddings.0         tensor (1, 16, 16) float32 = rotary.out[0]",
         "out.1                                omitted (not recorded, not compared)",
         "layer_1.router  (model.layers.1.mlp.gate)",
         "args.1                               parameter model.layers.1.mlp.e_score_correction_bias"
         " (the candidate's own)",
         "out.2                                tensor (16, 2) int64",
         "layer_1.experts  (model.layers.1.mlp.experts)",
-        "args.1                               tensor (16, 2) int64",
+        "args.1                               tensor (16, 2) int64 = layer_1.router.out[2]",
     ]
     at = 0
     for line in expect:  # in this order

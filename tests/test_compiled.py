@@ -28,12 +28,6 @@ TWIN_ARCHS = ["mixtral", "qwen3_moe", "deepseek_v3", "minimax_m2", "gpt_oss"]
 KINDS = {"mixtral": 9, "qwen3_moe": 9, "deepseek_v3": 12, "minimax_m2": 9, "gpt_oss": 11}
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One trace cache per test worker, away from ~/.cache."""
-    return tmp_path_factory.mktemp("trace-cache")
-
-
 # -- the positional wrapper ------------------------------------------------------------------------
 
 

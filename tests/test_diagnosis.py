@@ -31,9 +31,7 @@ def test_one_broken_expert_of_64_fails_its_experts_point_and_is_named(
     rare = int(torch.where(counts > 0, counts, 10**6).argmin())  # used by the fewest tokens
     candidate = faults.edit_checkpoint(model, tmp_path / "c", faults.zero_expert(1, rare))
     report = tmp_path / "r"
-    result = run_parity(
-        pytester, golden, "--dtype", "bfloat16", "-x", "--parity-report", str(report), model=candidate
-    )
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", "--parity-report", str(report), model=candidate)
     n_before = GoldenStore(golden).point_ids.index("layer_1.experts")
     result.assert_outcomes(passed=n_before, failed=1)
     result.stdout.fnmatch_lines(
@@ -107,7 +105,9 @@ def test_a_next_token_flip_fails_the_logits_when_every_tensor_figure_passes(
         pytester, golden, "--dtype", "bfloat16", "-m", "logits", "--parity-report", str(report), model=candidate
     )
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*top1     flip_share*FAIL", f"*token {token}: golden top-1 *, candidate {runner_up}, *"])
+    result.stdout.fnmatch_lines(
+        ["*top1     flip_share*FAIL", f"*token {token}: golden top-1 *, candidate {runner_up}, *"]
+    )
     row = read_json(report / REPORT_FILE)["points"][0]
     assert [c["name"] for c in row["checks"] if not c["passed"]] == ["flip_share"]
     assert token in row["logits"]["top1"]["flipped_tokens"]

@@ -10,11 +10,12 @@ Lifecycle, once per session (per xdist worker):
    candidate, a bad `--hw-option`) and raise `BackendError` with one sentence: the run stops with a
    usage error before any test. No weights are read here.
 2. `start()` once, before the first point: load, compile.
-3. `run(point, golden)` per point. `golden` holds the point's recorded call with every floating
-   tensor already cast to `backend.dtype` and moved to `backend.device`; parameters the module
-   received as arguments are `ParamRef` placeholders (resolve them with `resolve_params`). Raise
-   `PointUnavailable` for a point the candidate does not have (it is skipped). Any other exception
-   is reported as an error of the backend at that point, never as a divergence.
+3. `run(point, golden)` per point (and, in chain mode, `run_model` once where `chain = "model"`).
+   `golden` holds the point's recorded call with every floating tensor already cast to
+   `backend.dtype` and moved to `backend.device`; parameters the module received as arguments
+   are `ParamRef` placeholders (resolve them with `resolve_params`). Raise `PointUnavailable` for
+   a point the candidate does not have (it is skipped). Any other exception is reported as an
+   error of the backend at that point, never as a divergence.
 4. `close()` at the end.
 """
 
@@ -113,6 +114,12 @@ class Backend(ABC):
     # CandidateOutput.routing for routed blocks.
     provides_modules: ClassVar[bool] = False
     captures_routing: ClassVar[bool] = False
+    # How the backend takes part in a chained run (--parity-mode chain): "model": `run_model` runs
+    # the candidate's own whole-model forward; "points": `run` accepts any inputs, so the run feeds
+    # each point the candidate's own earlier outputs; "recorded": what `run` returns already is the
+    # candidate's own run (a dump of it). None: it cannot chain.
+    chain: ClassVar[str | None] = None
+    steers_chain: ClassVar[bool] = False  # run_model honours `steer`
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -154,6 +161,14 @@ class Backend(ABC):
     @abstractmethod
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         """The candidate's output for `point` on the golden inputs in `golden`."""
+
+    def run_model(self, input_ids: torch.Tensor, points: list[Point], steer: Any = None) -> dict[str, Any]:
+        """Backends with `chain = "model"`: the candidate's own forward on `input_ids` ([B, T]),
+        building its own masks and positions, and every point's output on it (point id -> output,
+        structured as the golden's; a router's output is its routing). Backends that declare
+        `steers_chain` call `steer(point, output, outputs_so_far)` as each point returns and go on
+        with what it returns (it puts the rows of near-tie tokens back to the golden's)."""
+        raise BackendError(f"the {self.name} backend has no whole-model run")
 
     def module(self, path: str) -> nn.Module:
         """The candidate's torch module at a point's module path (backends with `provides_modules`)."""

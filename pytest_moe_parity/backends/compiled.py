@@ -259,6 +259,7 @@ class CompiledBackend(TorchBackend):
     docstring). Subclasses implement `_compile` and `_swap`, and `_save`/`_load` to be cached."""
 
     captures_routing = True
+    chain = "points"  # the same graphs, fed the candidate's own earlier outputs
     options = _options_with(
         HwOption("cache_dir", "where compiled graphs are kept between runs (default: ~/.cache/pytest-moe-parity)"),
         HwOption("experts", "experts implementation of the candidate: dense (static shapes, the default), eager, ..."),

@@ -23,6 +23,8 @@ class TorchBackend(Backend):
     name = "cpu"
     provides_modules = True
     captures_routing = True
+    chain = "model"
+    steers_chain = True
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
         HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
@@ -86,6 +88,15 @@ class TorchBackend(Backend):
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds)
+
+    def run_model(self, input_ids: torch.Tensor, points: list[Point], steer: Any = None) -> dict[str, Any]:
+        """The candidate's own forward, its layers loaded as they run (a few in memory at once)."""
+        from ..record.capture import OutputCapture
+
+        lazy = self._model()
+        with lazy.streaming() as model, OutputCapture(model, points, steer) as capture, torch.no_grad():
+            model(input_ids=input_ids.to(self.device), use_cache=False)
+        return capture.outputs
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)

@@ -275,6 +275,23 @@ class LazyModel:
             convert_and_load_state_dict_in_model(self.model, state, config)
             state.clear()
 
+    @contextlib.contextmanager
+    def streaming(self):
+        """A whole-model forward inside this context loads each unit just before it runs (and,
+        as layers come and go, holds `max_layers` decoder layers at a time): what a chained run
+        of the candidate needs, in the memory of a few layers."""
+        layers = self.model.get_submodule(self._layers_path)
+        handles = [layer.register_forward_pre_hook(lambda m, a, i=i: self.ensure(i)) for i, layer in enumerate(layers)]
+        for name, module in self.model.named_modules():
+            if name and self.layer_of(name) is None and module._parameters:  # model-level weights
+                unit = name
+                handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self.ensure(u)))
+        try:
+            yield self.model
+        finally:
+            for h in handles:
+                h.remove()
+
     @property
     def loaded_units(self) -> set[str]:
         return {self._unit_name(u) for u in self._loaded}

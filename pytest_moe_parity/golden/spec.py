@@ -35,10 +35,18 @@ def _scalar_spec(value: Any) -> Spec:
 
 
 class Flattener:
-    """Turns a nested call structure into a spec, copying tensors to CPU under stable keys."""
+    """Turns a nested call structure into a spec, copying tensors to CPU under stable keys.
+    `source(tensor)` may name the earlier point output a tensor is (see `record.capture`): the spec
+    keeps it under "from", for chained replay."""
 
-    def __init__(self, params: dict[int, str], keep: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        params: dict[int, str],
+        keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        source: Callable[[torch.Tensor], Spec | None] | None = None,
+    ):
         self.params = params
+        self.source = source
         self.tensors: dict[str, torch.Tensor] = {}
         # (id, version) of a tensor already stored -> key; the original is kept alive so that its
         # id cannot be reused by another tensor while this flattener lives.
@@ -52,10 +60,15 @@ class Flattener:
                 return {"t": "param", "name": name}
             seen = self._seen.get((id(obj), obj._version))
             if seen is not None:
-                return {"t": "tensor", "key": seen[0]}
-            self.tensors[key] = self.keep(obj)
-            self._seen[(id(obj), obj._version)] = (key, obj)
-            return {"t": "tensor", "key": key}
+                spec = {"t": "tensor", "key": seen[0]}
+            else:
+                self.tensors[key] = self.keep(obj)
+                self._seen[(id(obj), obj._version)] = (key, obj)
+                spec = {"t": "tensor", "key": key}
+            origin = self.source(obj) if self.source is not None else None
+            if origin is not None:
+                spec["from"] = origin
+            return spec
         if obj is None:
             return {"t": "none"}
         if isinstance(obj, bool | int | float | str):
@@ -86,11 +99,20 @@ def spec_tensor_keys(spec: Spec) -> Iterator[str]:
             yield from spec_tensor_keys(item)
 
 
-def build(spec: Spec, tensors: dict[str, torch.Tensor]) -> Any:
-    """Rebuild a recorded structure; parameters come back as ParamRef placeholders."""
+def build(
+    spec: Spec, tensors: dict[str, torch.Tensor], chained: Callable[[Spec], torch.Tensor | None] | None = None
+) -> Any:
+    """Rebuild a recorded structure; parameters come back as ParamRef placeholders. With `chained`,
+    a tensor recorded as an earlier point's output ("from") is `chained(origin)` where that gives
+    a tensor (the candidate's own output, in chain mode), the golden's otherwise."""
     kind = spec["t"]
     if kind == "tensor":
-        return tensors[spec["key"]]
+        golden = tensors[spec["key"]]
+        if chained is not None and "from" in spec:
+            own = chained(spec["from"])
+            if own is not None and own.numel() == golden.numel():
+                return own.reshape(golden.shape)  # the origin may be the same values in another view
+        return golden
     if kind == "param":
         return ParamRef(spec["name"])
     if kind == "none":
@@ -104,11 +126,22 @@ def build(spec: Spec, tensors: dict[str, torch.Tensor]) -> Any:
     if kind == "omitted":
         return None
     if kind in ("tuple", "list"):
-        items = [build(s, tensors) for s in spec["items"]]
+        items = [build(s, tensors, chained) for s in spec["items"]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {k: build(s, tensors) for k, s in spec["items"].items()}
+        return {k: build(s, tensors, chained) for k, s in spec["items"].items()}
     raise ValueError(f"unknown spec kind {kind!r}")
+
+
+def spec_origins(spec: Spec) -> Iterator[Spec]:
+    """The "from" entries of a spec's tensors (see `Flattener`)."""
+    kind = spec["t"]
+    if kind == "tensor" and "from" in spec:
+        yield spec["from"]
+    elif kind in ("tuple", "list", "dict"):
+        items = spec["items"].values() if kind == "dict" else spec["items"]
+        for item in items:
+            yield from spec_origins(item)
 
 
 def resolve_params(obj: Any, model: nn.Module | Callable[[str], torch.Tensor]) -> Any:
@@ -127,6 +160,13 @@ def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return mod.get_buffer(attr)
 
 
+def describe_origin(origin: Spec) -> str:
+    """`layer_2.attention.out[0]`, or `embedding.out[0] + layer_0.attention.out[0]`."""
+    if "sum" in origin:
+        return " + ".join(describe_origin(o) for o in origin["sum"])
+    return f"{origin['point']}.out[{origin['leaf']}]"
+
+
 def describe(spec: Spec, tensors: dict[str, dict[str, Any]], path: str) -> list[tuple[str, str]]:
     """(path, description) for every leaf of a recorded structure, e.g.
     ("kwargs.position_embeddings.0", "tensor (1, 16, 16) float32"); `tensors` maps a tensor key
@@ -134,7 +174,8 @@ def describe(spec: Spec, tensors: dict[str, dict[str, Any]], path: str) -> list[
     kind = spec["t"]
     if kind == "tensor":
         meta = tensors.get(spec["key"], {})
-        return [(path, f"tensor {tuple(meta.get('shape', ()))} {meta.get('dtype', '?')}")]
+        origin = f" = {describe_origin(spec['from'])}" if "from" in spec else ""
+        return [(path, f"tensor {tuple(meta.get('shape', ()))} {meta.get('dtype', '?')}{origin}")]
     if kind == "param":
         return [(path, f"parameter {spec['name']} (the candidate's own)")]
     if kind in ("tuple", "list"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import GoldenError
 from ..points import Point
-from .spec import build
+from .spec import Spec, build
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -163,6 +164,24 @@ class GoldenStore:
         """The manifest entry of a point: its recorded call structure, tensors, file."""
         return self._entries[self.point(pid).id]
 
+    @property
+    def noise_dtypes(self) -> list[str]:
+        """The dtypes the reference's own error was recorded in (`--noise-dtype`)."""
+        return sorted(self.manifest.get("noise", {}))
+
+    def noise(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, dict[str, float]] | None:
+        """The reference's own error at a point when run in `dtype`, isolated or chained: per
+        compared tensor, its figures (rel_l2, max_token_rel_l2); None where not recorded."""
+        from ..dtypes import dtype_name
+
+        figures = self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode)
+        return figures.get(pid) if figures else None
+
+    def has_noise(self, dtype: torch.dtype | str, mode: str) -> bool:
+        from ..dtypes import dtype_name
+
+        return bool(self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode))
+
     def router_of(self, point: Point) -> Point | None:
         """The router whose routing a point follows (`moe`, `output`, `experts`); None for dense
         layers and for points that follow no router."""
@@ -206,11 +225,13 @@ class GoldenStore:
             raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
         return out
 
-    def load(self, pid: str | Point) -> GoldenRecord:
+    def load(self, pid: str | Point, *, chained: Callable[[Spec], torch.Tensor | None] | None = None) -> GoldenRecord:
+        """A point's recorded call. With `chained`, an input recorded as an earlier point's output
+        is `chained(origin)` where that gives a tensor (see `spec.build`)."""
         point = self.point(pid)
         entry = self._entries[point.id]
         tensors = self.tensors(point)
-        args = [build(s, tensors) for s in entry["inputs"]["args"]]
-        kwargs = {k: build(s, tensors) for k, s in entry["inputs"]["kwargs"].items()}
+        args = [build(s, tensors, chained) for s in entry["inputs"]["args"]]
+        kwargs = {k: build(s, tensors, chained) for k, s in entry["inputs"]["kwargs"].items()}
         extras = {name: tensors[key] for name, key in entry.get("extras", {}).items()}
         return GoldenRecord(point, args, kwargs, build(entry["output"], tensors), extras)

@@ -150,3 +150,12 @@ class GoldenWriter:
         path = self.root / MANIFEST
         atomic_write_text(path, json.dumps(body, indent=1, sort_keys=False) + "\n")
         return path
+
+
+def update_manifest(root: Path | str, key: str, value: Any) -> None:
+    """Set one top-level entry of a complete golden's manifest (e.g. the noise figures), atomically:
+    a reader sees the manifest before or after, never half of it."""
+    path = Path(root) / MANIFEST
+    body = json.loads(path.read_text(encoding="utf-8"))
+    body[key] = value
+    atomic_write_text(path, json.dumps(body, indent=1, sort_keys=False) + "\n")

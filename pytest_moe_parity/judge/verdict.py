@@ -14,18 +14,27 @@ from ..points import EXPERTS, ROUTER, Point
 from ..tree import first_tensor, leaves
 from .metrics import (
     LogitsMetrics,
+    RowSums,
     TensorMetrics,
     compare_logits,
     compare_routing,
     compare_tensors,
-    RowSums,
     row_sums,
     scatter_topk,
     tie_tolerance,
     worst_elements,
     worst_tokens,
 )
-from .tolerances import LOGITS_LIMITS, ROUTING_LIMITS, TENSOR_LIMITS, TOKEN_LIMIT, Tolerance
+from .tolerances import (
+    LOGITS_LIMITS,
+    NOISE_LIMIT,
+    ROUTING_LIMITS,
+    TENSOR_LIMITS,
+    TOKEN_LIMIT,
+    TOKEN_NOISE_SLACK,
+    Tolerance,
+    ToleranceKey,
+)
 
 HINTS = {
     "embedding": "embedding rows permuted or a different vocabulary mapping (or the wrong checkpoint)",
@@ -118,6 +127,10 @@ class PointResult:
     order: int = 0
     step: int | None = None
     backend: dict[str, Any] = field(default_factory=dict)  # what the backend said (CandidateOutput.info)
+    mode: str = "isolated"  # "isolated" (golden inputs) or "chain" (the candidate's own inputs)
+    # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
+    noise: dict[str, Any] | None = None
+    chain: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
 
     @property
     def status(self) -> str:
@@ -125,7 +138,26 @@ class PointResult:
 
     @property
     def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if not c.passed]
+        """The checks that failed, the chained verdict's too (--parity-mode both)."""
+        own = [c for c in self.checks if not c.passed]
+        return own + (self.chain.failed_checks if self.chain is not None else [])
+
+    @property
+    def noise_ratio(self) -> float | None:
+        return self.noise["ratio"] if self.noise else None
+
+    @property
+    def verdicts(self) -> dict[str, str]:
+        """Each mode's own verdict: {"isolated": "passed", "chain": "failed"}."""
+        own = "passed" if self.checks and all(c.passed for c in self.checks) else "failed"
+        return {self.mode: own, **(self.chain.verdicts if self.chain is not None else {})}
+
+    def add_chain(self, chain: PointResult) -> None:
+        """Both modes: this (isolated) result and the chained one; it passes when both do."""
+        self.chain = chain
+        self.passed = self.passed and chain.passed
+        if not chain.passed and not self.hint:
+            self.hint = chain.hint
 
     @property
     def main(self) -> TensorMetrics | None:
@@ -154,6 +186,9 @@ class PointResult:
             "step": self.step,
             "component": self.component,
             "status": self.status,
+            "mode": self.mode,
+            "verdicts": self.verdicts,
+            "noise": self.noise,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
             "checks": [c.to_dict() for c in self.checks],
             "limits": {k: json_safe(v) for k, v in self.tolerance.items()},
@@ -174,6 +209,7 @@ class PointResult:
             "golden_dtype": self.golden_dtype,
             "seconds": round(self.seconds, 6),
             "backend": self.backend,
+            "chain": self.chain.to_row() if self.chain is not None else None,
         }
 
 
@@ -223,9 +259,19 @@ class Judge:
         candidate_dtype: torch.dtype,
         config: dict[str, Any],
         router: Point | None = None,
+        *,
+        fixed: bool = True,
+        noise: dict[str, dict[str, float]] | None = None,
+        exclude: tuple[list[int], int] | None = None,
     ):
         self.point = point
         self.tol = tol
+        # fixed: the dtype's limits apply (isolated runs, chained runs without noise figures);
+        # noise: the reference's own error per compared tensor, for the noise ratio
+        self.fixed = fixed
+        self.noise = noise
+        # chained runs: (tokens left out everywhere, the number of tokens), see _keep
+        self.exclude = exclude if exclude and exclude[0] else None
         self.dtype = candidate_dtype
         self.config = config
         self.router = router if router is not None else (point if point.component == ROUTER else None)
@@ -254,6 +300,7 @@ class Judge:
         if g.is_complex() or c.is_complex():  # e.g. rotary freqs_cis: compare real and imaginary parts
             g = torch.view_as_real(g) if g.is_complex() else g
             c = torch.view_as_real(c) if c.is_complex() else c
+        keep_rows = self._keep(g, keep_rows) if g.shape == c.shape else keep_rows
         if keep_rows is not None and g.shape == c.shape:
             g, c = _token_rows(g)[keep_rows], _token_rows(c)[keep_rows]
         m = compare_tensors(g, c, atol=self.tol.atol, rtol=self.tol.rtol)
@@ -274,7 +321,7 @@ class Judge:
                 f"{target}: candidate has {m.nan_candidate} NaN and {m.inf_candidate} Inf "
                 f"(golden {m.nan_golden} / {m.inf_golden}); first at index {where}, token {token}"
             )
-        for key in TENSOR_LIMITS:
+        for key in TENSOR_LIMITS if self.fixed else ():
             limit = self.tol.limit(key)
             if limit is None:
                 continue
@@ -290,6 +337,17 @@ class Judge:
                 rows = [((kept[i[0]], *i[1:]), gv, cv, dv) for i, gv, cv, dv in rows]
             r.worst_elements[target] = rows
         return m
+
+    def _keep(self, g: torch.Tensor, keep_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """`keep_rows` without the tokens a chained run leaves out, for a tensor with a row per token."""
+        if self.exclude is None or g.dim() < 1:
+            return keep_rows
+        tokens, count = self.exclude
+        if _token_rows(g).shape[0] != count:
+            return keep_rows
+        keep = torch.ones(count, dtype=torch.bool) if keep_rows is None else keep_rows.clone()
+        keep[tokens] = False
+        return keep
 
     def _token_check(
         self, target: str, g: torch.Tensor, c: torch.Tensor, m: TensorMetrics, keep_rows: torch.Tensor | None
@@ -311,7 +369,7 @@ class Judge:
             self.result.worst = worst
         key = TOKEN_LIMIT
         limit = self.tol.limit(key)
-        if limit is None:
+        if limit is None or not self.fixed:
             return False
         passed = key.passes(m.max_token_rel_l2, limit)
         self.result.checks.append(Check(key.check_name, target, m.max_token_rel_l2, limit, key.op, passed, key.name))
@@ -367,7 +425,7 @@ class Judge:
         r.routing = rm.to_dict()
         if judge_flips:
             for key in ROUTING_LIMITS:
-                value, limit = getattr(rm, key.figure), self.tol.limit(key)
+                value, limit = getattr(rm, key.figure), self._flip_limit(key, "top_k")
                 passed = key.passes(value, limit)
                 r.checks.append(Check(key.check_name, "top_k", value, limit, key.op, passed, key.name))
         return rm.disagreeing_tokens
@@ -447,10 +505,14 @@ class Judge:
         m = self.compare("out", g, c)
         if m is None or not m.shape_match or not isinstance(c, torch.Tensor) or g.dim() < 1:
             return
-        lm = compare_logits(g, c.detach().to("cpu"), self.dtype, tie_factor=self.tol.tie_factor)
+        g, c = _token_rows(g), _token_rows(c.detach().to("cpu"))
+        keep = self._keep(g, None)
+        if keep is not None:
+            g, c = g[keep], c[keep]
+        lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor)
         self.result.logits = lm
         for key in LOGITS_LIMITS:
-            value, limit = getattr(lm.top1, key.figure), self.tol.limit(key)
+            value, limit = getattr(lm.top1, key.figure), self._flip_limit(key, "top1")
             passed = key.passes(value, limit)
             self.result.checks.append(Check(key.check_name, "top1", value, limit, key.op, passed, key.name))
 
@@ -463,8 +525,53 @@ class Judge:
             target = "out" if len(gl) == 1 else f"out.{i}"
             self.compare(target, g, cl[i] if i < len(cl) else None)
 
+    def _flip_limit(self, key: ToleranceKey, target: str) -> float:
+        """The share of real flips (routing top-k, next-token top-1) allowed: the tolerance, or in a
+        chained run judged against the noise floor, at least `noise_factor` times the share of real
+        flips the reference's own chained run had (inherited drift flips near-ties wider than a
+        dtype's rounding)."""
+        limit = self.tol.limit(key)
+        if self.fixed or not self.noise:
+            return limit
+        reference = self.noise.get(target, {}).get("flip_share", 0.0)
+        return max(limit, self.tol.noise_factor * reference)
+
+    def _noise_checks(self) -> None:
+        """Each compared tensor's error over the reference's own error in the candidate's dtype at
+        this point (relative L2, and the worst token's): the noise ratio, and its verdict."""
+        if not self.noise:
+            return
+        floor = torch.finfo(self.dtype).eps / 16 if self.dtype.is_floating_point else 0.0
+        targets: dict[str, dict[str, float]] = {}
+        for target, m in self.result.metrics.items():
+            ref = self.noise.get(target)
+            if ref is None or not m.shape_match:
+                continue
+            figures = {"rel_l2_ratio": m.rel_l2 / max(ref["rel_l2"], floor)}
+            if m.max_token_rel_l2 is not None and ref.get("max_token_rel_l2") is not None:
+                figures["token_ratio"] = m.max_token_rel_l2 / max(ref["max_token_rel_l2"], floor)
+            weighted = [figures["rel_l2_ratio"], figures.get("token_ratio", 0.0) / TOKEN_NOISE_SLACK]
+            ratio = max(weighted) if all(math.isfinite(x) for x in weighted) else math.inf
+            targets[target] = {"ratio": ratio, **figures, **{f"reference_{k}": v for k, v in ref.items()}}
+            limit = self.tol.limit(NOISE_LIMIT)
+            if limit is not None:
+                passed = NOISE_LIMIT.passes(ratio, limit)
+                self.result.checks.append(
+                    Check(NOISE_LIMIT.check_name, target, ratio, limit, NOISE_LIMIT.op, passed, NOISE_LIMIT.name)
+                )
+        if targets:
+            self.result.noise = {"ratio": max(t["ratio"] for t in targets.values()), "targets": targets}
+
     def finish(self) -> PointResult:
+        self._noise_checks()
         r = self.result
+        if self.exclude is not None:
+            tokens = self.exclude[0]
+            r.excluded_tokens = sorted(set(r.excluded_tokens) | set(tokens))
+            r.notes.append(
+                f"{len(tokens)} token(s) left out: the candidate routed them unlike the golden at an earlier "
+                f"layer, so they follow other experts from there on: {tokens[:16]}"
+            )
         r.passed = all(c.passed for c in r.checks) and bool(r.checks)
         if not r.passed:
             r.hint = self._hint()
@@ -502,11 +609,17 @@ def judge_point(
     golden_router: Any | None = None,
     candidate_router: Any | None = None,
     score_bias: torch.Tensor | None = None,
+    fixed: bool = True,
+    noise: dict[str, dict[str, float]] | None = None,
+    exclude: tuple[list[int], int] | None = None,
 ) -> PointResult:
     """The verdict of one point. Routers are judged on logits, weights by expert id and top-k sets;
-    routed blocks (`Point.routed_block`) over the tokens whose routing agrees, given the golden
-    and candidate outputs of their `router`; every other point tensor by tensor."""
-    judge = Judge(point, tol, candidate_dtype, config or {}, router)
+    points that follow a router (`Point.follows_router`) over the tokens whose routing agrees, given
+    the golden and candidate outputs of their `router`; the logits on next-token agreement too;
+    every other point tensor by tensor. `fixed`: the dtype's limits apply; `noise`: the reference's
+    own error per tensor (`noise_factor` bounds the ratio); `exclude`: (tokens, number of tokens),
+    tokens left out of every tensor with a row per token (a chained run's earlier routing flips)."""
+    judge = Judge(point, tol, candidate_dtype, config or {}, router, fixed=fixed, noise=noise, exclude=exclude)
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
     elif isinstance(point, Point) and point.follows_router:

@@ -1,5 +1,7 @@
 """Record every capture point's call (args, kwargs, output) with forward hooks, one layer at a
-time. Parameters and buffers passed as arguments are recorded by name (see `golden.spec`)."""
+time. Parameters and buffers passed as arguments are recorded by name (see `golden.spec`); an
+input that is an earlier point's output, or the sum of two (a residual connection), is recorded
+with that origin, so that a chained replay can feed the candidate's own output in its place."""
 
 from __future__ import annotations
 
@@ -7,11 +9,72 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..golden.spec import Flattener, named_tensor, spec_tensor_keys
+from ..golden.spec import Flattener, Spec, named_tensor, spec_tensor_keys
 from ..golden.writer import Recorded
 from ..points import Point
+from ..tree import leaves
+
+# A whole-model run's hook on each point's output: (point, output, outputs so far) -> the output to go on with.
+Steer = Callable[[Point, Any, dict[str, Any]], Any]
+# How many of the most recent point outputs a residual sum is looked for among.
+_SUM_CANDIDATES = 12
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a point's output, in order: what an origin's `leaf` indexes."""
+    return [t for t in leaves(output) if isinstance(t, torch.Tensor)]
+
+
+class Origins:
+    """The outputs of the points recorded so far (the current and previous layer, and model-level
+    points), to name the origin of a later point's input: the same values (a tensor or a view of
+    it: same storage, same elements) or the sum of two. Every match is verified by value, so an
+    address reused after a free can never name a wrong origin."""
+
+    def __init__(self) -> None:
+        self._by_group: dict[str, list[tuple[str, int, torch.Tensor]]] = {}
+        self._layer_groups: list[str] = []
+
+    def add(self, point: Point, output: Any) -> None:
+        group = self._by_group.setdefault(point.group, [])
+        if point.layer is not None and point.group not in self._layer_groups:
+            self._layer_groups.append(point.group)
+            for old in self._layer_groups[:-2]:  # keep this layer and the one before
+                self._by_group.pop(old, None)
+            del self._layer_groups[:-2]
+        for i, t in enumerate(output_tensors(output)):
+            if t.numel():
+                group.append((point.id, i, t))
+
+    def _recent(self) -> list[tuple[str, int, torch.Tensor]]:
+        return [entry for entries in self._by_group.values() for entry in entries]
+
+    def find(self, x: torch.Tensor) -> Spec | None:
+        if not x.numel():
+            return None
+        recent = self._recent()
+        for pid, i, t in reversed(recent):
+            same_storage = (
+                t.data_ptr() == x.data_ptr()
+                and t.numel() == x.numel()
+                and t.dtype == x.dtype
+                and t.is_contiguous()
+                and x.is_contiguous()
+            )
+            if t is x or (same_storage and torch.equal(t.reshape(-1), x.reshape(-1))):
+                return {"point": pid, "leaf": i}
+        if not x.is_floating_point():
+            return None
+        same = [e for e in recent if e[2].numel() == x.numel() and e[2].dtype == x.dtype][-_SUM_CANDIDATES:]
+        for a in range(len(same)):
+            for b in range(a + 1, len(same)):
+                (pa, ia, ta), (pb, ib, tb) = same[a], same[b]
+                if torch.equal(ta.reshape(x.shape) + tb.reshape(x.shape), x):
+                    return {"sum": [{"point": pa, "leaf": ia}, {"point": pb, "leaf": ib}]}
+        return None
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -43,6 +106,7 @@ class Recorder:
         self._group_flattener: dict[str, Flattener] = {}
         self._recorded: dict[str, Recorded] = {}
         self._closing: dict[str, str] = {}
+        self.origins = Origins()
         for p in points:  # the last point of a group closes it (a layer's `output`)
             self._closing[p.group] = p.id
 
@@ -64,6 +128,17 @@ class Recorder:
             fl = self._group_flattener[group] = Flattener(self.params)
         return fl
 
+    def _inputs_flattener(self, group: str) -> Flattener:
+        """The group's flattener, naming the origin of each input tensor."""
+        fl = self._flattener(group)
+        fl.source = self.origins.find
+        return fl
+
+    def _outputs_flattener(self, group: str) -> Flattener:
+        fl = self._flattener(group)
+        fl.source = None
+        return fl
+
     def _pre(self, point: Point):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if point.id in self._recorded or point.id in self._pending:
@@ -71,7 +146,7 @@ class Recorder:
                 if rec is not None:
                     rec.calls += 1
                 return
-            fl = self._flattener(point.group)
+            fl = self._inputs_flattener(point.group)
             arg_specs = [fl.flatten(a, f"{point.id}/args.{i}") for i, a in enumerate(args)]
             kw_specs = {k: fl.flatten(v, f"{point.id}/kwargs.{k}") for k, v in kwargs.items()}
             self._pending[point.id] = (arg_specs, kw_specs, fl, time.perf_counter())
@@ -84,6 +159,7 @@ class Recorder:
             if pending is None:
                 return
             arg_specs, kw_specs, fl, started = pending
+            fl = self._outputs_flattener(point.group)
             if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
                 # (out, attn_weights): the weights are O(heads·T²) and never compared.
                 out_spec = {
@@ -97,6 +173,7 @@ class Recorder:
                 key = f"{point.id}/golden.score_bias"
                 fl.tensors[key] = fl.keep(named_tensor(self.model, point.score_bias))
                 rec.extras["score_bias"] = key
+            self.origins.add(point, output if point.component != "attention" else output_tensors(output)[:1])
             self._recorded[point.id] = rec
             self._group_records.setdefault(point.group, []).append(rec)
             if self._closing[point.group] == point.id:
@@ -118,3 +195,53 @@ class Recorder:
         for group in list(self._group_records):
             self._flush(group)
         return [p.id for p in self.points if p.id not in self._recorded]
+
+
+def _kept(point: Point, output: Any) -> Any:
+    """A point's output as a whole-model run keeps it: detached on the CPU, attention weights
+    dropped (the golden omits them too)."""
+    from ..tree import map_structure
+
+    if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
+        output = (output[0], *(None for _ in output[1:]))
+    # a copy: the model may change a tensor in place after returning it
+    return map_structure(output, lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t)
+
+
+class OutputCapture:
+    """Forward hooks that keep the first output of every point during one whole-model run (the
+    candidate's own forward in chain mode, or the reference in another dtype): `outputs[pid]`.
+    `steer(point, output, outputs_so_far)` may return a replacement for a point's output, which the
+    run then goes on with (see `replay.chain`)."""
+
+    def __init__(self, model: nn.Module, points: list[Point], steer: Steer | None = None):
+        self.model = model
+        self.points = points
+        self.steer = steer
+        self.outputs: dict[str, Any] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> OutputCapture:
+        for p in self.points:
+            module = self.model.get_submodule(p.module)
+            self._handles.append(module.register_forward_hook(self._hook(p)))
+        return self
+
+    def _hook(self, point: Point):
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if point.id in self.outputs:
+                return None
+            if self.steer is not None:
+                steered = self.steer(point, output, self.outputs)
+                if steered is not output:
+                    self.outputs[point.id] = _kept(point, steered)
+                    return steered
+            self.outputs[point.id] = _kept(point, output)
+            return None
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -14,14 +14,18 @@ from ..judge.verdict import PointResult, judge_point
 from ..points import ROUTER, Point
 from .inputs import candidate_inputs
 
+MODES = ("isolated", "chain", "both")
+
 
 @dataclass
 class Prepared:
-    """A point whose candidate output is ready to be judged."""
+    """A point whose candidate output is ready to be judged: on the golden inputs (`candidate`,
+    None in chain mode) and on its own chained inputs (`chain`, in chain and both modes)."""
 
     point: Point
     golden: GoldenRecord
-    candidate: CandidateOutput
+    candidate: CandidateOutput | None
+    chain: CandidateOutput | None = None
 
 
 class ParityRunner:
@@ -34,7 +38,10 @@ class ParityRunner:
         *,
         cli_tolerances: list[Override] = (),
         ini_tolerances: list[Override] = (),
+        mode: str = "isolated",
     ):
+        from .chain import make_chain
+
         self.golden = golden
         self.backend = backend
         self.dtype = backend.dtype
@@ -42,6 +49,9 @@ class ParityRunner:
         self.ini_tolerances = list(ini_tolerances)
         self.started = False
         self._router_cache: dict[str, GoldenRecord] = {}
+        self.mode = mode
+        self.chain = make_chain(self) if mode != "isolated" else None
+        self.num_tokens = sum(len(row) for row in golden.manifest["inputs"]["input_ids"])
 
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = self.golden.point(pid)
@@ -49,7 +59,8 @@ class ParityRunner:
             point.id, point.component, self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
         )
 
-    def _start(self, point: Point) -> None:
+    def start(self, point: Point) -> None:
+        """Start the backend before its first point (its failure is an error of that point)."""
         if not self.started:
             try:
                 self.backend.start()
@@ -62,7 +73,7 @@ class ParityRunner:
     def call(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         """The backend's output for a golden record; anything it raises but `PointUnavailable` is
         a `BackendFailure` (an error of the backend, not a divergence)."""
-        self._start(point)
+        self.start(point)
         inputs = candidate_inputs(record, self.dtype, self.backend.device)
         try:
             return self.backend.run(point, inputs)
@@ -72,10 +83,13 @@ class ParityRunner:
             raise BackendFailure(point.id, exc) from exc
 
     def prepare(self, pid: str | Point) -> Prepared:
-        """Read the point's golden record and run the candidate on it."""
+        """Read the point's golden record and run the candidate on it (isolated), and on its own
+        inputs (chain)."""
         point = self.golden.point(pid)
         record = self.golden.load(point)
-        return Prepared(point, record, self.call(point, record))
+        isolated = self.call(point, record) if self.mode != "chain" else None
+        chained = self.chain.output(point, record) if self.chain is not None else None
+        return Prepared(point, record, isolated, chained)
 
     def _router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
@@ -84,10 +98,28 @@ class ParityRunner:
         return self._router_cache[router.id]
 
     def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
-        point, record, cand = prepared.point, prepared.golden, prepared.candidate
+        """The verdict (both modes: the isolated one holding the chained one)."""
+        point, record = prepared.point, prepared.golden
+        results = [
+            self.judge_output(point, record, cand, mode, marker)
+            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chain))
+            if cand is not None
+        ]
+        result = results[0]
+        if len(results) > 1:
+            result.add_chain(results[1])
+        return result
+
+    def judge_output(
+        self, point: Point, record: GoldenRecord, cand: CandidateOutput, mode: str, marker: dict[str, Any] | None
+    ) -> PointResult:
+        """One output of the candidate against the golden: in the isolated mode, the dtype's limits
+        (and the noise ratio where the golden has the reference's own error); chained, the noise
+        ratio (the dtype's limits where the golden has no noise figures)."""
         tol, sources = self.tolerance(point, marker)
         router = self.golden.router_of(point)
         golden_router = bias = None
+        noise = self.golden.noise(self.dtype, mode, point.id)
         if point.component == ROUTER:
             bias = record.extras.get("score_bias")
         elif router is not None:
@@ -105,7 +137,11 @@ class ParityRunner:
             golden_router=golden_router,
             candidate_router=cand.routing,
             score_bias=bias,
+            fixed=mode == "isolated" or noise is None,
+            noise=noise,
+            exclude=(self.chain.tainted(point), self.num_tokens) if mode == "chain" and self.chain else None,
         )
+        result.mode = mode
         result.tolerance_sources = sources
         result.seconds = cand.seconds
         result.golden_dtype = self.golden.dtype
@@ -118,4 +154,6 @@ class ParityRunner:
 
     def close(self) -> None:
         self._router_cache.clear()
+        if self.chain is not None:
+            self.chain.close()
         self.backend.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..golden.writer import atomic_write_text
-from .text import counts, first_divergence, first_error, graph_summary
+from .text import counts, first_divergence, first_error, graph_summary, modes
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "comparison_report.json"
@@ -26,6 +26,10 @@ def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bo
         "first_divergence_component": first["component"] if first else None,
         "hint": first.get("hint") if first else None,
         "remedy": first.get("remedy") if first else None,
+        **{
+            f"first_{m}_divergence": (found["id"] if (found := first_divergence(rows, m)) else None)
+            for m in modes(rows)
+        },
         "first_error": error["id"] if error else None,
         "first_error_message": error.get("error") if error else None,
         "graphs": graph_summary(rows),

@@ -39,8 +39,57 @@ def _wrapped(prefix: str, text: str, indent: int = 4) -> list[str]:
 
 def failure_text(r: PointResult) -> str:
     """pytest-regressions style: shapes, a check table with limits, the count and the worst elements
-    of what differs, worst tokens, routing flips, a hint and the tolerance that would accept it."""
-    lines = [f"{r.id}: candidate ({r.candidate_dtype}) diverges from the golden ({r.golden_dtype})"]
+    of what differs, worst tokens and experts, routing flips, the noise ratio, a hint and the
+    tolerance that would accept it. In both modes, the failing verdict in full and a line for the
+    passing one."""
+    parts = [(r.mode, r), *((("chain", r.chain),) if r.chain is not None else ())]
+    failing = [(mode, res) for mode, res in parts if res.verdicts.get(mode) == "failed"] or parts
+    where = {"isolated": "", "chain": " on its own inputs"}
+    inputs = " on the golden's inputs and on its own" if len(failing) > 1 else where[failing[0][0]]
+    lines = _wrapped("", f"{r.id}: candidate ({r.candidate_dtype}) diverges from the golden ({r.golden_dtype}){inputs}")
+    for mode, res in parts:
+        if (mode, res) not in failing:
+            main = res.main
+            figures = f"rel_l2 {_fmt(main.rel_l2)}" if main is not None else ""
+            if res.noise_ratio is not None:
+                figures += f", noise ratio {_fmt(res.noise_ratio, 3)}"
+            label = "golden inputs" if mode == "isolated" else "its own inputs"
+            lines.append(f"  {mode} ({label}): passed ({figures})")
+    for i, (mode, res) in enumerate(failing):
+        if len(failing) > 1:
+            lines += ([""] if i else []) + [f"  {mode}:"]
+        lines += _verdict_lines(res)
+    hint = r.hint
+    if r.chain is not None and r.verdicts.get("isolated") == "passed":
+        hint = HINT_CHAIN_ONLY
+    elif r.mode == "chain":
+        hint = f"{hint}; or error accumulated from the points before (see their noise ratios)" if hint else hint
+    if hint:
+        lines.extend(_wrapped("  hint: ", hint))
+    remedy = r.remedy()
+    if remedy:
+        lines.extend(_wrapped("  to accept this result: ", remedy))
+    lines.extend(_wrapped("  tolerance from: ", " < ".join(r.tolerance_sources)))
+    return "\n".join(lines)
+
+
+HINT_CHAIN_ONLY = (
+    "right on the golden's inputs, wrong on its own: what the candidate builds around its modules "
+    "(attention mask, position ids, rotary, the cache), or error accumulated from the points before "
+    "(see their noise ratios)"
+)
+
+
+def _noise_lines(noise: dict[str, Any]) -> list[str]:
+    parts = [
+        f"{target} {_fmt(t['ratio'], 3)}x (reference rel_l2 {_fmt(t.get('reference_rel_l2'), 3)})"
+        for target, t in noise["targets"].items()
+    ]
+    return _wrapped("  noise ratio (error / the reference's own in this dtype): ", ", ".join(parts))
+
+
+def _verdict_lines(r: PointResult) -> list[str]:
+    lines = []
     for target, m in r.metrics.items():
         lines.append(
             f"  {target}: golden {tuple(m.shape_golden)} {m.dtype_golden}, "
@@ -51,10 +100,18 @@ def failure_text(r: PointResult) -> str:
     for c in r.checks:
         limit = "-" if c.limit is None else f"{c.op} {_fmt(c.limit)}"
         lines.append(f"  {c.target:<9}{c.name:<16}{_fmt(c.value):>14}{limit:>14}  {'ok' if c.passed else 'FAIL'}")
+    checked = {(c.target, c.name) for c in r.checks}
     for target, m in r.metrics.items():
-        lines.append(
-            f"  {target:<9}snr {_fmt(m.snr_db)} dB, pearson {_fmt(m.pearson, 6)}, max_abs {_fmt(m.max_abs)}, "
-            f"mean_abs {_fmt(m.mean_abs)}, max_rel {_fmt(m.max_rel)}"
+        judged = "".join(
+            f"{name} {_fmt(getattr(m, name), 6)}, " for name in ("cosine", "rel_l2") if (target, name) not in checked
+        )
+        lines.extend(
+            _wrapped(
+                f"  {target:<9}",
+                f"{judged}snr {_fmt(m.snr_db)} dB, pearson {_fmt(m.pearson, 6)}, "
+                f"max_abs {_fmt(m.max_abs)}, mean_abs {_fmt(m.mean_abs)}, max_rel {_fmt(m.max_rel)}",
+                indent=11,
+            )
         )
         if m.shape_match:
             share = m.mismatched / m.numel * 100 if m.numel else 0.0
@@ -66,6 +123,8 @@ def failure_text(r: PointResult) -> str:
                 f"  {'':<9}NaN/Inf: candidate {m.nan_candidate}/{m.inf_candidate}, "
                 f"golden {m.nan_golden}/{m.inf_golden}, first non-finite at {m.first_nonfinite}"
             )
+    if r.noise:
+        lines.extend(_noise_lines(r.noise))
     for target, rows in r.worst_elements.items():
         lines.append(f"  worst elements of {target}:")
         lines.append(f"    {'index':<22}{'golden':>14}{'candidate':>14}{'difference':>14}")
@@ -83,13 +142,7 @@ def failure_text(r: PointResult) -> str:
         lines.extend(_routing_lines(r.routing))
     for note in r.notes:
         lines.extend(_wrapped("  note: ", note))
-    if r.hint:
-        lines.extend(_wrapped("  hint: ", r.hint))
-    remedy = r.remedy()
-    if remedy:
-        lines.extend(_wrapped("  to accept this result: ", remedy))
-    lines.extend(_wrapped("  tolerance from: ", " < ".join(r.tolerance_sources)))
-    return "\n".join(lines)
+    return lines
 
 
 def _routing_lines(rt: dict[str, Any]) -> list[str]:
@@ -177,10 +230,20 @@ def row_note(row: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def first_divergence(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The first failed point in forward order. Errors are the backend's, not divergences."""
-    bad = [r for r in rows if r["status"] == "failed"]
+def first_divergence(rows: list[dict[str, Any]], mode: str | None = None) -> dict[str, Any] | None:
+    """The first failed point in forward order (with `mode`, the first whose verdict in that mode
+    failed). Errors are the backend's, not divergences."""
+    if mode is None:
+        bad = [r for r in rows if r["status"] == "failed"]
+    else:
+        bad = [r for r in rows if (r.get("verdicts") or {}).get(mode) == "failed"]
     return min(bad, key=lambda r: r["order"]) if bad else None
+
+
+def modes(rows: list[dict[str, Any]]) -> list[str]:
+    """The modes the rows were judged in, isolated first."""
+    seen = {m for r in rows for m in (r.get("verdicts") or {})}
+    return [m for m in ("isolated", "chain") if m in seen]
 
 
 def first_error(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -228,6 +291,10 @@ def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list
     else:
         hint = f"  ({first['hint']})" if first.get("hint") else ""
         lines.append((f"first divergence: {first['id']}{hint}", "red"))
+    if len(modes(rows)) > 1:  # both modes: where the error is introduced, and where it shows chained
+        for mode in modes(rows):
+            found = first_divergence(rows, mode)
+            lines.append((f"first {mode} divergence: {found['id'] if found else 'none'}", "red" if found else None))
     error = first_error(rows)
     if error is not None:
         lines.append((f"backend errors: {n['error']}, first at {error['id']}: {error.get('error', '')}", "red"))
@@ -244,6 +311,23 @@ def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list
     return lines
 
 
+def _ratio(row: dict[str, Any] | None) -> str:
+    noise = (row or {}).get("noise")
+    return _fmt(noise["ratio"], 3) if noise else "-"
+
+
+def _extra_columns(rows: list[dict[str, Any]]) -> list[tuple[str, int, Any]]:
+    """Columns shown when some row has them: the noise ratio, the chained error (both modes)."""
+    columns: list[tuple[str, int, Any]] = []
+    if any(r.get("noise") for r in rows):
+        columns.append(("noise R", 9, _ratio))
+    if any(r.get("chain") for r in rows):
+        columns.append(("chain rel", 11, lambda r: short_metrics(r["chain"])[1] if r.get("chain") else "-"))
+        if any((r.get("chain") or {}).get("noise") for r in rows):
+            columns.append(("chain R", 9, lambda r: _ratio(r.get("chain"))))
+    return columns
+
+
 def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: int = 1) -> list[str]:
     """Every row for small runs; for big ones the failures with `context` rows around them."""
     ordered = sorted(rows, key=lambda r: r["order"])
@@ -255,7 +339,9 @@ def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: 
             if r["status"] in ("failed", "error"):
                 shown.update(range(max(0, i - context), min(len(ordered), i + context + 1)))
     width = max([26, *(len(r["id"]) + 2 for r in ordered)])
-    lines = [f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{'max_abs':>11}  notes"]
+    extra = _extra_columns(ordered)
+    head = "".join(f"{name:>{w}}" for name, w, _ in extra)
+    lines = [f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{head}{'max_abs':>11}  notes"]
     last = -1
     for i, r in enumerate(ordered):
         if i not in shown:
@@ -263,7 +349,8 @@ def summary_table(rows: list[dict[str, Any]], *, full_limit: int = 40, context: 
         if i != last + 1:
             lines.append(f"{'...':<{width}}({i - last - 1} passing points)")
         cos, rel, mx = short_metrics(r)
-        lines.append(f"{r['id']:<{width}}{r['status']:<8}{cos:>12}{rel:>11}{mx:>11}  {row_note(r)}")
+        cells = "".join(f"{value(r):>{w}}" for _, w, value in extra)
+        lines.append(f"{r['id']:<{width}}{r['status']:<8}{cos:>12}{rel:>11}{cells}{mx:>11}  {row_note(r)}")
         last = i
     if not shown:
         lines.append(f"(all {len(ordered)} points passed)")

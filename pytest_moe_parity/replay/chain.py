@@ -1,0 +1,301 @@
+"""Chain mode: the candidate computes its own inputs, as in a real run, so a point's error is what
+it inherits from the points before it plus what it introduces.
+
+How depends on what the backend offers (`Backend.chain`):
+
+- `"model"`: the candidate runs its own whole-model forward (its own masks, positions, routing) on
+  the golden's input ids, once, and every point's output is captured (`Backend.run_model`).
+- `"points"`: each point is run on its golden call with every input that the golden recorded as an
+  earlier point's output (or a residual sum of two) replaced by the candidate's own chained output
+  of that point (compiled backends: the same graphs as the isolated run, other inputs).
+- `"recorded"`: what the backend returns already is the candidate's own run (a dump).
+
+**Routing near-ties.** A token whose top-k experts differ from the golden's at some layer (a
+near-tie that rounding tipped the other way, or a real flip) follows other experts by design; from
+then on its hidden state, and through attention every later token's, departs from the golden's for
+reasons that are no port's bug. Where the run can be steered (the `points` chain, and whole-model
+runs that accept `steer`), such a token's decoder-layer output is put back to the golden's, so the
+divergence does not spread, and the token itself is left out of later verdicts; where it cannot (a
+dump, a third-party whole-model run), the token and every later token of its sequence are left out.
+The reference's own chained run (the noise floor) is steered the same way."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..backends import Backend, CandidateOutput
+from ..errors import BackendFailure, PointUnavailable
+from ..golden import GoldenRecord, GoldenStore
+from ..golden.spec import Spec
+from ..judge.verdict import router_triple
+from ..points import ROUTER, Point
+from ..record.capture import output_tensors
+from ..tree import first_tensor, map_structure
+
+if TYPE_CHECKING:
+    from .runner import ParityRunner
+
+CHAIN_KINDS = ("model", "points", "recorded")
+
+
+class Chain:
+    """The candidate's chained output of each point, and the tokens its routing sent elsewhere."""
+
+    steered = False  # whether near-tie tokens are put back to the golden's after their layer
+
+    def __init__(self, runner: ParityRunner):
+        self.runner = runner
+        self.golden: GoldenStore = runner.golden
+        self.backend: Backend = runner.backend
+        self._taint: dict[str, list[int]] = {}  # routing point id -> tokens routed unlike the golden there
+        ids = self.golden.manifest["inputs"]["input_ids"]
+        self._seq_len = len(ids[0]) if ids else 0
+
+    def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
+        raise NotImplementedError
+
+    # -- tokens routed unlike the golden ------------------------------------------------------------
+    def tainted(self, point: Point) -> list[int]:
+        """Tokens left out of `point`'s chained verdict: routed unlike the golden at an earlier layer
+        (and, where the run could not be steered, every later token of the same sequence)."""
+        tokens: set[int] = set()
+        for source in self.golden.points:
+            if _routes(source) and _before(source, point):
+                tokens.update(self._disagreement(source))
+        if tokens and not self.steered and self._seq_len:
+            first: dict[int, int] = {}
+            for t in tokens:  # the first tainted position of each sequence
+                seq = t // self._seq_len
+                first[seq] = min(first.get(seq, t), t)
+            tokens = {
+                seq * self._seq_len + pos for seq, t in first.items() for pos in range(t % self._seq_len, self._seq_len)
+            }
+        return sorted(tokens)
+
+    def _disagreement(self, source: Point) -> list[int]:
+        """The tokens a router point, or the router inside a routed block, routed unlike the golden
+        (a compiled decoder layer may round its way to a near-tie its router point did not)."""
+        if source.id not in self._taint:
+            try:
+                out = self.output(source, self.golden.load(source))
+                own = out.output if source.component == ROUTER else out.routing
+            except (PointUnavailable, BackendFailure):
+                own = None
+            self._taint[source.id] = self.disagreement(source, own)
+        return self._taint[source.id]
+
+    def disagreement(self, source: Point, own: Any) -> list[int]:
+        """Tokens whose top-k experts in `own` (a router's output) differ from the golden router's."""
+        router = source if source.component == ROUTER else self.golden.router_of(source)
+        return routing_disagreements(self.golden.load(router).output, own) if router is not None else []
+
+    def steer(self, point: Point, output: Any, routing: Any) -> Any:
+        """A decoder layer's chained output with the rows of the tokens its routing sent unlike the
+        golden's put back to the golden's (in the candidate's dtype); other points unchanged."""
+        if point.component != "output" or routing is None:
+            return output
+        tokens = self.disagreement(point, routing)
+        mine = first_tensor(output)
+        if not tokens or mine is None:
+            return output
+        golden = first_tensor(self.golden.load(point).output)
+        if golden is None or golden.numel() != mine.numel():
+            return output
+        fixed = mine.detach().clone()
+        rows = fixed.reshape(-1, fixed.shape[-1])
+        rows[tokens] = golden.reshape(-1, golden.shape[-1])[tokens].to(device=rows.device, dtype=rows.dtype)
+        if isinstance(output, torch.Tensor):
+            return fixed
+        replaced = False
+
+        def swap(t: Any) -> Any:
+            nonlocal replaced
+            if t is mine and not replaced:
+                replaced = True
+                return fixed
+            return t
+
+        return map_structure(output, swap)
+
+    def routing(self, point: Point, own: Any) -> Any:
+        """The routing a point's chained output followed: its own (a routed block's graph gives
+        it), else its router's chained output."""
+        if own is not None or not point.follows_router:
+            return own
+        router = self.golden.router_of(point)
+        if router is None:
+            return None
+        try:
+            out = self.output(router, self.golden.load(router)).output
+        except (PointUnavailable, BackendFailure):
+            return None
+        return tuple(out) if isinstance(out, tuple | list) else None
+
+    def close(self) -> None:
+        pass
+
+
+class ModelChain(Chain):
+    """One whole-model forward of the candidate, every point captured (steered where the backend
+    accepts it: `Backend.steers_chain`)."""
+
+    def __init__(self, runner: ParityRunner):
+        super().__init__(runner)
+        self.steered = bool(getattr(self.backend, "steers_chain", False))
+        self._outputs: dict[str, Any] | None = None
+        self.seconds = 0.0
+
+    def _steer(self, point: Point, output: Any, outputs: dict[str, Any]) -> Any:
+        router = self.golden.router_of(point) if point.routed_block else None
+        return self.steer(point, output, outputs.get(router.id) if router is not None else None)
+
+    def _run(self) -> dict[str, Any]:
+        if self._outputs is None:
+            ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
+            self.runner.start(self.golden.points[0])
+            started = time.perf_counter()
+            try:
+                if self.steered:
+                    self._outputs = self.backend.run_model(ids, self.golden.points, steer=self._steer)
+                else:
+                    self._outputs = self.backend.run_model(ids, self.golden.points)
+            except PointUnavailable:
+                raise
+            except Exception as exc:
+                raise BackendFailure("the candidate's whole-model run", exc) from exc
+            self.seconds = time.perf_counter() - started
+        return self._outputs
+
+    def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
+        outputs = self._run()
+        if point.id not in outputs:
+            raise PointUnavailable(f"{point.id} was not called by the candidate's whole-model run")
+        return CandidateOutput(outputs[point.id], self.routing(point, None), 0.0, {"chain": "model"})
+
+    def close(self) -> None:
+        self._outputs = None
+
+
+class PointChain(Chain):
+    """Each point on its golden call, with the inputs that earlier points produced taken from the
+    candidate's own chained outputs. Points run in forward order; asking for a later point first
+    runs the ones before it."""
+
+    steered = True
+
+    def __init__(self, runner: ParityRunner):
+        super().__init__(runner)
+        self._done: dict[str, CandidateOutput | PointUnavailable | BackendFailure] = {}
+        self._layers: list[int] = []
+        self._missing: dict[str, list[str]] = {}  # point -> inputs left golden (their origin is missing)
+
+    def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
+        if point.id not in self._done:
+            for earlier in self.golden.points[: self.golden.point_ids.index(point.id) + 1]:
+                if earlier.id not in self._done:
+                    self._compute(earlier)
+        out = self._done[point.id]
+        if isinstance(out, PointUnavailable | BackendFailure):
+            raise out
+        info = {"chain": "points"}
+        if self._missing.get(point.id):
+            info["notes"] = [
+                f"chain: {', '.join(self._missing[point.id])} stayed golden (the point that produces it "
+                "was not run by the candidate)"
+            ]
+        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, info)
+
+    def _chained(self, point: Point):
+        missing = self._missing.setdefault(point.id, [])
+
+        def lookup(origin: Spec) -> torch.Tensor | None:
+            if "sum" in origin:
+                parts = [lookup(o) for o in origin["sum"]]
+                return parts[0] + parts[1] if all(p is not None for p in parts) else None
+            done = self._done.get(origin["point"])
+            if isinstance(done, CandidateOutput):
+                found = output_tensors(done.output)
+                if origin["leaf"] < len(found):
+                    return found[origin["leaf"]]
+            missing.append(f"{origin['point']}.out[{origin['leaf']}]")
+            return None
+
+        return lookup
+
+    def _compute(self, point: Point) -> None:
+        record = self.golden.load(point, chained=self._chained(point))
+        try:
+            out = self.runner.call(point, record)
+        except (PointUnavailable, BackendFailure) as exc:  # raised again for this point, golden for later ones
+            self._done[point.id] = exc
+            out = None
+        else:
+            out.output = self.steer(point, _to_cpu(out.output), out.routing)
+            self._done[point.id] = out
+        if _routes(point):  # before this layer's outputs are forgotten
+            own = None if out is None else out.output if point.component == ROUTER else out.routing
+            self._taint[point.id] = self.disagreement(point, own)
+        self._forget_old(point)
+
+    def _disagreement(self, source: Point) -> list[int]:
+        if source.id not in self._taint:
+            self.output(source, self.golden.load(source))
+        return self._taint.get(source.id, [])
+
+    def _forget_old(self, point: Point) -> None:
+        """Keep the outputs of this layer and the one before (and of model-level points)."""
+        if point.layer is None or (self._layers and self._layers[-1] == point.layer):
+            return
+        self._layers.append(point.layer)
+        for old in self._layers[:-2]:
+            for pid in [p for p in self._done if p.startswith(f"layer_{old}.")]:
+                del self._done[pid]
+        del self._layers[:-2]
+
+    def close(self) -> None:
+        self._done.clear()
+
+
+class RecordedChain(Chain):
+    """The backend's outputs are the candidate's own run already (a dump of it)."""
+
+    def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
+        out = self.runner.call(point, record)
+        out.info = {**out.info, "chain": "recorded"}
+        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, out.info)
+
+
+def _routes(point: Point) -> bool:
+    """A point that makes routing decisions: a router, or a routed block (the router inside it)."""
+    return point.layer is not None and (point.component == ROUTER or point.routed_block)
+
+
+def _before(source: Point, point: Point) -> bool:
+    """Whether a routing decision reaches `point` through the hidden states: decisions of earlier
+    layers reach a layer's points; every decision reaches the model-level points after the layers."""
+    if point.layer is None:
+        return source.order < point.order
+    return source.layer < point.layer
+
+
+def routing_disagreements(golden: Any, candidate: Any) -> list[int]:
+    """Tokens whose top-k expert sets differ between two router outputs (logits, weights, top-k ids)."""
+    if not (router_triple(golden) and router_triple(candidate)):
+        return []
+    k = golden[2].shape[-1]
+    g, c = golden[2].reshape(-1, k), candidate[2].reshape(-1, k).to("cpu")
+    if g.shape != c.shape:
+        return []
+    return (g.sort(dim=-1).values != c.sort(dim=-1).values).any(dim=-1).nonzero().flatten().tolist()
+
+
+def _to_cpu(obj: Any) -> Any:
+    return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
+
+
+def make_chain(runner: ParityRunner) -> Chain:
+    kind = runner.backend.chain
+    return {"model": ModelChain, "points": PointChain, "recorded": RecordedChain}[kind](runner)
