@@ -1,4 +1,5 @@
-"""The `moe-parity` command: tiny models, golden recordings, and a look inside a golden.
+"""The `moe-parity` command: tiny models, golden recordings, a look inside a golden, offline
+comparison of dumps, and reports redrawn and compared run to run.
 Exit codes: 0 success, 1 a comparison failed, 2 bad input."""
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the reference in this dtype (e.g. bfloat16), isolated and chained, and keep its own error at "
         "every point: the noise floor that candidates in that dtype are judged against (noise_factor)",
     )
+    golden.add_argument(
+        "--decode-steps",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="after the prefill, also record N greedy decode steps with a KV cache (points step_1.* .. step_N.*)",
+    )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(
         "--trust-remote-code",
@@ -118,7 +126,34 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--inputs", action="store_true", help="show each point's call: args, kwargs and output, with shapes and dtypes"
     )
+    report = sub.add_parser("report", help="redraw a report's pictures and print its summary from the JSON")
+    report.add_argument("report", type=Path, help="a --parity-report directory (or its comparison_report.json)")
+
+    diff = sub.add_parser(
+        "diff", help="points that got worse from one report to the next (exit 1 when any did, 2 if not comparable)"
+    )
+    diff.add_argument("old", type=Path, help="the earlier --parity-report directory (or its JSON)")
+    diff.add_argument("new", type=Path, help="the later one")
+    diff.add_argument(
+        "--factor", type=_factor, default=2.0, help="a figure counts as worse beyond this factor (default 2)"
+    )
+    diff.add_argument(
+        "--min-error",
+        type=float,
+        default=1e-3,
+        help="a rel_l2 below this is rounding, whatever its growth (default 1e-3)",
+    )
     return parser
+
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 1.0:
+        raise argparse.ArgumentTypeError(f"the factor must be above 1, got {text}")
+    return value
 
 
 def _quiet_transformers() -> None:
@@ -183,6 +218,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
             max_memory=args.max_memory,
             overwrite=args.overwrite,
             trust_remote_code=args.trust_remote_code,
+            decode_steps=args.decode_steps or 0,
             progress=say,
         )
         if noise_dtype is not None:
@@ -194,6 +230,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
     except BadInput as exc:
         return _fail(str(exc))
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
+    if args.decode_steps:
+        noise = f", prefill and {args.decode_steps} decode step{'s' if args.decode_steps > 1 else ''}{noise}"
     print(
         f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {result.seconds:.1f} s "
         f"-> {result.out}"
@@ -283,9 +321,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"no dumped tensor in {args.candidate} matched a point of {args.golden} "
             f"(names tried for {first.id}: {tried}); pass --map FILE"
         )
+    session.write_reports()
     for line, _ in session.closing_lines():
         print(line)
-    session.write_reports()
     failed = any(r["status"] in ("failed", "error") for r in rows)
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -351,12 +389,66 @@ def _matches_bundled(fresh, ref) -> str:
     return f"matches the bundled golden: {verdict} (float32 rounding of this CPU's kernels, max rel_l2 {worst:.1e})"
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
+    from .report.files import plots_line, read_report
+    from .report.plots import PlotsUnavailable, render_plots
+    from .report.text import summary_lines, summary_table
+
+    try:
+        report = read_report(args.report)
+    except ValueError as exc:
+        return _fail(str(exc))
+    directory = args.report if args.report.is_dir() else args.report.parent
+    try:  # the pictures are what this command is for: without matplotlib, say so and fail
+        written = render_plots(report, directory)
+    except PlotsUnavailable as exc:
+        return _fail(str(exc))
+    rows = report["points"]
+    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(rows)} points)")
+    for line in summary_table(rows):
+        print(line)
+    for line, _ in summary_lines(rows):
+        print(line)
+    print(plots_line(written, directory))
+    return EXIT_OK
+
+
+def _describe_run(report: dict) -> str:
+    return (
+        f"{report.get('model_type', '?')} on --hw {report.get('hw', '?')} in {report.get('dtype', '?')}, "
+        f"{report.get('mode', 'isolated')} mode"
+    )
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Points that got worse between two reports: exit 1 when any did, 2 when they are not comparable."""
+    from .report.files import read_report
+    from .report.history import comparable, diff_reports
+
+    try:
+        old, new = read_report(args.old), read_report(args.new)
+    except ValueError as exc:
+        return _fail(str(exc))
+    reason = comparable(old, new)
+    if reason is not None:
+        return _fail(reason)
+    result = diff_reports(old, new, factor=args.factor, min_error=args.min_error)
+    if not result.common:
+        return _fail(f"{args.old} and {args.new} share no point; nothing to compare")
+    for line in result.lines(str(args.old), str(args.new), args.factor):
+        print(line)
+    return EXIT_FAILED if result.worse else EXIT_OK
+
+
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "golden": cmd_golden,
     "compare": cmd_compare,
     "show": cmd_show,
     "demo": cmd_demo,
+    "report": cmd_report,
+    "diff": cmd_diff,
 }
 
 

@@ -266,6 +266,23 @@ class ParityPlugin:
         terminalreporter.write_sep("=", "moe-parity")
         for line, colour in self.session.closing_lines():
             terminalreporter.write_line(line, **({colour: True, "bold": True} if colour else {}))
+        missing = self._missing_steps()
+        if missing:
+            terminalreporter.write_line(missing, yellow=True, bold=True)
+
+    def _missing_steps(self) -> str | None:
+        """-k naming a decode step the golden lacks selects nothing: say why, in one line."""
+        import re
+
+        asked = [int(n) for n in re.findall(r"step_(\d+)", self.config.option.keyword or "")]
+        steps = self.session.golden.decode_steps
+        if not asked or max(asked) <= steps:
+            return None
+        have = f"decode steps 1..{steps}" if steps else "no decode steps"
+        return (
+            f"-k {self.config.option.keyword!r} asks for step_{max(asked)}; this golden has {have} "
+            f"(record them with `moe-parity golden ... --decode-steps N`)"
+        )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         del config.stash[SESSION_KEY]

@@ -89,8 +89,10 @@ class Point:
 
     @property
     def group(self) -> str:
-        """The golden file the point is stored in: its layer, or the model-level point itself."""
-        return layer_group(self.layer) if self.layer is not None else self.component
+        """The golden file the point is stored in: its layer, or the model-level point itself (for
+        a decode step, prefixed with it: `step_3.layer_17`)."""
+        base = layer_group(self.layer) if self.layer is not None else self.component
+        return base if self.step is None else f"step_{self.step}.{base}"
 
     @property
     def routed_block(self) -> bool:

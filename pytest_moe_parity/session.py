@@ -156,6 +156,7 @@ class ParitySession:
         )
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
+        self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
 
     # -- setup ----------------------------------------------------------------------------------
     def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
@@ -303,11 +304,13 @@ class ParitySession:
         if not rows:
             return [("no parity items ran", None)]
         table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
-        return table + summary_lines(rows, report_dir=self.options.report_dir)
+        reports = [(line, None) for line in self.report_lines]
+        return table + summary_lines(rows, report_dir=self.options.report_dir) + reports
 
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "golden_dir": str(self.golden.root.resolve()),
+            "golden_fingerprint": self.golden.fingerprint,
             "model_type": self.golden.model_type,
             "candidate_model": str(self.candidate),
             "candidate_source": self.candidate_source,
@@ -327,8 +330,9 @@ class ParitySession:
         return meta
 
     def write_reports(self) -> None:
+        """The JSON reports and pictures (`--parity-report`); what was drawn joins the closing lines."""
         if self.options.report_dir is not None and self.rows:
-            write_reports(
+            self.report_lines = write_reports(
                 self.options.report_dir, list(self.rows.values()), meta=self.meta(), interrupted=self.interrupted
             )
 

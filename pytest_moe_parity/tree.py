@@ -4,13 +4,30 @@ flatten them to their tensors and rebuild them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """What one decoder layer's KV cache holds when a decode step calls a module: its keys and values
+    ([batch, heads, positions, head_dim]), and for a sliding-window layer its window and how many
+    positions it has seen. A recorded call carries this instead of a cache object (which is never
+    pickled); a backend turns it into a cache of the candidate's own kind (`backends.cache`)."""
+
+    layer: int
+    keys: Any
+    values: Any
+    window: int | None = None  # sliding-window layers: the window
+    seen: int | None = None  # sliding-window layers: positions seen so far (kept ones and dropped ones)
+
+
 def map_structure(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """Apply `fn` to every leaf (tensor, ParamRef, scalar) of a nested structure."""
+    if isinstance(obj, CacheState):
+        return replace(obj, keys=map_structure(obj.keys, fn), values=map_structure(obj.values, fn))
     if isinstance(obj, tuple):
         return tuple(map_structure(v, fn) for v in obj)
     if isinstance(obj, list):
@@ -38,6 +55,8 @@ def leaves(obj: Any) -> list[Any]:
         return [leaf for item in obj for leaf in leaves(item)]
     if isinstance(obj, dict):
         return [leaf for item in obj.values() for leaf in leaves(item)]
+    if isinstance(obj, CacheState):
+        return [obj.keys, obj.values]
     return [obj]
 
 

@@ -35,18 +35,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable[..., Path]:
-    """golden_dir(arch, layers=None, seq_len=16, noise=None) -> golden directory recorded once per
-    session (with `noise="bfloat16"`, with the reference's own error in that dtype)."""
+    """golden_dir(arch, layers=None, seq_len=16, noise=None, decode=0) -> golden directory recorded once
+    per session (with `noise="bfloat16"`, with the reference's own error in that dtype; with `decode`,
+    that many decode steps after the prefill)."""
     from pytest_moe_parity.record.run import record_golden
     from pytest_moe_parity.replay.noise import record_noise
 
     cache: dict[tuple, Path] = {}
 
-    def make(arch: str, layers: int | None = None, seq_len: int = 16, noise: str | None = None) -> Path:
-        key = (arch, layers, seq_len, noise)
+    def make(
+        arch: str, layers: int | None = None, seq_len: int = 16, noise: str | None = None, decode: int = 0
+    ) -> Path:
+        key = (arch, layers, seq_len, noise, decode)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"golden-{arch}-{layers}-{seq_len}-{noise}") / "golden"
-            record_golden(tiny_model(arch, layers), out, seq_len=seq_len)
+            out = tmp_path_factory.mktemp(f"golden-{arch}-{layers}-{seq_len}-{noise}-{decode}") / "golden"
+            record_golden(tiny_model(arch, layers), out, seq_len=seq_len, decode_steps=decode)
             if noise is not None:
                 record_noise(out, noise, model_dir=tiny_model(arch, layers))
             cache[key] = out
@@ -79,6 +82,11 @@ def _import_everything_once(golden_dir, tiny_model) -> None:
     # and a code fault patched into a fresh import would not reach the model the next run builds
     for arch in available_archs():
         build_tiny_model(arch, layers=1)
+    # the report's pictures
+    import matplotlib.backends.backend_agg
+    import matplotlib.colors
+    import matplotlib.figure
+    import matplotlib.image  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -261,6 +261,34 @@ def _mask_one_ahead(create_mask):
     return create
 
 
+def _cache_written_one_early(update):
+    """A decode step that writes the new token's key and value one position early: the previous
+    token's entry moves behind it. Full attention reads the same set of keys (the step's output is
+    right); only the cache write shows it."""
+
+    def wrapped(self, key_states, value_states, *args, **kwargs):
+        keys, values = update(self, key_states, value_states, *args, **kwargs)
+        if key_states.shape[-2] == 1 and self.keys.shape[-2] > 1:
+            order = list(range(self.keys.shape[-2]))
+            order[-2], order[-1] = order[-1], order[-2]
+            self.keys, self.values = self.keys[:, :, order], self.values[:, :, order]
+            return self.keys, self.values
+        return keys, values
+
+    return wrapped
+
+
+def _rope_skipped_in_decode(apply):
+    """The new token of a decode step rotated as if at position 0 (no rotation)."""
+
+    def wrapped(q, k, cos, sin, *args, **kwargs):
+        if q.shape[-2] == 1:
+            return q, k
+        return apply(q, k, cos, sin, *args, **kwargs)
+
+    return wrapped
+
+
 _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 # name: [(module, attribute path, replacement factory (original -> replacement))]
@@ -273,6 +301,8 @@ CODE_FAULTS: dict[str, list[tuple[str, str, Callable]]] = {
         (_QWEN3, "create_causal_mask", _mask_one_ahead),
         (_MIXTRAL, "create_causal_mask", _mask_one_ahead),
     ],
+    "decode_cache_written_one_early": [("transformers.cache_utils", "DynamicLayer.update", _cache_written_one_early)],
+    "decode_new_token_at_position_0": [(_QWEN3, "apply_rotary_pos_emb", _rope_skipped_in_decode)],
 }
 
 

@@ -74,6 +74,7 @@ def assert_bitwise(actual, expected, where: str) -> None:
 
 def assert_replays_bitwise(golden: Path, model) -> None:
     """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
+    from pytest_moe_parity.backends.cache import with_live_caches, written
     from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.golden.spec import resolve_params
 
@@ -81,6 +82,15 @@ def assert_replays_bitwise(golden: Path, model) -> None:
     for point in store.points:
         rec = store.load(point)
         module = model.get_submodule(point.module)
+        args, kwargs = resolve_params(rec.args, model), resolve_params(rec.kwargs, model)
+        args, kwargs, caches = with_live_caches(args, kwargs, model.config)  # decode steps
         with torch.no_grad():
-            out = module(*resolve_params(rec.args, model), **resolve_params(rec.kwargs, model))
+            out = module(*args, **kwargs)
         assert_bitwise(out, rec.output, point.id)
+        if "cache_after.keys" in rec.extras:  # what a decode step's attention wrote
+            after = written(*caches[0])
+            assert_bitwise(
+                (after.keys, after.values),
+                (rec.extras["cache_after.keys"], rec.extras["cache_after.values"]),
+                f"{point.id} cache",
+            )

@@ -149,12 +149,15 @@ def test_pytest_hw_dump_prints_what_compare_prints(
     result.stdout.fnmatch_lines(["*logits is not in the dump*"])
     code, out, _ = compare(capsys, golden, dump, "--report", tmp_path / "cli-report")
     assert code == 1
-    closing = out.strip().splitlines()[-3:]  # counts, first divergence (no backend errors)
+    # counts, first divergence (no backend errors), what was drawn
+    closing = out.strip().splitlines()[-3:]
     plugin_lines = result.stdout.str().splitlines()
     start = plugin_lines.index(next(line for line in plugin_lines if line.startswith(f"{n} points:")))
     assert [line.split("; reports in")[0] for line in plugin_lines[start : start + 2]] == [
-        line.split("; reports in")[0] for line in closing[-2:]
+        line.split("; reports in")[0] for line in closing[:2]
     ]
+    assert plugin_lines[start + 2].startswith(f"plots in {report}: heatmap.png")
+    assert closing[2].startswith(f"plots in {tmp_path / 'cli-report'}: heatmap.png")
     cli_rows = read_json(tmp_path / "cli-report" / REPORT_FILE)["points"]
     plugin_rows = read_json(report / REPORT_FILE)["points"]
     assert [(r["id"], r["status"]) for r in cli_rows] == [(r["id"], r["status"]) for r in plugin_rows]

@@ -34,6 +34,7 @@ from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import ParamRef, resolve_params
 from ..points import Point
+from ..tree import CacheState
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -100,6 +101,9 @@ class CandidateOutput:
     # What the backend says about this point, kept in its report row (compiled backends: the graph,
     # whether it was compiled, loaded from the cache or reused, and the compile seconds).
     info: dict[str, Any] = field(default_factory=dict)
+    # decode steps: the attention's layer of the KV cache after the call (what it wrote), where the
+    # backend can show it; compared with the golden's cache write
+    cache: CacheState | None = None
 
 
 class Backend(ABC):

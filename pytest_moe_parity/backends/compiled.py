@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BackendError, ParityError
+from ..errors import BackendError, ParityError, PointUnavailable
 from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
@@ -47,6 +47,7 @@ from ..golden.writer import atomic_write_text
 from ..points import Point
 from ..tree import flatten, unflatten
 from . import BackendSetup, CandidateOutput, HwOption
+from .cache import cache_states
 from .experts import DENSE
 from .experts import register as register_dense_experts
 from .hf import TorchBackend
@@ -322,6 +323,11 @@ class CompiledBackend(TorchBackend):
         self._config_hash = hashlib.sha256(config.encode()).hexdigest()[:16]
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        if cache_states(golden.args) or cache_states(golden.kwargs):
+            raise PointUnavailable(
+                f"{point.id} reads the KV cache: compiled decode graphs (a cache as graph inputs and "
+                f"outputs) are not built yet; replay decode steps with --hw cpu or cuda"
+            )
         lazy = self._model()
         module = lazy.module(point.module)
         call = flatten_call(golden.args, golden.kwargs, lambda name: named_tensor(lazy.model, name))

@@ -14,6 +14,7 @@ from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..points import Point
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
+from .cache import with_live_caches, written
 from .lazy_model import LazyModel, weight_map
 
 
@@ -72,6 +73,7 @@ class TorchBackend(Backend):
         module = lazy.module(point.module)
         args = resolve_params(golden.args, lazy.model)
         kwargs = resolve_params(golden.kwargs, lazy.model)
+        args, kwargs, caches = with_live_caches(args, kwargs, lazy.model.config)  # decode steps
         routing: list[Any] = []
         handle = None
         router = self.golden.router_of(point)
@@ -87,7 +89,8 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds)
+        cache = written(*caches[0]) if caches and point.component == "attention" else None
+        return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)
 
     def run_model(self, input_ids: torch.Tensor, points: list[Point], steer: Any = None) -> dict[str, Any]:
         """The candidate's own forward, its layers loaded as they run (a few in memory at once)."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..dtypes import dtype_name
 from ..errors import RecordError
-from ..tree import map_structure
+from ..tree import CacheState, map_structure
 
 # A spec is plain JSON describing a nested call structure; tensors are referenced by key.
 Spec = dict[str, Any]
@@ -71,6 +71,15 @@ class Flattener:
             return spec
         if obj is None:
             return {"t": "none"}
+        if isinstance(obj, CacheState):
+            return {
+                "t": "cache",
+                "layer": obj.layer,
+                "keys": self.flatten(obj.keys, f"{key}.keys"),
+                "values": self.flatten(obj.values, f"{key}.values"),
+                "window": obj.window,
+                "seen": obj.seen,
+            }
         if isinstance(obj, bool | int | float | str):
             return _scalar_spec(obj)
         if isinstance(obj, torch.dtype):
@@ -84,7 +93,7 @@ class Flattener:
             return {"t": "dict", "items": {k: self.flatten(v, f"{key}.{k}") for k, v in obj.items()}}
         raise RecordError(
             f"{key}: cannot record an argument of type {type(obj).__name__} "
-            "(record with use_cache=False so that no cache object is passed between layers)"
+            "(a cache object is recorded as its layer's tensors, see record.capture.cache_state)"
         )
 
 
@@ -93,6 +102,9 @@ def spec_tensor_keys(spec: Spec) -> Iterator[str]:
     kind = spec["t"]
     if kind == "tensor":
         yield spec["key"]
+    elif kind == "cache":
+        yield from spec_tensor_keys(spec["keys"])
+        yield from spec_tensor_keys(spec["values"])
     elif kind in ("tuple", "list", "dict"):
         items = spec["items"].values() if kind == "dict" else spec["items"]
         for item in items:
@@ -125,6 +137,9 @@ def build(
         return getattr(torch, spec["value"])
     if kind == "omitted":
         return None
+    if kind == "cache":
+        keys, values = build(spec["keys"], tensors), build(spec["values"], tensors)
+        return CacheState(spec["layer"], keys, values, window=spec.get("window"), seen=spec.get("seen"))
     if kind in ("tuple", "list"):
         items = [build(s, tensors, chained) for s in spec["items"]]
         return tuple(items) if kind == "tuple" else items
@@ -186,6 +201,10 @@ def describe(spec: Spec, tensors: dict[str, dict[str, Any]], path: str) -> list[
         return [row for k, item in spec["items"].items() for row in describe(item, tensors, f"{path}.{k}")]
     if kind == "omitted":
         return [(path, "omitted (not recorded, not compared)")]
+    if kind == "cache":
+        meta = tensors.get(spec["keys"].get("key", ""), {})
+        window = f", window {spec['window']}, {spec['seen']} positions seen" if spec.get("window") else ""
+        return [(path, f"KV cache of layer {spec['layer']}: keys and values {tuple(meta.get('shape', ()))}{window}")]
     if kind == "none":
         return [(path, "None")]
     return [(path, f"{kind} {spec.get('value')!r}")]

@@ -152,6 +152,19 @@ class GoldenStore:
     def config(self) -> dict[str, Any]:
         return self.manifest["model"].get("config", {})
 
+    @property
+    def decode_steps(self) -> int:
+        """How many decode steps were recorded after the prefill (`--decode-steps`)."""
+        return int(self.manifest.get("decode", {}).get("steps", 0))
+
+    @property
+    def fingerprint(self) -> str:
+        """What this golden recorded, in 16 hex digits: the sha256 of its tensor files' own sha256s.
+        Two reports are comparable when their goldens share it (a copied golden keeps it)."""
+        files = self.manifest["files"]
+        text = "\n".join(f"{name}:{files[name].get('sha256', '')}" for name in sorted(files))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def point(self, pid: str | Point) -> Point:
         if isinstance(pid, Point):
             return pid

@@ -112,6 +112,9 @@ class PointResult:
     routing: dict[str, Any] | None = None
     excluded_tokens: list[int] = field(default_factory=list)
     worst: list[tuple[int, float]] = field(default_factory=list)
+    # every token's own error in the first tensor with tokens (None: a token left out); in the report of
+    # a failed point, for its per-token plot
+    token_errors: list[float | None] | None = None
     # experts / moe: the experts whose tokens have the largest error, as (expert, tokens, rel_l2)
     worst_experts: list[tuple[int, int, float]] = field(default_factory=list)
     logits: LogitsMetrics | None = None  # the logits point: next-token agreement
@@ -196,6 +199,7 @@ class PointResult:
             "routing": self.routing,
             "excluded_tokens": self.excluded_tokens,
             "worst_tokens": [[t, json_safe(e)] for t, e in self.worst],
+            "token_errors": self.token_errors if self.verdicts[self.mode] == "failed" else None,
             "worst_experts": [[e, n, json_safe(err)] for e, n, err in self.worst_experts],
             "logits": self.logits.to_dict() if self.logits is not None else None,
             "worst_elements": {
@@ -367,6 +371,15 @@ class Judge:
         m.max_token_rel_l2, m.worst_token = worst[0][1], worst[0][0]
         if not self.result.worst:
             self.result.worst = worst
+        if self.result.token_errors is None:
+            values = [json_safe(e) for e in errors.tolist()]
+            if keep_rows is None:
+                self.result.token_errors = values
+            else:
+                spread: list[float | None] = [None] * keep_rows.numel()
+                for row, e in zip(torch.nonzero(keep_rows).flatten().tolist(), values, strict=True):
+                    spread[row] = e
+                self.result.token_errors = spread
         key = TOKEN_LIMIT
         limit = self.tol.limit(key)
         if limit is None or not self.fixed:
@@ -525,6 +538,14 @@ class Judge:
             target = "out" if len(gl) == 1 else f"out.{i}"
             self.compare(target, g, cl[i] if i < len(cl) else None)
 
+    def judge_cache_write(self, golden: tuple[torch.Tensor, torch.Tensor], candidate: Any) -> None:
+        """A decode step's attention: the layer's KV cache after the call (what was there and what it
+        wrote), keys and values, one row per cache position, so a write at the wrong position or of
+        wrong values fails at its position (`cache.keys`, `cache.values`)."""
+        for name, g in zip(("keys", "values"), golden, strict=True):
+            c = getattr(candidate, name, None) if candidate is not None else None
+            self.compare(f"cache.{name}", _positions(g), _positions(c) if isinstance(c, torch.Tensor) else None)
+
     def _flip_limit(self, key: ToleranceKey, target: str) -> float:
         """The share of real flips (routing top-k, next-token top-1) allowed: the tolerance, or in a
         chained run judged against the noise floor, at least `noise_factor` times the share of real
@@ -587,6 +608,11 @@ class Judge:
         return HINTS.get(comp, "")
 
 
+def _positions(t: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, positions, head_dim] -> [batch, positions, heads * head_dim]."""
+    return t.transpose(1, 2).flatten(2) if t.dim() == 4 else t
+
+
 def router_triple(out: Any) -> bool:
     """(router_logits, top_k_weights, top_k_index), as every transformers MoE router returns."""
     return (
@@ -612,13 +638,16 @@ def judge_point(
     fixed: bool = True,
     noise: dict[str, dict[str, float]] | None = None,
     exclude: tuple[list[int], int] | None = None,
+    cache_write: tuple[tuple[torch.Tensor, torch.Tensor], Any] | None = None,
 ) -> PointResult:
     """The verdict of one point. Routers are judged on logits, weights by expert id and top-k sets;
     points that follow a router (`Point.follows_router`) over the tokens whose routing agrees, given
     the golden and candidate outputs of their `router`; the logits on next-token agreement too;
     every other point tensor by tensor. `fixed`: the dtype's limits apply; `noise`: the reference's
     own error per tensor (`noise_factor` bounds the ratio); `exclude`: (tokens, number of tokens),
-    tokens left out of every tensor with a row per token (a chained run's earlier routing flips)."""
+    tokens left out of every tensor with a row per token (a chained run's earlier routing flips);
+    `cache_write`: (the golden's keys and values after a decode step, the candidate's CacheState or
+    None), compared too."""
     judge = Judge(point, tol, candidate_dtype, config or {}, router, fixed=fixed, noise=noise, exclude=exclude)
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
@@ -631,4 +660,6 @@ def judge_point(
         judge.judge_logits(golden_out, candidate)
     else:
         judge.judge_generic(golden_out, candidate)
+    if cache_write is not None:
+        judge.judge_cache_write(*cache_write)
     return judge.finish()

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import RecordError
 from ..golden.spec import Flattener, Spec, named_tensor, spec_tensor_keys
 from ..golden.writer import Recorded
 from ..points import Point
-from ..tree import leaves
+from ..tree import CacheState, leaves
 
 # A whole-model run's hook on each point's output: (point, output, outputs so far) -> the output to go on with.
 Steer = Callable[[Point, Any, dict[str, Any]], Any]
@@ -75,6 +76,29 @@ class Origins:
                 if torch.equal(ta.reshape(x.shape) + tb.reshape(x.shape), x):
                     return {"sum": [{"point": pa, "leaf": ia}, {"point": pb, "leaf": ib}]}
         return None
+
+
+def is_cache(obj: Any) -> bool:
+    """A transformers KV cache object (duck-typed: its per-layer list and `update`)."""
+    return hasattr(obj, "layers") and callable(getattr(obj, "update", None)) and not isinstance(obj, nn.Module)
+
+
+def cache_state(cache: Any, layer: int) -> CacheState:
+    """What `layer` of a live cache holds now: its keys and values (and a sliding window's size and
+    positions seen), as tensors to record."""
+    entry = cache.layers[layer]
+    keys = getattr(entry, "keys", None)
+    if keys is None or not getattr(entry, "is_initialized", True):
+        raise RecordError(f"layer {layer} of the KV cache is empty at a decode step; cannot record it")
+    window = getattr(entry, "sliding_window", None)
+    seen = getattr(entry, "cumulative_length", None)
+    return CacheState(
+        layer,
+        keys,
+        entry.values,
+        window=int(window) if window is not None else None,
+        seen=int(seen) if window is not None and seen is not None else None,
+    )
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -147,6 +171,9 @@ class Recorder:
                     rec.calls += 1
                 return
             fl = self._inputs_flattener(point.group)
+            if point.step is not None:  # a decode step: the cache as the tensors of this layer
+                args = tuple(cache_state(a, point.layer) if is_cache(a) else a for a in args)
+                kwargs = {k: cache_state(v, point.layer) if is_cache(v) else v for k, v in kwargs.items()}
             arg_specs = [fl.flatten(a, f"{point.id}/args.{i}") for i, a in enumerate(args)]
             kw_specs = {k: fl.flatten(v, f"{point.id}/kwargs.{k}") for k, v in kwargs.items()}
             self._pending[point.id] = (arg_specs, kw_specs, fl, time.perf_counter())
@@ -173,6 +200,13 @@ class Recorder:
                 key = f"{point.id}/golden.score_bias"
                 fl.tensors[key] = fl.keep(named_tensor(self.model, point.score_bias))
                 rec.extras["score_bias"] = key
+            caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
+            if point.component == "attention" and point.step is not None and caches:
+                after = cache_state(caches[0], point.layer)  # what the attention wrote: compared too
+                for name in ("keys", "values"):
+                    key = f"{point.id}/cache_after.{name}"
+                    fl.tensors[key] = fl.keep(getattr(after, name))
+                    rec.extras[f"cache_after.{name}"] = key
             self.origins.add(point, output if point.component != "attention" else output_tensors(output)[:1])
             self._recorded[point.id] = rec
             self._group_records.setdefault(point.group, []).append(rec)

@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, GoldenError
 from ..golden import GoldenWriter, Recorded
+from ..points import Point
 from .archs import plan_points
 from .capture import Recorder
 
@@ -186,6 +187,42 @@ def input_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def record_decode(
+    model: Any,
+    points: list[Point],
+    ids: torch.Tensor,
+    steps: int,
+    on_group: Callable[[str, list[Recorded]], None],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """After the prefill, `steps` greedy decode steps with a transformers DynamicCache: the prefill
+    runs again with the cache (not recorded: its points are), then every step's points are recorded
+    as `step_k.*`, the cache each module reads stored as its layer's tensors. Returns the manifest's
+    "decode" entry: the steps and the token fed at each."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    order = max(p.order for p in points) + 1
+    tokens: list[int] = []
+    for step in range(1, steps + 1):
+        token = int(out.logits[0, -1].float().argmax())
+        tokens.append(token)
+        step_points = [replace(p, step=step, order=order + i) for i, p in enumerate(points)]
+        order += len(points)
+        with Recorder(model, step_points, on_group) as rec:
+            out = model(
+                input_ids=torch.tensor([[token]], dtype=torch.long, device=ids.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            missing = rec.finish()
+        if missing:
+            say(f"note: decode step {step} never called {', '.join(missing[:4])}; not recorded")
+        say(f"  step_{step}: token {token}, {len(step_points) - len(missing)} points")
+    return {"steps": steps, "tokens": tokens, "cache": type(cache).__name__}
+
+
 def record_golden(
     model_dir: Path | str,
     out: Path | str,
@@ -199,9 +236,11 @@ def record_golden(
     max_memory: str | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    decode_steps: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> RecordResult:
-    """Record a golden directory. Raises BadInput for anything the user must fix."""
+    """Record a golden directory (with `decode_steps`, also that many greedy decode steps with a KV
+    cache after the prefill). Raises BadInput for anything the user must fix."""
     started = time.perf_counter()
     say = progress or (lambda msg: None)
     model_dir = Path(model_dir)
@@ -256,7 +295,7 @@ def record_golden(
     def on_group(group: str, records: list[Recorded]) -> None:
         nonlocal layers_done
         size = writer.write_group(group, records)
-        if records[0].point.layer is not None:
+        if records[0].point.layer is not None and records[0].point.step is None:
             layers_done += 1
             say(
                 f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
@@ -272,6 +311,7 @@ def record_golden(
         skipped = rec.finish()
     for pid in skipped:
         say(f"note: point {pid} was never called by the forward pass; not recorded")
+    decode = record_decode(model, plan.points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
 
     devices = sorted({str(p.device) for p in model.parameters()})
     manifest = {
@@ -287,6 +327,7 @@ def record_golden(
             "num_hidden_layers": n_layers,
         },
         "inputs": {"input_ids": [ids], "prompt": prompt, "seq_len": len(ids)},
+        **({"decode": decode} if decode else {}),
         "record": {
             "dtype": dtype_name(torch_dtype),
             "device": device if not device_map else None,

@@ -87,8 +87,9 @@ class ParityRunner:
         inputs (chain)."""
         point = self.golden.point(pid)
         record = self.golden.load(point)
-        isolated = self.call(point, record) if self.mode != "chain" else None
-        chained = self.chain.output(point, record) if self.chain is not None else None
+        decode = point.step is not None  # decode steps are judged on the golden's inputs only
+        isolated = self.call(point, record) if self.mode != "chain" or decode else None
+        chained = self.chain.output(point, record) if self.chain is not None and not decode else None
         return Prepared(point, record, isolated, chained)
 
     def _router_record(self, router: Point) -> GoldenRecord:
@@ -140,7 +141,12 @@ class ParityRunner:
             fixed=mode == "isolated" or noise is None,
             noise=noise,
             exclude=(self.chain.tainted(point), self.num_tokens) if mode == "chain" and self.chain else None,
+            cache_write=_cache_write(record, cand),
         )
+        if "cache_after.keys" in record.extras and cand.cache is None:
+            result.notes.append("the backend does not show its KV cache: the cache write is not compared")
+        if point.step is not None and self.mode != "isolated":
+            result.notes.append("decode steps are judged on the golden's inputs: chained decode is not built yet")
         result.mode = mode
         result.tolerance_sources = sources
         result.seconds = cand.seconds
@@ -157,3 +163,12 @@ class ParityRunner:
         if self.chain is not None:
             self.chain.close()
         self.backend.close()
+
+
+def _cache_write(record: GoldenRecord, cand: CandidateOutput) -> tuple | None:
+    """A decode step's attention: the golden's KV cache after the call and the candidate's, where the
+    backend shows it (`CandidateOutput.cache`; `cpu`/`cuda` do)."""
+    keys, values = record.extras.get("cache_after.keys"), record.extras.get("cache_after.values")
+    if keys is None or values is None or cand.cache is None:
+        return None
+    return (keys, values), cand.cache

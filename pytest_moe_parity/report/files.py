@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..golden.writer import atomic_write_text
-from .text import counts, first_divergence, first_error, graph_summary, modes
+from .text import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "comparison_report.json"
@@ -30,6 +30,7 @@ def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bo
             f"first_{m}_divergence": (found["id"] if (found := first_divergence(rows, m)) else None)
             for m in modes(rows)
         },
+        "first_decode_step_differing": decode[0]["step"] if (decode := first_decode_difference(rows)) else None,
         "first_error": error["id"] if error else None,
         "first_error_message": error.get("error") if error else None,
         "graphs": graph_summary(rows),
@@ -38,7 +39,8 @@ def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bo
     }
 
 
-def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> None:
+def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> list[str]:
+    """The two JSON reports, then the pictures; returns the line that says what was drawn."""
     directory.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: r["order"])
     report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": ordered}
@@ -46,3 +48,49 @@ def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str
     atomic_write_text(
         directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
     )
+    return [draw(report, directory)]
+
+
+def draw(report: dict[str, Any], directory: Path) -> str:
+    """Draw the report's pictures; one line saying which, or why none (the JSON stands either way)."""
+    from .plots import PlotsUnavailable, render_plots
+
+    try:
+        written = render_plots(report, directory)
+    except PlotsUnavailable as exc:
+        return f"{exc} (the JSON reports are written)"
+    except Exception as exc:  # a picture must never cost the reports
+        return f"plots not drawn: {type(exc).__name__}: {exc} (the JSON reports are written)"
+    return plots_line(written, directory)
+
+
+def plots_line(written: list[Path], directory: Path) -> str:
+    from .plots import TOKENS_PREFIX
+
+    tokens = sum(1 for p in written if p.name.startswith(TOKENS_PREFIX))
+    named = [p.name for p in written if not p.name.startswith(TOKENS_PREFIX)]
+    if tokens:
+        named.append(f"{tokens} per-token plot{'s' if tokens > 1 else ''} of failed points")
+    return f"plots in {directory}: {', '.join(named)}" if named else "plots: no point to draw"
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """A comparison_report.json (or the directory holding one), checked enough to draw and diff;
+    ValueError with one sentence when it is not one."""
+    file = path / REPORT_FILE if path.is_dir() else path
+    try:
+        report = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"no {REPORT_FILE} in {path} (write one with --parity-report DIR)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not a readable JSON report ({exc})") from None
+    points = report.get("points") if isinstance(report, dict) else None
+    if not isinstance(points, list) or not all(isinstance(p, dict) and "id" in p and "status" in p for p in points):
+        raise ValueError(f"{file} is not a moe-parity comparison report (no 'points' rows)")
+    version = report.get("schema_version")
+    if version != REPORT_SCHEMA_VERSION:
+        raise ValueError(
+            f"{file} has report schema {version}; this moe-parity reads schema {REPORT_SCHEMA_VERSION} "
+            "(rewrite it with this version's --parity-report)"
+        )
+    return report

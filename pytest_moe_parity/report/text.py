@@ -246,6 +246,39 @@ def modes(rows: list[dict[str, Any]]) -> list[str]:
     return [m for m in ("isolated", "chain") if m in seen]
 
 
+def first_decode_difference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The first decode step whose next token (the logits' top-1) differs, with its flip or tie."""
+    steps = sorted(
+        (r for r in rows if r["component"] == "logits" and r.get("step") and r.get("logits")), key=lambda r: r["step"]
+    )
+    for r in steps:
+        top1 = r["logits"]["top1"]
+        differing = sorted([*top1["flips"], *top1["ties"]], key=lambda f: f["token"])
+        if differing:
+            return r, differing[0]
+    return None
+
+
+def decode_line(rows: list[dict[str, Any]]) -> tuple[str, str | None] | None:
+    """Over the decode steps: the first step whose next token differs, and whether the golden's
+    logit gap there is within the dtype's rounding (a tie: reported, not failed)."""
+    steps = [r for r in rows if r["component"] == "logits" and r.get("step") and r.get("logits")]
+    if not steps:
+        return None
+    found = first_decode_difference(rows)
+    if found is None:
+        return (f"decode: the next token agrees with the golden at every step judged ({len(steps)})", "green")
+    row, flip = found
+    what = (
+        f"golden {flip['golden_experts'][0]}, candidate {flip['candidate_experts'][0]}, "
+        f"golden logit gap {_fmt(flip['gap'], 3)}"
+    )
+    if flip["is_tie"]:
+        return (f"decode: the next token first differs at step_{row['step']} ({what}): a tie within "
+                f"{row['candidate_dtype']} rounding, not a failure", None)  # fmt: skip
+    return (f"decode: the next token first differs at step_{row['step']} ({what})", "red")
+
+
 def first_error(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     bad = [r for r in rows if r["status"] == "error"]
     return min(bad, key=lambda r: r["order"]) if bad else None
@@ -295,6 +328,9 @@ def summary_lines(rows: list[dict[str, Any]], *, report_dir: Any = None) -> list
         for mode in modes(rows):
             found = first_divergence(rows, mode)
             lines.append((f"first {mode} divergence: {found['id'] if found else 'none'}", "red" if found else None))
+    decode = decode_line(rows)
+    if decode is not None:
+        lines.append(decode)
     error = first_error(rows)
     if error is not None:
         lines.append((f"backend errors: {n['error']}, first at {error['id']}: {error.get('error', '')}", "red"))

@@ -1,0 +1,135 @@
+"""Run-to-run comparison of two JSON reports (`moe-parity diff OLD NEW`): which points got worse
+beyond a factor, which newly fail or error, which were fixed. Nightly regressions, from the rows alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plots import by_mode
+
+# figures a regression is judged on, with the value under which a growth does not count: rel_l2 below
+# `min_error` is rounding whatever its growth; a noise ratio under 1 is within the reference's own error
+FIGURES = ("rel_l2", "noise_ratio")
+
+
+@dataclass
+class Change:
+    """How one point's verdict in one mode changed: its status, and the figures that moved beyond the
+    factor, as (figure, old, new)."""
+
+    id: str
+    mode: str
+    status: tuple[str, str] | None = None
+    figures: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def line(self) -> str:
+        parts = [f"{self.status[0]} -> {self.status[1]}"] if self.status else []
+        for what, old, new in self.figures:
+            factor = f" (x{new / old:.3g})" if old else ""
+            parts.append(f"{what} {old:.3g} -> {new:.3g}{factor}")
+        return f"{self.id:<28} {self.mode:<9} " + "; ".join(parts)
+
+
+@dataclass
+class Diff:
+    old: dict[str, Any]
+    new: dict[str, Any]
+    common: int = 0
+    worse: list[Change] = field(default_factory=list)
+    fixed: list[Change] = field(default_factory=list)
+    better: list[Change] = field(default_factory=list)
+    only_old: list[str] = field(default_factory=list)
+    only_new: list[str] = field(default_factory=list)
+
+    def lines(self, old_name: str, new_name: str, factor: float) -> list[str]:
+        out = [
+            f"moe-parity diff: {old_name} ({_run(self.old)}) -> {new_name} ({_run(self.new)}), "
+            f"{self.common} points in both"
+        ]
+        out.append(f"worse beyond x{factor:g} or newly failing: {len(self.worse)}")
+        out += [f"  {c.line()}" for c in self.worse]
+        if self.fixed:
+            out.append(f"fixed: {len(self.fixed)}")
+            out += [f"  {c.line()}" for c in self.fixed]
+        if self.better:
+            out.append(f"better beyond x{factor:g}: {len(self.better)}")
+        for name, ids in ((old_name, self.only_old), (new_name, self.only_new)):
+            if ids:
+                shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+                out.append(f"only in {name} (not compared): {shown}")
+        return out
+
+
+def _run(report: dict[str, Any]) -> str:
+    return f"--hw {report.get('hw', '?')}, {report.get('dtype', '?')}, {report.get('mode', 'isolated')}"
+
+
+def _figure(row: dict[str, Any], what: str) -> float | None:
+    if what == "noise_ratio":
+        value = (row.get("noise") or {}).get("ratio")
+    else:
+        main = next(iter((row.get("metrics") or {}).values()), None)
+        value = main.get(what) if main else None
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def comparable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """Why two reports cannot be compared (different goldens), or None."""
+    fo, fn = old.get("golden_fingerprint"), new.get("golden_fingerprint")
+    if fo and fn and fo != fn:
+        return (
+            f"the reports come from different goldens ({old.get('golden_dir')} {fo} vs "
+            f"{new.get('golden_dir')} {fn}); their points are not comparable"
+        )
+    if old.get("model_type") != new.get("model_type"):
+        return f"the reports are of different models ({old.get('model_type')} vs {new.get('model_type')})"
+    return None
+
+
+def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.0, min_error: float = 1e-3) -> Diff:
+    """Point by point and mode by mode: a status that went from passed to failed or error, and a
+    figure that grew beyond `factor` (rel_l2 ending above `min_error`, a noise ratio above 1)."""
+    floors = {"rel_l2": min_error, "noise_ratio": 1.0}
+    old_rows = {r["id"]: r for r in old["points"]}
+    new_rows = {r["id"]: r for r in new["points"]}
+    diff = Diff(old, new)
+    diff.only_old = [pid for pid in old_rows if pid not in new_rows]
+    diff.only_new = [pid for pid in new_rows if pid not in old_rows]
+    for pid, n_row in new_rows.items():
+        o_row = old_rows.get(pid)
+        if o_row is None:
+            continue
+        diff.common += 1
+        if "skipped" in (o_row["status"], n_row["status"]):
+            continue
+        o_modes, n_modes = by_mode(o_row), by_mode(n_row)
+        for mode in (m for m in n_modes if m in o_modes):
+            o_status = "error" if o_row["status"] == "error" else (o_row.get("verdicts") or {}).get(mode)
+            n_status = "error" if n_row["status"] == "error" else (n_row.get("verdicts") or {}).get(mode)
+            worse, better = Change(pid, mode), Change(pid, mode)
+            if o_status == "passed" and n_status in ("failed", "error"):
+                worse.status = (o_status, n_status)
+            elif o_status in ("failed", "error") and n_status == "passed":
+                better.status = (o_status, n_status)
+            for what in FIGURES:
+                a, b = _figure(o_modes[mode], what), _figure(n_modes[mode], what)
+                if a is None or b is None or any(map(math.isnan, (a, b))):
+                    continue
+                if b > factor * a and b > floors[what]:
+                    worse.figures.append((what, a, b))
+                elif a > factor * b and a > floors[what]:
+                    better.figures.append((what, a, b))
+            if worse.status or worse.figures:
+                diff.worse.append(worse)
+            if better.status:
+                diff.fixed.append(better)
+            elif better.figures:
+                diff.better.append(better)
+    order = {pid: i for i, pid in enumerate(new_rows)}
+    diff.worse.sort(key=lambda c: order[c.id])
+    return diff

@@ -1,0 +1,241 @@
+"""The report's pictures, drawn from the JSON rows alone (so `moe-parity report DIR` redraws them):
+
+- `heatmap.png`: layer x component, colour = the noise ratio where the golden has noise figures in the
+  candidate's dtype, else rel_l2 (log scale); failed points crossed, errors and skips marked;
+- `layers.png`: per layer, the error of its `output` point isolated and chained, with the reference's
+  own error up to `noise_factor` times it as a band;
+- `tokens_<point>.png` per failed point: each token's own error against the token limit, tokens left
+  out in grey.
+
+matplotlib is an optional extra (`pip install 'pytest-moe-parity[plots]'`), drawn through its
+object API with the Agg canvas: no pyplot, no global state touched in the user's process."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..judge.tolerances import TOKEN_LIMIT
+from ..points import COMPONENTS
+
+HEATMAP = "heatmap.png"
+LAYERS = "layers.png"
+TOKENS_PREFIX = "tokens_"
+PLOTS_HINT = "plots need matplotlib: pip install 'pytest-moe-parity[plots]'"
+MAX_TOKEN_PLOTS = 20  # per-token plots of the first failed points; the rest are counted
+
+
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def _canvas():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotsUnavailable(PLOTS_HINT) from None
+
+    def new(width: float, height: float):
+        fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        return fig
+
+    return new
+
+
+def _number(x: Any) -> float | None:
+    """A JSON figure as a float ("inf"/"nan" strings included); None when absent."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def by_mode(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A report row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
+    out = {row.get("mode", "isolated"): row}
+    if row.get("chain"):
+        out[row["chain"].get("mode", "chain")] = row["chain"]
+    return out
+
+
+def _rel_l2(row: dict[str, Any]) -> float | None:
+    metrics = row.get("metrics") or {}
+    main = next(iter(metrics.values()), None)
+    return _number(main.get("rel_l2")) if main else None
+
+
+def _noise_ratio(row: dict[str, Any]) -> float | None:
+    return _number((row.get("noise") or {}).get("ratio"))
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def _safe_name(pid: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in pid)
+
+
+def render_plots(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Draw every picture of `report` (the parsed comparison_report.json) into `directory`; returns the
+    paths written. Raises PlotsUnavailable without matplotlib. Old pictures of failed points that no
+    longer fail are removed, so the directory shows one run."""
+    new = _canvas()
+    rows = [r for r in report.get("points", []) if isinstance(r, dict) and "id" in r]
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f"{TOKENS_PREFIX}*.png"):
+        stale.unlink()
+    written = []
+    if rows:
+        written.append(_save(heatmap(rows, new), directory / HEATMAP))
+        if any(r.get("layer") is not None for r in rows):
+            written.append(_save(layer_errors(rows, new), directory / LAYERS))
+    failed = [
+        (mode, r)
+        for row in rows
+        for mode, r in by_mode(row).items()
+        if r.get("status", row.get("status")) != "skipped"
+        and (row.get("verdicts") or {}).get(mode) == "failed"
+        and r.get("token_errors")
+    ]
+    for mode, r in failed[:MAX_TOKEN_PLOTS]:
+        suffix = "" if mode == "isolated" else f".{mode}"
+        path = directory / f"{TOKENS_PREFIX}{_safe_name(r['id'])}{suffix}.png"
+        written.append(_save(token_errors(r, mode, new), path))
+    return written
+
+
+def heatmap(rows: list[dict[str, Any]], new) -> Any:
+    """Layer x component; one panel per mode."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    modes = sorted({m for r in rows for m in by_mode(r)}, key=("isolated", "chain").index)
+    present = {r["component"] for r in rows}
+    columns = [c for c in COMPONENTS if c in present]
+    layers = sorted({r["layer"] for r in rows if r.get("layer") is not None})
+    labels = (
+        ["model", *(f"layer {i}" for i in layers)]
+        if any(r.get("layer") is None for r in rows)
+        else [f"layer {i}" for i in layers]
+    )
+    row_of = {None: 0, **{layer: labels.index(f"layer {layer}") for layer in layers}}
+    noise = any(_noise_ratio(m) is not None for r in rows for m in by_mode(r).values())
+    figure = "noise ratio" if noise else "rel_l2"
+    fig = new(1.6 + 0.75 * len(columns) * len(modes), 1.4 + 0.28 * len(labels))
+    axes = fig.subplots(1, len(modes), squeeze=False)[0]
+    for ax, mode in zip(axes, modes, strict=True):
+        grid = np.full((len(labels), len(columns)), np.nan)
+        for r in rows:
+            m = by_mode(r).get(mode)
+            if m is None:
+                continue
+            y, x = row_of[r.get("layer")], columns.index(r["component"])
+            value = _noise_ratio(m) if noise else _rel_l2(m)
+            verdict = (r.get("verdicts") or {}).get(mode)
+            status = r.get("status")
+            if value is not None and math.isfinite(value):
+                grid[y, x] = max(value, 1e-9)
+            if status in ("error", "skipped"):
+                ax.text(x, y, "E" if status == "error" else "s", ha="center", va="center", fontsize=8)
+            elif verdict == "failed":
+                ax.plot(x, y, marker="x", color="black", markersize=9, markeredgewidth=2)
+        finite = grid[np.isfinite(grid)]
+        norm = LogNorm(vmin=max(finite.min(), 1e-9), vmax=max(finite.max(), finite.min() * 10)) if finite.size else None
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm)
+        ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_title(f"{mode}: {figure} (x failed)", fontsize=9)
+        if finite.size:
+            fig.colorbar(image, ax=ax, label=figure)
+    return fig
+
+
+def layer_errors(rows: list[dict[str, Any]], new) -> Any:
+    """The error of each layer's `output` point (its last point where it has none), isolated and
+    chained, with the band of the reference's own error up to noise_factor times it."""
+    last: dict[int, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r.get("order", 0)):
+        judged = r.get("layer") is not None and r.get("status") in ("passed", "failed")
+        if judged and (r["component"] == "output" or last.get(r["layer"], {}).get("component") != "output"):
+            last[r["layer"]] = r
+    layers = sorted(last)
+    fig = new(7, 4)
+    ax = fig.subplots()
+    styles = {"isolated": ("tab:blue", "o"), "chain": ("tab:red", "s")}
+    for mode, (colour, marker) in styles.items():
+        points = [(i, by_mode(last[i]).get(mode)) for i in layers]
+        points = [(i, m) for i, m in points if m is not None and _rel_l2(m) is not None]
+        if not points:
+            continue
+        xs = [i for i, _ in points]
+        ax.plot(xs, [max(_rel_l2(m), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
+        band = [(i, m) for i, m in points if (m.get("noise") or {}).get("targets")]
+        if band:
+            ref = [_reference(m) for _, m in band]
+            factor = [_number((m.get("limits") or {}).get("noise_factor")) or 1.0 for _, m in band]
+            ax.fill_between(
+                [i for i, _ in band],
+                ref,
+                [a * b for a, b in zip(ref, factor, strict=True)],
+                color=colour,
+                alpha=0.15,
+                label=f"{mode}: the reference's own error .. x noise_factor",
+            )
+        failed = [(i, m) for i, m in points if (last[i].get("verdicts") or {}).get(mode) == "failed"]
+        if failed:
+            ax.plot(
+                [i for i, _ in failed],
+                [max(_rel_l2(m), 1e-12) for _, m in failed],
+                linestyle="none",
+                marker="x",
+                markersize=10,
+                color="black",
+            )
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("rel_l2 of the layer's output")
+    ax.set_xticks(layers)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _reference(row: dict[str, Any]) -> float:
+    targets = row["noise"]["targets"]
+    first = next(iter(targets.values()))
+    return max(_number(first.get("reference_rel_l2")) or 0.0, 1e-12)
+
+
+def token_errors(row: dict[str, Any], mode: str, new) -> Any:
+    """Each token's error of a failed point, the token limit as a line, left-out tokens in grey."""
+    values = row["token_errors"]
+    fig = new(max(5.0, min(14.0, 0.12 * len(values) + 2)), 3.2)
+    ax = fig.subplots()
+    kept = [(t, _number(v)) for t, v in enumerate(values) if v is not None]
+    finite = [v for _, v in kept if v is not None and math.isfinite(v)]
+    top = max(finite) if finite else 1.0
+    heights = [v if v is not None and math.isfinite(v) else top * 1.2 for _, v in kept]
+    ax.bar([t for t, _ in kept], heights, color="tab:red", width=0.8, label="token rel_l2")
+    left_out = [t for t, v in enumerate(values) if v is None]
+    if left_out:
+        ax.bar(left_out, [top] * len(left_out), color="lightgrey", width=0.8, label="left out (routed elsewhere)")
+    # the token limit where it was judged (a chained point under the noise verdict has none)
+    checks = row.get("checks", [])
+    limit = next((_number(c.get("limit")) for c in checks if c.get("name") == TOKEN_LIMIT.check_name), None)
+    if limit is not None:
+        ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"token_rel_l2 limit {limit:g}")
+    ax.set_xlabel("token")
+    ax.set_ylabel("rel_l2 of the token")
+    ax.set_title(f"{row['id']} ({mode})", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,150 @@
+"""Decode steps with a KV cache: recorded after the prefill as `step_k.*` points, the cache each module
+reads stored as tensors; replayed on a cache of the candidate's kind, the cache write compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faults
+import pytest
+from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity
+
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.text import decode_line
+from pytest_moe_parity.tree import CacheState
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+
+TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+SEQ = 12
+STEPS = 3
+
+
+@pytest.mark.parametrize("arch", TABLE_ARCHS)
+def test_decode_steps_replay_bitwise_on_a_rebuilt_cache(arch: str, golden_dir, tiny_model) -> None:
+    golden = golden_dir(arch, seq_len=SEQ, decode=STEPS)
+    store = GoldenStore(golden)
+    prefill = [p for p in store.points if p.step is None]
+    assert store.decode_steps == STEPS and len(store.manifest["decode"]["tokens"]) == STEPS
+    for step in range(1, STEPS + 1):  # every prefill point again at every step, in forward order after it
+        assert [p.id for p in store.points if p.step == step] == [f"step_{step}.{p.id}" for p in prefill]
+    assert [p.order for p in store.points] == sorted(p.order for p in store.points)
+    rec = store.load(f"step_{STEPS}.layer_0.attention")
+    state = rec.kwargs["past_key_values"]
+    assert isinstance(state, CacheState) and state.layer == 0
+    if state.window is None:  # the cache the step reads: the prefill and the steps before it
+        assert state.keys.shape[-2] == SEQ + STEPS - 1
+    else:  # gpt_oss's sliding layer keeps window - 1 positions of the SEQ + STEPS - 1 seen
+        assert (state.keys.shape[-2], state.seen) == (state.window - 1, SEQ + STEPS - 1)
+    assert rec.extras["cache_after.keys"].shape[-2] in (state.keys.shape[-2], state.keys.shape[-2] + 1)
+    assert_replays_bitwise(golden, load_fp32(tiny_model(arch)))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_a_clean_bf16_decode_passes_every_step(arch: str, pytester: pytest.Pytester, golden_dir) -> None:
+    golden = golden_dir(arch, seq_len=SEQ, decode=STEPS)
+    steps = [p for p in GoldenStore(golden).points if p.step is not None]
+    report = pytester.path / "report"
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "step_", "--parity-report", str(report))
+    result.assert_outcomes(passed=len(steps))
+    result.stdout.fnmatch_lines([f"decode: the next token agrees with the golden at every step judged ({STEPS})"])
+    rows = read_json(report / REPORT_FILE)["points"]
+    attention = [r for r in rows if r["component"] == "attention"]
+    assert len(attention) == STEPS * len({p.layer for p in steps if p.layer is not None})
+    assert all(set(r["metrics"]) == {"out", "cache.keys", "cache.values"} for r in attention)
+    assert read_json(report / SUMMARY_FILE)["first_decode_step_differing"] is None
+
+
+@pytest.mark.parametrize(
+    ("fault", "failing"),
+    [
+        # the step's output is right (full attention reads the same keys); the write is not
+        ("decode_cache_written_one_early", {"cache.keys", "cache.values"}),
+        # the new token's query and key unrotated: the output and the keys written
+        ("decode_new_token_at_position_0", {"out", "cache.keys"}),
+    ],
+)
+def test_decode_faults_fail_first_at_the_first_steps_attention(
+    fault: str, failing: set[str], pytester: pytest.Pytester, golden_dir
+) -> None:
+    golden = golden_dir("qwen3_moe", seq_len=SEQ, decode=STEPS)
+    report = pytester.path / "report"
+    with faults.code_fault(fault):
+        result = run_parity(pytester, golden, "--dtype", "bfloat16", "--parity-report", str(report))
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert all(r["status"] == "passed" for r in rows if r["step"] is None)  # prefill never sees it
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed[0]["id"] == "step_1.layer_0.attention"
+    assert read_json(report / SUMMARY_FILE)["first_divergence"] == "step_1.layer_0.attention"
+    assert {c["target"] for c in failed[0]["checks"] if not c["passed"]} == failing
+    assert {r["component"] for r in failed} <= {"attention", "post_attn_norm", "router", "experts", "moe",
+                                                "output", "input_norm", "final_norm", "logits"}  # fmt: skip
+    if fault == "decode_cache_written_one_early":
+        # the two positions swapped at step 1: the last prefill token's and the new one's
+        assert {t for t, _ in failed[0]["worst_tokens"][:2]} == {SEQ - 1, SEQ}
+        assert {r["id"] for r in failed} == {f"step_{k}.layer_{i}.attention" for k in (1, 2, 3) for i in range(4)}
+    result.stdout.fnmatch_lines(["first divergence: step_1.layer_0.attention*"])
+
+
+def test_k_for_a_step_the_golden_lacks_says_so(pytester: pytest.Pytester, golden_dir) -> None:
+    result = run_parity(pytester, golden_dir("qwen3_moe"), "-k", "step_1")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.stdout.fnmatch_lines(
+        [
+            "-k 'step_1' asks for step_1; this golden has no decode steps "
+            "(record them with `moe-parity golden ... --decode-steps N`)"
+        ]
+    )
+
+
+def test_compiled_backends_skip_the_points_that_read_the_cache(
+    pytester: pytest.Pytester, golden_dir, cache_dir: Path
+) -> None:
+    golden = golden_dir("qwen3_moe", seq_len=SEQ, decode=STEPS)
+    result = run_parity(
+        pytester, golden, "--hw", "trace", "--hw-option", f"cache_dir={cache_dir}", "--dtype", "bfloat16",
+        "-k", "step_1 and layer_0", "-rs",
+    )  # fmt: skip
+    result.assert_outcomes(passed=5, skipped=2)  # attention and the whole layer read the cache
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED*step_1.layer_0.attention reads the KV cache: compiled decode graphs * are not built yet; "
+            "replay decode steps with --hw cpu or cuda"
+        ]
+    )
+
+
+def test_golden_cli_records_decode_steps(tmp_path: Path, tiny_model, capsys) -> None:
+    model = tiny_model("qwen3_moe")
+    code, _, err = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "0")
+    assert code == 2 and "argument --decode-steps: expected a number of at least 1, got 0" in err
+    code, out, _ = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "2", "-q")
+    assert code == 0 and ", prefill and 2 decode steps, " in out
+    code, out, _ = cli(capsys, "show", tmp_path / "g", "--inputs")
+    assert code == 0
+    assert "kwargs.past_key_values               KV cache of layer 0: keys and values (1, 2, 16, 16)" in out
+
+
+def _logits_row(step: int, flips: list[dict], ties: list[dict]) -> dict:
+    return {
+        "id": f"step_{step}.logits", "component": "logits", "step": step, "candidate_dtype": "bfloat16",
+        "logits": {"top1": {"flips": flips, "ties": ties}},
+    }  # fmt: skip
+
+
+def test_the_decode_line_names_the_first_step_whose_next_token_differs() -> None:
+    tie = {"token": 0, "golden_experts": [7], "candidate_experts": [9], "gap": 0.004, "is_tie": True}
+    flip = {**tie, "gap": 0.5, "is_tie": False}
+    rows = [_logits_row(1, [], []), _logits_row(2, [], [tie]), _logits_row(3, [flip], [])]
+    assert decode_line(rows) == (
+        "decode: the next token first differs at step_2 (golden 7, candidate 9, golden logit gap 0.004): "
+        "a tie within bfloat16 rounding, not a failure",
+        None,
+    )
+    assert decode_line([rows[0], rows[2]]) == (
+        "decode: the next token first differs at step_3 (golden 7, candidate 9, golden logit gap 0.5)",
+        "red",
+    )
+    assert decode_line(rows[:1]) == ("decode: the next token agrees with the golden at every step judged (1)", "green")
+    assert decode_line([{**rows[0], "step": None}]) is None  # no decode steps: no line
