@@ -35,7 +35,7 @@ def test_bad_ids(bad: str) -> None:
 def test_point_fields() -> None:
     moe = Point("moe", 4, module="model.layers.4.mlp", order=30, step=2)
     assert (moe.id, moe.group, moe.routed_block, moe.router_id) == (
-        "step_2.layer_4.moe", "layer_4", True, "step_2.layer_4.router",
+        "step_2.layer_4.moe", "step_2.layer_4", True, "step_2.layer_4.router",
     )  # fmt: skip
     assert Point("logits").group == "logits" and Point("logits").router_id is None
     assert not Point("experts", 1).routed_block and Point("output", 1).routed_block
