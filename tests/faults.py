@@ -289,6 +289,19 @@ def _rope_skipped_in_decode(apply):
     return wrapped
 
 
+def _decode_mask_hides_last(create_mask):
+    """A decode step's mask that hides the last cache entry (the new token's own key)."""
+
+    def create(*args, **kwargs):
+        mask = create_mask(*args, **kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2] == 1:
+            mask = mask.clone()
+            mask[..., -1] = False if mask.dtype == torch.bool else torch.finfo(mask.dtype).min
+        return mask
+
+    return create
+
+
 _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 # name: [(module, attribute path, replacement factory (original -> replacement))]
@@ -303,6 +316,7 @@ CODE_FAULTS: dict[str, list[tuple[str, str, Callable]]] = {
     ],
     "decode_cache_written_one_early": [("transformers.cache_utils", "DynamicLayer.update", _cache_written_one_early)],
     "decode_new_token_at_position_0": [(_QWEN3, "apply_rotary_pos_emb", _rope_skipped_in_decode)],
+    "decode_mask_hides_last_entry": [(_QWEN3, "create_causal_mask", _decode_mask_hides_last)],
 }
 
 

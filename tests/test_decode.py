@@ -87,6 +87,37 @@ def test_decode_faults_fail_first_at_the_first_steps_attention(
     result.stdout.fnmatch_lines(["first divergence: step_1.layer_0.attention*"])
 
 
+def test_a_decode_mask_that_hides_the_last_entry_fails_chained_at_the_first_steps_attention(
+    pytester: pytest.Pytester, golden_dir
+) -> None:
+    """The mask is a golden input of every isolated point, so only the candidate's own decode (its
+    own cache, masks and positions over the steps) shows a mask builder that is wrong in decode."""
+    golden = golden_dir("qwen3_moe", seq_len=SEQ, noise="bfloat16", decode=STEPS)
+    report = pytester.path / "report"
+    with faults.code_fault("decode_mask_hides_last_entry"):
+        result = run_parity(
+            pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", "--parity-report", str(report)
+        )
+    summary = read_json(report / SUMMARY_FILE)
+    assert summary["first_isolated_divergence"] is None
+    assert summary["first_chain_divergence"] == "step_1.layer_0.attention"
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert all(r["verdicts"] == {"isolated": "passed", "chain": "passed"} for r in rows if r["step"] is None)
+    result.stdout.fnmatch_lines(["first chain divergence: step_1.layer_0.attention"])
+
+
+def test_a_clean_bf16_decode_chain_passes_under_the_noise_verdict(pytester: pytest.Pytester, golden_dir) -> None:
+    golden = golden_dir("qwen3_moe", seq_len=SEQ, noise="bfloat16", decode=STEPS)
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "chain", "--parity-report", str(report)
+    )
+    rows = read_json(report / REPORT_FILE)["points"]
+    result.assert_outcomes(passed=len(rows))
+    steps = [r for r in rows if r["step"] is not None]
+    assert steps and all(r["mode"] == "chain" and r["noise"] is not None for r in steps)
+
+
 def test_k_for_a_step_the_golden_lacks_says_so(pytester: pytest.Pytester, golden_dir) -> None:
     result = run_parity(pytester, golden_dir("qwen3_moe"), "-k", "step_1")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED

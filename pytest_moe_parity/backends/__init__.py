@@ -124,6 +124,7 @@ class Backend(ABC):
     # candidate's own run (a dump of it). None: it cannot chain.
     chain: ClassVar[str | None] = None
     steers_chain: ClassVar[bool] = False  # run_model honours `steer`
+    chains_decode: ClassVar[bool] = False  # run_model takes `decode_tokens`: the steps after the prefill
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -166,12 +167,16 @@ class Backend(ABC):
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         """The candidate's output for `point` on the golden inputs in `golden`."""
 
-    def run_model(self, input_ids: torch.Tensor, points: list[Point], steer: Any = None) -> dict[str, Any]:
+    def run_model(
+        self, input_ids: torch.Tensor, points: list[Point], steer: Any = None, decode_tokens: list[int] = ()
+    ) -> dict[str, Any]:
         """Backends with `chain = "model"`: the candidate's own forward on `input_ids` ([B, T]),
         building its own masks and positions, and every point's output on it (point id -> output,
         structured as the golden's; a router's output is its routing). Backends that declare
         `steers_chain` call `steer(point, output, outputs_so_far)` as each point returns and go on
-        with what it returns (it puts the rows of near-tie tokens back to the golden's)."""
+        with what it returns (it puts the rows of near-tie tokens back to the golden's). Backends
+        that declare `chains_decode` then run one decode step per token of `decode_tokens` with
+        their own KV cache, masks and positions, capturing the `step_k.*` points among `points`."""
         raise BackendError(f"the {self.name} backend has no whole-model run")
 
     def module(self, path: str) -> nn.Module:

@@ -26,6 +26,7 @@ class TorchBackend(Backend):
     captures_routing = True
     chain = "model"
     steers_chain = True
+    chains_decode = True
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
         HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
@@ -92,14 +93,29 @@ class TorchBackend(Backend):
         cache = written(*caches[0]) if caches and point.component == "attention" else None
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)
 
-    def run_model(self, input_ids: torch.Tensor, points: list[Point], steer: Any = None) -> dict[str, Any]:
-        """The candidate's own forward, its layers loaded as they run (a few in memory at once)."""
+    def run_model(
+        self, input_ids: torch.Tensor, points: list[Point], steer: Any = None, decode_tokens: list[int] = ()
+    ) -> dict[str, Any]:
+        """The candidate's own forward, its layers loaded as they run (a few in memory at once); with
+        `decode_tokens`, then one step per token on its own DynamicCache (the golden's tokens are fed,
+        so every step sees the same inputs as the golden's)."""
+        from transformers import DynamicCache
+
         from ..record.capture import OutputCapture
 
         lazy = self._model()
-        with lazy.streaming() as model, OutputCapture(model, points, steer) as capture, torch.no_grad():
-            model(input_ids=input_ids.to(self.device), use_cache=False)
-        return capture.outputs
+        outputs: dict[str, Any] = {}
+        with lazy.streaming() as model, torch.no_grad():
+            cache = DynamicCache(config=model.config) if decode_tokens else None
+            with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
+                model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=cache is not None)
+            outputs.update(capture.outputs)
+            for step, token in enumerate(decode_tokens, 1):
+                with OutputCapture(model, [p for p in points if p.step == step], steer) as capture:
+                    ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+                    model(input_ids=ids, past_key_values=cache, use_cache=True)
+                outputs.update(capture.outputs)
+        return outputs
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)

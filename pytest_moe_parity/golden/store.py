@@ -158,6 +158,11 @@ class GoldenStore:
         return int(self.manifest.get("decode", {}).get("steps", 0))
 
     @property
+    def decode_tokens(self) -> list[int]:
+        """The token fed at each decode step (the reference's greedy choice)."""
+        return list(self.manifest.get("decode", {}).get("tokens", []))
+
+    @property
     def fingerprint(self) -> str:
         """What this golden recorded, in 16 hex digits: the sha256 of its tensor files' own sha256s.
         Two reports are comparable when their goldens share it (a copied golden keeps it)."""

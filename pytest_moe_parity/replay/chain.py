@@ -45,6 +45,7 @@ class Chain:
     """The candidate's chained output of each point, and the tokens its routing sent elsewhere."""
 
     steered = False  # whether near-tie tokens are put back to the golden's after their layer
+    decodes = False  # whether the chain runs the decode steps too (else they are judged isolated)
 
     def __init__(self, runner: ParityRunner):
         self.runner = runner
@@ -62,8 +63,8 @@ class Chain:
         """Tokens left out of `point`'s chained verdict: routed unlike the golden at an earlier layer
         (and, where the run could not be steered, every later token of the same sequence)."""
         tokens: set[int] = set()
-        for source in self.golden.points:
-            if _routes(source) and _before(source, point):
+        for source in self.golden.points:  # a decode step's token: routed unlike at its own step
+            if _routes(source) and _before(source, point) and source.step == point.step:
                 tokens.update(self._disagreement(source))
         if tokens and not self.steered and self._seq_len:
             first: dict[int, int] = {}
@@ -145,6 +146,7 @@ class ModelChain(Chain):
     def __init__(self, runner: ParityRunner):
         super().__init__(runner)
         self.steered = bool(getattr(self.backend, "steers_chain", False))
+        self.decodes = bool(getattr(self.backend, "chains_decode", False)) and self.golden.decode_steps > 0
         self._outputs: dict[str, Any] | None = None
         self.seconds = 0.0
 
@@ -157,11 +159,13 @@ class ModelChain(Chain):
             ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
             self.runner.start(self.golden.points[0])
             started = time.perf_counter()
+            decode = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
+            points = [p for p in self.golden.points if p.step is None or self.decodes]
             try:
                 if self.steered:
-                    self._outputs = self.backend.run_model(ids, self.golden.points, steer=self._steer)
+                    self._outputs = self.backend.run_model(ids, points, steer=self._steer, **decode)
                 else:
-                    self._outputs = self.backend.run_model(ids, self.golden.points)
+                    self._outputs = self.backend.run_model(ids, points, **decode)
             except PointUnavailable:
                 raise
             except Exception as exc:
