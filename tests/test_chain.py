@@ -267,7 +267,7 @@ def test_the_noise_ratio_gives_the_worst_token_a_slack(rel_ratio, token_ratio, r
 
     golden = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     candidate = golden.clone()
-    candidate[0, 3] += 1e-3 * golden[0, 3].norm() / 4**0.5  # one token off by 1e-3 of its norm
+    candidate[0, 3] += 5e-2 * golden[0, 3].norm() / 4**0.5  # one token off by 5e-2 of its norm (above the floor)
     res = judge_point(
         Point.parse("layer_0.attention"), golden, candidate, default_tolerance("bfloat16", "attention"), torch.bfloat16
     )
@@ -288,3 +288,22 @@ def test_the_noise_ratio_gives_the_worst_token_a_slack(rel_ratio, token_ratio, r
     assert res.noise_ratio == pytest.approx(ratio)
     assert res.passed is passed
     assert [c.name for c in res.checks] == ["noise_ratio"]
+
+
+def test_errors_below_an_eighth_of_the_dtypes_epsilon_are_not_ratios() -> None:
+    """Routing weights that mostly round exactly: 8e-4 against a reference of 5e-4 is no bug in bf16."""
+    import torch
+
+    from pytest_moe_parity.judge.tolerances import default_tolerance
+    from pytest_moe_parity.judge.verdict import judge_point
+    from pytest_moe_parity.points import Point
+
+    golden = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    candidate = golden * (1 + 8e-4)
+    point, tol = Point.parse("layer_0.attention"), default_tolerance("bfloat16", "attention")
+    noise = {"out": {"rel_l2": 5e-4, "max_token_rel_l2": 5e-4}}
+    res = judge_point(point, golden, candidate, tol, torch.bfloat16, noise=noise, fixed=False)
+    floor = torch.finfo(torch.bfloat16).eps / 8
+    assert res.noise_ratio == pytest.approx(8e-4 / floor) and res.passed
+    res = judge_point(point, golden, golden * (1 + 2.5e-3), tol, torch.bfloat16, noise=noise, fixed=False)
+    assert res.noise_ratio == pytest.approx(2.5e-3 / floor) and not res.passed

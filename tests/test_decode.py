@@ -179,3 +179,11 @@ def test_the_decode_line_names_the_first_step_whose_next_token_differs() -> None
     )
     assert decode_line(rows[:1]) == ("decode: the next token agrees with the golden at every step judged (1)", "green")
     assert decode_line([{**rows[0], "step": None}]) is None  # no decode steps: no line
+
+
+def test_a_hybrid_cache_without_keys_and_values_is_refused_before_recording(tmp_path: Path, tiny_model, capsys) -> None:
+    out = tmp_path / "g"
+    code, _, err = cli(capsys, "golden", "--model", tiny_model("jamba"), "--out", out, "--decode-steps", "1")
+    assert code == 2 and "Traceback" not in err
+    assert "--decode-steps: this model's cache has LinearAttentionLayer layers (a recurrent state" in err
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.safetensors"))

@@ -27,6 +27,7 @@ from .metrics import (
 )
 from .tolerances import (
     LOGITS_LIMITS,
+    NOISE_FLOOR_EPS,
     NOISE_LIMIT,
     ROUTING_LIMITS,
     TENSOR_LIMITS,
@@ -562,7 +563,9 @@ class Judge:
         this point (relative L2, and the worst token's): the noise ratio, and its verdict."""
         if not self.noise:
             return
-        floor = torch.finfo(self.dtype).eps / 16 if self.dtype.is_floating_point else 0.0
+        # an error under an eighth of the dtype's epsilon is below one rounding of the output (routing
+        # weights that mostly round exactly): a ratio of two such errors says nothing
+        floor = torch.finfo(self.dtype).eps / NOISE_FLOOR_EPS if self.dtype.is_floating_point else 0.0
         targets: dict[str, dict[str, float]] = {}
         for target, m in self.result.metrics.items():
             ref = self.noise.get(target)

@@ -187,6 +187,22 @@ def input_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def decode_cache(model: Any) -> Any:
+    """The DynamicCache decode steps run with; BadInput where a layer's cache holds no keys and values
+    (the recurrent state of a Mamba or linear-attention layer), which decode recording cannot store."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    other = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)})
+    if other:
+        raise BadInput(
+            f"--decode-steps: this model's cache has {', '.join(other)} layers (a recurrent state, not keys "
+            "and values); decode steps are recorded for attention KV caches only: record without --decode-steps"
+        )
+    return cache
+
+
 def record_decode(
     model: Any,
     points: list[Point],
@@ -199,9 +215,7 @@ def record_decode(
     runs again with the cache (not recorded: its points are), then every step's points are recorded
     as `step_k.*`, the cache each module reads stored as its layer's tensors. Returns the manifest's
     "decode" entry: the steps and the token fed at each."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    cache = decode_cache(model)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     order = max(p.order for p in points) + 1
     tokens: list[int] = []
@@ -282,6 +296,8 @@ def record_golden(
         plan = plan_points(model)
     except ArchError as exc:
         raise BadInput(str(exc)) from None
+    if decode_steps:
+        decode_cache(model)  # before anything is written
     for note in plan.notes:
         say(f"note: {note}")
     n_layers = len({p.layer for p in plan.points if p.layer is not None})

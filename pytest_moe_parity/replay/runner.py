@@ -144,7 +144,7 @@ class ParityRunner:
             exclude=(self.chain.tainted(point), self.num_tokens) if mode == "chain" and self.chain else None,
             cache_write=_cache_write(record, cand),
         )
-        if "cache_after.keys" in record.extras and cand.cache is None:
+        if mode == "isolated" and "cache_after.keys" in record.extras and cand.cache is None:
             result.notes.append("the backend does not show its KV cache: the cache write is not compared")
         if point.step is not None and self.mode != "isolated" and not (self.chain is not None and self.chain.decodes):
             result.notes.append(
