@@ -74,9 +74,10 @@ def assert_bitwise(actual, expected, where: str) -> None:
 
 def assert_replays_bitwise(golden: Path, model) -> None:
     """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
-    from pytest_moe_parity.backends.cache import with_live_caches, written
+    from pytest_moe_parity.backends.cache import with_live_caches
     from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.golden.spec import resolve_params
+    from pytest_moe_parity.record.capture import cache_state
 
     store = GoldenStore(golden)
     for point in store.points:
@@ -88,7 +89,8 @@ def assert_replays_bitwise(golden: Path, model) -> None:
             out = module(*args, **kwargs)
         assert_bitwise(out, rec.output, point.id)
         if "cache_after.keys" in rec.extras:  # what a decode step's attention wrote
-            after = written(*caches[0])
+            state, cache = caches[0]
+            after = cache_state(cache, state.layer)
             assert_bitwise(
                 (after.keys, after.values),
                 (rec.extras["cache_after.keys"], rec.extras["cache_after.values"]),

@@ -1,6 +1,6 @@
 """Decode steps: the KV cache a recorded call carries as a `CacheState` (tensors only) becomes a cache
-object of the candidate's own kind for the call, and what the module wrote into it is read back for
-the comparison of the cache write."""
+object of the candidate's own kind for the call (what the module wrote into it is read back with
+`record.capture.cache_state`, as the recorder reads the reference's)."""
 
 from __future__ import annotations
 
@@ -44,16 +44,3 @@ def with_live_caches(args: list[Any], kwargs: dict[str, Any], config: Any) -> tu
         return x
 
     return [live(a) for a in args], {k: live(v) for k, v in kwargs.items()}, pairs
-
-
-def written(state: CacheState, cache: Any) -> CacheState:
-    """The layer's cache after the call (keys and values, detached)."""
-    layer = cache.layers[state.layer]
-    seen = getattr(layer, "cumulative_length", None)
-    return CacheState(
-        state.layer,
-        layer.keys.detach(),
-        layer.values.detach(),
-        window=state.window,
-        seen=int(seen) if seen is not None else None,
-    )

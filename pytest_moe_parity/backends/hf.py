@@ -13,8 +13,9 @@ from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..points import Point
+from ..record.capture import cache_state
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
-from .cache import with_live_caches, written
+from .cache import with_live_caches
 from .lazy_model import LazyModel, weight_map
 
 
@@ -90,7 +91,10 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
-        cache = written(*caches[0]) if caches and point.component == "attention" else None
+        cache = None
+        if caches and point.component == "attention":  # a decode step: what the attention wrote
+            state, live = caches[0]
+            cache = cache_state(live, state.layer)
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)
 
     def run_model(

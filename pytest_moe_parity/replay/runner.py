@@ -87,11 +87,16 @@ class ParityRunner:
         inputs (chain)."""
         point = self.golden.point(pid)
         record = self.golden.load(point)
-        # decode steps are chained where the chain runs them (a whole-model run with its own cache)
-        unchained = point.step is not None and not (self.chain is not None and self.chain.decodes)
-        isolated = self.call(point, record) if self.mode != "chain" or unchained else None
-        chained = self.chain.output(point, record) if self.chain is not None and not unchained else None
-        return Prepared(point, record, isolated, chained)
+        chained = self._chained(point)
+        isolated = self.call(point, record) if self.mode != "chain" or not chained else None
+        own = self.chain.output(point, record) if chained else None
+        return Prepared(point, record, isolated, own)
+
+    def _chained(self, point: Point) -> bool:
+        """Whether a point gets a chained verdict: in chain and both modes, the prefill's points, and
+        the decode steps' where the chain runs them (a whole-model run with its own cache); other
+        decode steps are judged on the golden's inputs."""
+        return self.chain is not None and (point.step is None or self.chain.decodes)
 
     def _router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
@@ -146,7 +151,7 @@ class ParityRunner:
         )
         if mode == "isolated" and "cache_after.keys" in record.extras and cand.cache is None:
             result.notes.append("the backend does not show its KV cache: the cache write is not compared")
-        if point.step is not None and self.mode != "isolated" and not (self.chain is not None and self.chain.decodes):
+        if self.chain is not None and not self._chained(point):
             result.notes.append(
                 f"decode steps are judged on the golden's inputs: the {self.backend.name} backend does not chain them"
             )

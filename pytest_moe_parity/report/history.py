@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .plots import by_mode
+from .text import by_mode, figure
 
 # figures a regression is judged on, with the value under which a growth does not count: rel_l2 below
 # `min_error` is rounding whatever its growth; a noise ratio under 1 is within the reference's own error
@@ -66,18 +66,6 @@ def _run(report: dict[str, Any]) -> str:
     return f"--hw {report.get('hw', '?')}, {report.get('dtype', '?')}, {report.get('mode', 'isolated')}"
 
 
-def _figure(row: dict[str, Any], what: str) -> float | None:
-    if what == "noise_ratio":
-        value = (row.get("noise") or {}).get("ratio")
-    else:
-        main = next(iter((row.get("metrics") or {}).values()), None)
-        value = main.get(what) if main else None
-    try:
-        return float(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
 def comparable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """Why two reports cannot be compared (different goldens), or None."""
     fo, fn = old.get("golden_fingerprint"), new.get("golden_fingerprint")
@@ -117,7 +105,7 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
             elif o_status in ("failed", "error") and n_status == "passed":
                 better.status = (o_status, n_status)
             for what in FIGURES:
-                a, b = _figure(o_modes[mode], what), _figure(n_modes[mode], what)
+                a, b = figure(o_modes[mode], what), figure(n_modes[mode], what)
                 if a is None or b is None or any(map(math.isnan, (a, b))):
                     continue
                 if b > factor * a and b > floors[what]:
@@ -130,6 +118,4 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
                 diff.fixed.append(better)
             elif better.figures:
                 diff.better.append(better)
-    order = {pid: i for i, pid in enumerate(new_rows)}
-    diff.worse.sort(key=lambda c: order[c.id])
     return diff

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..judge.tolerances import TOKEN_LIMIT
 from ..points import COMPONENTS
+from .text import by_mode, figure, number
 
 HEATMAP = "heatmap.png"
 LAYERS = "layers.png"
@@ -44,34 +45,6 @@ def _canvas():
         return fig
 
     return new
-
-
-def _number(x: Any) -> float | None:
-    """A JSON figure as a float ("inf"/"nan" strings included); None when absent."""
-    if x is None:
-        return None
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def by_mode(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A report row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
-    out = {row.get("mode", "isolated"): row}
-    if row.get("chain"):
-        out[row["chain"].get("mode", "chain")] = row["chain"]
-    return out
-
-
-def _rel_l2(row: dict[str, Any]) -> float | None:
-    metrics = row.get("metrics") or {}
-    main = next(iter(metrics.values()), None)
-    return _number(main.get("rel_l2")) if main else None
-
-
-def _noise_ratio(row: dict[str, Any]) -> float | None:
-    return _number((row.get("noise") or {}).get("ratio"))
 
 
 def _save(fig, path: Path) -> Path:
@@ -129,8 +102,9 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
         else [f"layer {i}" for i in layers]
     )
     row_of = {None: 0, **{layer: labels.index(f"layer {layer}") for layer in layers}}
-    noise = any(_noise_ratio(m) is not None for r in rows for m in by_mode(r).values())
-    figure = "noise ratio" if noise else "rel_l2"
+    noise = any(figure(m, "noise_ratio") is not None for r in rows for m in by_mode(r).values())
+    shown = "noise_ratio" if noise else "rel_l2"
+    label = "noise ratio" if noise else "rel_l2"
     fig = new(1.6 + 0.75 * len(columns) * len(modes), 1.4 + 0.28 * len(labels))
     axes = fig.subplots(1, len(modes), squeeze=False)[0]
     for ax, mode in zip(axes, modes, strict=True):
@@ -140,7 +114,7 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
             if m is None:
                 continue
             y, x = row_of[r.get("layer")], columns.index(r["component"])
-            value = _noise_ratio(m) if noise else _rel_l2(m)
+            value = figure(m, shown)
             verdict = (r.get("verdicts") or {}).get(mode)
             status = r.get("status")
             if value is not None and math.isfinite(value):
@@ -154,9 +128,9 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
         image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm)
         ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.set_title(f"{mode}: {figure} (x failed)", fontsize=9)
+        ax.set_title(f"{mode}: {label} (x failed)", fontsize=9)
         if finite.size:
-            fig.colorbar(image, ax=ax, label=figure)
+            fig.colorbar(image, ax=ax, label=label)
     return fig
 
 
@@ -174,15 +148,15 @@ def layer_errors(rows: list[dict[str, Any]], new) -> Any:
     styles = {"isolated": ("tab:blue", "o"), "chain": ("tab:red", "s")}
     for mode, (colour, marker) in styles.items():
         points = [(i, by_mode(last[i]).get(mode)) for i in layers]
-        points = [(i, m) for i, m in points if m is not None and _rel_l2(m) is not None]
+        points = [(i, m) for i, m in points if m is not None and figure(m, "rel_l2") is not None]
         if not points:
             continue
         xs = [i for i, _ in points]
-        ax.plot(xs, [max(_rel_l2(m), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
+        ax.plot(xs, [max(figure(m, "rel_l2"), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
         band = [(i, m) for i, m in points if (m.get("noise") or {}).get("targets")]
         if band:
             ref = [_reference(m) for _, m in band]
-            factor = [_number((m.get("limits") or {}).get("noise_factor")) or 1.0 for _, m in band]
+            factor = [number((m.get("limits") or {}).get("noise_factor")) or 1.0 for _, m in band]
             ax.fill_between(
                 [i for i, _ in band],
                 ref,
@@ -195,7 +169,7 @@ def layer_errors(rows: list[dict[str, Any]], new) -> Any:
         if failed:
             ax.plot(
                 [i for i, _ in failed],
-                [max(_rel_l2(m), 1e-12) for _, m in failed],
+                [max(figure(m, "rel_l2"), 1e-12) for _, m in failed],
                 linestyle="none",
                 marker="x",
                 markersize=10,
@@ -213,7 +187,7 @@ def layer_errors(rows: list[dict[str, Any]], new) -> Any:
 def _reference(row: dict[str, Any]) -> float:
     targets = row["noise"]["targets"]
     first = next(iter(targets.values()))
-    return max(_number(first.get("reference_rel_l2")) or 0.0, 1e-12)
+    return max(number(first.get("reference_rel_l2")) or 0.0, 1e-12)
 
 
 def token_errors(row: dict[str, Any], mode: str, new) -> Any:
@@ -221,7 +195,7 @@ def token_errors(row: dict[str, Any], mode: str, new) -> Any:
     values = row["token_errors"]
     fig = new(max(5.0, min(14.0, 0.12 * len(values) + 2)), 3.2)
     ax = fig.subplots()
-    kept = [(t, _number(v)) for t, v in enumerate(values) if v is not None]
+    kept = [(t, number(v)) for t, v in enumerate(values) if v is not None]
     finite = [v for _, v in kept if v is not None and math.isfinite(v)]
     top = max(finite) if finite else 1.0
     heights = [v if v is not None and math.isfinite(v) else top * 1.2 for _, v in kept]
@@ -231,7 +205,7 @@ def token_errors(row: dict[str, Any], mode: str, new) -> Any:
         ax.bar(left_out, [top] * len(left_out), color="lightgrey", width=0.8, label="left out (routed elsewhere)")
     # the token limit where it was judged (a chained point under the noise verdict has none)
     checks = row.get("checks", [])
-    limit = next((_number(c.get("limit")) for c in checks if c.get("name") == TOKEN_LIMIT.check_name), None)
+    limit = next((number(c.get("limit")) for c in checks if c.get("name") == TOKEN_LIMIT.check_name), None)
     if limit is not None:
         ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"token_rel_l2 limit {limit:g}")
     ax.set_xlabel("token")

@@ -197,9 +197,40 @@ def status_row(point: Point, status: str, message: str) -> dict[str, Any]:
     }
 
 
-def short_metrics(row: dict[str, Any]) -> tuple[str, str, str]:
+def number(x: Any) -> float | None:
+    """A JSON figure as a float ("inf"/"nan" strings included); None when absent."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def by_mode(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A report row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
+    out = {row.get("mode", "isolated"): row}
+    if row.get("chain"):
+        out[row["chain"].get("mode", "chain")] = row["chain"]
+    return out
+
+
+def main_metrics(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The figures of a row's main tensor: its output (or the logits), else its first tensor."""
     metrics = row.get("metrics") or {}
-    main = metrics.get("out") or metrics.get("logits") or next(iter(metrics.values()), None)
+    return metrics.get("out") or metrics.get("logits") or next(iter(metrics.values()), None)
+
+
+def figure(row: dict[str, Any], name: str) -> float | None:
+    """`rel_l2` (or another figure) of a row's main tensor, or its `noise_ratio`; None when absent."""
+    if name == "noise_ratio":
+        return number((row.get("noise") or {}).get("ratio"))
+    main = main_metrics(row)
+    return number(main.get(name)) if main else None
+
+
+def short_metrics(row: dict[str, Any]) -> tuple[str, str, str]:
+    main = main_metrics(row)
     if not main:
         return "-", "-", "-"
     cos = main.get("cosine")
@@ -246,12 +277,15 @@ def modes(rows: list[dict[str, Any]]) -> list[str]:
     return [m for m in ("isolated", "chain") if m in seen]
 
 
+def _decode_logits(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The logits rows of the decode steps, by step."""
+    steps = (r for r in rows if r["component"] == "logits" and r.get("step") and r.get("logits"))
+    return sorted(steps, key=lambda r: r["step"])
+
+
 def first_decode_difference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The first decode step whose next token (the logits' top-1) differs, with its flip or tie."""
-    steps = sorted(
-        (r for r in rows if r["component"] == "logits" and r.get("step") and r.get("logits")), key=lambda r: r["step"]
-    )
-    for r in steps:
+    for r in _decode_logits(rows):
         top1 = r["logits"]["top1"]
         differing = sorted([*top1["flips"], *top1["ties"]], key=lambda f: f["token"])
         if differing:
@@ -262,7 +296,7 @@ def first_decode_difference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any],
 def decode_line(rows: list[dict[str, Any]]) -> tuple[str, str | None] | None:
     """Over the decode steps: the first step whose next token differs, and whether the golden's
     logit gap there is within the dtype's rounding (a tie: reported, not failed)."""
-    steps = [r for r in rows if r["component"] == "logits" and r.get("step") and r.get("logits")]
+    steps = _decode_logits(rows)
     if not steps:
         return None
     found = first_decode_difference(rows)
