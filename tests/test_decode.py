@@ -187,3 +187,21 @@ def test_a_hybrid_cache_without_keys_and_values_is_refused_before_recording(tmp_
     assert code == 2 and "Traceback" not in err
     assert "--decode-steps: this model's cache has LinearAttentionLayer layers (a recurrent state" in err
     assert not (out / "manifest.json").exists() and not list(out.glob("*.safetensors"))
+
+
+def test_a_decode_steps_left_out_token_is_counted_among_the_steps_own_tokens(golden_dir, tiny_model) -> None:
+    """A decode step's tensors have one row per sequence: a token routed elsewhere at an earlier layer
+    of the step is token 0 of its step, and the left-out rows are counted against that one token."""
+    from helpers import session
+
+    golden = golden_dir("qwen3_moe", seq_len=SEQ, decode=STEPS)
+    chain = session(golden, tiny_model("qwen3_moe"), mode="chain").runner.chain
+    chain.steered = False  # as a whole-model run that cannot be steered: later tokens are left out too
+    store = GoldenStore(golden)
+    routed = {"step_2.layer_0.router": [0], "layer_0.router": [5]}
+    chain._taint = {p.id: routed.get(p.id, []) for p in store.points if p.component in ("router", "moe", "output")}
+    step = store.point("step_2.layer_1.attention")
+    assert (chain.tainted(step), chain.tokens(step)) == ([0], 1)
+    prefill = store.point("layer_1.attention")
+    assert (chain.tainted(prefill), chain.tokens(prefill)) == (list(range(5, SEQ)), SEQ)
+    assert chain.tainted(store.point("step_2.layer_0.attention")) == []  # its own layer's routing comes later

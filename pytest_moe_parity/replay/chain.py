@@ -53,12 +53,21 @@ class Chain:
         self.backend: Backend = runner.backend
         self._taint: dict[str, list[int]] = {}  # routing point id -> tokens routed unlike the golden there
         ids = self.golden.manifest["inputs"]["input_ids"]
+        self._sequences = len(ids)
         self._seq_len = len(ids[0]) if ids else 0
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         raise NotImplementedError
 
     # -- tokens routed unlike the golden ------------------------------------------------------------
+    def _length(self, point: Point) -> int:
+        """Tokens per sequence in a point's tensors: the prompt's, or the one new token of a decode step."""
+        return 1 if point.step is not None else self._seq_len
+
+    def tokens(self, point: Point) -> int:
+        """How many tokens a point's tensors have a row for."""
+        return self._sequences * self._length(point)
+
     def tainted(self, point: Point) -> list[int]:
         """Tokens left out of `point`'s chained verdict: routed unlike the golden at an earlier layer
         (and, where the run could not be steered, every later token of the same sequence)."""
@@ -66,14 +75,13 @@ class Chain:
         for source in self.golden.points:  # a decode step's token: routed unlike at its own step
             if _routes(source) and _before(source, point) and source.step == point.step:
                 tokens.update(self._disagreement(source))
-        if tokens and not self.steered and self._seq_len:
+        length = self._length(point)
+        if tokens and not self.steered and length:
             first: dict[int, int] = {}
             for t in tokens:  # the first tainted position of each sequence
-                seq = t // self._seq_len
+                seq = t // length
                 first[seq] = min(first.get(seq, t), t)
-            tokens = {
-                seq * self._seq_len + pos for seq, t in first.items() for pos in range(t % self._seq_len, self._seq_len)
-            }
+            tokens = {seq * length + pos for seq, t in first.items() for pos in range(t % length, length)}
         return sorted(tokens)
 
     def _disagreement(self, source: Point) -> list[int]:

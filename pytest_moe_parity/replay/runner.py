@@ -51,7 +51,6 @@ class ParityRunner:
         self._router_cache: dict[str, GoldenRecord] = {}
         self.mode = mode
         self.chain = make_chain(self) if mode != "isolated" else None
-        self.num_tokens = sum(len(row) for row in golden.manifest["inputs"]["input_ids"])
 
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = self.golden.point(pid)
@@ -146,7 +145,7 @@ class ParityRunner:
             score_bias=bias,
             fixed=mode == "isolated" or noise is None,
             noise=noise,
-            exclude=(self.chain.tainted(point), self.num_tokens) if mode == "chain" and self.chain else None,
+            exclude=(self.chain.tainted(point), self.chain.tokens(point)) if mode == "chain" and self.chain else None,
             cache_write=_cache_write(record, cand),
         )
         if mode == "isolated" and "cache_after.keys" in record.extras and cand.cache is None:
