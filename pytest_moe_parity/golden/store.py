@@ -187,18 +187,19 @@ class GoldenStore:
         """The dtypes the reference's own error was recorded in (`--noise-dtype`)."""
         return sorted(self.manifest.get("noise", {}))
 
+    def _noise(self, dtype: torch.dtype | str, mode: str) -> dict[str, Any]:
+        """Point id -> the reference's own figures in `dtype`, isolated or chained ({} if not recorded)."""
+        from ..dtypes import dtype_name
+
+        return self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode) or {}
+
     def noise(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, dict[str, float]] | None:
         """The reference's own error at a point when run in `dtype`, isolated or chained: per
         compared tensor, its figures (rel_l2, max_token_rel_l2); None where not recorded."""
-        from ..dtypes import dtype_name
-
-        figures = self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode)
-        return figures.get(pid) if figures else None
+        return self._noise(dtype, mode).get(pid)
 
     def has_noise(self, dtype: torch.dtype | str, mode: str) -> bool:
-        from ..dtypes import dtype_name
-
-        return bool(self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode))
+        return bool(self._noise(dtype, mode))
 
     def router_of(self, point: Point) -> Point | None:
         """The router whose routing a point follows (`moe`, `output`, `experts`); None for dense
