@@ -133,10 +133,15 @@ def main() -> None:
             "every layer": lambda: child(PYTEST_CHILD, *base),
             "from_pretrained + forward": lambda: child(BASELINE_CHILD, str(model_dir), ids),
         }
+        # Interleaved (one of each, then again): this machine's speed drifts by tens of percent over
+        # minutes, and a block of runs of one kind would carry the drift into the ratio.
+        samples: dict[str, list[dict]] = {name: [] for name in runs}
+        for _ in range(args.repeat):
+            for name, run in runs.items():
+                samples[name].append(run())
         results = {}
-        for name, run in runs.items():
-            samples = [run() for _ in range(args.repeat)]
-            results[name] = {k: min(s[k] for s in samples) for k in ("wall_s", "after_imports_s", "peak_rss_mb")}
+        for name in runs:
+            results[name] = {k: min(s[k] for s in samples[name]) for k in ("wall_s", "after_imports_s", "peak_rss_mb")}
             r = results[name]
             print(f"{name:<28} wall {r['wall_s']:6.1f} s (after imports {r['after_imports_s']:6.1f} s), "
                   f"peak RSS {r['peak_rss_mb']:7.0f} MB")  # fmt: skip
@@ -146,6 +151,10 @@ def main() -> None:
             f"every layer / (from_pretrained + forward): wall x{full['wall_s'] / ref['wall_s']:.2f}, after imports "
             f"x{full['after_imports_s'] / ref['after_imports_s']:.2f} (target <= 1.5)"
         )
+        names = list(runs)
+        rounds = sorted(f["wall_s"] / b["wall_s"] for f, b in zip(samples[names[1]], samples[names[2]], strict=True))
+        listed = ", ".join(f"x{r:.2f}" for r in rounds)
+        print(f"  the same ratio round by round: {listed} (median x{rounds[len(rounds) // 2]:.2f})")
 
 
 if __name__ == "__main__":

@@ -230,6 +230,10 @@ class ParityPlugin:
             self.config.hook.pytest_deselected(items=[i for i in parity_items if i not in kept])
         items[:0] = kept
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not self.worker:  # a worker runs the items it is sent, not those it collected
+            self.session.plan([i.point for i in session.items if isinstance(i, ParityItem)])
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield

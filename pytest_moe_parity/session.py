@@ -269,11 +269,15 @@ class ParitySession:
     def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
         return self.runner.judge(prepared, marker)
 
+    def plan(self, points: list[Point]) -> None:
+        """The points this run will prepare, in order (the backend may read ahead)."""
+        self.backend.plan(points)
+
     def run_all(self) -> Iterator[dict[str, Any]]:
         """Judge every selected point in forward order, recording and yielding its row."""
-        for point in self.points:
-            if not self.selected(point):
-                continue
+        points = [p for p in self.points if self.selected(p)]
+        self.plan(points)
+        for point in points:
             try:
                 row = self.judge(self.prepare(point)).to_row()
             except PointUnavailable as exc:

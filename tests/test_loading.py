@@ -33,6 +33,12 @@ def test_one_layer_matches_the_full_load(arch: str, dtype: torch.dtype, tiny_mod
     assert lazy.stats.files == {index[k] for k in lazy.stats.keys}
 
 
+def _resident_layers(lazy: LazyModel) -> set[int]:
+    """The decoder layers whose parameters are materialised."""
+    params = lazy.model.named_parameters()
+    return {int(n.split(".")[2]) for n, p in params if p.device.type != "meta" and ".layers." in n}
+
+
 def test_layers_are_evicted_as_the_run_moves_on(tiny_model) -> None:
     lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2)
     for i in range(4):
@@ -40,12 +46,64 @@ def test_layers_are_evicted_as_the_run_moves_on(tiny_model) -> None:
     lazy.module("lm_head")
     assert lazy.loaded_units == {"layer_2", "layer_3", "lm_head"}
     assert lazy.evicted == ["layer_0", "layer_1"]
-    materialised = {
-        n.split(".")[2] for n, p in lazy.model.named_parameters() if p.device.type != "meta" and ".layers." in n
-    }
-    assert materialised == {"2", "3"}
+    assert _resident_layers(lazy) == {2, 3}
     lazy.module("model.layers.0.mlp")  # reloads on demand
     assert "layer_0" in lazy.loaded_units and "layer_2" not in lazy.loaded_units
+
+
+def test_the_next_unit_of_the_plan_is_read_while_this_one_runs(tiny_model) -> None:
+    lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2)
+    plan = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(4) for m in ("self_attn", "mlp")]
+    lazy.plan([*plan, "model.norm", "lm_head"])
+    resident = []
+    for path in plan:
+        lazy.module(path)
+        lazy._join()  # the read-ahead done: at most `max_layers` layers, the current one among them
+        layer = lazy.layer_of(path)
+        resident.append(_resident_layers(lazy))
+        assert layer is None or layer in resident[-1]
+        assert len(resident[-1]) <= 2
+    assert resident[0] == {0}  # read ahead after the embedding
+    assert resident[1] == {0, 1} and resident[-1] == {2, 3}  # after layer 3: the norm, no layer
+    assert "model.norm" in lazy.loaded_units
+    # every unit was read once: no read was lost or repeated
+    assert sorted(lazy.stats.keys) == sorted(set(lazy.stats.keys))
+    lazy.close()
+
+
+def test_a_plan_of_one_layer_reads_that_layer_only(tiny_model) -> None:
+    lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32)
+    lazy.plan(["model.layers.2.self_attn", "model.layers.2.mlp.gate", "model.layers.2.mlp"])
+    lazy.module("model.layers.2.self_attn")
+    lazy.module("model.layers.2.mlp")
+    lazy.close()
+    assert lazy.stats.keys and all(".layers.2." in k for k in lazy.stats.keys)
+
+
+def test_one_layer_at_a_time_reads_nothing_ahead(tiny_model) -> None:
+    lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=1)
+    lazy.plan([f"model.layers.{i}.mlp" for i in range(3)])
+    lazy.module("model.layers.0.mlp")
+    assert lazy._ahead is None and _resident_layers(lazy) == {0}
+
+
+def test_a_failed_read_ahead_is_the_error_of_the_unit_it_read(tiny_model, tmp_path: Path) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("olmoe"), path)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".layers.3.self_attn.q_proj" not in k}
+    index_path.write_text(json.dumps(index))
+    lazy = LazyModel(path, dtype=torch.float32)
+    lazy.plan(["model.layers.2.self_attn", "model.layers.3.self_attn"])
+    lazy.module("model.layers.2.self_attn")  # layer 3 is read meanwhile, and fails: not layer 2's error
+    with pytest.raises(CheckpointError, match=r"lacks weights for layer_3: .*q_proj"):
+        lazy.module("model.layers.3.self_attn")
+    with pytest.raises(CheckpointError, match=r"lacks weights for layer_3"):  # asked again: the same error
+        lazy.module("model.layers.3.self_attn")
+    lazy.close()
 
 
 def test_missing_layer_weights_are_a_clear_error(tiny_model, tmp_path: Path) -> None:

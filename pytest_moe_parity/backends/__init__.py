@@ -183,6 +183,9 @@ class Backend(ABC):
         """The candidate's torch module at a point's module path (backends with `provides_modules`)."""
         raise BackendError(f"the {self.name} backend has no torch modules; use candidate.call(record)")
 
+    def plan(self, points: list[Point]) -> None:  # noqa: B027 - optional hook
+        """The points the run will ask for, in the order it asks (a backend may read ahead)."""
+
     def read_stats(self) -> dict[str, Any] | None:
         """What was read from the candidate so far (reported in comparison_summary.json)."""
         return None

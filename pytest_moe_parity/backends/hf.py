@@ -53,6 +53,7 @@ class TorchBackend(Backend):
         except CheckpointError as exc:
             raise BackendError(str(exc)) from None
         self.lazy: LazyModel | None = None
+        self._plan: list[str] = []
 
     def start(self) -> None:
         self.lazy = LazyModel(
@@ -63,6 +64,7 @@ class TorchBackend(Backend):
             max_layers=self.hw_options["max_layers"],
             weights=self._weights,
         )
+        self.lazy.plan(self._plan)
 
     def _model(self) -> LazyModel:
         if self.lazy is None:
@@ -123,6 +125,11 @@ class TorchBackend(Backend):
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)
+
+    def plan(self, points: list[Point]) -> None:
+        self._plan = [p.module for p in points]
+        if self.lazy is not None:
+            self.lazy.plan(self._plan)
 
     def read_stats(self) -> dict[str, Any] | None:
         if self.lazy is None:

@@ -3,7 +3,8 @@ on the meta device, and asking for a module reads only that layer's tensors from
 safetensors checkpoint (through its index), converted to the model's layout as transformers
 converts them (e.g. per-expert hub tensors fused into 3-D expert weights). Evicted layers go back
 to the meta device and give their memory back, so a run over every layer of a big model holds
-about what a run over one layer holds."""
+about what a run over one layer holds. Given the run's plan (the modules it will ask for, in
+order), the next unit is read in a background thread while the current one runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import ctypes.util
 import json
 import os
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +147,15 @@ class LazyModel:
         self.evicted: list[str] = []
         self._conversion: list[Any] | None = None
         self._returned_at: int | None = None  # resident bytes after the last give-back
+        # Read-ahead: the units the run will ask for, in order; the one being read in the background.
+        self._plan: list[Unit] = []
+        self._cursor = 0
+        self._ahead: tuple[Unit, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        # One reader at a time; `_loaded` and eviction under `_state`, so that asking for a loaded
+        # unit never waits for the background read.
+        self._loading = threading.RLock()
+        self._state = threading.RLock()
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
     def layer_of(self, key_or_path: str) -> int | None:
@@ -178,15 +190,29 @@ class LazyModel:
         return self.model.get_submodule(path)
 
     def ensure(self, unit: Unit) -> None:
-        if unit in self._loaded:
-            if isinstance(unit, int):  # most recently used last
+        self._join(unit)
+        if not self._touch(unit):
+            with self._loading:  # after a background read in flight
+                if not self._touch(unit):
+                    if isinstance(unit, int):
+                        with self._state:
+                            self._evict(keep=self.max_layers - 1)
+                    self._load(unit)
+        self._read_ahead(unit)
+
+    def _touch(self, unit: Unit) -> bool:
+        """Whether the unit is loaded (a decoder layer becomes the most recently used)."""
+        with self._state:
+            if unit not in self._loaded:
+                return False
+            if isinstance(unit, int):
                 self._loaded.remove(unit)
                 self._loaded.append(unit)
-            return
+            return True
+
+    def _load(self, unit: Unit) -> None:
         keys = self._keys_for(unit)
         target = self._unit_module(unit)
-        if isinstance(unit, int):
-            self._evict(keep=self.max_layers - 1)
         if keys:
             self._load_keys(keys)
         self._tie_if_needed(target)
@@ -196,12 +222,64 @@ class LazyModel:
                 f"{self.model_dir} lacks weights for {self._unit_name(unit)}: {', '.join(missing[:4])}"
                 + (" ..." if len(missing) > 4 else "")
             )
-        self._loaded.append(unit)
+        with self._state:
+            self._loaded.append(unit)
 
-    def _evict(self, keep: int) -> None:
+    # -- read-ahead -----------------------------------------------------------------------------
+    def plan(self, paths: list[str]) -> None:
+        """The module paths the run will ask for, in order: each unit's successor in the plan is
+        read in a background thread while the unit runs (with `max_layers` >= 2: the layer before
+        makes room for it, so the run still holds `max_layers` layers)."""
+        units: list[Unit] = []
+        for path in paths:
+            unit = self._unit(path)
+            if not units or units[-1] != unit:
+                units.append(unit)
+        self._plan, self._cursor = units, 0
+
+    def _read_ahead(self, unit: Unit) -> None:
+        if self._ahead is not None and self._ahead[1].done() and self._ahead[0] != unit:
+            self._ahead = None  # read, but not asked for (yet): it stays loaded, or is read again
+        if self.max_layers < 2 or self._ahead is not None or not self._plan:
+            return
+        # Where the run is in its plan: the unit's next occurrence from the cursor on (else from the
+        # start: a chained run's whole forward went through the plan before the isolated points).
+        try:
+            at = self._plan.index(unit, self._cursor)
+        except ValueError:
+            if unit not in self._plan:
+                return
+            at = self._plan.index(unit)
+        self._cursor = at
+        nxt = self._plan[at + 1] if at + 1 < len(self._plan) else None
+        if nxt is None or nxt in self._loaded:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-parity-read-ahead")
+        self._ahead = (nxt, self._pool.submit(self._load_ahead, nxt, unit))
+
+    def _load_ahead(self, unit: Unit, current: Unit) -> None:
+        with self._loading:
+            with self._state:
+                if unit in self._loaded:
+                    return
+                if isinstance(unit, int):  # room for it, never at the expense of the unit now running
+                    self._evict(keep=self.max_layers - 1, spare=current)
+            self._load(unit)
+
+    def _join(self, unit: Unit | None = None) -> None:
+        """Wait for the background read (of `unit`, or any); its failure is `unit`'s own."""
+        if self._ahead is None or (unit is not None and self._ahead[0] != unit):
+            return
+        _, future = self._ahead
+        self._ahead = None
+        future.result()
+
+    def _evict(self, keep: int, spare: Unit | None = None) -> None:
         """Put the least recently used layers' parameters back on the meta device, so a run over
         every layer of a huge model holds `max_layers` layers in memory, not the model."""
-        layers = [u for u in self._loaded if isinstance(u, int)]
+        layers = [u for u in self._loaded if isinstance(u, int) and u != spare]
+        keep -= isinstance(spare, int) and spare in self._loaded
         if len(layers) <= max(keep, 0):
             return
         freed = 0
@@ -297,7 +375,13 @@ class LazyModel:
         return {self._unit_name(u) for u in self._loaded}
 
     def close(self) -> None:
-        self._evict(keep=0)
+        with contextlib.suppress(Exception):  # a read-ahead's failure belongs to a point never run
+            self._join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        with self._state:
+            self._evict(keep=0)
 
 
 def _numel(shape: list[int]) -> int:
