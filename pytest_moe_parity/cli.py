@@ -314,13 +314,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         rows = list(session.run_all())
     except (SetupError, GoldenError) as exc:
         return _fail(str(exc))
-    if all(r["status"] == "skipped" for r in rows):
-        first = session.points[0]
-        tried = ", ".join(session.backend.dump.candidates(first))
-        return _fail(
-            f"no dumped tensor in {args.candidate} matched a point of {args.golden} "
-            f"(names tried for {first.id}: {tried}); pass --map FILE"
-        )
+    nothing = session.nothing_compared()
+    if nothing is not None:
+        return _fail(nothing)
     session.write_reports()
     for line, _ in session.closing_lines():
         print(line)

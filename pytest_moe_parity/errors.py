@@ -48,3 +48,7 @@ class BackendFailure(ParityError):
         super().__init__(message)
         self.point_id = point_id
         self.original = exc
+
+
+class UnusableOutput(ParityError):
+    """A candidate output the verdict cannot use (a shape or structure unlike the golden's)."""

@@ -256,11 +256,13 @@ class ParityPlugin:
     def pytest_keyboard_interrupt(self) -> None:
         self.session.interrupted = True
 
-    def pytest_sessionfinish(self, exitstatus: int) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.worker:
             self.session.close()
             return
         self.session.interrupted |= exitstatus == pytest.ExitCode.INTERRUPTED
+        if exitstatus == pytest.ExitCode.OK and self.session.nothing_compared():
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         self.session.write_reports()
         self.session.close()
 
@@ -357,12 +359,19 @@ class ParityItem(pytest.Item):
         pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
 
     def runtest(self) -> None:
+        from .errors import BackendFailure
         from .judge.tolerances import JUNIT_FIGURES
 
         session = _session(self.config)
         assert session is not None and self.prepared is not None
         marker = self.get_closest_marker("parity")
-        self.result = session.judge(self.prepared, dict(marker.kwargs) if marker else None)
+        message = None
+        try:
+            self.result = session.judge(self.prepared, dict(marker.kwargs) if marker else None)
+        except BackendFailure as exc:  # an output the verdict cannot use: an error of this point
+            message = str(exc)
+        if message is not None:
+            pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
         for prefix, result in (("", self.result), ("chain_", self.result.chain)):
             if result is None:
                 continue

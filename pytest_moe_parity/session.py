@@ -309,7 +309,21 @@ class ParitySession:
             return [("no parity items ran", None)]
         table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
         reports = [(line, None) for line in self.report_lines]
-        return table + summary_lines(rows, report_dir=self.options.report_dir) + reports
+        backend = [(line, None) for line in self.backend.closing_lines(rows)]
+        nothing = self.nothing_compared()
+        warning = [(nothing, "red")] if nothing else []
+        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + warning + reports
+
+    def nothing_compared(self) -> str | None:
+        """A run whose every point was skipped compared nothing: a mistake (a dump of other names,
+        a selection of points the candidate lacks), never a success. Why, or None."""
+        rows = list(self.rows.values())
+        if not rows or any(r["status"] != "skipped" for r in rows):
+            return None
+        return (
+            f"no point was compared: the {self.hw} backend gave none of the {len(rows)} selected points "
+            f"(first: {rows[0].get('reason', '')})"
+        )
 
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {

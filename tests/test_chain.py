@@ -212,7 +212,9 @@ def test_a_dumped_whole_model_run_is_compared_chained(tmp_path: Path, golden_dir
     dump = tmp_path / "dump"
     dump.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dump / "run.safetensors"))
-    code, out, err = cli(capsys, "compare", golden, dump, "--mode", "chain", "--report", tmp_path / "r")
+    code, out, err = cli(
+        capsys, "compare", golden, dump, "--mode", "chain", "--dtype", "bfloat16", "--report", tmp_path / "r"
+    )
     assert code == 0, out + err
     assert "first divergence: none" in out
     rows = read_json(tmp_path / "r" / REPORT_FILE)["points"]

@@ -160,6 +160,17 @@ class Backend(ABC):
         """The candidate's dtype: --dtype, else the backend's native dtype, else the golden's."""
         return self.setup.dtype or self.native_dtype or parse_dtype(self.golden.dtype)
 
+    @property
+    def dtype_source(self) -> str:
+        """Where the candidate's dtype comes from, for the closing lines."""
+        if self.setup.dtype is not None:
+            return "--dtype"
+        return f"the {self.name} backend" if self.native_dtype is not None else "the golden"
+
+    def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
+        """Lines the backend adds to the run's closing lines (given every row of the run)."""
+        return []
+
     def start(self) -> None:  # noqa: B027 - optional hook
         """Heavy setup (loading, compiling), once, before the first point."""
 

@@ -1,28 +1,49 @@
-"""Candidates dumped by another framework (Megatron, Ascend, a custom runtime): a directory of
-safetensors files (or `.pt` files, read with `weights_only=True`) whose tensors are matched to
-point ids by name, and compared without running anything.
+"""Candidates dumped by another framework (Megatron, NxDI, Ascend, a custom runtime): a directory of
+safetensors files (or `.pt` files, read with `weights_only=True`), or an NxDI tensor-capture
+directory (see `nxdi_capture`), whose tensors are matched to point ids by name and compared without
+running anything.
 
-A point's output is found under, in order: the name the map file gives it, its point id
-(`layer_3.attention`), or its transformers module path (`model.layers.3.self_attn`). A point with
-several outputs (a router's logits, weights and top-k ids) is `NAME.0`, `NAME.1`, ... The map file is
-JSON: `{"layer_{layer}.attention": "decoder.{layer}.attn_out", "logits": "lm_head_out"}`."""
+A point's output is found under, in order: the name the map file gives it, the name the NxDI table
+of the golden's architecture gives it (capture directories), its point id (`layer_3.attention`), or
+its transformers module path (`model.layers.3.self_attn`). Decode step k's tensors carry the prefix
+`step_k.` (`step_2.layer_3.attention`). A point with several outputs (a router's logits, weights and
+top-k ids) is `NAME.0`, `NAME.1`, ...
+
+The map file is JSON, point id templates -> a name, or a list of names tried in turn, or an object
+that says how the tensor was sharded across ranks:
+
+    {"layer_{layer}.attention": "decoder.{layer}.attn_out",
+     "layer_{layer}.moe": {"name": "decoder.{layer}.moe_out", "concat_dim": -1, "ranks": 8},
+     "logits": {"name": "lm_out", "concat_dim": null, "ranks": 8}}
+
+Rank r's piece of NAME is `NAME.rank{r}`, or NAME in a `rank{r}` (`rank_{r}`, `tp_rank_{r}`)
+directory; the pieces are concatenated along `concat_dim` (null: every rank holds the whole tensor,
+rank 0's is compared and the others are checked equal to it)."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..dtypes import dtype_name
 from ..errors import BackendError
-from ..golden import GoldenRecord
-from ..points import Point
+from ..golden import GoldenRecord, GoldenStore
+from ..points import Point, parse_point_id
+from ..tree import leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
+from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
-_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_RANK_DIR = re.compile(r"^(?:tp_)?rank_?(\d+)$")
+_RANK_SUFFIX = re.compile(r"^(.+)\.rank(\d+)$")
+_MAP_KEYS = {"name", "concat_dim", "ranks"}
 
 
 class DumpError(BackendError):
@@ -33,7 +54,48 @@ class PointNotDumped(PointUnavailable):
     """The dump holds nothing for this point."""
 
 
-def load_map(path: Path | str | None) -> list[tuple[re.Pattern[str], str]]:
+@dataclass(frozen=True)
+class Source:
+    """Where a point's tensor is looked for: a name, and how it was sharded (None: not sharded)."""
+
+    name: str
+    concat_dim: int | None = None
+    ranks: int | None = None
+    note: str | None = None
+
+
+Rule = tuple[re.Pattern[str], list[Source]]
+
+
+def _template(point: str) -> re.Pattern[str]:
+    return re.compile(re.escape(point).replace(re.escape("{layer}"), r"(?P<layer>\d+)"))
+
+
+def _sources(path: Path, point: str, value: Any) -> list[Source]:
+    where = f"map file {path}, entry {point!r}"
+    if isinstance(value, str):
+        return [Source(value)]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return [Source(v) for v in value]
+    if not isinstance(value, dict):
+        raise DumpError(f'{where}: a name, a list of names or {{"name", "concat_dim", "ranks"}}, not {value!r}')
+    unknown = set(value) - _MAP_KEYS
+    if unknown:
+        raise DumpError(f"{where}: unknown key {sorted(unknown)[0]!r} (keys: name, concat_dim, ranks)")
+    name, dim, ranks = value.get("name"), value.get("concat_dim"), value.get("ranks")
+    if not isinstance(name, str):
+        raise DumpError(f'{where}: "name" must be the dumped tensor\'s name')
+    if ranks is not None and (not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1):
+        raise DumpError(f'{where}: "ranks" must be a whole number of ranks, at least 1')
+    if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
+        raise DumpError(f'{where}: "concat_dim" must be a dimension (e.g. -1), or null for a replicated tensor')
+    if ranks is None and dim is not None:
+        raise DumpError(f'{where}: "concat_dim" needs "ranks", the number of pieces to gather')
+    return [Source(name, dim, ranks)]
+
+
+def load_map(path: Path | str | None) -> list[Rule]:
+    """The map file's rules, in its order."""
     if path is None:
         return []
     path = Path(path)
@@ -43,49 +105,99 @@ def load_map(path: Path | str | None) -> list[tuple[re.Pattern[str], str]]:
         raise DumpError(f"map file {path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DumpError(f"map file {path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
         raise DumpError(f"map file {path} must be a JSON object of point id -> dumped tensor name")
     rules = []
-    for point, name in data.items():
-        pattern = re.escape(point).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
-        rules.append((re.compile(pattern), name))
+    for point, value in data.items():
+        try:
+            parse_point_id(point.replace("{layer}", "0"))
+        except ValueError:
+            raise DumpError(
+                f"map file {path}: {point!r} is not a point id (e.g. embedding, layer_{{layer}}.attention, logits)"
+            ) from None
+        rules.append((_template(point), _sources(path, point, value)))
     return rules
 
 
-class DumpDir:
-    """Name -> tensor index over a dump directory; tensors are read on demand."""
+def _base(point: Point) -> tuple[str, str]:
+    """The point id without its decode step, and the prefix of the step's tensors."""
+    if point.step is None:
+        return point.id, ""
+    prefix = f"step_{point.step}."
+    return point.id.removeprefix(prefix), prefix
 
-    def __init__(self, root: Path | str, map_file: Path | str | None = None):
+
+class DumpDir:
+    """Name -> tensor index over a dump directory (or an NxDI capture); tensors are read on demand."""
+
+    def __init__(self, root: Path | str, map_file: Path | str | None = None, model_type: str | None = None):
         self.root = Path(root)
         if not self.root.is_dir():
             raise DumpError(f"dump directory {self.root} does not exist")
         self.rules = load_map(map_file)
-        self._index: dict[str, tuple[Path, str | None]] = {}
-        self._header_dtypes: dict[str, str] = {}  # safetensors entries: name -> dtype from the header
+        self.capture: Capture | None = None
+        self.unavailable: dict[str, str] = {}  # point template -> why the capture cannot give it
+        # name -> rank (None: not sharded) -> (file, safetensors key or None for a .pt file)
+        self._index: dict[str, dict[int | None, tuple[Path, str | None]]] = {}
+        self.dtypes: dict[str, str] = {}  # name -> dtype, where headers or metadata say it
         self._pt_last: tuple[Path, Any] | None = None  # the last .pt file read (one held at a time)
+        if is_capture_dir(self.root):
+            self._index_capture(model_type)
+        else:
+            self._index_files()
+        if not self._index:
+            raise DumpError(f"{self.root} holds no .safetensors or .pt files")
+
+    def _index_capture(self, model_type: str | None) -> None:
+        self.capture = read_capture(self.root)
+        for name, path in self.capture.files.items():
+            self._index[name] = {None: (path, None)}
+        self.dtypes = {k: v.removeprefix("torch.") for k, v in self.capture.dtypes.items()}
+        table = load_table(model_type or "")
+        if table is None and not self.rules:
+            raise DumpError(
+                f"{self.root} is an NxDI tensor capture, and there is no NxDI module table for {model_type} "
+                f"(tables: {', '.join(available_tables())}); pass a map file of point ids to module names"
+            )
+        if table is not None:
+            notes = {k: table.notes.get(k) for k in table.modules}
+            self.rules += [(_template(k), [Source(n, note=notes[k]) for n in v]) for k, v in table.modules.items()]
+            self.unavailable = dict(table.unavailable)
+
+    def _index_files(self) -> None:
         from safetensors import SafetensorError, safe_open
 
         files = sorted(p for p in self.root.rglob("*") if p.suffix in TENSOR_SUFFIXES and p.is_file())
         for f in files:
+            parts = f.relative_to(self.root).parts
+            rank = next((int(m.group(1)) for p in parts[:-1] if (m := _RANK_DIR.match(p))), None)
             if f.suffix == ".safetensors":
                 try:
                     with safe_open(str(f), framework="pt") as fh:
                         for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                            self._index[key] = (f, key)
-                            self._header_dtypes[key] = fh.get_slice(key).get_dtype()
+                            self._add(key, rank, f, key)
+                            dtype = _SAFETENSORS_FLOATS.get(fh.get_slice(key).get_dtype())
+                            if dtype is not None:
+                                self.dtypes[key] = dtype
                 except (SafetensorError, OSError) as exc:
                     raise DumpError(f"{f} cannot be read as safetensors ({exc})") from None
             else:
-                self._index[".".join(f.relative_to(self.root).with_suffix("").parts)] = (f, None)
-        if not self._index:
-            raise DumpError(f"{self.root} holds no .safetensors or .pt files")
+                kept = [p for p in parts[:-1] if not _RANK_DIR.match(p)]
+                self._add(".".join([*kept, f.stem]), rank, f, None)
+
+    def _add(self, name: str, rank: int | None, path: Path, key: str | None) -> None:
+        m = _RANK_SUFFIX.match(name)
+        if m and rank is None:
+            name, rank = m.group(1), int(m.group(2))
+        self._index.setdefault(name, {})[rank] = (path, key)
 
     @property
     def names(self) -> list[str]:
         return sorted(self._index)
 
-    def _read(self, name: str) -> Any:
-        f, key = self._index[name]
+    # -- reading ------------------------------------------------------------------------------
+    def _read(self, name: str, rank: int | None = None) -> Any:
+        f, key = self._index[name][rank]
         if key is not None:
             from safetensors import safe_open
 
@@ -93,54 +205,149 @@ class DumpDir:
                 return fh.get_tensor(key)
         if self._pt_last is None or self._pt_last[0] != f:
             try:
-                self._pt_last = (f, torch.load(f, map_location="cpu", weights_only=True))
+                value = torch.load(f, map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
                 raise DumpError(f"{f} cannot be loaded with weights_only=True ({type(exc).__name__}: {exc})") from None
+            if not isinstance(value, torch.Tensor | tuple | list) or not all(
+                isinstance(t, torch.Tensor) for t in leaves(value)
+            ):
+                raise DumpError(
+                    f"{f} holds a {type(value).__name__}, not a tensor or a tuple of tensors: save each "
+                    "output as a tensor (torch.save(tensor, path))"
+                )
+            self._pt_last = (f, value)
         return self._pt_last[1]
 
-    def float_dtype(self) -> torch.dtype | None:
-        """The dtype of the first floating-point tensor of the dump (the candidate's precision);
-        safetensors dumps answer from their headers, without reading tensor data."""
-        for name in self.names:
-            header = _SAFETENSORS_FLOATS.get(self._header_dtypes.get(name, ""))
-            if header is not None:
-                return header
-            if name in self._header_dtypes:
-                continue
-            value = self._read(name)
-            for t in value if isinstance(value, tuple | list) else [value]:
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    return t.dtype
-        return None
+    def _whole(self, name: str, source: Source, point: Point) -> tuple[Any, list[str]]:
+        """The tensor under `name`, gathered from its ranks when the source says it is sharded."""
+        pieces = self._index[name]
+        if source.ranks is None:
+            if None in pieces:
+                return self._read(name), []
+            ranks = sorted(r for r in pieces if r is not None)
+            raise DumpError(
+                f"{point.id}: {name} was dumped per rank (ranks {ranks[0]}-{ranks[-1]}): say how to gather it in "
+                f'the map file, e.g. {{"{point.id}": {{"name": "{name}", "concat_dim": -1, "ranks": {len(ranks)}}}}}'
+            )
+        missing = [r for r in range(source.ranks) if r not in pieces]
+        if missing:
+            raise DumpError(
+                f"{point.id}: rank {missing[0]} of {source.ranks} of {name} is missing from {self.root} "
+                f"(looked for {name}.rank{missing[0]}, or {name} in a rank{missing[0]} directory)"
+            )
+        values = [self._read(name, r) for r in range(source.ranks)]
+        if source.concat_dim is None:  # replicated: every rank must hold the same tensor
+            notes = [
+                f"rank {r} holds a tensor other than rank 0's under {name}"
+                for r, v in enumerate(values[1:], 1)
+                if not _same(v, values[0])
+            ]
+            return values[0], notes
+        if isinstance(values[0], torch.Tensor):
+            return torch.cat(values, dim=source.concat_dim), []
+        return tuple(torch.cat(parts, dim=source.concat_dim) for parts in zip(*values, strict=True)), []
+
+    # -- points ---------------------------------------------------------------------------------
+    def sources(self, point: Point) -> list[Source]:
+        """Where `point` is looked for, in order."""
+        base, prefix = _base(point)
+        found: list[Source] = []
+        for pattern, sources in self.rules:
+            m = pattern.fullmatch(base)
+            if m:
+                found += [
+                    Source(prefix + s.name.format(**m.groupdict()), s.concat_dim, s.ranks, s.note) for s in sources
+                ]
+        if self.capture is None:
+            found += [Source(point.id), Source(prefix + point.module)]
+        return found
 
     def candidates(self, point: Point) -> list[str]:
-        names = []
-        for pattern, template in self.rules:
-            m = pattern.fullmatch(point.id)
-            if m:
-                names.append(template.format(**m.groupdict()))
-        names += [point.id, point.module]
-        return names
+        return [s.name for s in self.sources(point)]
 
-    def find(self, point: Point) -> tuple[str, Any] | None:
-        """The dumped output of `point` and the name it was found under, or None."""
-        for name in self.candidates(point):
-            if name in self._index:
-                return name, self._read(name)
-            parts = []
-            while f"{name}.{len(parts)}" in self._index:
-                parts.append(self._read(f"{name}.{len(parts)}"))
-            if parts:
-                return name, tuple(parts)
+    def locate(self, point: Point) -> tuple[str, Source] | None:
+        """The name the point's output is under (`NAME`, or its parts `NAME.0`, ...), without reading."""
+        for source in self.sources(point):
+            if source.name in self._index or f"{source.name}.0" in self._index:
+                return source.name, source
         return None
+
+    def find(self, point: Point) -> tuple[str, Any, list[str]] | None:
+        """The dumped output of `point`, the name it was found under and notes on it, or None."""
+        located = self.locate(point)
+        if located is None:
+            return None
+        name, source = located
+        notes = [source.note] if source.note else []
+        if name in self._index:
+            value, more = self._whole(name, source, point)
+            return name, value, notes + more
+        parts = []
+        while f"{name}.{len(parts)}" in self._index:
+            value, more = self._whole(f"{name}.{len(parts)}", source, point)
+            parts.append(value)
+            notes += more
+        return name, tuple(parts), notes
+
+    def why_missing(self, point: Point) -> str | None:
+        """Why the capture cannot give `point` (NxDI has no module for it), if the table says."""
+        base, _ = _base(point)
+        return next((why for k, why in self.unavailable.items() if _template(k).fullmatch(base)), None)
+
+    def nearest(self, names: list[str], n: int = 3) -> list[str]:
+        """The dump's names closest to `names` (for a message)."""
+        found: list[str] = []
+        for name in names:
+            found += [c for c in difflib.get_close_matches(name, self.names, n=n, cutoff=0.4) if c not in found]
+        return found[:n]
+
+    def dtype_census(self) -> dict[str, int]:
+        """How many dumped tensors are in each floating dtype (from headers and capture metadata)."""
+        census: dict[str, int] = {}
+        for dtype in self.dtypes.values():
+            if dtype in _SAFETENSORS_FLOATS.values():
+                census[dtype] = census.get(dtype, 0) + 1
+        return census
+
+
+def _same(a: Any, b: Any) -> bool:
+    la, lb = leaves(a), leaves(b)
+    return len(la) == len(lb) and all(
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def fit(candidate: torch.Tensor, golden: torch.Size, batch: int) -> tuple[torch.Tensor, str | None]:
+    """The candidate tensor in the golden's shape where only the layout differs: the same elements
+    in other dimensions (a flattened batch), or more positions than the golden's along one
+    dimension (NxDI pads the context to its bucket, at the end: the first positions are the
+    tokens). Anything else is left for the verdict's shape check."""
+    if candidate.shape == golden or candidate.dim() == 0 or len(golden) == 0:
+        return candidate, None
+    shape = list(candidate.shape)
+    if candidate.numel() == golden.numel():
+        return candidate.reshape(golden), f"reshaped from {shape} to the golden's {list(golden)}"
+    if candidate.dim() == len(golden):
+        differ = [d for d in range(len(golden)) if candidate.shape[d] != golden[d]]
+        if len(differ) == 1 and candidate.shape[differ[0]] > golden[differ[0]]:
+            d, keep = differ[0], golden[differ[0]]
+            if d == 0 and batch > 1 and candidate.shape[0] % batch == 0 and keep % batch == 0:
+                # [batch * bucket, ...] flattened tokens: the first positions of each sequence
+                per = candidate.reshape(batch, candidate.shape[0] // batch, *candidate.shape[1:])
+                trimmed = per[:, : keep // batch].reshape(golden)
+            else:
+                trimmed = candidate.narrow(d, 0, keep)
+            return trimmed, f"the first {keep} of {shape[d]} positions (bucket padding left out)"
+    return candidate, None
 
 
 class DumpBackend(Backend):
-    """`--hw dump --model DUMP_DIR [--hw-option map=FILE]`: outputs come from the dump."""
+    """`--hw dump --model DIR [--parity-map FILE]`: outputs come from the dump, or NxDI capture, in DIR."""
 
     name = "dump"
     needs_checkpoint = False
-    captures_routing = True  # when the router's (logits, weights, top-k ids) were dumped
+    captures_routing = True  # when the router's (logits, weights, top-k ids), or its logits, were dumped
     chain = "recorded"  # a dump of the candidate's own forward is a chained run already
     options = (HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),)
 
@@ -149,18 +356,78 @@ class DumpBackend(Backend):
         if setup.model_dir is None:
             raise BackendError("--hw dump needs the dump directory: pass --model DIR")
         # indexes the dump (names and headers only) and reads the map file
-        self.dump = DumpDir(setup.model_dir, self.hw_options["map"])
-        self.native_dtype = self.dump.float_dtype()
+        self.dump = DumpDir(setup.model_dir, self.hw_options["map"], self.golden.model_type)
+        self.batch = _batch(self.golden)
+        self._check_coverage()
+
+    def _check_coverage(self) -> None:
+        """A dump in which no point of the golden can be found is a mistake, not a run of skips."""
+        points = self.golden.points
+        if any(self.dump.locate(p) is not None for p in points):
+            return
+        first = next((p for p in points if self.dump.why_missing(p) is None), points[0])
+        tried = self.dump.candidates(first)
+        nearest = self.dump.nearest(tried)
+        raise DumpError(
+            f"no dumped tensor in {self.dump.root} matches a point of the golden (looked for {first.id} "
+            f"as {', '.join(tried)}; the dump's nearest names: {', '.join(nearest) or 'none'}); "
+            "pass a map file of point ids to dumped names"
+        )
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         found = self.dump.find(point)
         if found is None:
+            why = self.dump.why_missing(point)
+            if why is not None:
+                raise PointNotDumped(f"{point.id}: not in the NxDI capture: {why}")
             tried = ", ".join(self.dump.candidates(point))
             raise PointNotDumped(f"{point.id} is not in the dump {self.dump.root} (looked for {tried})")
+        name, output, notes = found
+        shape = self._golden_shape(point)
+        note = None
+        if isinstance(output, torch.Tensor) and shape is not None:
+            output, note = fit(output, shape, self.batch)
+        if note:
+            notes.append(f"{name}: {note}")
         routing = None
         router = self.golden.router_of(point)
         if router is not None:
             dumped = self.dump.find(router)
-            if dumped is not None and isinstance(dumped[1], tuple | list) and len(dumped[1]) >= 3:
+            if dumped is not None and isinstance(dumped[1], tuple | list):
                 routing = tuple(dumped[1])
-        return CandidateOutput(found[1], routing)
+            elif dumped is not None:  # its logits only (a capture): the verdict picks the top k from them
+                shape = self._golden_shape(router)
+                routing = (fit(dumped[1], shape, self.batch)[0] if shape is not None else dumped[1],)
+        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes})
+
+    def _golden_shape(self, point: Point) -> torch.Size | None:
+        """The shape of the golden's (first) output tensor, from the manifest: no tensor is read."""
+        entry = self.golden.entry(point)
+        spec = entry.get("output")
+        while isinstance(spec, dict) and spec.get("t") in ("tuple", "list"):
+            spec = next((item for item in spec["items"] if item.get("t") != "omitted"), None)
+        if not isinstance(spec, dict) or spec.get("t") != "tensor":
+            return None
+        return torch.Size(entry["tensors"][spec["key"]]["shape"])
+
+    def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
+        compared = [r for r in rows if r["status"] in ("passed", "failed")]
+        dtype = dtype_name(self.dtype)
+        line = f"compared {len(compared)} of {len(rows)} points, candidate dtype {dtype} (from {self.dtype_source})"
+        census = self.dump.dtype_census()
+        others = {d: n for d, n in census.items() if d != dtype}
+        if others and sum(others.values()) > sum(census.values()) / 2:
+            dominant = max(others, key=others.get)
+            line += (
+                f"; {others[dominant]} of {sum(census.values())} dumped tensors are {dominant}: "
+                f"pass --dtype {dominant} if the candidate computed in it"
+            )
+        missing = [r["id"] for r in rows if r["status"] == "skipped"]
+        if missing:
+            line += f"; not in the dump: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
+        return [line]
+
+
+def _batch(golden: GoldenStore) -> int:
+    ids = golden.manifest.get("inputs", {}).get("input_ids")
+    return len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1

@@ -445,17 +445,42 @@ class Judge:
         return rm.disagreeing_tokens
 
     # -- per component --------------------------------------------------------------------------
+    def routing_of(self, cand_out: Any, golden_out: Any, bias: torch.Tensor | None) -> tuple | None:
+        """The candidate router's (logits, top-k weights or None, top-k ids): as it returned them, or,
+        from its logits alone (what a capture of one tensor per module holds), the ids that the
+        golden's selection rule picks from them (the weights unknown)."""
+        if router_triple(cand_out):
+            return tuple(cand_out)
+        logits = first_tensor(cand_out)
+        g_logits, _, g_idx = golden_out[:3]
+        if logits is None or len(_tensor_leaves(cand_out)) != 1 or logits.shape[-1] != g_logits.shape[-1]:
+            return None
+        scores, _ = self.selection(logits.detach().to("cpu"), bias)
+        ids = scores.topk(g_idx.shape[-1], dim=-1).indices.reshape(g_idx.shape)
+        return logits, None, ids
+
     def judge_router(self, golden_out: Any, cand_out: Any, bias: torch.Tensor | None) -> None:
         g_logits, g_w, g_idx = golden_out[:3]
+        derived = not router_triple(cand_out) and self.routing_of(cand_out, golden_out, bias)
+        if derived:  # logits only: the logits and the top-k sets they select; no weights to compare
+            self.compare("logits", g_logits, derived[0].detach().to("cpu"))
+            self.result.excluded_tokens = self.compare_topk(golden_out, derived, bias, judge_flips=True)
+            self.result.notes.append(
+                "router: the candidate gave its logits only: judged on them and on the top-k experts they "
+                "select by the golden's rule; the top-k weights are not compared"
+            )
+            return
         cand = [t for t in _tensor_leaves(cand_out) if t is not None]
         if len(cand) < 3 or not all(isinstance(t, torch.Tensor) for t in cand[:3]):
             self.result.checks.append(Check("type", "router", float("nan"), None, "tuple", False))
             self.result.notes.append("router: candidate did not return (logits, top_k_weights, top_k_index)")
             return
         c_logits, c_w, c_idx = (t.detach().to("cpu") for t in cand[:3])
+        num_experts = g_logits.shape[-1]
+        if c_w.shape[-1] == num_experts and c_idx.shape[-1] < num_experts:
+            c_w = self._topk_of_affinities(c_w, c_idx, g_w)
         self.compare("logits", g_logits, c_logits)
         disagree = self.compare_topk(golden_out, cand, bias, judge_flips=True)
-        num_experts = g_logits.shape[-1]
         keep = torch.ones(g_idx.reshape(-1, g_idx.shape[-1]).shape[0], dtype=torch.bool)
         keep[disagree] = False
         if keep.any():
@@ -463,6 +488,21 @@ class Judge:
             dense_c = scatter_topk(c_idx, c_w, num_experts)
             self.compare("weights", dense_g, dense_c, keep_rows=keep)
         self.result.excluded_tokens = disagree
+
+    def _topk_of_affinities(self, affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor):
+        """A router that returns every expert's affinity [T, E] with its top-k ids (NxDI's RouterTopK:
+        the full softmax; the experts renormalise the top k): the top-k weights, renormalised when
+        the golden's top-k weights are (rows summing to 1)."""
+        picked = affinities.reshape(-1, affinities.shape[-1]).gather(1, index.reshape(-1, index.shape[-1]).long())
+        sums = golden_w.reshape(-1, golden_w.shape[-1]).to(torch.float64).sum(-1)
+        renormalised = bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-2))
+        if renormalised:
+            picked = picked / picked.sum(-1, keepdim=True)
+        self.result.notes.append(
+            "router: the candidate's weights are every expert's affinity [T, E]: its top-k ids' affinities are "
+            + ("judged renormalised, as the golden's top-k weights are" if renormalised else "judged as they are")
+        )
+        return picked
 
     def judge_routed_block(
         self, golden_out: Any, cand: Any, golden_router: Any | None, cand_router: Any | None, bias
@@ -657,7 +697,10 @@ def judge_point(
     elif isinstance(point, Point) and point.follows_router:
         # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
         golden_router = golden_router if router_triple(golden_router) else None
-        candidate_router = candidate_router if router_triple(candidate_router) else None
+        if golden_router is None or candidate_router is None:
+            candidate_router = None
+        else:
+            candidate_router = judge.routing_of(candidate_router, golden_router, score_bias)
         judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, score_bias)
     elif point.component == "logits" and isinstance(first_tensor(golden_out), torch.Tensor):
         judge.judge_logits(golden_out, candidate)

@@ -6,12 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..backends import Backend, CandidateOutput
-from ..errors import BackendFailure, PointUnavailable
+from ..errors import BackendFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import PointResult, judge_point
 from ..points import ROUTER, Point
+from ..tree import leaves
 from .inputs import candidate_inputs
 
 MODES = ("isolated", "chain", "both")
@@ -132,22 +135,26 @@ class ParityRunner:
             router_record = self._router_record(router)
             golden_router = router_record.output
             bias = router_record.extras.get("score_bias")
-        result = judge_point(
-            point,
-            record.output,
-            cand.output,
-            tol,
-            self.dtype,
-            config=self.golden.config,
-            router=router,
-            golden_router=golden_router,
-            candidate_router=cand.routing,
-            score_bias=bias,
-            fixed=mode == "isolated" or noise is None,
-            noise=noise,
-            exclude=(self.chain.tainted(point), self.chain.tokens(point)) if mode == "chain" and self.chain else None,
-            cache_write=_cache_write(record, cand),
-        )
+        chained = mode == "chain" and self.chain is not None
+        try:
+            result = judge_point(
+                point,
+                record.output,
+                cand.output,
+                tol,
+                self.dtype,
+                config=self.golden.config,
+                router=router,
+                golden_router=golden_router,
+                candidate_router=cand.routing,
+                score_bias=bias,
+                fixed=mode == "isolated" or noise is None,
+                noise=noise,
+                exclude=(self.chain.tainted(point), self.chain.tokens(point)) if chained else None,
+                cache_write=_cache_write(record, cand),
+            )
+        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
+            raise BackendFailure(point.id, UnusableOutput(unusable(point, record.output, cand.output, exc))) from exc
         if mode == "isolated" and "cache_after.keys" in record.extras and cand.cache is None:
             result.notes.append("the backend does not show its KV cache: the cache write is not compared")
         if self.chain is not None and not self._chained(point):
@@ -179,3 +186,16 @@ def _cache_write(record: GoldenRecord, cand: CandidateOutput) -> tuple | None:
     if keys is None or values is None or cand.cache is None:
         return None
     return (keys, values), cand.cache
+
+
+def _shapes(obj: Any) -> str:
+    parts = [str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves(obj)]
+    return ", ".join(parts) or "nothing"
+
+
+def unusable(point: Point, golden: Any, candidate: Any, exc: BaseException) -> str:
+    """Why a candidate output cannot be judged, in one sentence."""
+    return (
+        f"{point.id}: the candidate's output ({_shapes(candidate)}) cannot be judged against the golden's "
+        f"({_shapes(golden)}): {exc}; give this point the golden's layout (or map it to another tensor)"
+    )
