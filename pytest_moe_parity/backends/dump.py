@@ -163,6 +163,16 @@ class DumpDir:
             notes = {k: table.notes.get(k) for k in table.modules}
             self.rules += [(_template(k), [Source(n, note=notes[k]) for n in v]) for k, v in table.modules.items()]
             self.unavailable = dict(table.unavailable)
+        names = [_template(s.name) for _, sources in self.rules for s in sources]
+        unknown = sorted(m for m in self.capture.modules if not any(n.fullmatch(m) for n in names))
+        if unknown:
+            what = f"the {model_type} table" if table is not None else "no NxDI table"
+            raise DumpError(
+                f"the NxDI capture {self.root} holds modules that neither {what} nor the map file names: "
+                f"{', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}; map each to its point in a map "
+                '(e.g. {"layer_{layer}.attention": "layers.{layer}.self_attn.o_proj"}) '
+                "or leave it out of modules_to_capture"
+            )
 
     def _index_files(self) -> None:
         from safetensors import SafetensorError, safe_open
@@ -226,7 +236,7 @@ class DumpDir:
                 return self._read(name), []
             ranks = sorted(r for r in pieces if r is not None)
             raise DumpError(
-                f"{point.id}: {name} was dumped per rank (ranks {ranks[0]}-{ranks[-1]}): say how to gather it in "
+                f"{point.id}: the dump holds {name} per rank (ranks {ranks[0]}-{ranks[-1]}): say how to gather it in "
                 f'the map file, e.g. {{"{point.id}": {{"name": "{name}", "concat_dim": -1, "ranks": {len(ranks)}}}}}'
             )
         missing = [r for r in range(source.ranks) if r not in pieces]
@@ -318,11 +328,12 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def fit(candidate: torch.Tensor, golden: torch.Size, batch: int) -> tuple[torch.Tensor, str | None]:
+def fit(candidate: torch.Tensor, golden: torch.Size, batch: int, seq: int) -> tuple[torch.Tensor, str | None]:
     """The candidate tensor in the golden's shape where only the layout differs: the same elements
-    in other dimensions (a flattened batch), or more positions than the golden's along one
-    dimension (NxDI pads the context to its bucket, at the end: the first positions are the
-    tokens). Anything else is left for the verdict's shape check."""
+    in other dimensions (a flattened batch), or more positions than the golden's `seq` along the
+    positions ([batch, positions, ...] or flattened [batch * positions, ...]: NxDI pads the context
+    to its bucket, at the end, so the first positions are the tokens). Anything else is left for
+    the verdict's shape check."""
     if candidate.shape == golden or candidate.dim() == 0 or len(golden) == 0:
         return candidate, None
     shape = list(candidate.shape)
@@ -330,9 +341,10 @@ def fit(candidate: torch.Tensor, golden: torch.Size, batch: int) -> tuple[torch.
         return candidate.reshape(golden), f"reshaped from {shape} to the golden's {list(golden)}"
     if candidate.dim() == len(golden):
         differ = [d for d in range(len(golden)) if candidate.shape[d] != golden[d]]
-        if len(differ) == 1 and candidate.shape[differ[0]] > golden[differ[0]]:
-            d, keep = differ[0], golden[differ[0]]
-            if d == 0 and batch > 1 and candidate.shape[0] % batch == 0 and keep % batch == 0:
+        positions = 1 if len(golden) > 2 and golden[:2] == (batch, seq) else 0 if golden[0] == batch * seq else None
+        if differ == [positions] and candidate.shape[positions] > golden[positions]:
+            d, keep = positions, golden[positions]
+            if d == 0 and batch > 1 and candidate.shape[0] % batch == 0:
                 # [batch * bucket, ...] flattened tokens: the first positions of each sequence
                 per = candidate.reshape(batch, candidate.shape[0] // batch, *candidate.shape[1:])
                 trimmed = per[:, : keep // batch].reshape(golden)
@@ -358,6 +370,7 @@ class DumpBackend(Backend):
         # indexes the dump (names and headers only) and reads the map file
         self.dump = DumpDir(setup.model_dir, self.hw_options["map"], self.golden.model_type)
         self.batch = _batch(self.golden)
+        self.seq = int(self.golden.manifest["inputs"]["seq_len"])
         self._check_coverage()
 
     def _check_coverage(self) -> None:
@@ -386,7 +399,7 @@ class DumpBackend(Backend):
         shape = self._golden_shape(point)
         note = None
         if isinstance(output, torch.Tensor) and shape is not None:
-            output, note = fit(output, shape, self.batch)
+            output, note = fit(output, shape, self.batch, self._positions(point))
         if note:
             notes.append(f"{name}: {note}")
         routing = None
@@ -397,8 +410,13 @@ class DumpBackend(Backend):
                 routing = tuple(dumped[1])
             elif dumped is not None:  # its logits only (a capture): the verdict picks the top k from them
                 shape = self._golden_shape(router)
-                routing = (fit(dumped[1], shape, self.batch)[0] if shape is not None else dumped[1],)
+                logits = fit(dumped[1], shape, self.batch, self._positions(point))[0] if shape else dumped[1]
+                routing = (logits,)
         return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes})
+
+    def _positions(self, point: Point) -> int:
+        """The golden's positions per sequence at `point`: the prompt's, or one at a decode step."""
+        return self.seq if point.step is None else 1
 
     def _golden_shape(self, point: Point) -> torch.Size | None:
         """The shape of the golden's (first) output tensor, from the manifest: no tensor is read."""
