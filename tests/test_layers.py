@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 LAYERS = [
     {"points", "dtypes", "errors", "tree"},
     {"golden", "judge"},
-    {"record"},
+    {"record", "dump"},
     {"backends"},
     {"replay"},
     {"report"},
@@ -29,6 +29,7 @@ ORDER = [
     "golden",
     "judge",
     "record",
+    "dump",
     "backends",
     "replay",
     "report",

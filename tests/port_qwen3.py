@@ -1,0 +1,225 @@
+"""A hand-written plain-PyTorch port of Qwen3-MoE, as a team writes one for another runtime: its own
+modules and names, experts fused in NxDI's layout (`gate_up [E, H, 2I]`, `down [E, I, H]`), weights
+read from the Hugging Face checkpoint. `Bugs` switches on the code-level port bugs the dump route
+must catch, each at the component that has it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+POINTS = {
+    "embedding": "embed",
+    "rotary": "rotary",
+    "layer_{layer}.input_norm": "layers.{layer}.input_norm",
+    "layer_{layer}.attention": "layers.{layer}.attn",
+    "layer_{layer}.post_attn_norm": "layers.{layer}.post_norm",
+    "layer_{layer}.router": "layers.{layer}.moe.router",
+    "layer_{layer}.experts": "layers.{layer}.moe.experts",
+    "layer_{layer}.moe": "layers.{layer}.moe",
+    "layer_{layer}.output": "layers.{layer}",
+    "final_norm": "norm",
+    "logits": "head",
+}
+
+
+@dataclass(frozen=True)
+class Bugs:
+    rope_interleaved: bool = False  # rotates (even, odd) pairs; the checkpoint's RoPE rotates halves
+    gqa_repeat: bool = False  # kv heads tiled with repeat, not repeat_interleave
+    no_renormalise: bool = False  # top-k weights left as softmax probabilities
+    scale_by_hidden: bool = False  # scores scaled by hidden_size ** -0.5, not head_dim ** -0.5
+    mask_one_ahead: bool = False  # each token also sees the next one
+    zero_expert: tuple[int, int] | None = None  # (layer, expert) whose weights were lost in conversion
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        self.dim, self.theta = dim, theta
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.dim, 2).float() / self.dim)  # float32 always
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        h, self.heads, self.kv_heads, self.dim = (
+            cfg["hidden_size"],
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
+            cfg["head_dim"],
+        )
+        self.q_proj = nn.Linear(h, self.heads * self.dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.dim, h, bias=False)
+        self.q_norm = RMSNorm(self.dim, cfg["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.dim, cfg["rms_norm_eps"])
+        self.scale = (h if bugs.scale_by_hidden else self.dim) ** -0.5
+        self.bugs = bugs
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate(q, self.bugs.rope_interleaved) * sin
+        k = k * cos + _rotate(k, self.bugs.rope_interleaved) * sin
+        groups = self.heads // self.kv_heads
+        if self.bugs.gqa_repeat:
+            k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        ahead = 2 if self.bugs.mask_one_ahead else 1
+        hidden = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=ahead)
+        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg["num_experts"], cfg["hidden_size"]))
+        self.k = cfg["num_experts_per_tok"]
+        self.renormalise = cfg["norm_topk_prob"] and not bugs.no_renormalise
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    """All experts of a layer fused, as NxDI lays them out: gate_up [E, H, 2I], down [E, I, H]."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        e, h, i = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+        self.gate_up = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.down = nn.Parameter(torch.zeros(e, i, h))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        inter = self.down.shape[1]
+        for expert in ids.unique().tolist():
+            token, slot = torch.where(ids == expert)
+            gate_up = x[token] @ self.gate_up[expert]
+            y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ self.down[expert]
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.router = Router(cfg, bugs)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, ids = self.router(flat)
+        return self.experts(flat, ids, weights).reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.attn = Attention(cfg, bugs)
+        self.post_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.moe = MoE(cfg, bugs)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.moe(self.post_norm(x))
+
+
+class Qwen3MoePort(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs = Bugs()):
+        super().__init__()
+        self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        self.rotary = Rotary(cfg["head_dim"], theta)
+        self.layers = nn.ModuleList(Block(cfg, bugs) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs = Bugs()) -> Qwen3MoePort:
+    """The port with the checkpoint's weights converted to its own names and fused layout."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts"))
+    hf: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        hf.update(load_file(str(shard)))
+    port = Qwen3MoePort(cfg, bugs)
+    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    state["head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    renames = {
+        "input_norm.weight": "input_layernorm.weight",
+        "post_norm.weight": "post_attention_layernorm.weight",
+        "moe.router.weight": "mlp.gate.weight",
+        **{
+            f"attn.{p}.weight": f"self_attn.{p}.weight"
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        },
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        state.update({f"layers.{i}.{ours}": hf[f"model.layers.{i}.{theirs}"] for ours, theirs in renames.items()})
+        experts = range(cfg["num_experts"])
+        expert = lambda e, p, i=i: hf[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"]  # noqa: E731
+        state[f"layers.{i}.moe.experts.gate_up"] = torch.stack(
+            [torch.cat([expert(e, "gate_proj").T, expert(e, "up_proj").T], dim=1) for e in experts]
+        )
+        state[f"layers.{i}.moe.experts.down"] = torch.stack([expert(e, "down_proj").T for e in experts])
+    if bugs.zero_expert is not None:
+        layer, e = bugs.zero_expert
+        for part in ("gate_up", "down"):
+            state[f"layers.{layer}.moe.experts.{part}"][e] = 0
+    port.load_state_dict({k: v.contiguous() for k, v in state.items()})
+    return port.to(dtype).eval()
