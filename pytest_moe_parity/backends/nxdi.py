@@ -72,7 +72,7 @@ def load_module_table(model_type: str) -> ModuleTable | None:
 
 
 def resolve(spec: str) -> Any:
-    """"package.module:Name" -> the object (imported on use: NxDI only where it is installed)."""
+    """ "package.module:Name" -> the object (imported on use: NxDI only where it is installed)."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -173,7 +173,9 @@ class NxdiBackend(Backend):
 
         load_pretrained_config = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
         hf_config = AutoConfig.from_pretrained(self.setup.model_dir)
-        neuron_config = resolve(self.table.neuron_config)(tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype)
+        neuron_config = resolve(self.table.neuron_config)(
+            tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype
+        )
         self.config = resolve(self.table.config)(neuron_config, load_config=load_pretrained_config(hf_config=hf_config))
         if self.hw_options["workdir"]:
             self._workdir = Path(self.hw_options["workdir"]).expanduser()
@@ -199,8 +201,12 @@ class NxdiBackend(Backend):
         hidden = golden.args[0] if golden.args else next(iter(golden.kwargs.values()))
         if call == "expert_mlps":
             index, weights = golden.args[1:3] if len(golden.args) >= 3 else list(golden.kwargs.values())[1:3]
-            return experts_inputs(hidden, index, weights, int(self.golden.config.get("num_experts") or
-                                                               self.golden.config["num_local_experts"]))
+            return experts_inputs(
+                hidden,
+                index,
+                weights,
+                int(self.golden.config.get("num_experts") or self.golden.config["num_local_experts"]),
+            )
         return (hidden,)
 
     def _module(self, point: Point, call: str, inputs: tuple[torch.Tensor, ...]) -> Any:

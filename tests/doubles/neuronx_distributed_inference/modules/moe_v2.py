@@ -24,7 +24,9 @@ class MLPOp(nn.Module):
     def __init__(self, num_experts, hidden_size, intermediate_size, dtype):
         super().__init__()
         self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, 2 * intermediate_size, dtype=dtype))
+        self.gate_up_proj.weight = nn.Parameter(
+            torch.zeros(num_experts, hidden_size, 2 * intermediate_size, dtype=dtype)
+        )
         self.down_proj = nn.Module()
         self.down_proj.weight = nn.Parameter(torch.zeros(num_experts, intermediate_size, hidden_size, dtype=dtype))
 

@@ -14,12 +14,15 @@ class MixtralInferenceConfig(InferenceConfig):
 def convert_mixtral_to_neuron_state_dict(neuron_state_dict, config):
     for layer in range(config.num_hidden_layers):
         p = f"layers.{layer}."
-        neuron_state_dict[p + "mlp.router.linear_router.weight"] = neuron_state_dict.pop(p + "block_sparse_moe.gate.weight")
-        w = lambda e, name: neuron_state_dict.pop(f"{p}block_sparse_moe.experts.{e}.{name}.weight")  # noqa: E731
+        neuron_state_dict[p + "mlp.router.linear_router.weight"] = neuron_state_dict.pop(
+            p + "block_sparse_moe.gate.weight"
+        )
+        w = lambda e, name, p=p: neuron_state_dict.pop(f"{p}block_sparse_moe.experts.{e}.{name}.weight")  # noqa: E731
         experts = range(config.num_local_experts)
         parts = [(w(e, "w1"), w(e, "w3"), w(e, "w2")) for e in experts]
         neuron_state_dict[p + "mlp.expert_mlps.mlp_op.gate_up_proj.weight"] = torch.stack(
-            [torch.cat([g.T, u.T], dim=1) for g, u, _ in parts])
+            [torch.cat([g.T, u.T], dim=1) for g, u, _ in parts]
+        )
         neuron_state_dict[p + "mlp.expert_mlps.mlp_op.down_proj.weight"] = torch.stack([d.T for _, _, d in parts])
     return neuron_state_dict
 

@@ -7,6 +7,8 @@ import torch
 
 from ..config import InferenceConfig
 
+EXPERT = "{}mlp.experts.{}.{}.weight"
+
 
 class Qwen3MoeInferenceConfig(InferenceConfig):
     pass
@@ -17,10 +19,13 @@ def convert_qwen3_moe_hf_to_neuron_state_dict(neuron_state_dict, config):
         p = f"layers.{layer}."
         neuron_state_dict[p + "mlp.router.linear_router.weight"] = neuron_state_dict.pop(p + "mlp.gate.weight")
         experts = range(getattr(config, "num_experts", None) or config.num_local_experts)
-        w = lambda e, name: neuron_state_dict.pop(f"{p}mlp.experts.{e}.{name}.weight")  # noqa: E731
-        gates, ups, downs = zip(*[(w(e, "gate_proj"), w(e, "up_proj"), w(e, "down_proj")) for e in experts])
+        w = lambda e, name, p=p: neuron_state_dict.pop(EXPERT.format(p, e, name))  # noqa: E731
+        gates, ups, downs = zip(
+            *[(w(e, "gate_proj"), w(e, "up_proj"), w(e, "down_proj")) for e in experts], strict=True
+        )
         neuron_state_dict[p + "mlp.expert_mlps.mlp_op.gate_up_proj.weight"] = torch.stack(
-            [torch.cat([g.T, u.T], dim=1) for g, u in zip(gates, ups)])
+            [torch.cat([g.T, u.T], dim=1) for g, u in zip(gates, ups, strict=True)]
+        )
         neuron_state_dict[p + "mlp.expert_mlps.mlp_op.down_proj.weight"] = torch.stack([d.T for d in downs])
         for a, b in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
             neuron_state_dict[f"{p}self_attn.{b}.weight"] = neuron_state_dict.pop(f"{p}self_attn.{a}.weight")
