@@ -14,7 +14,6 @@ import torch
 from helpers import read_json, run_parity, usage_error
 
 from pytest_moe_parity.backends import nxdi
-from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
@@ -41,9 +40,19 @@ def test_the_tables_are_data_for_each_architecture() -> None:
     assert {"qwen3_moe", "mixtral"} <= set(nxdi.tables())
     for model_type in ("qwen3_moe", "mixtral"):
         table = nxdi.load_module_table(model_type)
-        assert table is not None and table.layer_module == "layers.{layer}.mlp"
-        assert table.components == {"router": "router", "experts": "expert_mlps", "moe": ""}
-        assert {"attention", "logits"} <= set(table.unavailable)
+        assert table is not None
+        assert {c: s.module for c, s in table.components.items()} == {
+            "embedding": "embed_tokens",
+            "input_norm": "layers.{layer}.input_layernorm",
+            "post_attn_norm": "layers.{layer}.post_attention_layernorm",
+            "router": "layers.{layer}.mlp",
+            "experts": "layers.{layer}.mlp",
+            "moe": "layers.{layer}.mlp",
+            "final_norm": "norm",
+            "logits": "lm_head",
+        }
+        assert {s.call for s in table.components.values()} == {"", "router", "expert_mlps"}
+        assert set(table.unavailable) == {"rotary", "attention", "output"}
     assert nxdi.load_module_table("olmoe") is None
 
 
@@ -55,11 +64,11 @@ def test_one_layer_converts_as_the_documented_layout(arch: str, nxdi_double, tin
 
     model = tiny_model(arch)
     table = nxdi.load_module_table(arch)
-    state = nxdi.layer_state(model, 2)
+    state = nxdi.unit_state(model, 2)
     assert state and all(k.startswith("layers.0.") for k in state)
     config = type("Config", (), {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts": 8})()
     convert = nxdi.resolve(table.application).convert_hf_to_neuron_state_dict
-    got = nxdi.convert_layer(state, convert, config, "layers.0.mlp.")
+    got = nxdi.under(nxdi.convert_unit(state, convert, config, 1), "layers.0.mlp.")
     assert config.num_hidden_layers == 4  # the caller's config is left as it was
     hf = {}
     for shard in model.glob("*.safetensors"):
@@ -105,7 +114,7 @@ def test_the_router_output_is_judged_as_top_k_weights(nxdi_double, golden_dir, t
     assert any("every expert's affinity [T, E]" in n for n in result.notes)
     from neuronx_distributed_inference.utils.testing import CALLS
 
-    assert CALLS[-1]["cls"] == "MoEPoint" and CALLS[-1]["tp_degree"] == 1
+    assert CALLS[-1]["cls"] == "NxdiPoint" and CALLS[-1]["tp_degree"] == 1
     assert CALLS[-1]["signature"] == [(torch.Size([16, 64]), torch.bfloat16)]
 
 
@@ -121,24 +130,29 @@ def test_a_clean_run_passes_on_nxdi_modules(
     assert result.ret == 0, result.stdout.str()
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     built = {pid for pid, r in rows.items() if r["status"] == "passed"}
-    layers = GoldenStore(golden).layers
-    expected = {f"{s}layer_{i}.{c}" for s in ("", "step_1.") for i in layers for c in ("router", "experts", "moe")}
-    assert built == expected
-    assert (
-        "not built by --hw nxdi: the nxdi backend builds NxDI's MoE modules only" in rows["layer_0.attention"]["reason"]
-    )
+    unbuilt = {"rotary", "attention", "output"}
+    assert built == {pid for pid in rows if pid.rsplit(".", 1)[-1] not in unbuilt}
+    assert "not built by --hw nxdi: not built yet: NxDI's attention takes" in rows["layer_0.attention"]["reason"]
     assert {c["tp_degree"] for c in testing.CALLS} == {2}
     assert any(c["signature"][0][0][:2] == (1, 1) for c in testing.CALLS)  # decode steps trace their own graph
 
 
+@pytest.mark.parametrize(
+    "fault, first",
+    [
+        (faults.swap_gate_up(2), "layer_2.experts"),
+        (faults.scale("post_attention_layernorm", 1, 1.5), "layer_1.post_attn_norm"),
+        (faults.scale_rows("lm_head", [3, 5], 2.0), "logits"),
+    ],
+    ids=["gate-up-swapped", "norm-scaled", "lm-head-rows"],
+)
 def test_a_checkpoint_fault_fails_at_its_nxdi_module(
-    nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+    fault, first, nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
 ) -> None:
     golden = golden_dir("mixtral")
-    candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", faults.swap_gate_up(2))
+    candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", fault)
     pytester.syspathinsert(DOUBLES)
-    result = run_parity(
-        pytester, golden, "--hw", "nxdi", "--dtype", "bfloat16", "-k", "experts or moe", "-x", model=candidate
-    )
-    result.assert_outcomes(passed=4, failed=1)  # layers 0 and 1: experts, moe; then layer 2's experts
-    result.stdout.fnmatch_lines(["*first divergence: layer_2.experts*"])
+    result = run_parity(pytester, golden, "--hw", "nxdi", "--dtype", "bfloat16", "-x", model=candidate)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([f"*first divergence: {first} *"])
+    assert result.parseoutcomes()["failed"] == 1

@@ -8,14 +8,15 @@ Decode steps (one token) trace their own graphs, as NxDI's token generation does
 What is NxDI's and what is ours: the table per architecture (`nxdi_modules/<model_type>.json`:
 data, so a team adds its model without touching this file) names NxDI's config, application and
 MoE factory; this module renames one layer's checkpoint keys to layer 0, runs the application's
-`convert_hf_to_neuron_state_dict` on them with a one-layer config, keeps the MoE's keys, writes them
-to a safetensors checkpoint and calls
+`convert_hf_to_neuron_state_dict` on them with a one-layer config (the model-level keys with a
+zero-layer one), keeps the point's module's keys, writes them to a safetensors checkpoint and calls
 
     build_module(module_cls, example_inputs=[inputs], module_init_kwargs=..., tp_degree=N,
                  compiler_workdir=..., checkpoint_path=..., checkpoint_loader_fn=load_file)
 
-So far the MoE side is built (`router`, `experts`, `moe`); the other points say why they are not,
-and an NxDI tensor capture (`--hw dump`) covers them."""
+Built so far: the embedding, the norms, the MoE's router, experts and block, the final norm and the
+lm_head (`logits`, gathered). The attention and whole decoder layers (NxDI's own mask and KV-cache
+layouts) say why they are not; an NxDI tensor capture (`--hw dump`) covers them."""
 
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ TABLES = Path(__file__).with_name("nxdi_modules")
 
 
 @dataclass
+class Component:
+    """How one point's NxDI module is built: its path in NxDI's model (`{layer}` for decoder
+    layers), the factory called with config attributes (`args`: keyword -> attribute), fixed
+    keywords (`literals`; "$dtype": the candidate's dtype), the config itself (`config`), the
+    attribute of the built module that the point calls ("": the module), and the inputs' form."""
+
+    module: str
+    factory: str
+    args: dict[str, str] = field(default_factory=dict)
+    literals: dict[str, Any] = field(default_factory=dict)
+    config: bool = False
+    call: str = ""
+    inputs: str = "hidden"  # hidden | tokens | experts
+
+
+@dataclass
 class ModuleTable:
     """How an architecture's points map onto NxDI (one JSON file per `model_type`)."""
 
@@ -51,10 +68,7 @@ class ModuleTable:
     config: str  # "module:Class" of the InferenceConfig
     neuron_config: str
     application: str  # the NeuronXxxForCausalLM whose convert_hf_to_neuron_state_dict converts weights
-    moe_factory: str
-    moe_factory_args: dict[str, str]  # factory keyword -> config attribute
-    layer_module: str  # the MoE's path in NxDI's model, e.g. "layers.{layer}.mlp"
-    components: dict[str, str]  # point component -> attribute of the MoE called ("": the MoE itself)
+    components: dict[str, Component]
     unavailable: dict[str, str] = field(default_factory=dict)
 
 
@@ -68,6 +82,7 @@ def load_module_table(model_type: str) -> ModuleTable | None:
         return None
     data = json.loads(path.read_text())
     data.pop("source", None)
+    data["components"] = {k: Component(**v) for k, v in data["components"].items()}
     return ModuleTable(**data)
 
 
@@ -78,53 +93,62 @@ def resolve(spec: str) -> Any:
 
 
 # -- weights ------------------------------------------------------------------------------------
-def layer_state(model_dir: Path, layer: int, weights: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """One decoder layer's checkpoint tensors, renamed to layer 0 without the base-model prefix
-    (`model.layers.17.mlp.gate.weight` -> `layers.0.mlp.gate.weight`), as NxDI's get_state_dict
-    hands them to its conversion: only this layer's tensors are read."""
+def unit_state(model_dir: Path, layer: int | None, weights: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """One decoder layer's checkpoint tensors, renamed to layer 0, or (layer None) the model-level
+    ones, without the base-model prefix (`model.layers.17.mlp.gate.weight` ->
+    `layers.0.mlp.gate.weight`, `model.norm.weight` -> `norm.weight`), as NxDI's get_state_dict
+    hands them to its conversion: only these tensors are read."""
     from safetensors import safe_open
 
     weights = weights if weights is not None else weight_map(model_dir)
-    marker = f"layers.{layer}."
-    keys = [k for k in weights if marker in k and k.split(marker, 1)[0] in ("", "model.")]
+    renamed: dict[str, str] = {}
+    for key in weights:
+        bare = key.removeprefix("model.")
+        if layer is not None and bare.startswith(f"layers.{layer}."):
+            renamed[key] = "layers.0." + bare[len(f"layers.{layer}.") :]
+        elif layer is None and not bare.startswith("layers."):
+            renamed[key] = bare
     state: dict[str, torch.Tensor] = {}
-    for file in sorted({weights[k] for k in keys}):
+    for file in sorted({weights[k] for k in renamed}):
         with safe_open(str(model_dir / file), framework="pt") as fh:
-            for key in (k for k in keys if weights[k] == file):
-                state["layers.0." + key.split(marker, 1)[1]] = fh.get_tensor(key)
+            for key in (k for k in renamed if weights[k] == file):
+                state[renamed[key]] = fh.get_tensor(key)
     return state
 
 
-def convert_layer(state: dict[str, torch.Tensor], convert: Any, config: Any, prefix: str) -> dict[str, torch.Tensor]:
-    """NxDI's conversion of one layer (renamed to layer 0, with a one-layer config), keeping the
-    keys under `prefix` (e.g. `layers.0.mlp.`) relative to it."""
+def convert_unit(state: dict[str, torch.Tensor], convert: Any, config: Any, layers: int) -> dict[str, torch.Tensor]:
+    """NxDI's conversion of one unit's tensors with a config of `layers` decoder layers (1 for a
+    layer renamed to layer 0, 0 for the model-level tensors); the caller's config is untouched."""
     one = copy.copy(config)
-    one.num_hidden_layers = 1
-    converted = convert(dict(state), one)
+    one.num_hidden_layers = layers
+    return convert(dict(state), one)
+
+
+def under(converted: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The converted tensors under `prefix` (e.g. `layers.0.mlp.`), relative to it."""
     kept = {k[len(prefix) :]: v for k, v in converted.items() if k.startswith(prefix)}
     if not kept:
-        raise BackendError(f"NxDI's conversion gave no tensor under {prefix!r}; is the table's layer_module right?")
+        raise BackendError(f"NxDI's conversion gave no tensor under {prefix!r}; is the table's module path right?")
     return kept
 
 
 # -- the module built per point -----------------------------------------------------------------
-class MoEPoint(nn.Module):
-    """NxDI's MoE of one layer, called as one point needs it: the router, the experts on given
-    routing, or the whole block. Built by build_module from keyword arguments."""
+class NxdiPoint(nn.Module):
+    """The NxDI module of one point, called as the point needs it (the MoE's router, its experts on
+    given routing, the whole module). Built by build_module from keyword arguments."""
 
-    def __init__(self, factory: str, factory_args: dict[str, str], config: Any, call: str):
+    def __init__(self, factory: str, kwargs: dict[str, Any], call: str):
         super().__init__()
-        kwargs = {k: getattr(config, v) for k, v in factory_args.items()}
-        self.moe = resolve(factory)(config=config, **kwargs)
+        self.inner = resolve(factory)(**kwargs)
         self.call = call
 
-    def forward(self, hidden: torch.Tensor, *routing: torch.Tensor) -> Any:
-        if self.call == "router":
-            return self.moe.router(hidden)  # (logits [T, E], affinities [T, E], top-k ids [T, k])
+    def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
         if self.call == "expert_mlps":
-            affinities, index = routing
-            return self.moe.expert_mlps(hidden, affinities, index, hidden.shape[0])
-        out = self.moe(hidden)
+            affinities, index = rest
+            return self.inner.expert_mlps(first, affinities, index, first.shape[0])
+        if self.call:
+            return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
+        out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
 
 
@@ -164,6 +188,7 @@ class NxdiBackend(Backend):
         self.weights = weight_map(setup.model_dir)
         self.config: Any = None
         self._built: dict[tuple, Any] = {}
+        self._converted: tuple[int | None, dict[str, torch.Tensor]] | None = None
         self._workdir: Path | None = None
 
     def start(self) -> None:
@@ -184,62 +209,69 @@ class NxdiBackend(Backend):
             self._workdir = Path(self._tmp.name)
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
-        call = self.table.components.get(point.component)
-        if call is None or point.layer is None:
-            why = self.table.unavailable.get(point.component, "NxDI has no module for it in the table")
+        spec = self.table.components.get(point.component)
+        if spec is None:
+            why = self.table.unavailable.get(point.component, "the table names no NxDI module for it")
             raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
         if self.config is None:
             self.start()
-        inputs = self._inputs(point, golden, call)
+        inputs = self._inputs(spec, golden)
         with torch.no_grad():
-            output = self._module(point, call, inputs)(*inputs)
-            # the block's own routing (same weights, same input: what its router chose inside)
-            routing = tuple(self._module(point, "router", inputs)(*inputs)) if point.routed_block else None
-        return CandidateOutput(output, routing, info={"nxdi_module": self.table.layer_module.format(layer=point.layer)})
+            output = self._module(point, point.component, spec, inputs)(*inputs)
+            routing = None
+            if point.routed_block and "router" in self.table.components:  # what the block's router chose
+                router = self.table.components["router"]
+                routing = tuple(self._module(point, "router", router, inputs)(*inputs))
+        where = spec.module.format(layer=point.layer)
+        return CandidateOutput(output, routing, info={"nxdi_module": where})
 
-    def _inputs(self, point: Point, golden: GoldenRecord, call: str) -> tuple[torch.Tensor, ...]:
-        hidden = golden.args[0] if golden.args else next(iter(golden.kwargs.values()))
-        if call == "expert_mlps":
-            index, weights = golden.args[1:3] if len(golden.args) >= 3 else list(golden.kwargs.values())[1:3]
-            return experts_inputs(
-                hidden,
-                index,
-                weights,
-                int(self.golden.config.get("num_experts") or self.golden.config["num_local_experts"]),
+    def _inputs(self, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+        values = [*golden.args, *golden.kwargs.values()]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if spec.inputs == "experts":
+            hidden, index, weights = tensors[:3]
+            experts = self.golden.config.get("num_experts") or self.golden.config["num_local_experts"]
+            return experts_inputs(hidden, index, weights, int(experts))
+        return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
+
+    def _weights(self, layer: int | None, module: str) -> dict[str, torch.Tensor]:
+        """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit; the unit is
+        converted once and kept while its points run."""
+        if self._converted is None or self._converted[0] != layer:
+            application = resolve(self.table.application)
+            state = unit_state(self.setup.model_dir, layer, self.weights)
+            converted = convert_unit(
+                state, application.convert_hf_to_neuron_state_dict, self.config, int(layer is not None)
             )
-        return (hidden,)
+            self._converted = (layer, converted)
+        return under(self._converted[1], module.format(layer=0) + ".")
 
-    def _module(self, point: Point, call: str, inputs: tuple[torch.Tensor, ...]) -> Any:
-        key = (point.layer, call, tuple(tuple(t.shape) for t in inputs))
+    def _kwargs(self, spec: Component) -> dict[str, Any]:
+        kwargs = {k: getattr(self.config, v) for k, v in spec.args.items()}
+        kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
+        if spec.config:
+            kwargs["config"] = self.config
+        return kwargs
+
+    def _module(self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...]) -> Any:
+        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._built:
             from safetensors.torch import load_file, save_file
 
             build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
-            application = resolve(self.table.application)
-            prefix = self.table.layer_module.format(layer=0) + "."
-            converted = convert_layer(
-                layer_state(self.setup.model_dir, point.layer, self.weights),
-                application.convert_hf_to_neuron_state_dict,
-                self.config,
-                prefix,
-            )
+            converted = self._weights(point.layer, spec.module)
             assert self._workdir is not None
-            where = self._workdir / f"layer_{point.layer}.{call or 'moe'}.{'x'.join(map(str, inputs[0].shape))}"
+            unit = "model" if point.layer is None else f"layer_{point.layer}"
+            where = self._workdir / f"{unit}.{name}.{'x'.join(map(str, inputs[0].shape))}"
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
-            save_file({f"moe.{k}": v.contiguous() for k, v in converted.items()}, str(checkpoint))
-            kwargs = {
-                "factory": self.table.moe_factory,
-                "factory_args": self.table.moe_factory_args,
-                "config": self.config,
-                "call": call,
-            }
-            if any(k[0] != point.layer for k in self._built):  # one layer's modules at a time
+            save_file({f"inner.{k}": v.contiguous() for k, v in converted.items()}, str(checkpoint))
+            if any(k[0] != point.layer for k in self._built):  # one unit's modules at a time
                 self._built.clear()
             self._built[key] = build_module(
-                MoEPoint,
+                NxdiPoint,
                 example_inputs=[tuple(inputs)],
-                module_init_kwargs=kwargs,
+                module_init_kwargs={"factory": spec.factory, "kwargs": self._kwargs(spec), "call": spec.call},
                 tp_degree=self.hw_options["tp_degree"],
                 compiler_args=self.hw_options["compiler_args"],
                 compiler_workdir=str(where / "compiler"),
@@ -250,6 +282,7 @@ class NxdiBackend(Backend):
 
     def close(self) -> None:
         self._built.clear()
+        self._converted = None
         tmp = getattr(self, "_tmp", None)
         if tmp is not None:
             tmp.cleanup()
