@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .errors import BadInput
-from .points import parse_point_id
+from .points import TEMPLATE_EXAMPLES, is_point_template
 from .tree import leaves
 
 __all__ = ["Recorder", "record"]
@@ -50,12 +50,8 @@ def _expand(model: nn.Module, points: Mapping[str, str]) -> dict[str, tuple[str,
     modules = dict(model.named_modules())
     found: dict[str, tuple[str, nn.Module]] = {}
     for point, path in points.items():
-        try:
-            parse_point_id(point.replace("{layer}", "0"))
-        except ValueError:
-            raise BadInput(
-                f"record(points=...): {point!r} is not a point id (e.g. embedding, layer_{{layer}}.attention, logits)"
-            ) from None
+        if not is_point_template(point):
+            raise BadInput(f"record(points=...): {point!r} is not a point id ({TEMPLATE_EXAMPLES})")
         if ("{layer}" in point) != ("{layer}" in path):
             raise BadInput(f"record(points=...): {point!r} -> {path!r}: both or neither must hold {{layer}}")
         if "{layer}" not in path:

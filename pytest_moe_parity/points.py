@@ -135,6 +135,18 @@ class Point:
         return point
 
 
+def is_point_template(text: str) -> bool:
+    """Whether `text` is a point id, `{layer}` standing for a layer number (`layer_{layer}.attention`)."""
+    try:
+        parse_point_id(text.replace("{layer}", "0"))
+    except ValueError:
+        return False
+    return True
+
+
+TEMPLATE_EXAMPLES = "e.g. embedding, layer_{layer}.attention, logits"
+
+
 def parse_layers(text: str) -> list[int]:
     """`1,17,20-29` -> [1, 17, 20, ..., 29]; ValueError naming the bad part."""
     layers: set[int] = set()

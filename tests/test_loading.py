@@ -87,15 +87,20 @@ def test_one_layer_at_a_time_reads_nothing_ahead(tiny_model) -> None:
     assert lazy._ahead is None and _resident_layers(lazy) == {0}
 
 
-def test_a_failed_read_ahead_is_the_error_of_the_unit_it_read(tiny_model, tmp_path: Path) -> None:
+def _without_layer_3_q_proj(model: Path, path: Path) -> Path:
+    """A copy of the checkpoint whose index lost layer 3's q_proj."""
     import shutil
 
-    path = tmp_path / "m"
-    shutil.copytree(tiny_model("olmoe"), path)
+    shutil.copytree(model, path)
     index_path = path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".layers.3.self_attn.q_proj" not in k}
     index_path.write_text(json.dumps(index))
+    return path
+
+
+def test_a_failed_read_ahead_is_the_error_of_the_unit_it_read(tiny_model, tmp_path: Path) -> None:
+    path = _without_layer_3_q_proj(tiny_model("olmoe"), tmp_path / "m")
     lazy = LazyModel(path, dtype=torch.float32)
     lazy.plan(["model.layers.2.self_attn", "model.layers.3.self_attn"])
     lazy.module("model.layers.2.self_attn")  # layer 3 is read meanwhile, and fails: not layer 2's error
@@ -107,14 +112,7 @@ def test_a_failed_read_ahead_is_the_error_of_the_unit_it_read(tiny_model, tmp_pa
 
 
 def test_missing_layer_weights_are_a_clear_error(tiny_model, tmp_path: Path) -> None:
-    import shutil
-
-    path = tmp_path / "m"
-    shutil.copytree(tiny_model("olmoe"), path)
-    index_path = path / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".layers.3.self_attn.q_proj" not in k}
-    index_path.write_text(json.dumps(index))
+    path = _without_layer_3_q_proj(tiny_model("olmoe"), tmp_path / "m")
     lazy = LazyModel(path, dtype=torch.float32)
     lazy.module("model.layers.2.self_attn")
     with pytest.raises(CheckpointError, match=r"lacks weights for layer_3: .*q_proj"):

@@ -34,7 +34,7 @@ import torch
 from ..dtypes import dtype_name
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
-from ..points import Point, parse_point_id
+from ..points import TEMPLATE_EXAMPLES, Point, is_point_template
 from ..tree import leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
 from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
@@ -109,12 +109,8 @@ def load_map(path: Path | str | None) -> list[Rule]:
         raise DumpError(f"map file {path} must be a JSON object of point id -> dumped tensor name")
     rules = []
     for point, value in data.items():
-        try:
-            parse_point_id(point.replace("{layer}", "0"))
-        except ValueError:
-            raise DumpError(
-                f"map file {path}: {point!r} is not a point id (e.g. embedding, layer_{{layer}}.attention, logits)"
-            ) from None
+        if not is_point_template(point):
+            raise DumpError(f"map file {path}: {point!r} is not a point id ({TEMPLATE_EXAMPLES})")
         rules.append((_template(point), _sources(path, point, value)))
     return rules
 
