@@ -329,7 +329,7 @@ def test_invalid_golden_dir(pytester: pytest.Pytester, tmp_path: Path) -> None:
 def test_unknown_hw_lists_the_available(pytester: pytest.Pytester, golden_dir) -> None:
     usage_error(
         run_parity(pytester, golden_dir("olmoe"), "--hw", "tpu"),
-        "--hw 'tpu' is not a known backend; available: compile, cpu, cuda, dump, neuron, trace",
+        "--hw 'tpu' is not a known backend; available: compile, cpu, cuda, dump, neuron, nxdi, trace",
     )
 
 
