@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 a comparison failed, 2 bad input."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -143,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1e-3,
         help="a rel_l2 below this is rounding, whatever its growth (default 1e-3)",
     )
+    audit = sub.add_parser(
+        "audit",
+        help="a checkpoint's dtypes and expert-fusion memory from its safetensors headers (exit 1 on a finding)",
+    )
+    audit.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
+    audit.add_argument(
+        "--expect-dtype", default=None, help="the dtype every tensor should have (default: config.json's)"
+    )
+    audit.add_argument("--json", type=Path, default=None, help="also write the audit as JSON to this file")
     return parser
 
 
@@ -437,6 +447,25 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.worse else EXIT_OK
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
+    from .errors import BadInput
+    from .record.audit import audit, text_lines
+
+    try:
+        result = audit(args.model, args.expect_dtype)
+    except BadInput as exc:
+        return _fail(str(exc))
+    for line in text_lines(result, args.model):
+        print(line)
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            return _fail(f"--json {args.json}: cannot write it ({exc})")
+    return EXIT_FAILED if result.findings else EXIT_OK
+
+
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "golden": cmd_golden,
@@ -445,6 +474,7 @@ COMMANDS = {
     "demo": cmd_demo,
     "report": cmd_report,
     "diff": cmd_diff,
+    "audit": cmd_audit,
 }
 
 
