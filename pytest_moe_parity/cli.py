@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--expect-dtype", default=None, help="the dtype every tensor should have (default: config.json's)"
     )
     audit.add_argument("--json", type=Path, default=None, help="also write the audit as JSON to this file")
+    estimate = sub.add_parser(
+        "estimate", help="weights, activations, golden size and whether a placement fits, from headers and config"
+    )
+    estimate.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
+    estimate.add_argument("--seq-len", type=_positive_int, default=16, help="tokens of the golden run (default: 16)")
+    estimate.add_argument("--dtype", default=None, help="dtype to run in (default: the weights as stored)")
+    estimate.add_argument("--max-memory", default=None, help="devices to place on, e.g. 0:60GiB,1:60GiB,cpu:200GiB")
+    estimate.add_argument("--json", type=Path, default=None, help="also write the estimate as JSON to this file")
     return parser
 
 
@@ -466,6 +474,25 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.findings else EXIT_OK
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Exit 1 when the placement given does not fit, 2 on bad input."""
+    from .errors import BadInput
+    from .record.audit import estimate, estimate_lines
+
+    try:
+        result = estimate(args.model, args.seq_len, args.dtype, args.max_memory)
+    except BadInput as exc:
+        return _fail(str(exc))
+    for line in estimate_lines(result):
+        print(line)
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as exc:
+            return _fail(f"--json {args.json}: cannot write it ({exc})")
+    return EXIT_FAILED if result.get("placement", {}).get("fits") is False else EXIT_OK
+
+
 COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "golden": cmd_golden,
@@ -475,6 +502,7 @@ COMMANDS = {
     "report": cmd_report,
     "diff": cmd_diff,
     "audit": cmd_audit,
+    "estimate": cmd_estimate,
 }
 
 

@@ -145,3 +145,53 @@ def _truncated(tmp: Path) -> Path:
 )
 def test_tensor_classes(name: str, cls: str) -> None:
     assert tensor_class(name) == cls
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_the_golden_size_estimate_is_close_to_a_recorded_golden(arch: str, golden_dir, tiny_model) -> None:
+    from pytest_moe_parity.record.audit import estimate
+
+    golden = golden_dir(arch)
+    result = estimate(tiny_model(arch), 16, None, None)
+    recorded = sum(p.stat().st_size for p in golden.glob("*.safetensors"))
+    assert 0.8 < recorded / result["golden_bytes"] < 1.25, (recorded, result["golden_bytes"])
+
+
+def test_a_placement_fits_offloads_or_does_not(tmp_path: Path, tiny_model, capsys) -> None:
+    model = tiny_model("mixtral")
+    code, out, _ = cli(capsys, "estimate", "--model", model, "--dtype", "bfloat16", "--json", tmp_path / "e.json")
+    assert code == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    stored = sum(t.numel() * 4 for t in _state(model).values())
+    assert result["total_weights_bytes"] == stored // 2  # float32 stored, run in bf16
+    layer = result["weights_bytes"]["layer_1"]
+    half = 2 * layer + result["per_layer"]["activations_bytes"] + 1024
+    spec = f"0:{half + result['weights_bytes']['embed']}B,1:{half}B,cpu:{10 * layer}B"
+    code, out, _ = cli(capsys, "estimate", "--model", model, "--dtype", "bfloat16", "--max-memory", spec)
+    assert code == 0 and "the placement fits" in out and "  0: " in out and "(embed .. layer_1)" in out
+    code, out, _ = cli(
+        capsys, "estimate", "--model", model, "--dtype", "bfloat16", "--max-memory", f"0:{half}B,disk:1GB"
+    )
+    assert code == 0 and "the placement fits with offload to disk" in out
+    code, out, _ = cli(capsys, "estimate", "--model", model, "--dtype", "bfloat16", "--max-memory", f"0:{half}B")
+    assert code == 1 and "the placement does not fit: from " in out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("0:60XB", "'60XB' is not a size"),
+        ("gpu0:60GiB", "'gpu0:60GiB' is not DEVICE:SIZE"),
+        ("60GiB", "'60GiB' is not DEVICE:SIZE"),
+    ],
+)
+def test_a_bad_memory_spec_is_one_line(spec: str, message: str, tiny_model, capsys) -> None:
+    code, _, err = cli(capsys, "estimate", "--model", tiny_model("olmoe"), "--max-memory", spec)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def _state(model: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for shard in model.glob("*.safetensors"):
+        state.update(load_file(str(shard)))
+    return state

@@ -216,7 +216,9 @@ def fusion_memory(layers: dict[int, dict[str, int]], dtype: str, total: int) -> 
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def text_lines(result: Audit, model_dir: Path) -> list[str]:
@@ -245,4 +247,185 @@ def text_lines(result: Audit, model_dir: Path) -> list[str]:
         lines += [f"  {r['name']}: {r['dtype']}, {gib(r['bytes'])} ({r['class']})" for r in result.findings]
     else:
         lines.append("every tensor is in the expected dtype")
+    return lines
+
+
+# -- moe-parity estimate ----------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def parse_memory(spec: str) -> dict[str, int]:
+    """`0:60GiB,1:60GiB,cpu:200GiB[,disk:1TB]` -> bytes per device, in that order."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        device, sep, amount = part.partition(":")
+        if not sep or not (device.isdigit() or device in ("cpu", "disk")):
+            raise BadInput(f"--max-memory {spec!r}: {part!r} is not DEVICE:SIZE (0:60GiB, cpu:200GiB, disk:1TB)")
+        try:
+            out[device] = parse_size(amount)
+        except ValueError:
+            raise BadInput(f"--max-memory {spec!r}: {amount!r} is not a size (e.g. 60GiB, 512MB)") from None
+    if not out:
+        raise BadInput(f"--max-memory {spec!r} names no device")
+    return out
+
+
+@dataclass
+class Shape:
+    """What the estimate needs from config.json."""
+
+    layers: int
+    hidden: int
+    heads: int
+    head_dim: int
+    vocab: int
+    experts: int
+    top_k: int
+    expert_inter: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Shape:
+        def first(*names: str, default: int | None = None) -> int:
+            for n in names:
+                if isinstance(config.get(n), int):
+                    return config[n]
+            if default is None:
+                raise BadInput(f"config.json has none of {', '.join(names)}: the estimate needs it")
+            return default
+
+        hidden = first("hidden_size")
+        heads = first("num_attention_heads")
+        return cls(
+            layers=first("num_hidden_layers"),
+            hidden=hidden,
+            heads=heads,
+            head_dim=first("head_dim", default=hidden // heads),
+            vocab=first("vocab_size"),
+            experts=first("num_local_experts", "num_experts", "n_routed_experts", default=1),
+            top_k=first("num_experts_per_tok", "moe_topk", default=1),
+            expert_inter=first("moe_intermediate_size", "intermediate_size"),
+        )
+
+    def activations(self, tokens: int, size: int) -> int:
+        """Peak activations of one decoder layer's forward, batch 1: a few hidden-size tensors, the
+        eager attention's scores and probabilities, the routed tokens' expert intermediates, the
+        router logits in float32."""
+        t = tokens
+        return (6 * t * self.hidden + 2 * self.heads * t * t + 3 * t * self.top_k * self.expert_inter) * size + (
+            t * self.experts * 4
+        )
+
+    def capture(self, tokens: int) -> int:
+        """What a golden stores per decoder layer, in float32: ten hidden-size tensors (the layer's
+        input, the outputs of its input norm, attention, post-attention norm, experts, MoE block
+        and layer, and the inputs of the post-attention norm and router; shared experts add one),
+        the router's logits, weights and ids, and the inputs stored once per layer (the mask, the
+        rotary tables, the positions)."""
+        t = tokens
+        return (10 * t * self.hidden + t * self.experts + t * t + 2 * t * self.head_dim) * 4 + t * (self.top_k * 12 + 8)
+
+    def model_level_capture(self, tokens: int) -> int:
+        """Five hidden-size tensors (the embedding's output, the rotary's and the final norm's and the
+        lm_head's inputs, the final norm's output), the rotary tables and the logits, in float32."""
+        return (5 * tokens * self.hidden + 2 * tokens * self.head_dim + tokens * self.vocab) * 4 + tokens * 16
+
+
+def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory: str | None) -> dict[str, Any]:
+    model_dir = Path(model_dir)
+    tensors = read_tensors(model_dir)
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise BadInput(f"{model_dir} has no config.json: the estimate needs the model's shape")
+    try:
+        shape = Shape.from_config(json.loads(config_file.read_text()))
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{config_file} is not valid JSON ({exc})") from None
+    if dtype is not None and dtype not in DTYPE_SIZES:
+        raise BadInput(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+    size = DTYPE_SIZES[dtype] if dtype else None
+    units: dict[str, int] = {}  # unit -> weight bytes in the run's dtype, in forward order
+    for t in tensors:
+        m = _LAYER.search(t.name)
+        unit = f"layer_{m.group(1)}" if m else ("lm_head" if tensor_class(t.name) in ("lm_head", "norms") else "embed")
+        units[unit] = units.get(unit, 0) + (t.numel * size if size and t.dtype in FLOATS else t.bytes)
+    order = sorted(
+        units, key=lambda u: (u != "embed", u == "lm_head", int(u.split("_")[1]) if u[:6] == "layer_" else 0)
+    )
+    run_size = size or 2
+    per_layer = {
+        "activations_bytes": shape.activations(seq_len, run_size),
+        "capture_bytes": shape.capture(seq_len),
+    }
+    weights = {u: units[u] for u in order}
+    result: dict[str, Any] = {
+        "model": str(model_dir),
+        "seq_len": seq_len,
+        "dtype": dtype or "as stored",
+        "weights_bytes": weights,
+        "total_weights_bytes": sum(weights.values()),
+        "per_layer": per_layer,
+        "golden_bytes": shape.layers * per_layer["capture_bytes"] + shape.model_level_capture(seq_len),
+    }
+    if max_memory:
+        result["placement"] = place(weights, parse_memory(max_memory), per_layer["activations_bytes"])
+    return result
+
+
+def place(weights: dict[str, int], memory: dict[str, int], activations: int) -> dict[str, Any]:
+    """Units in forward order onto the devices in order (GPUs, then cpu, then disk), as accelerate's
+    sequential map does; each GPU keeps one layer's activations free."""
+    devices = sorted((d for d in memory if d.isdigit()), key=int) + [d for d in ("cpu", "disk") if d in memory]
+    free = {d: memory[d] - (activations if d.isdigit() else 0) for d in devices}
+    placed: dict[str, list[str]] = {d: [] for d in devices}
+    used = {d: 0 for d in devices}
+    i = 0
+    units = list(weights)
+    for n, unit in enumerate(units):
+        need = weights[unit]
+        while i < len(devices) and free[devices[i]] - used[devices[i]] < need:
+            i += 1
+        if i == len(devices):
+            short = sum(weights[u] for u in units[n:])
+            return {"fits": False, "devices": used, "units": placed, "unplaced_from": unit, "short_bytes": short}
+        placed[devices[i]].append(unit)
+        used[devices[i]] += need
+    return {"fits": True, "offloads_to_disk": bool(placed.get("disk")), "devices": used, "units": placed}
+
+
+def estimate_lines(result: dict[str, Any]) -> list[str]:
+    weights = result["weights_bytes"]
+    layers = [v for u, v in weights.items() if u.startswith("layer_")]
+    per = result["per_layer"]
+    lines = [
+        f"moe-parity estimate: {result['model']}: {len(layers)} decoder layers, {result['seq_len']} tokens, "
+        f"weights {result['dtype']}",
+        f"weights: {gib(result['total_weights_bytes'])}"
+        + (f"; per layer {gib(min(layers))} to {gib(max(layers))}" if layers else ""),
+        f"per layer: activations {gib(per['activations_bytes'])}, golden capture {gib(per['capture_bytes'])}",
+        f"golden on disk: about {gib(result['golden_bytes'])} (float32, prefill)",
+    ]
+    placement = result.get("placement")
+    if placement:
+        for device, used in placement["devices"].items():
+            units = placement["units"][device]
+            where = f"{units[0]} .. {units[-1]}" if units else "nothing"
+            lines.append(f"  {device}: {gib(used)} ({where})")
+        if placement["fits"]:
+            disk = " with offload to disk" if placement.get("offloads_to_disk") else ""
+            lines.append(f"the placement fits{disk}")
+        else:
+            lines.append(
+                f"the placement does not fit: from {placement['unplaced_from']} on, {gib(placement['short_bytes'])} "
+                "find no device"
+            )
     return lines
