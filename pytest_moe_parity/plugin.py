@@ -57,6 +57,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "tolerance override for point ids matching PATTERN, e.g. 'layer_*.router:max_flip_share=0.1' "
      "(keys: {keys}); repeatable"),
     ("--parity-map", "parity_map", {"metavar": "FILE"}, "same as --hw-option map=FILE (--hw dump)"),
+    ("--parity-weights", "parity_weights", {"action": "store_true", "default": False},
+     "check the candidate checkpoint's weights against the golden's model first: an item per layer "
+     "(layer_N.weights) and one for the model-level weights"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -118,6 +121,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 mode=config.getoption("parity_mode") or config.getini("parity_mode") or "isolated",
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
+                weights=config.getoption("parity_weights"),
                 **_xdist_role(config),
             )
         )
@@ -225,7 +229,7 @@ class ParityPlugin:
         parity_items = list(collector.collect())
         # Report the items like a collector would, so "collected N items", --lf and xdist see them.
         session.ihook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, parity_items))
-        kept = [i for i in parity_items if self.session.selected(i.point)]
+        kept = [i for i in parity_items if self.session.selected(getattr(i, "point", None) or i.layer)]
         if len(kept) < len(parity_items):
             self.config.hook.pytest_deselected(items=[i for i in parity_items if i not in kept])
         items[:0] = kept
@@ -324,12 +328,39 @@ class ParityCollector(pytest.Collector):
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
+        checked: set[int | None] = set()
         for point in session.points:
+            unit = point.layer if point.layer is not None else None
+            if session.weights is not None and point.step is None and unit not in checked:
+                checked.add(unit)  # weights before the unit's first activation item
+                weights = WeightItem.from_parent(self, name="weights" if unit is None else f"layer_{unit}.weights")
+                weights.layer = unit
+                if xdist and unit is not None:
+                    weights.add_marker(pytest.mark.xdist_group(name=point.group))
+                yield weights
             item = ParityItem.from_parent(self, name=point.id, point=point)
             item.add_marker(getattr(pytest.mark, point.component))
             if xdist and point.layer is not None:
                 item.add_marker(pytest.mark.xdist_group(name=point.group))
             yield item
+
+
+class WeightItem(pytest.Item):
+    """The candidate's weights of one unit (a decoder layer, or the model-level modules) against
+    the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
+
+    layer: int | None = None
+
+    def runtest(self) -> None:
+        session = _session(self.config)
+        assert session is not None and session.weights is not None
+        findings = session.weights.findings(self.layer)
+        if findings:
+            pytest.fail("\n".join([f"{self.name}: the candidate's weights differ from the reference's:", *findings]),
+                        pytrace=False)  # fmt: skip
+
+    def reportinfo(self):
+        return self.path, 0, f"parity {self.name}"
 
 
 class ParityItem(pytest.Item):

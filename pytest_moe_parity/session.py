@@ -22,6 +22,7 @@ from .judge.tolerances import Override, resolve
 from .judge.verdict import Custom, PointResult, judge_point
 from .points import Point, describe_layers, parse_layers
 from .replay.runner import MODES, ParityRunner, Prepared
+from .replay.weights import WeightCheck
 from .report.files import write_reports
 from .report.text import status_row, summary_lines, summary_table
 
@@ -72,6 +73,7 @@ class RunOptions:
     mode: str = "isolated"  # isolated, chain or both
     report_dir: Path | None = None
     trust_remote_code: bool = False
+    weights: bool = False  # weight items: the candidate checkpoint against the golden's model
     workers: int = 1  # xdist workers (-n)
     worker: int | None = None  # this worker's index; None on a controller or without xdist
     flags: dict[str, str] = field(
@@ -154,6 +156,7 @@ class ParitySession:
             ini_tolerances=list(options.ini_tolerances),
             mode=self.mode,
         )
+        self.weights = self._weight_check(cls.needs_checkpoint) if options.weights else None
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
@@ -183,6 +186,26 @@ class ParitySession:
             f"the golden's model {recorded} does not exist on this machine; "
             f"pass the candidate checkpoint with {flags['model']} DIR"
         )
+
+    def _reference(self) -> Path | None:
+        """The golden's own model on this machine (relative to the golden first), or None."""
+        model = self.golden.manifest["model"]
+        for path in ((self.golden.root / model["path_relative"]) if model.get("path_relative") else None,
+                     Path(model["path"]) if model.get("path") else None):  # fmt: skip
+            if path is not None and path.is_dir():
+                return path.resolve()
+        return None
+
+    def _weight_check(self, needs_checkpoint: bool) -> WeightCheck | None:
+        """Weight items, where the candidate is a checkpoint other than the reference's and the
+        reference's is here to compare with."""
+        reference = self._reference() if needs_checkpoint and self.candidate is not None else None
+        if reference is None or reference == Path(self.candidate).resolve():
+            return None
+        try:
+            return WeightCheck(reference, self.candidate, trust_remote_code=self.options.trust_remote_code)
+        except ParityError:
+            return None  # a reference that cannot be read: its activations are compared all the same
 
     def _check_config(self) -> None:
         assert self.candidate is not None
@@ -259,9 +282,11 @@ class ParitySession:
         """Every point of the golden, in forward order."""
         return self.golden.points
 
-    def selected(self, point: Point) -> bool:
-        """Whether --parity-layers keeps the point (model-level points are not layers)."""
-        return self.layers is None or point.layer in self.layers
+    def selected(self, point: Point | int | None) -> bool:
+        """Whether --parity-layers keeps the point, or the weight item of a layer (None: the
+        model-level ones, which are not layers)."""
+        layer = point.layer if isinstance(point, Point) else point
+        return self.layers is None or layer in self.layers
 
     def prepare(self, point: Point) -> Prepared:
         return self.runner.prepare(point)
@@ -300,6 +325,17 @@ class ParitySession:
             f"{m['inputs']['seq_len']} tokens, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
+            *self._weights_line(),
+        ]
+
+    def _weights_line(self) -> list[str]:
+        if not self.options.weights:
+            return []
+        if self.weights is not None:
+            return [f"moe-parity: weights checked against the golden's model {self.weights.reference}"]
+        return [
+            "moe-parity: no weight items: they need a candidate checkpoint other than the golden's model, "
+            "and the golden's model on this machine"
         ]
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
@@ -356,6 +392,8 @@ class ParitySession:
 
     def close(self) -> None:
         self.runner.close()
+        if self.weights is not None:
+            self.weights.close()
 
 
 class Candidate:

@@ -1,0 +1,76 @@
+"""Weight items: a candidate checkpoint's weights against the reference's, one unit (a decoder
+layer, or the model-level modules) at a time, both loaded as transformers loads them (so fused
+expert layouts are compared as the model holds them), in float32; what differs is said in words
+(`judge.weights.diagnose`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..backends.lazy_model import LazyModel
+from ..errors import CheckpointError
+from ..judge.weights import diagnose
+from ..record.audit import read_tensors
+
+
+class WeightCheck:
+    """`findings(layer)` (None: the model-level modules) -> what is wrong, [] when nothing is."""
+
+    def __init__(self, reference: Path, candidate: Path, *, trust_remote_code: bool = False):
+        self.reference, self.candidate = Path(reference), Path(candidate)
+        self._models: dict[str, LazyModel] = {}
+        self._stored = {
+            "reference": {t.name: t.dtype for t in read_tensors(self.reference)},
+            "candidate": {t.name: t.dtype for t in read_tensors(self.candidate)},
+        }
+        self.trust_remote_code = trust_remote_code
+
+    def _model(self, which: str) -> LazyModel:
+        if which not in self._models:
+            path = self.reference if which == "reference" else self.candidate
+            self._models[which] = LazyModel(
+                path, dtype=torch.float32, max_layers=1, trust_remote_code=self.trust_remote_code
+            )
+        return self._models[which]
+
+    def _unit_params(self, model: LazyModel, layer: int | None) -> dict[str, torch.Tensor | None]:
+        """The unit's parameters by name, loaded (None: the checkpoint lacks it)."""
+        if layer is not None:
+            paths = [f"{model._layers_path}.{layer}"]
+        else:
+            paths = [n for n, m in model.model.named_modules() if n and m._parameters and model.layer_of(n) is None]
+        params: dict[str, torch.Tensor | None] = {}
+        for path in paths:
+            try:
+                module = model.module(path)
+            except CheckpointError:
+                module = model.model.get_submodule(path)
+            for name, p in module.named_parameters(recurse=layer is not None):
+                params[f"{path}.{name}"] = None if p.device.type == "meta" else p
+        return params
+
+    def findings(self, layer: int | None) -> list[str]:
+        ref = self._unit_params(self._model("reference"), layer)
+        cand = self._unit_params(self._model("candidate"), layer)
+        out: list[str] = []
+        stored_ref, stored_cand = self._stored["reference"], self._stored["candidate"]
+        marker = f"layers.{layer}." if layer is not None else None
+        for key, dtype in stored_ref.items():  # dtypes as stored, checkpoint key by key
+            if (marker is None) == (".layers." in f".{key}"):
+                continue
+            if marker is not None and marker not in key:
+                continue
+            if key in stored_cand and stored_cand[key] != dtype:
+                out.append(f"{key}: stored as {stored_cand[key]}, the reference as {dtype}")
+        for name, r in ref.items():
+            if r is None:
+                continue
+            out += diagnose(name, r, cand.get(name))
+        return out
+
+    def close(self) -> None:
+        for model in self._models.values():
+            model.close()
+        self._models.clear()

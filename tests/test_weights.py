@@ -1,0 +1,69 @@
+"""Weight items (`--parity-weights`): the candidate checkpoint's weights against the golden's
+model, before the activations, with what is wrong said in words."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faults
+import pytest
+import torch
+from helpers import run_parity
+
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.judge.weights import diagnose
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+
+
+@pytest.mark.parametrize(
+    "fault, item, words",
+    [
+        (faults.swap_gate_up(2), "layer_2.weights", "experts.gate_up_proj: its halves along dim 1 are exchanged"),
+        (faults.swap_experts(1, 3, 5), "layer_1.weights", "expert 3 holds reference expert 5, expert 5 holds"),
+        (faults.permute_router_rows(1), "layer_1.weights", "mlp.gate.weight: row 0 holds reference row 7"),
+        (
+            faults.scale("post_attention_layernorm", 3, 2.0),
+            "layer_3.weights",
+            "post_attention_layernorm.weight: scaled by 2",
+        ),
+        (faults.lose_weight("model.norm.weight"), "weights", "model.norm.weight: every value is 1 (left at its init"),
+    ],
+    ids=["gate-up-swapped", "experts-swapped", "router-transposed-rows", "norm-scaled", "norm-not-loaded"],
+)
+def test_a_weight_fault_fails_its_weight_item_first(
+    fault, item: str, words: str, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+) -> None:
+    golden = golden_dir("qwen3_moe")
+    candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "c", fault)
+    result = run_parity(pytester, golden, "--parity-weights", "-x", model=candidate)
+    result.stdout.fnmatch_lines(["*weights checked against the golden's model*", f"FAILED *{item}*"])
+    assert words in result.stdout.str()
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == 1  # -x: the weights stop the run before any activation of that unit
+
+
+def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model):
+    golden = golden_dir("mixtral")
+    candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", lambda t: None)  # a copy
+    result = run_parity(pytester, golden, "--parity-weights", "-v", "--parity-layers", "1", model=candidate)
+    n = len([p for p in GoldenStore(golden).points if p.layer == 1])
+    result.assert_outcomes(passed=n + 1)
+    result.stdout.fnmatch_lines(["*layer_1.weights PASSED*", "*layer_1.input_norm PASSED*"])
+    plain = run_parity(pytester, golden, "--parity-weights", model=tiny_model("mixtral"))  # the golden's own model
+    plain.stdout.fnmatch_lines(["*no weight items: they need a candidate checkpoint other than the golden's model*"])
+
+
+def test_diagnoses_in_words() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(4, 6)
+    assert diagnose("w", w, w.clone()) == []
+    assert diagnose("w", w, None) == ["w: missing from the candidate"]
+    assert "transposed" in diagnose("w", w, w.T.contiguous())[0]
+    assert "scaled by 0.5" in diagnose("w", w, w * 0.5)[0]
+    assert diagnose("w", w, w.to(torch.bfloat16).float(), ref_dtype="F32", cand_dtype="BF16") == [
+        "w: stored as BF16, the reference as F32"
+    ]
+    broken = w.clone()
+    broken[2] = 0
+    assert diagnose("w", w, broken) == ["w: row 2 differs (1 all zeros)"]
