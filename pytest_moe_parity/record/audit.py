@@ -33,26 +33,23 @@ _EXPERT = re.compile(r"\.experts\.")
 _FLOAT32_BY_DESIGN = re.compile(r"e_score_correction_bias")
 
 
+# The first pattern that matches a tensor's name gives its class (norms before attention: q_norm).
+_CLASS_PATTERNS = [
+    ("embedding", re.compile(r"embed_tokens|(^|\.)wte\.|word_embeddings")),
+    ("lm_head", re.compile(r"(^|\.)lm_head\.|(^|\.)output\.weight$")),
+    ("norms", re.compile(r"norm")),
+    ("shared_experts", re.compile(r"shared_expert")),
+    ("experts", _EXPERT),
+    ("router", re.compile(r"\.(gate|router)(\.|$)|e_score_correction_bias")),
+    ("attention", re.compile(r"self_attn|attention|\.attn\.")),
+    ("mlp", re.compile(r"\.mlp\.|feed_forward")),
+]
+
+
 def tensor_class(name: str) -> str:
     """Which part of an MoE model a checkpoint tensor belongs to."""
     n = name.lower()
-    if re.search(r"embed_tokens|(^|\.)wte\.|word_embeddings", n):
-        return "embedding"
-    if re.search(r"(^|\.)lm_head\.|(^|\.)output\.weight$", n):
-        return "lm_head"
-    if re.search(r"norm", n):
-        return "norms"
-    if "shared_expert" in n:
-        return "shared_experts"
-    if _EXPERT.search(n):
-        return "experts"
-    if re.search(r"\.(gate|router)(\.|$)|e_score_correction_bias|\.router\.", n):
-        return "router"
-    if re.search(r"self_attn|attention|\.attn\.", n):
-        return "attention"
-    if re.search(r"\.mlp\.|feed_forward", n):
-        return "mlp"
-    return "other"
+    return next((cls for cls, pattern in _CLASS_PATTERNS if pattern.search(n)), "other")
 
 
 @dataclass
