@@ -330,7 +330,7 @@ class ParityCollector(pytest.Collector):
         xdist = self.config.pluginmanager.hasplugin("xdist")
         checked: set[int | None] = set()
         for point in session.points:
-            unit = point.layer if point.layer is not None else None
+            unit = point.layer
             if session.weights is not None and point.step is None and unit not in checked:
                 checked.add(unit)  # weights before the unit's first activation item
                 weights = WeightItem.from_parent(self, name="weights" if unit is None else f"layer_{unit}.weights")

@@ -156,7 +156,7 @@ class ParitySession:
             ini_tolerances=list(options.ini_tolerances),
             mode=self.mode,
         )
-        self.weights = self._weight_check(cls.needs_checkpoint) if options.weights else None
+        self.weights, self._no_weights = self._weight_check(cls.needs_checkpoint) if options.weights else (None, "")
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
@@ -196,16 +196,20 @@ class ParitySession:
                 return path.resolve()
         return None
 
-    def _weight_check(self, needs_checkpoint: bool) -> WeightCheck | None:
+    def _weight_check(self, needs_checkpoint: bool) -> tuple[WeightCheck | None, str]:
         """Weight items, where the candidate is a checkpoint other than the reference's and the
-        reference's is here to compare with."""
-        reference = self._reference() if needs_checkpoint and self.candidate is not None else None
-        if reference is None or reference == Path(self.candidate).resolve():
-            return None
+        reference's is here to compare with; else why not."""
+        if not needs_checkpoint or self.candidate is None:
+            return None, f"the {self.hw} backend's candidate is not a checkpoint"
+        reference = self._reference()
+        if reference is None:
+            return None, "the golden's model is not on this machine"
+        if reference == Path(self.candidate).resolve():
+            return None, "the candidate is the golden's own model"
         try:
-            return WeightCheck(reference, self.candidate, trust_remote_code=self.options.trust_remote_code)
-        except ParityError:
-            return None  # a reference that cannot be read: its activations are compared all the same
+            return WeightCheck(reference, self.candidate, trust_remote_code=self.options.trust_remote_code), ""
+        except ParityError as exc:  # its activations are compared all the same
+            return None, f"a checkpoint cannot be read ({exc})"
 
     def _check_config(self) -> None:
         assert self.candidate is not None
@@ -333,10 +337,7 @@ class ParitySession:
             return []
         if self.weights is not None:
             return [f"moe-parity: weights checked against the golden's model {self.weights.reference}"]
-        return [
-            "moe-parity: no weight items: they need a candidate checkpoint other than the golden's model, "
-            "and the golden's model on this machine"
-        ]
+        return [f"moe-parity: no weight items: {self._no_weights}"]
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""
