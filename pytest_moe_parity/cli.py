@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -455,41 +455,46 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.worse else EXIT_OK
 
 
-def cmd_audit(args: argparse.Namespace) -> int:
-    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
+def _checkpoint_report(args: argparse.Namespace, run, lines, as_json) -> tuple[int | None, Any]:
+    """Run `run()` (audit or estimate), print `lines(result)` and write `as_json(result)` to --json;
+    (exit code, result), the exit code set only on bad input."""
     from .errors import BadInput
-    from .record.audit import audit, text_lines
 
     try:
-        result = audit(args.model, args.expect_dtype)
+        result = run()
     except BadInput as exc:
-        return _fail(str(exc))
-    for line in text_lines(result, args.model):
+        return _fail(str(exc)), None
+    for line in lines(result):
         print(line)
     if args.json is not None:
         try:
-            args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            args.json.write_text(json.dumps(as_json(result), indent=2) + "\n")
         except OSError as exc:
-            return _fail(f"--json {args.json}: cannot write it ({exc})")
+            return _fail(f"--json {args.json}: cannot write it ({exc})"), None
+    return None, result
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
+    from .record.audit import audit, text_lines
+
+    code, result = _checkpoint_report(
+        args, lambda: audit(args.model, args.expect_dtype), lambda r: text_lines(r, args.model), lambda r: r.to_dict()
+    )
+    if code is not None:
+        return code
     return EXIT_FAILED if result.findings else EXIT_OK
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Exit 1 when the placement given does not fit, 2 on bad input."""
-    from .errors import BadInput
     from .record.audit import estimate, estimate_lines
 
-    try:
-        result = estimate(args.model, args.seq_len, args.dtype, args.max_memory)
-    except BadInput as exc:
-        return _fail(str(exc))
-    for line in estimate_lines(result):
-        print(line)
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as exc:
-            return _fail(f"--json {args.json}: cannot write it ({exc})")
+    code, result = _checkpoint_report(
+        args, lambda: estimate(args.model, args.seq_len, args.dtype, args.max_memory), estimate_lines, lambda r: r
+    )
+    if code is not None:
+        return code
     return EXIT_FAILED if result.get("placement", {}).get("fits") is False else EXIT_OK
 
 

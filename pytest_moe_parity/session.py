@@ -172,28 +172,26 @@ class ParitySession:
             return path, flags["model"]
         if not needs_checkpoint:
             raise SetupError(f"{flags['hw']} {self.hw} needs the candidate's location: pass {flags['model']} DIR")
+        found = self._golden_model()
+        if found is not None:
+            return found
+        raise SetupError(
+            f"the golden's model {self.golden.manifest['model'].get('path')} does not exist on this machine; "
+            f"pass the candidate checkpoint with {flags['model']} DIR"
+        )
+
+    def _golden_model(self) -> tuple[Path, str] | None:
+        """The golden's own model on this machine and where it was found, or None. A golden that
+        travelled with its model (a bundled demo, a copied directory) names it relative to itself:
+        that copy beats whatever sits at the recording machine's path."""
         model = self.golden.manifest["model"]
         relative, recorded = model.get("path_relative"), model.get("path")
-        # A golden that travelled with its model (a bundled demo, a copied directory) names it
-        # relative to itself: that copy beats whatever sits at the recording machine's path.
         if relative:
             path = (self.golden.root / relative).resolve()
             if path.is_dir():
                 return path, "the golden's model, found relative to the golden"
         if recorded and Path(recorded).is_dir():
             return Path(recorded), "the golden's model, at the path it was recorded from"
-        raise SetupError(
-            f"the golden's model {recorded} does not exist on this machine; "
-            f"pass the candidate checkpoint with {flags['model']} DIR"
-        )
-
-    def _reference(self) -> Path | None:
-        """The golden's own model on this machine (relative to the golden first), or None."""
-        model = self.golden.manifest["model"]
-        for path in ((self.golden.root / model["path_relative"]) if model.get("path_relative") else None,
-                     Path(model["path"]) if model.get("path") else None):  # fmt: skip
-            if path is not None and path.is_dir():
-                return path.resolve()
         return None
 
     def _weight_check(self, needs_checkpoint: bool) -> tuple[WeightCheck | None, str]:
@@ -201,9 +199,10 @@ class ParitySession:
         reference's is here to compare with; else why not."""
         if not needs_checkpoint or self.candidate is None:
             return None, f"the {self.hw} backend's candidate is not a checkpoint"
-        reference = self._reference()
-        if reference is None:
+        found = self._golden_model()
+        if found is None:
             return None, "the golden's model is not on this machine"
+        reference = found[0].resolve()
         if reference == Path(self.candidate).resolve():
             return None, "the candidate is the golden's own model"
         try:

@@ -34,6 +34,7 @@ import torch
 from ..dtypes import dtype_name
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
+from ..golden.spec import spec_tensor_keys
 from ..points import TEMPLATE_EXAMPLES, Point, is_point_template
 from ..tree import leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
@@ -417,12 +418,8 @@ class DumpBackend(Backend):
     def _golden_shape(self, point: Point) -> torch.Size | None:
         """The shape of the golden's (first) output tensor, from the manifest: no tensor is read."""
         entry = self.golden.entry(point)
-        spec = entry.get("output")
-        while isinstance(spec, dict) and spec.get("t") in ("tuple", "list"):
-            spec = next((item for item in spec["items"] if item.get("t") != "omitted"), None)
-        if not isinstance(spec, dict) or spec.get("t") != "tensor":
-            return None
-        return torch.Size(entry["tensors"][spec["key"]]["shape"])
+        key = next(spec_tensor_keys(entry["output"]), None) if entry.get("output") else None
+        return torch.Size(entry["tensors"][key]["shape"]) if key is not None else None
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         compared = [r for r in rows if r["status"] in ("passed", "failed")]

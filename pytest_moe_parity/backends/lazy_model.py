@@ -174,10 +174,16 @@ class LazyModel:
         short = unit.split(".", 1)[1] if "." in unit else unit
         return [k for k in self._keys_by_layer.get(None, []) if k.startswith((unit + ".", short + "."))]
 
+    def unit_path(self, unit: Unit) -> str:
+        """The module path of a unit (a decoder layer's number, or a model-level module's path)."""
+        return f"{self._layers_path}.{unit}" if isinstance(unit, int) else unit
+
+    def model_level_paths(self) -> list[str]:
+        """The modules outside the decoder layers that hold parameters of their own."""
+        return [n for n, m in self.model.named_modules() if n and m._parameters and self.layer_of(n) is None]
+
     def _unit_module(self, unit: Unit) -> nn.Module:
-        if isinstance(unit, int):
-            return self.model.get_submodule(f"{self._layers_path}.{unit}")
-        return self.model.get_submodule(unit)
+        return self.model.get_submodule(self.unit_path(unit))
 
     @staticmethod
     def _unit_name(unit: Unit) -> str:
@@ -360,10 +366,9 @@ class LazyModel:
         of the candidate needs, in the memory of a few layers."""
         layers = self.model.get_submodule(self._layers_path)
         handles = [layer.register_forward_pre_hook(lambda m, a, i=i: self.ensure(i)) for i, layer in enumerate(layers)]
-        for name, module in self.model.named_modules():
-            if name and self.layer_of(name) is None and module._parameters:  # model-level weights
-                unit = name
-                handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self.ensure(u)))
+        for unit in self.model_level_paths():
+            module = self.model.get_submodule(unit)
+            handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self.ensure(u)))
         try:
             yield self.model
         finally:

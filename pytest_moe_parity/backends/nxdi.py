@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from ..golden import GoldenRecord
 from ..points import Point
 from . import Backend, BackendSetup, CandidateOutput, HwOption, positive_int
 from .lazy_model import weight_map
+from .nxdi_capture import read_table, table_names
 
 INSTALL = (
     'pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "pytest-moe-parity[nxdi]" '
@@ -73,15 +73,13 @@ class ModuleTable:
 
 
 def tables() -> list[str]:
-    return sorted(p.stem for p in TABLES.glob("*.json"))
+    return table_names(TABLES)
 
 
 def load_module_table(model_type: str) -> ModuleTable | None:
-    path = TABLES / f"{model_type}.json"
-    if not path.is_file():
+    data = read_table(TABLES, model_type)
+    if data is None:
         return None
-    data = json.loads(path.read_text())
-    data.pop("source", None)
     data["components"] = {k: Component(**v) for k, v in data["components"].items()}
     return ModuleTable(**data)
 

@@ -26,6 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import BackendError
 
@@ -52,15 +53,29 @@ class NxdiTable:
     unavailable: dict[str, str] = field(default_factory=dict)
 
 
-def available_tables() -> list[str]:
-    return sorted(p.stem for p in MAPS_DIR.glob("*.json"))
+def table_names(directory: Path) -> list[str]:
+    """The architectures a directory of per-architecture JSON tables covers."""
+    return sorted(p.stem for p in directory.glob("*.json"))
 
 
-def load_table(model_type: str) -> NxdiTable | None:
-    path = MAPS_DIR / f"{model_type}.json"
+def read_table(directory: Path, model_type: str) -> dict[str, Any] | None:
+    """An architecture's JSON table from `directory` (its "source" line is documentation), or None."""
+    path = directory / f"{model_type}.json"
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
+    data.pop("source", None)
+    return data
+
+
+def available_tables() -> list[str]:
+    return table_names(MAPS_DIR)
+
+
+def load_table(model_type: str) -> NxdiTable | None:
+    data = read_table(MAPS_DIR, model_type)
+    if data is None:
+        return None
     modules = {k: [v] if isinstance(v, str) else list(v) for k, v in data["modules"].items()}
     return NxdiTable(model_type, modules, dict(data.get("notes", {})), dict(data.get("unavailable", {})))
 

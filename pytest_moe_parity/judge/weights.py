@@ -32,6 +32,13 @@ def _matching(cand: torch.Tensor, ref: torch.Tensor, tol: float) -> list[int] | 
     return found
 
 
+def dtype_finding(name: str, ref_dtype: str | None, cand_dtype: str | None) -> str | None:
+    """A tensor stored in another dtype than the reference's, in words (None: same, or unknown)."""
+    if ref_dtype and cand_dtype and ref_dtype != cand_dtype:
+        return f"{name}: stored as {cand_dtype}, the reference as {ref_dtype}"
+    return None
+
+
 def diagnose(
     name: str,
     ref: torch.Tensor,
@@ -45,9 +52,8 @@ def diagnose(
     (within `tol`: storage rounding). Dtypes are the stored ones (e.g. "BF16"), when known."""
     if cand is None:
         return [f"{name}: missing from the candidate"]
-    findings = []
-    if ref_dtype and cand_dtype and ref_dtype != cand_dtype:
-        findings.append(f"{name}: stored as {cand_dtype}, the reference as {ref_dtype}")
+    narrowed = dtype_finding(name, ref_dtype, cand_dtype)
+    findings = [narrowed] if narrowed else []
     ref, cand = ref.detach().float().cpu(), cand.detach().float().cpu()
     if cand.shape == ref.shape and _close(cand, ref, tol):
         return findings

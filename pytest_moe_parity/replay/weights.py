@@ -11,7 +11,7 @@ import torch
 
 from ..backends.lazy_model import LazyModel
 from ..errors import CheckpointError
-from ..judge.weights import diagnose
+from ..judge.weights import diagnose, dtype_finding
 from ..record.audit import read_tensors
 
 
@@ -37,10 +37,7 @@ class WeightCheck:
 
     def _unit_params(self, model: LazyModel, layer: int | None) -> dict[str, torch.Tensor | None]:
         """The unit's parameters by name, loaded (None: the checkpoint lacks it)."""
-        if layer is not None:
-            paths = [f"{model._layers_path}.{layer}"]
-        else:
-            paths = [n for n, m in model.model.named_modules() if n and m._parameters and model.layer_of(n) is None]
+        paths = [model.unit_path(layer)] if layer is not None else model.model_level_paths()
         params: dict[str, torch.Tensor | None] = {}
         for path in paths:
             try:
@@ -54,16 +51,13 @@ class WeightCheck:
     def findings(self, layer: int | None) -> list[str]:
         ref = self._unit_params(self._model("reference"), layer)
         cand = self._unit_params(self._model("candidate"), layer)
-        out: list[str] = []
-        stored_ref, stored_cand = self._stored["reference"], self._stored["candidate"]
-        marker = f"layers.{layer}." if layer is not None else None
-        for key, dtype in stored_ref.items():  # dtypes as stored, checkpoint key by key
-            if (marker is None) == (".layers." in f".{key}"):
-                continue
-            if marker is not None and marker not in key:
-                continue
-            if key in stored_cand and stored_cand[key] != dtype:
-                out.append(f"{key}: stored as {stored_cand[key]}, the reference as {dtype}")
+        stored_cand = self._stored["candidate"]
+        layer_of = self._model("reference").layer_of
+        out = [  # dtypes as stored, checkpoint key by key
+            found
+            for key, dtype in self._stored["reference"].items()
+            if layer_of(key) == layer and (found := dtype_finding(key, dtype, stored_cand.get(key)))
+        ]
         for name, r in ref.items():
             if r is None:
                 continue
