@@ -74,7 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     golden.add_argument("--dtype", default="float32", help="dtype to run the reference in (default: float32)")
     golden.add_argument("--device", default="cpu", help="device for a single-device run (default: cpu)")
     golden.add_argument("--device-map", default=None, help="accelerate device map: auto, balanced, sequential, ...")
-    golden.add_argument("--max-memory", default=None, help="per-device memory caps, e.g. 40GB or 0:60GB,1:40GB")
+    golden.add_argument(
+        "--max-memory", default=None, help="per-device memory caps, e.g. 40GB (every GPU) or 0:60GiB,1:60GiB,cpu:200GiB"
+    )
+    golden.add_argument(
+        "--offload-folder",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="accelerate disk offload: weights that fit under no --max-memory cap are read from here "
+        "(a folder this run creates is removed after it)",
+    )
+    golden.add_argument(
+        "--layers",
+        default=None,
+        metavar="A-B",
+        help="record only these decoder layers (e.g. 10-20, or 1,17,20-29); embedding and rotary come with "
+        "layer 0, final norm and logits with the last layer",
+    )
     golden.add_argument(
         "--noise-dtype",
         default=None,
@@ -234,6 +251,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
             device=args.device,
             device_map=args.device_map,
             max_memory=args.max_memory,
+            offload_folder=args.offload_folder,
+            layers=args.layers,
             overwrite=args.overwrite,
             trust_remote_code=args.trust_remote_code,
             decode_steps=args.decode_steps or 0,
@@ -266,6 +285,7 @@ def _cuda() -> bool:
 def cmd_show(args: argparse.Namespace) -> int:
     from .golden import GoldenError, GoldenStore
     from .golden.spec import describe
+    from .points import describe_layers
 
     try:
         store = GoldenStore(args.golden, verify=args.verify)
@@ -278,6 +298,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"{args.golden}: {model['model_type']} from {model['path']}")
     print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
     print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
+    if "layers" in m["record"]:
+        print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
     for point in store.points:
         entry = store.entry(point)
         outputs = describe(entry["output"], entry["tensors"], "out")
@@ -518,6 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moe-parity: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `moe-parity show G | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -322,9 +322,12 @@ class ParitySession:
     def header_lines(self) -> list[str]:
         m = self.golden.manifest
         layers = f", layers {describe_layers(self.layers)}" if self.layers is not None else ""
+        recorded = f"{m['model'].get('num_hidden_layers')} layers"
+        if "layers" in m["record"]:  # a slice: `moe-parity golden --layers`
+            recorded = f"a slice: layers {describe_layers(self.golden.layers)} of {recorded}"
         return [
             f"moe-parity: golden {self.golden.root} ({m['model']['model_type']}, "
-            f"{m['model'].get('num_hidden_layers')} layers, {len(self.golden.point_ids)} points, "
+            f"{recorded}, {len(self.golden.point_ids)} points, "
             f"{m['inputs']['seq_len']} tokens, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",

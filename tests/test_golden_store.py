@@ -18,7 +18,7 @@ from pytest_moe_parity.points import Point
 
 def _record(pid: str, layer: int | None, tensors: dict[str, torch.Tensor]) -> Recorded:
     point = Point.parse(pid, module=f"m.{pid}", order=layer or 0)
-    fl = Flattener({})
+    fl = Flattener(lambda t: None)
     args = [fl.flatten(tensors["x"], f"{pid}/args.0")]
     kwargs = {
         "scale": fl.flatten(2.5, "s"),

@@ -37,15 +37,16 @@ def _scalar_spec(value: Any) -> Spec:
 class Flattener:
     """Turns a nested call structure into a spec, copying tensors to CPU under stable keys.
     `source(tensor)` may name the earlier point output a tensor is (see `record.capture`): the spec
-    keeps it under "from", for chained replay."""
+    keeps it under "from", for chained replay. `param_name(tensor)` names a tensor that is one of the
+    model's parameters or buffers (recorded by name, not by value), else None."""
 
     def __init__(
         self,
-        params: dict[int, str],
+        param_name: Callable[[torch.Tensor], str | None],
         keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: Callable[[torch.Tensor], Spec | None] | None = None,
     ):
-        self.params = params
+        self.param_name = param_name
         self.source = source
         self.tensors: dict[str, torch.Tensor] = {}
         # (id, version) of a tensor already stored -> key; the original is kept alive so that its
@@ -55,7 +56,7 @@ class Flattener:
 
     def flatten(self, obj: Any, key: str) -> Spec:
         if isinstance(obj, torch.Tensor):
-            name = self.params.get(id(obj))
+            name = self.param_name(obj)
             if name is not None:
                 return {"t": "param", "name": name}
             seen = self._seen.get((id(obj), obj._version))

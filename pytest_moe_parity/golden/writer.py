@@ -83,6 +83,7 @@ class GoldenWriter:
         self.overwrite = overwrite
         self.files: dict[str, dict[str, Any]] = {}
         self.points: list[dict[str, Any]] = []
+        self._created = False
 
     @property
     def bytes_written(self) -> int:
@@ -104,6 +105,7 @@ class GoldenWriter:
             (root / MANIFEST).unlink(missing_ok=True)
             for entry in root.iterdir():
                 entry.unlink()
+        self._created = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
 
     def write_group(self, group: str, records: list[Recorded]) -> int:
@@ -137,6 +139,17 @@ class GoldenWriter:
                 }
             )
         return size
+
+    def abort(self) -> None:
+        """Remove what this writer wrote (a failed recording), and the directory if it made it."""
+        for file in self.files:
+            (self.root / file).unlink(missing_ok=True)
+        for tmp in self.root.glob(f".*.tmp-{os.getpid()}"):
+            tmp.unlink(missing_ok=True)
+        self.files.clear()
+        self.points.clear()
+        if self._created and self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
 
     def finish(self, manifest: dict[str, Any]) -> Path:
         body = {

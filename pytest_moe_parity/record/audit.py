@@ -91,8 +91,9 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def read_tensors(model_dir: Path) -> list[Tensor]:
-    """Every tensor of a checkpoint directory (single file or sharded with an index), from headers."""
+def safetensors_files(model_dir: Path, need: str = "the audit reads safetensors checkpoints") -> list[str]:
+    """The safetensors files of a checkpoint directory: every shard its index names (each checked
+    present), else every `.safetensors` file. BadInput when there is none, saying why one is needed."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise BadInput(f"--model {model_dir} is not a directory")
@@ -106,12 +107,18 @@ def read_tensors(model_dir: Path) -> list[Tensor]:
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise BadInput(f"{index} names {missing[0]}, which is not in {model_dir}")
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-        if not files:
-            raise BadInput(f"{model_dir} holds no .safetensors files; the audit reads safetensors checkpoints")
+        return files
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise BadInput(f"{model_dir} holds no .safetensors files; {need}")
+    return files
+
+
+def read_tensors(model_dir: Path) -> list[Tensor]:
+    """Every tensor of a checkpoint directory (single file or sharded with an index), from headers."""
+    model_dir = Path(model_dir)
     tensors = []
-    for file in files:
+    for file in safetensors_files(model_dir):
         for name, entry in read_header(model_dir / file).items():
             if name != "__metadata__":
                 tensors.append(Tensor(name, entry["dtype"], list(entry["shape"]), file))

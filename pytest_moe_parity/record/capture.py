@@ -101,29 +101,81 @@ def cache_state(cache: Any, layer: int) -> CacheState:
     )
 
 
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), name)
-    return names
+def held_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` with its values: where accelerate offloaded it (a meta tensor
+    outside its module's forward), the copy its offload hook reads back for each forward."""
+    t = named_tensor(model, name)
+    if t.device.type != "meta":
+        return t
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        hook = getattr(model.get_submodule(".".join(parts[:i])), "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            weights = getattr(h, "weights_map", None)
+            if weights is None:
+                continue
+            try:
+                return weights[".".join(parts[i:])]
+            except KeyError:
+                continue
+    raise RecordError(f"{name} is on the meta device and no accelerate offload hook holds its values")
+
+
+class ParamNames:
+    """Names the model's parameters and buffers when a point receives one as an argument (recorded
+    by name, not by value). Matched by identity, never by `id` alone: accelerate's offload hooks put
+    a fresh tensor in a module's slot for each forward and a meta one after it, so the address of a
+    tensor seen at load time can be reused by an activation. Tensors materialised that way are found
+    in the slots of the running point's module and its ancestors (`enter`), where the caller's own
+    parameters live."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        # The objects are held, so no other tensor can take their address while this lives.
+        self._known: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+            self._known.setdefault(id(t), (name, t))
+        self._scope: list[tuple[str, nn.Module]] = []
+
+    def enter(self, module_path: str) -> None:
+        parts = module_path.split(".") if module_path else []
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+        self._scope = [(prefix, self.model.get_submodule(prefix)) for prefix in prefixes]
+
+    def __call__(self, t: torch.Tensor) -> str | None:
+        known = self._known.get(id(t))
+        if known is not None and known[1] is t:
+            return known[0]
+        for prefix, module in self._scope:
+            for slots in (module._parameters, module._buffers):
+                for name, value in slots.items():
+                    if value is t:
+                        return f"{prefix}.{name}" if prefix else name
+        return None
+
+
+class SliceDone(Exception):
+    """Raised by the hook that closes the last group a recording needs (`Recorder(stop_after=...)`):
+    the rest of the forward would record nothing."""
 
 
 class Recorder:
     """Forward hooks on every capture point. `on_group` receives a finished group (one layer, or one
-    model-level point) as soon as its last point returns, so memory holds one layer at a time."""
+    model-level point) as soon as its last point returns, so memory holds one layer at a time. With
+    `stop_after`, closing that group raises SliceDone out of the forward."""
 
     def __init__(
         self,
         model: nn.Module,
         points: list[Point],
         on_group: Callable[[str, list[Recorded]], None],
+        stop_after: str | None = None,
     ):
         self.model = model
+        self.stop_after = stop_after
         self.points = points
         self.on_group = on_group
-        self.params = parameter_names(model)
+        self.param_names = ParamNames(model)
         self._handles: list[Any] = []
         self._pending: dict[str, tuple[list[Any], dict[str, Any], Flattener, float]] = {}
         self._group_records: dict[str, list[Recorded]] = {}
@@ -149,7 +201,7 @@ class Recorder:
     def _flattener(self, group: str) -> Flattener:
         fl = self._group_flattener.get(group)
         if fl is None:
-            fl = self._group_flattener[group] = Flattener(self.params)
+            fl = self._group_flattener[group] = Flattener(self.param_names)
         return fl
 
     def _inputs_flattener(self, group: str) -> Flattener:
@@ -171,6 +223,7 @@ class Recorder:
                     rec.calls += 1
                 return
             fl = self._inputs_flattener(point.group)
+            self.param_names.enter(point.module)
             if point.step is not None:  # a decode step: the cache as the tensors of this layer
                 args = tuple(cache_state(a, point.layer) if is_cache(a) else a for a in args)
                 kwargs = {k: cache_state(v, point.layer) if is_cache(v) else v for k, v in kwargs.items()}
@@ -187,6 +240,7 @@ class Recorder:
                 return
             arg_specs, kw_specs, fl, started = pending
             fl = self._outputs_flattener(point.group)
+            self.param_names.enter(point.module)
             if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
                 # (out, attn_weights): the weights are O(heads·T²) and never compared.
                 out_spec = {
@@ -198,7 +252,7 @@ class Recorder:
             rec = Recorded(point, arg_specs, kw_specs, out_spec, seconds=time.perf_counter() - started)
             if point.score_bias:
                 key = f"{point.id}/golden.score_bias"
-                fl.tensors[key] = fl.keep(named_tensor(self.model, point.score_bias))
+                fl.tensors[key] = fl.keep(held_tensor(self.model, point.score_bias))
                 rec.extras["score_bias"] = key
             caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
             if point.component == "attention" and point.step is not None and caches:
@@ -212,6 +266,8 @@ class Recorder:
             self._group_records.setdefault(point.group, []).append(rec)
             if self._closing[point.group] == point.id:
                 self._flush(point.group)
+                if point.group == self.stop_after:
+                    raise SliceDone(point.group)
 
         return hook
 

@@ -3,13 +3,16 @@ hooked, and write the golden directory layer by layer."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,11 @@ from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, GoldenError
 from ..golden import GoldenWriter, Recorded
-from ..points import Point
+from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
-from .capture import Recorder
+from .audit import parse_size, safetensors_files
+from .capture import Recorder, SliceDone
+from .memory import memory_line, peaks, placement, placement_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16
@@ -117,21 +122,36 @@ def resolve_input_ids(
     return ids
 
 
-def parse_max_memory(spec: str | None) -> dict[Any, str] | None:
-    """`40GB` (every GPU) or `0:60GB,1:40GB,cpu:200GB`."""
+def parse_max_memory(spec: str | None) -> dict[Any, int] | None:
+    """`40GB` (every GPU) or `0:60GB,1:40GB,cpu:200GB` -> bytes per accelerate device; BadInput for
+    a size that does not parse or a GPU that is not visible (disk offload is --offload-folder)."""
     if not spec:
         return None
-    out: dict[Any, str] = {}
-    for part in spec.split(","):
-        part = part.strip()
-        if ":" in part:
-            dev, amount = part.split(":", 1)
-            out[int(dev) if dev.isdigit() else dev] = amount
+    gpus = torch.cuda.device_count()
+    out: dict[Any, int] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        device, sep, amount = part.rpartition(":")
+        try:
+            size = parse_size(amount)
+        except ValueError:
+            raise BadInput(f"--max-memory {spec!r}: {amount!r} is not a size (e.g. 60GiB, 512MB)") from None
+        if not sep:
+            if gpus == 0:
+                raise BadInput(f"--max-memory {spec!r} caps every GPU and none is visible; use cpu:SIZE")
+            out.update(dict.fromkeys(range(gpus), size))
+        elif device == "cpu":
+            out["cpu"] = size
+        elif device == "disk":
+            raise BadInput(f"--max-memory {spec!r}: disk is not capped; pass --offload-folder DIR for disk offload")
+        elif device.isdigit():
+            if int(device) >= gpus:
+                seen = f"GPUs 0-{gpus - 1} are visible" if gpus else "no GPU is visible"
+                raise BadInput(f"--max-memory {spec!r} names GPU {device}, and {seen}")
+            out[int(device)] = size
         else:
-            count = torch.cuda.device_count()
-            if count == 0:
-                raise BadInput(f"--max-memory {spec!r} names no device and no GPU is visible; use cpu:SIZE")
-            out.update({i: part for i in range(count)})
+            raise BadInput(f"--max-memory {spec!r}: {part!r} is not DEVICE:SIZE (0:60GiB, cpu:200GiB)")
+    if not out:
+        raise BadInput(f"--max-memory {spec!r} names no device")
     return out
 
 
@@ -142,6 +162,7 @@ def load_model(
     device: str | None,
     device_map: str | None,
     max_memory: dict | None,
+    offload_folder: Path | None = None,
     trust_remote_code: bool = False,
 ):
     from transformers import AutoModelForCausalLM
@@ -157,9 +178,16 @@ def load_model(
         kwargs["device_map"] = device_map
         if max_memory:
             kwargs["max_memory"] = max_memory
+        if offload_folder is not None:
+            kwargs["offload_folder"] = str(offload_folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
+        if "offload_folder" in str(exc) and offload_folder is None:  # placed partly on disk, and nowhere to put it
+            raise BadInput(
+                f"{model_dir} does not fit in the memory --max-memory gives; pass --offload-folder DIR "
+                "for accelerate to offload the rest to disk"
+            ) from None
         raise BadInput(f"cannot load {model_dir} as a causal LM: {_first_line(exc)}") from None
     if not device_map and device:
         model = model.to(device)
@@ -237,6 +265,102 @@ def record_decode(
     return {"steps": steps, "tokens": tokens, "cache": type(cache).__name__}
 
 
+@contextlib.contextmanager
+def golden_writer(out: Path, overwrite: bool) -> Iterator[GoldenWriter]:
+    """The golden's writer, its directory prepared; what a failed recording wrote is removed (and
+    the directory, where this run created it), so nothing half-written is left behind."""
+    writer = GoldenWriter(out, overwrite=overwrite)
+    try:
+        writer.prepare()
+    except GoldenError as exc:
+        raise BadInput(str(exc)) from None
+    try:
+        yield writer
+    except BaseException:
+        writer.abort()
+        raise
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map: str | None) -> None:
+    """`--device-map`: one of accelerate's strategies, or one device for the whole model."""
+    if not device_map or device_map in DEVICE_MAPS:
+        return
+    try:
+        torch.device(device_map)
+    except RuntimeError:
+        raise BadInput(
+            f"--device-map {device_map!r} is neither a placement ({', '.join(DEVICE_MAPS)}) nor a device (cpu, cuda:0)"
+        ) from None
+
+
+@contextlib.contextmanager
+def offload_dir(folder: Path | str | None, out: Path, model_dir: Path) -> Iterator[Path | None]:
+    """`--offload-folder`, checked writable before anything is loaded; a folder this run creates is
+    removed when the recording ends (the offloaded weights are a copy of the checkpoint)."""
+    if folder is None:
+        yield None
+        return
+    folder = Path(folder)
+    resolved = folder.resolve()
+    for other, flag in ((out.resolve(), "--out"), (model_dir.resolve(), "--model")):
+        if resolved == other or other in resolved.parents:
+            raise BadInput(f"--offload-folder {folder} is inside {flag} {other}; choose a folder of its own")
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"--offload-folder {folder} exists and is not a directory; choose another folder")
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise BadInput(f"--offload-folder {folder} is not writable ({reason}); choose another folder") from None
+    try:
+        yield folder
+    finally:
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def layer_slice(text: str | None, n_layers: int | None) -> list[int] | None:
+    """`--layers 10-20` (or 1,17,20-29): the decoder layers to record, checked against the model's."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        layers = parse_layers(text)
+    except ValueError as exc:
+        raise BadInput(f"--layers {text}: {exc}") from None
+    if n_layers is not None and layers[-1] >= n_layers:
+        raise BadInput(f"--layers {text}: the model has {n_layers} decoder layers (0-{n_layers - 1})")
+    return layers
+
+
+def sliced(points: list[Point], layers: list[int] | None) -> list[Point]:
+    """The points of a slice: its layers' points, the model-level points before the first layer
+    (embedding, rotary) when the slice starts at layer 0, and those after the last layer (final
+    norm, logits) when it ends at the model's last layer, so that slices that cover every layer
+    cover every point."""
+    if layers is None:
+        return points
+    numbered = [p for p in points if p.layer is not None]
+    if not numbered:
+        return points
+    first = min(p.order for p in numbered)
+    last = max(p.order for p in numbered)
+    top = max(p.layer for p in numbered)
+    wanted = set(layers)
+
+    def kept(p: Point) -> bool:
+        if p.layer is not None:
+            return p.layer in wanted
+        return (p.order < first and 0 in wanted) or (p.order > last and top in wanted)
+
+    return [p for p in points if kept(p)]
+
+
 def record_golden(
     model_dir: Path | str,
     out: Path | str,
@@ -248,6 +372,8 @@ def record_golden(
     device: str | None = "cpu",
     device_map: str | None = None,
     max_memory: str | None = None,
+    offload_folder: Path | str | None = None,
+    layers: str | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
     decode_steps: int = 0,
@@ -274,96 +400,119 @@ def record_golden(
     )
     if out.resolve() == model_dir.resolve():
         raise BadInput("--out must not be the model directory")
-    writer = GoldenWriter(out, overwrite=overwrite)
-    try:
-        writer.prepare()
-    except GoldenError as exc:
-        raise BadInput(str(exc)) from None
-
+    wanted_layers = layer_slice(layers, getattr(config, "num_hidden_layers", None))
+    if not any(model_dir.glob("pytorch_model*.bin")):  # else transformers reads them (weights_only)
+        safetensors_files(model_dir, "point --model at a checkpoint with its weights")
     mm = parse_max_memory(max_memory)
-    if mm and not device_map:
-        device_map = "auto"  # a memory cap only means something to accelerate's placement
-    load_started = time.perf_counter()
-    model = load_model(
-        model_dir,
-        dtype=torch_dtype,
-        device=device,
-        device_map=device_map,
-        max_memory=mm,
-        trust_remote_code=trust_remote_code,
-    )
-    try:
-        plan = plan_points(model)
-    except ArchError as exc:
-        raise BadInput(str(exc)) from None
-    if decode_steps:
-        decode_cache(model)  # before anything is written
-    for note in plan.notes:
-        say(f"note: {note}")
-    n_layers = len({p.layer for p in plan.points if p.layer is not None})
-    say(
-        f"recording {model_dir} ({plan.model_type}, {n_layers} layers, {len(plan.points)} points, "
-        f"{len(ids)} tokens, {dtype_name(torch_dtype)}) -> {out}"
-    )
+    check_device_map(device_map)
+    with offload_dir(offload_folder, out, model_dir) as offload, golden_writer(out, overwrite) as writer:
+        if (mm or offload) and not device_map:
+            device_map = "auto"  # a memory cap or an offload folder only means something to accelerate's placement
+        load_started = time.perf_counter()
+        model = load_model(
+            model_dir,
+            dtype=torch_dtype,
+            device=device,
+            device_map=device_map,
+            max_memory=mm,
+            offload_folder=offload,
+            trust_remote_code=trust_remote_code,
+        )
+        try:
+            plan = plan_points(model)
+        except ArchError as exc:
+            raise BadInput(str(exc)) from None
+        if decode_steps:
+            decode_cache(model)  # before anything is written
+        for note in plan.notes:
+            say(f"note: {note}")
+        points = sliced(plan.points, wanted_layers)
+        n_layers = len({p.layer for p in plan.points if p.layer is not None})
+        slice_layers = sorted({p.layer for p in points if p.layer is not None})
+        what = (
+            f"{n_layers} layers" if wanted_layers is None else f"layers {describe_layers(slice_layers)} of {n_layers}"
+        )
+        say(
+            f"recording {model_dir} ({plan.model_type}, {what}, {len(points)} points, "
+            f"{len(ids)} tokens, {dtype_name(torch_dtype)}) -> {out}"
+        )
+        placed = placement(model)
+        say(placement_line(placed))
 
-    layers_done = 0
+        layers_done = 0
 
-    def on_group(group: str, records: list[Recorded]) -> None:
-        nonlocal layers_done
-        size = writer.write_group(group, records)
-        if records[0].point.layer is not None and records[0].point.step is None:
-            layers_done += 1
-            say(
-                f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
-                f"[{layers_done}/{n_layers} layers, {writer.bytes_written / 1e6:.1f} MB written, "
-                f"{time.perf_counter() - started:.1f}s]"
-            )
+        def on_group(group: str, records: list[Recorded]) -> None:
+            nonlocal layers_done
+            size = writer.write_group(group, records)
+            if records[0].point.layer is not None and records[0].point.step is None:
+                layers_done += 1
+                say(
+                    f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
+                    f"[{layers_done}/{len(slice_layers)} layers, {writer.bytes_written / 1e6:.1f} MB written, "
+                    f"{time.perf_counter() - started:.1f}s]"
+                )
 
-    load_seconds = time.perf_counter() - load_started
-    forward_started = time.perf_counter()
-    ids_tensor = torch.tensor([ids], dtype=torch.long, device=input_device(model))
-    with torch.no_grad(), Recorder(model, plan.points, on_group) as rec:
-        model(input_ids=ids_tensor, use_cache=False)
-        skipped = rec.finish()
-    for pid in skipped:
-        say(f"note: point {pid} was never called by the forward pass; not recorded")
-    decode = record_decode(model, plan.points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
+        load_seconds = time.perf_counter() - load_started
+        forward_started = time.perf_counter()
+        ids_tensor = torch.tensor([ids], dtype=torch.long, device=input_device(model))
+        # A slice that ends before the model's last layer needs no more of the forward (a decode step
+        # needs the logits).
+        stop_after = (
+            points[-1].group
+            if wanted_layers is not None and not decode_steps and points[-1].layer is not None
+            else None
+        )
+        with torch.no_grad(), Recorder(model, points, on_group, stop_after=stop_after) as rec:
+            try:
+                model(input_ids=ids_tensor, use_cache=False)
+            except SliceDone:
+                say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
+            skipped = rec.finish()
+        for pid in skipped:
+            say(f"note: point {pid} was never called by the forward pass; not recorded")
+        decode = record_decode(model, points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
+        peak = peaks(placed)
+        say(memory_line(peak))
 
-    devices = sorted({str(p.device) for p in model.parameters()})
-    manifest = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": {
-            "path": str(model_dir.resolve()),
-            # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
-            "path_relative": os.path.relpath(model_dir.resolve(), out.resolve()),
-            "model_type": plan.model_type,
-            "architectures": list(getattr(config, "architectures", None) or []),
-            "config_hash": config_hash(model.config),
-            "config": json.loads(json.dumps(config_dict(model.config), default=str)),
-            "num_hidden_layers": n_layers,
-        },
-        "inputs": {"input_ids": [ids], "prompt": prompt, "seq_len": len(ids)},
-        **({"decode": decode} if decode else {}),
-        "record": {
-            "dtype": dtype_name(torch_dtype),
-            "device": device if not device_map else None,
-            "device_map": device_map,
-            "max_memory": max_memory,
-            "devices": devices,
-            "attn_implementation": "eager",
-            "experts_implementation": "eager",
-            "use_cache": False,
-            "argv": sys.argv[1:],
-        },
-        "arch": {"source": plan.source, "skipped_points": skipped, "notes": plan.notes},
-        "versions": versions(),
-        "stats": {
-            "seconds": round(time.perf_counter() - started, 3),
-            "load_seconds": round(load_seconds, 3),
-            "record_seconds": round(time.perf_counter() - forward_started, 3),
-            "bytes": writer.bytes_written,
-        },
-    }
-    writer.finish(manifest)
-    seconds = time.perf_counter() - started
-    return RecordResult(out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)
+        devices = sorted(placed)
+        manifest = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "path": str(model_dir.resolve()),
+                # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
+                "path_relative": os.path.relpath(model_dir.resolve(), out.resolve()),
+                "model_type": plan.model_type,
+                "architectures": list(getattr(config, "architectures", None) or []),
+                "config_hash": config_hash(model.config),
+                "config": json.loads(json.dumps(config_dict(model.config), default=str)),
+                "num_hidden_layers": n_layers,
+            },
+            "inputs": {"input_ids": [ids], "prompt": prompt, "seq_len": len(ids)},
+            **({"decode": decode} if decode else {}),
+            "record": {
+                "dtype": dtype_name(torch_dtype),
+                "device": device if not device_map else None,
+                "device_map": device_map,
+                "max_memory": max_memory,
+                "offload_folder": str(offload) if offload is not None else None,
+                "devices": devices,
+                "placement": placed,
+                **({"layers": slice_layers} if wanted_layers is not None else {}),
+                "attn_implementation": "eager",
+                "experts_implementation": "eager",
+                "use_cache": False,
+                "argv": sys.argv[1:],
+            },
+            "arch": {"source": plan.source, "skipped_points": skipped, "notes": plan.notes},
+            "versions": versions(),
+            "stats": {
+                "seconds": round(time.perf_counter() - started, 3),
+                "load_seconds": round(load_seconds, 3),
+                "record_seconds": round(time.perf_counter() - forward_started, 3),
+                "bytes": writer.bytes_written,
+                "peak_memory_bytes": peak,
+            },
+        }
+        writer.finish(manifest)
+        seconds = time.perf_counter() - started
+        return RecordResult(out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)
