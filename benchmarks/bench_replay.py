@@ -79,15 +79,12 @@ def child(script: str, *args: str) -> dict:
     return {**out, "wall_s": wall}
 
 
-def prepare(root: Path, layers: int) -> tuple[Path, Path]:
+def write_checkpoint(root: Path, layers: int) -> Path:
+    """The Mixtral-style checkpoint of `layers` layers (written once under `root`)."""
     import torch
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from pytest_moe_parity.record.run import record_golden
-    from pytest_moe_parity.session import quiet_transformers
-
-    quiet_transformers()
-    model_dir, golden = root / f"mixtral-{layers}", root / f"golden-{layers}"
+    model_dir = root / f"mixtral-{layers}"
     if not (model_dir / "config.json").is_file():
         config = MixtralConfig(
             vocab_size=1024,
@@ -105,6 +102,15 @@ def prepare(root: Path, layers: int) -> tuple[Path, Path]:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(model_dir, max_shard_size="200MB")
         del model
+    return model_dir
+
+
+def prepare(root: Path, layers: int) -> tuple[Path, Path]:
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.session import quiet_transformers
+
+    quiet_transformers()
+    model_dir, golden = write_checkpoint(root, layers), root / f"golden-{layers}"
     if not (golden / "manifest.json").is_file():
         record_golden(model_dir, golden, seq_len=32, overwrite=True)
     return model_dir, golden

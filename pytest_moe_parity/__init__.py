@@ -8,7 +8,8 @@ points, dtypes, errors, tree <- golden, judge <- record, dump <- backends <- rep
   call structures (no torch needed at import)
 - golden: the recorded call format and the golden store (write and read); judge: metrics,
   tolerances and verdicts
-- record: where capture points live in a model, and capturing the reference (`moe-parity golden`);
+- record: where capture points live in a model, loading a checkpoint one unit (decoder layer or
+  model-level module) at a time, and capturing the reference (`moe-parity golden`);
   dump: a recorder that any framework's candidate calls, writing what `--hw dump` reads;
   backends: candidates (`--hw`); replay: one point run on a backend and judged
 - report: failure text, summary and JSON reports; session: a whole parity run without pytest

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(a folder this run creates is removed after it)",
     )
     golden.add_argument(
+        "--stream",
+        action="store_true",
+        help="hold two decoder layers at a time, read from the checkpoint as the forward reaches them: "
+        "a reference larger than the host's memory, on one device, without an offload folder",
+    )
+    golden.add_argument(
         "--layers",
         default=None,
         metavar="A-B",
@@ -253,6 +259,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
             max_memory=args.max_memory,
             offload_folder=args.offload_folder,
             layers=args.layers,
+            stream=args.stream,
             overwrite=args.overwrite,
             trust_remote_code=args.trust_remote_code,
             decode_steps=args.decode_steps or 0,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_moe_parity.backends.lazy_model import CheckpointError, LazyModel
+from pytest_moe_parity.record.lazy_model import CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.replay.inputs import cast_inputs
 

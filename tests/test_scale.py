@@ -103,6 +103,44 @@ def test_an_offloaded_golden_replays(pytester: pytest.Pytester, tiny_model) -> N
     result.stdout.fnmatch_lines(["first divergence: none"])
 
 
+# -- reading the reference one unit at a time -------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["minimax_m2", "deepseek_v3", "gpt_oss"])
+def test_streaming_two_layers_at_a_time_records_the_same_golden(arch: str, tmp_path: Path, tiny_model, capsys):
+    model = tiny_model(arch)
+    code, out, err = _golden(capsys, model, tmp_path / "whole", "--decode-steps", "1")
+    assert code == 0, err
+    assert "placement: the whole model on cpu, " in out
+    code, out, err = _golden(capsys, model, tmp_path / "s", "--stream", "--decode-steps", "1")
+    assert code == 0, err
+    assert "placement: streamed from the checkpoint onto cpu, 2 decoder layers at a time" in out
+    assert_same_golden(tmp_path / "whole", tmp_path / "s")
+    manifest = read_json(tmp_path / "s" / "manifest.json")
+    assert manifest["record"]["loading"] == "streamed, 2 decoder layers at a time"
+    whole = read_json(tmp_path / "whole" / "manifest.json")["stats"]["host_weight_bytes"]
+    streamed = manifest["stats"]["host_weight_bytes"]
+    assert 0 < streamed < whole
+
+
+def test_a_pytorch_bin_checkpoint_goes_through_from_pretrained_to_the_same_golden(tmp_path: Path, tiny_model) -> None:
+    import shutil
+
+    model = tiny_model("qwen3_moe")
+    record_run.record_golden(model, tmp_path / "units")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(model / "config.json", bin_dir)
+    state = {k: v for shard in sorted(model.glob("*.safetensors")) for k, v in load_file(shard).items()}
+    torch.save(state, bin_dir / "pytorch_model.bin")  # the same keys, in the older format
+    record_run.record_golden(bin_dir, tmp_path / "pretrained")
+    assert read_json(tmp_path / "pretrained" / "manifest.json")["record"]["loading"] == "from_pretrained"
+    assert read_json(tmp_path / "units" / "manifest.json")["record"]["loading"] == "by unit"
+    assert_same_golden(tmp_path / "units", tmp_path / "pretrained")
+    with pytest.raises(record_run.BadInput, match="--stream reads safetensors checkpoints"):
+        record_run.record_golden(bin_dir, tmp_path / "s", stream=True)
+
+
 # -- slices --------------------------------------------------------------------------------------
 
 
@@ -253,6 +291,7 @@ def test_max_memory_specs(spec, gpus, expected, monkeypatch) -> None:
         (["--offload-folder", "{out}/offload"], "is inside --out"),
         (["--offload-folder", "{file}"], "exists and is not a directory"),
         (["--offload-folder", "{readonly}/sub"], "is not writable"),
+        (["--stream", "--max-memory", "cpu:1GB"], "--stream loads one decoder layer at a time on one --device"),
     ],
 )
 def test_bad_recording_input_is_one_line_and_writes_nothing(args, message, tmp_path: Path, tiny_model, capsys):

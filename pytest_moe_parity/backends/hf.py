@@ -14,9 +14,9 @@ from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..points import Point
 from ..record.capture import cache_state
+from ..record.lazy_model import LazyModel, weight_map
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
 from .cache import with_live_caches
-from .lazy_model import LazyModel, weight_map
 
 
 class TorchBackend(Backend):

@@ -33,8 +33,8 @@ from torch import nn
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
 from ..points import Point
+from ..record.lazy_model import weight_map
 from . import Backend, BackendSetup, CandidateOutput, HwOption, positive_int
-from .lazy_model import weight_map
 from .nxdi_capture import read_table, table_names
 
 INSTALL = (

@@ -279,6 +279,8 @@ class Recorder:
             keys.update(rec.extras.values())
             rec.tensors = {k: fl.tensors[k] for k in sorted(keys)}
         self.on_group(group, records)
+        for rec in records:  # written: a recording holds the captures of the layers in flight, not all
+            rec.tensors = {}
 
     def finish(self) -> list[str]:
         """Flush groups whose closing point never ran; return the ids of points that never ran."""

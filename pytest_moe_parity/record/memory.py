@@ -22,12 +22,12 @@ def _device_name(device: Any) -> str:
     return str(device)
 
 
-def placement(model: nn.Module) -> dict[str, dict[str, int]]:
+def placement(model: nn.Module, device: torch.device | None = None) -> dict[str, dict[str, int]]:
     """Per device: how many modules of accelerate's device map it holds (0 without one) and their
-    parameter and buffer bytes; offloaded entries (`cpu`, `disk`) are counted from their meta
-    placeholders, which keep the shapes."""
+    parameter and buffer bytes; offloaded entries (`cpu`, `disk`), and a model whose weights are
+    read as it runs (on `device`), are counted from their meta placeholders, which keep the shapes."""
     device_map = getattr(model, "hf_device_map", None)
-    entries = device_map.items() if device_map else [("", next(model.parameters()).device)]
+    entries = device_map.items() if device_map else [("", device or next(model.parameters()).device)]
     out: dict[str, dict[str, int]] = {}
     seen: set[int] = set()  # tied weights count once
     for name, device in entries:

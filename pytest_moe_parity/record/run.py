@@ -21,12 +21,13 @@ import torch
 
 from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import ArchError, BadInput, GoldenError
+from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
-from .audit import parse_size, safetensors_files
+from .audit import gib, parse_size, safetensors_files
 from .capture import Recorder, SliceDone
+from .lazy_model import LazyModel, own_memory
 from .memory import memory_line, peaks, placement, placement_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -192,6 +193,95 @@ def load_model(
     if not device_map and device:
         model = model.to(device)
     return model.eval()
+
+
+@dataclass
+class Reference:
+    """The reference model as recording holds it: `model`, and with `lazy` its weights read from
+    the checkpoint one unit at a time as the forward reaches them (every unit kept, or with
+    `--stream` two decoder layers at a time); else what `from_pretrained` loaded."""
+
+    model: Any
+    lazy: LazyModel | None = None
+    stream: bool = False
+
+    @property
+    def loading(self) -> str:
+        if self.lazy is None:
+            return "from_pretrained"
+        return f"streamed, {self.lazy.max_layers} decoder layers at a time" if self.stream else "by unit"
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.lazy.device if self.lazy is not None else input_device(self.model)
+
+    def running(self) -> contextlib.AbstractContextManager:
+        return self.lazy.streaming() if self.lazy is not None else contextlib.nullcontext()
+
+    def placement(self) -> dict[str, dict[str, int]]:
+        return placement(self.model, self.lazy.device if self.lazy is not None else None)
+
+    def placement_line(self, placed: dict[str, dict[str, int]]) -> str:
+        if not self.stream:
+            return placement_line(placed)
+        assert self.lazy is not None
+        layer = max(self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers))
+        return (
+            f"placement: streamed from the checkpoint onto {self.lazy.device}, {self.lazy.max_layers} decoder "
+            f"layers at a time ({gib(layer)} each; {gib(sum(e['bytes'] for e in placed.values()))} in all)"
+        )
+
+    def host_weight_bytes(self, placed: dict[str, dict[str, int]]) -> int:
+        """The weights this recording kept in host memory at most."""
+        if self.stream:
+            assert self.lazy is not None
+            layers = sorted((self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers)), reverse=True)
+            model_level = sum(self.lazy.unit_bytes(u) for u in self.lazy.model_level_paths())
+            return model_level + sum(layers[: self.lazy.max_layers]) if self.lazy.device.type == "cpu" else 0
+        return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
+
+
+def load_reference(
+    model_dir: Path,
+    config: Any,
+    *,
+    dtype: torch.dtype,
+    device: str | None,
+    device_map: str | None,
+    max_memory: dict | None,
+    offload_folder: Path | None,
+    stream: bool,
+    trust_remote_code: bool,
+) -> Reference:
+    """On one device, a safetensors checkpoint is read one unit at a time (`from_pretrained` maps
+    every shard and holds its pages while it converts, about twice the weights at its peak);
+    accelerate placements and other checkpoints go through `from_pretrained`."""
+    if device_map or not any(model_dir.glob("*.safetensors")):
+        model = load_model(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            trust_remote_code=trust_remote_code,
+        )
+        own_memory(model)  # what stays on the host no longer holds the shards mapped
+        return Reference(model)
+    try:
+        lazy = LazyModel(
+            model_dir,
+            dtype=dtype,
+            device=device or "cpu",
+            trust_remote_code=trust_remote_code,
+            config=config,
+            max_layers=2 if stream else max(1, int(getattr(config, "num_hidden_layers", 0) or 0)),
+        )
+    except CheckpointError as exc:
+        raise BadInput(str(exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise BadInput(f"cannot build {model_dir} as a causal LM: {_first_line(exc)}") from None
+    return Reference(lazy.model, lazy, stream)
 
 
 def versions() -> dict[str, str]:
@@ -374,6 +464,7 @@ def record_golden(
     max_memory: str | None = None,
     offload_folder: Path | str | None = None,
     layers: str | None = None,
+    stream: bool = False,
     overwrite: bool = False,
     trust_remote_code: bool = False,
     decode_steps: int = 0,
@@ -405,19 +496,29 @@ def record_golden(
         safetensors_files(model_dir, "point --model at a checkpoint with its weights")
     mm = parse_max_memory(max_memory)
     check_device_map(device_map)
+    if stream and (device_map or mm or offload_folder is not None):
+        raise BadInput(
+            "--stream loads one decoder layer at a time on one --device; it does not combine with "
+            "--device-map, --max-memory or --offload-folder"
+        )
+    if stream and any(model_dir.glob("pytorch_model*.bin")) and not any(model_dir.glob("*.safetensors")):
+        raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
     with offload_dir(offload_folder, out, model_dir) as offload, golden_writer(out, overwrite) as writer:
         if (mm or offload) and not device_map:
             device_map = "auto"  # a memory cap or an offload folder only means something to accelerate's placement
         load_started = time.perf_counter()
-        model = load_model(
+        ref = load_reference(
             model_dir,
+            config,
             dtype=torch_dtype,
             device=device,
             device_map=device_map,
             max_memory=mm,
             offload_folder=offload,
+            stream=stream,
             trust_remote_code=trust_remote_code,
         )
+        model = ref.model
         try:
             plan = plan_points(model)
         except ArchError as exc:
@@ -436,8 +537,8 @@ def record_golden(
             f"recording {model_dir} ({plan.model_type}, {what}, {len(points)} points, "
             f"{len(ids)} tokens, {dtype_name(torch_dtype)}) -> {out}"
         )
-        placed = placement(model)
-        say(placement_line(placed))
+        placed = ref.placement()
+        say(ref.placement_line(placed))
 
         layers_done = 0
 
@@ -454,7 +555,7 @@ def record_golden(
 
         load_seconds = time.perf_counter() - load_started
         forward_started = time.perf_counter()
-        ids_tensor = torch.tensor([ids], dtype=torch.long, device=input_device(model))
+        ids_tensor = torch.tensor([ids], dtype=torch.long, device=ref.input_device)
         # A slice that ends before the model's last layer needs no more of the forward (a decode step
         # needs the logits).
         stop_after = (
@@ -462,15 +563,16 @@ def record_golden(
             if wanted_layers is not None and not decode_steps and points[-1].layer is not None
             else None
         )
-        with torch.no_grad(), Recorder(model, points, on_group, stop_after=stop_after) as rec:
-            try:
-                model(input_ids=ids_tensor, use_cache=False)
-            except SliceDone:
-                say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
-            skipped = rec.finish()
-        for pid in skipped:
-            say(f"note: point {pid} was never called by the forward pass; not recorded")
-        decode = record_decode(model, points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
+        with ref.running(), torch.no_grad():
+            with Recorder(model, points, on_group, stop_after=stop_after) as rec:
+                try:
+                    model(input_ids=ids_tensor, use_cache=False)
+                except SliceDone:
+                    say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
+                skipped = rec.finish()
+            for pid in skipped:
+                say(f"note: point {pid} was never called by the forward pass; not recorded")
+            decode = record_decode(model, points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
         peak = peaks(placed)
         say(memory_line(peak))
 
@@ -497,6 +599,7 @@ def record_golden(
                 "offload_folder": str(offload) if offload is not None else None,
                 "devices": devices,
                 "placement": placed,
+                "loading": ref.loading,
                 **({"layers": slice_layers} if wanted_layers is not None else {}),
                 "attn_implementation": "eager",
                 "experts_implementation": "eager",
@@ -511,6 +614,7 @@ def record_golden(
                 "record_seconds": round(time.perf_counter() - forward_started, 3),
                 "bytes": writer.bytes_written,
                 "peak_memory_bytes": peak,
+                "host_weight_bytes": ref.host_weight_bytes(placed),
             },
         }
         writer.finish(manifest)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from ..backends.lazy_model import LazyModel
 from ..errors import CheckpointError
 from ..judge.weights import diagnose, dtype_finding
 from ..record.audit import read_tensors
+from ..record.lazy_model import LazyModel
 
 
 class WeightCheck:

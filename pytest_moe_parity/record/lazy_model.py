@@ -61,8 +61,21 @@ def weight_map(model_dir: Path) -> dict[str, str]:
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{single} cannot be read as safetensors ({exc})") from None
     raise CheckpointError(
-        f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; the candidate must be a safetensors checkpoint"
+        f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; "
+        "only safetensors checkpoints can be read one layer at a time"
     )
+
+
+def own_memory(module: nn.Module) -> None:
+    """Copy into the process's own memory every CPU parameter and buffer that is still a view of a
+    memory-mapped checkpoint file: safetensors reads without copying, and a tensor that needed no
+    conversion stays such a view. While one lives, its whole shard stays mapped, and every page of
+    it ever read (the experts, during their conversion) counts in RSS: about the checkpoint again."""
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for t in slots.values():
+                if t is not None and t.device.type == "cpu" and not t.untyped_storage().resizable():
+                    t.data = t.data.clone()
 
 
 def _malloc_trim() -> None:
@@ -133,7 +146,7 @@ class LazyModel:
                 for name, buf in list(module._buffers.items()):
                     if buf is not None:
                         module._buffers[name] = buf.to(self.device)
-        from ..record.archs import layers_path
+        from .archs import layers_path
 
         self._layers_path = layers_path(self.model, self.config)
         layers_name = self._layers_path.rsplit(".", 1)[-1]
@@ -182,6 +195,15 @@ class LazyModel:
         """The modules outside the decoder layers that hold parameters of their own."""
         return [n for n, m in self.model.named_modules() if n and m._parameters and self.layer_of(n) is None]
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.get_submodule(self._layers_path))
+
+    def unit_bytes(self, unit: Unit) -> int:
+        """The bytes a unit's parameters and buffers take once loaded (in the model's dtypes)."""
+        module = self._unit_module(unit)
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
     def _unit_module(self, unit: Unit) -> nn.Module:
         return self.model.get_submodule(self.unit_path(unit))
 
@@ -221,6 +243,9 @@ class LazyModel:
         target = self._unit_module(unit)
         if keys:
             self._load_keys(keys)
+            own_memory(target)
+            if len(self._loaded) < self.max_layers:  # no eviction will give the conversion's temporaries back
+                _malloc_trim()
         self._tie_if_needed(target)
         missing = [n for n, p in target.named_parameters() if p.device.type == "meta"]
         if missing:

@@ -1,0 +1,98 @@
+"""Recording memory bound: `moe-parity golden` must hold the weights it keeps on the host, about two
+layers of captures and a fixed overhead, whatever the number of layers.
+
+    python benchmarks/bench_record_memory.py [--layers 4,16,48] [--seq-len 256] [--keep DIR]
+
+The Mixtral-style checkpoints of bench_replay.py (hidden 512, 16 experts of intermediate 512, ~54 MB
+of float32 weights per layer) are recorded in float32, each in a fresh process, three ways: every
+weight in memory (the default: read one unit at a time), `--stream` (two decoder layers at a time),
+and accelerate disk offload (`--max-memory cpu:256MB --offload-folder`). For each run:
+
+- baseline: the process's RSS after importing torch, transformers and the recorder;
+- host weights: the most weight bytes the recording kept on the host (`stats.host_weight_bytes` in
+  the manifest: all of them in memory, two layers and the model-level modules streamed, the `cpu`
+  part of the placement with disk offload);
+- captures: the largest layer file of the golden (one layer's recorded tensors);
+- overhead = peak RSS - baseline - host weights - 2 x captures, which must stay under a fixed bound
+  (--overhead-mb, default 256) and not grow with the number of layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_replay import write_checkpoint
+
+CHILD = """
+import json, sys
+def rss(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":")) * 1024
+import torch, transformers
+from pytest_moe_parity.cli import main
+import pytest_moe_parity.record.run
+baseline = rss("VmRSS")
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "baseline": baseline, "peak": rss("VmHWM")}))
+"""
+
+
+def record(model_dir: Path, golden: Path, seq_len: int, *extra: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    argv = ["golden", "--model", str(model_dir), "--out", str(golden), "--seq-len", str(seq_len), "--overwrite", "-q"]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv, *extra], capture_output=True, text=True, env=env)
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:]) from None
+    if out["code"] != 0:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    manifest = json.loads((golden / "manifest.json").read_text())
+    host = manifest["stats"]["host_weight_bytes"]
+    captures = max(p.stat().st_size for p in golden.glob("layer_*.safetensors"))
+    overhead = out["peak"] - out["baseline"] - host - 2 * captures
+    return {**out, "host": host, "captures": captures, "overhead": overhead, "golden_bytes": manifest["stats"]["bytes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="4,16,48")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--overhead-mb", type=float, default=256.0)
+    ap.add_argument("--keep", type=Path, default=None, help="write (and reuse) the checkpoints here")
+    args = ap.parse_args()
+    mb = 2**20
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"{'layers':>6} {'placement':<12} {'peak':>9} {'baseline':>9} {'host wts':>9} {'capture':>8} "
+              f"{'overhead':>9}  bound")  # fmt: skip
+        worst = 0.0
+        for layers in (int(n) for n in args.layers.split(",")):
+            model_dir = write_checkpoint(root, layers)
+            runs = {
+                "in memory": (),
+                "--stream": ("--stream",),
+                "disk offload": ("--max-memory", "cpu:256MB", "--offload-folder", str(root / "offload")),
+            }
+            for name, extra in runs.items():
+                golden = root / f"golden-mem-{layers}"
+                r = record(model_dir, golden, args.seq_len, *extra)
+                shutil.rmtree(golden, ignore_errors=True)
+                ok = r["overhead"] <= args.overhead_mb * mb
+                worst = max(worst, r["overhead"] / mb)
+                print(f"{layers:>6} {name:<12} {r['peak'] / mb:7.0f}MB {r['baseline'] / mb:7.0f}MB "
+                      f"{r['host'] / mb:7.0f}MB {r['captures'] / mb:6.1f}MB {r['overhead'] / mb:7.0f}MB  "
+                      f"{'holds' if ok else 'EXCEEDED'}")  # fmt: skip
+        print(f"largest overhead {worst:.0f} MB (bound {args.overhead_mb:.0f} MB)")
+
+
+if __name__ == "__main__":
+    main()
