@@ -192,6 +192,9 @@ def load_model(
         raise BadInput(f"cannot load {model_dir} as a causal LM: {_first_line(exc)}") from None
     if not device_map and device:
         model = model.to(device)
+    # What stays on the host no longer holds the shards mapped (and sits where the unit-by-unit
+    # reading puts it: aligned, so that both give the same bits).
+    own_memory(model)
     return model.eval()
 
 
@@ -266,7 +269,6 @@ def load_reference(
             offload_folder=offload_folder,
             trust_remote_code=trust_remote_code,
         )
-        own_memory(model)  # what stays on the host no longer holds the shards mapped
         return Reference(model)
     try:
         lazy = LazyModel(
