@@ -241,6 +241,14 @@ class ParityPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield
+        if isinstance(item, WeightItem) and report.when == "call":
+            from .report.text import weights_row
+
+            if item.row is not None:
+                report.parity_row = item.row
+            elif report.failed:  # the check itself broke (an unreadable checkpoint)
+                row = weights_row(item.name, item.layer, item.order, [])
+                report.parity_row = {**row, "status": "error", "error": _message(call.excinfo)}
         if isinstance(item, ParityItem) and report.when in ("setup", "call"):
             from .report.text import status_row
 
@@ -334,7 +342,7 @@ class ParityCollector(pytest.Collector):
             if session.weights is not None and point.step is None and unit not in checked:
                 checked.add(unit)  # weights before the unit's first activation item
                 weights = WeightItem.from_parent(self, name="weights" if unit is None else f"layer_{unit}.weights")
-                weights.layer = unit
+                weights.layer, weights.order = unit, point.order - 0.5
                 if xdist and unit is not None:
                     weights.add_marker(pytest.mark.xdist_group(name=point.group))
                 yield weights
@@ -350,11 +358,16 @@ class WeightItem(pytest.Item):
     the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
 
     layer: int | None = None
+    order: float = 0.0
+    row: dict[str, Any] | None = None
 
     def runtest(self) -> None:
+        from .report.text import weights_row
+
         session = _session(self.config)
         assert session is not None and session.weights is not None
         findings = session.weights.findings(self.layer)
+        self.row = weights_row(self.name, self.layer, self.order, findings)
         if findings:
             pytest.fail("\n".join([f"{self.name}: the candidate's weights differ from the reference's:", *findings]),
                         pytrace=False)  # fmt: skip

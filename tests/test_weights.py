@@ -8,10 +8,11 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import run_parity
+from helpers import read_json, run_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.judge.weights import diagnose
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
@@ -36,20 +37,34 @@ def test_a_weight_fault_fails_its_weight_item_first(
 ) -> None:
     golden = golden_dir("qwen3_moe")
     candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "c", fault)
-    result = run_parity(pytester, golden, "--parity-weights", "-x", model=candidate)
-    result.stdout.fnmatch_lines(["*weights checked against the golden's model*", f"FAILED *{item}*"])
+    report = tmp_path / "report"
+    result = run_parity(pytester, golden, "--parity-weights", "-x", "--parity-report", str(report), model=candidate)
+    result.stdout.fnmatch_lines(
+        ["*weights checked against the golden's model*", f"first divergence: {item}  (*", f"FAILED *{item}*"]
+    )
     assert words in result.stdout.str()
     outcomes = result.parseoutcomes()
     assert outcomes["failed"] == 1  # -x: the weights stop the run before any activation of that unit
+    summary = read_json(report / SUMMARY_FILE)
+    assert summary["first_divergence"] == item and summary["failed"] == 1
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert rows[item]["component"] == "weights" and any(words in f for f in rows[item]["findings"])
 
 
 def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model):
     golden = golden_dir("mixtral")
     candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", lambda t: None)  # a copy
-    result = run_parity(pytester, golden, "--parity-weights", "-v", "--parity-layers", "1", model=candidate)
+    report = tmp_path / "report"
+    result = run_parity(
+        pytester, golden, "--parity-weights", "-v", "--parity-layers", "1", "--parity-report", str(report),
+        model=candidate,
+    )  # fmt: skip
     n = len([p for p in GoldenStore(golden).points if p.layer == 1])
     result.assert_outcomes(passed=n + 1)
-    result.stdout.fnmatch_lines(["*layer_1.weights PASSED*", "*layer_1.input_norm PASSED*"])
+    result.stdout.fnmatch_lines(["*layer_1.weights PASSED*", "*layer_1.input_norm PASSED*", "first divergence: none"])
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert [r["id"] for r in rows][:2] == ["layer_1.weights", "layer_1.input_norm"]
+    assert rows[0]["status"] == "passed" and rows[0]["findings"] == []
     plain = run_parity(pytester, golden, "--parity-weights", model=tiny_model("mixtral"))  # the golden's own model
     plain.stdout.fnmatch_lines(["*no weight items: the candidate is the golden's own model*"])
 

@@ -197,6 +197,23 @@ def status_row(point: Point, status: str, message: str) -> dict[str, Any]:
     }
 
 
+def weights_row(name: str, layer: int | None, order: float, findings: list[str]) -> dict[str, Any]:
+    """The report row of a weight item (`layer_N.weights`, `weights`): ordered just before its
+    unit's first point, failed with the findings in words."""
+    return {
+        "id": name,
+        "order": order,
+        "layer": layer,
+        "step": None,
+        "component": "weights",
+        "status": "failed" if findings else "passed",
+        "metrics": {},
+        "checks": [],
+        "findings": findings,
+        **({"hint": findings[0]} if findings else {}),
+    }
+
+
 def number(x: Any) -> float | None:
     """A JSON figure as a float ("inf"/"nan" strings included); None when absent."""
     if x is None:
@@ -258,6 +275,9 @@ def row_note(row: dict[str, Any]) -> str:
             parts.append(row["error"][:60])
         if row.get("reason"):
             parts.append(row["reason"][:60])
+        if row.get("findings"):  # a weight item: the first tensor found wrong
+            more = len(row["findings"]) - 1
+            parts.append(row["findings"][0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
     return "; ".join(parts)
 
 
