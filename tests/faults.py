@@ -145,6 +145,16 @@ def scale(key_fragment: str, layer: int | None, factor: float) -> Callable[[Tens
     return edit
 
 
+def narrow(key_fragment: str, layer: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[Tensors], None]:
+    """One weight stored in a narrower dtype (its values rounded to it)."""
+
+    def edit(t: Tensors) -> None:
+        key = _one(t, f"layers.{layer}.", key_fragment)
+        t[key] = t[key].to(dtype)
+
+    return edit
+
+
 def scale_rows(key_fragment: str, rows: list[int], factor: float) -> Callable[[Tensors], None]:
     """Some rows of one weight scaled, e.g. a few vocabulary rows of lm_head."""
 

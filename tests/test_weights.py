@@ -29,8 +29,13 @@ pytestmark = pytest.mark.usefixtures("_import_everything_once")
             "post_attention_layernorm.weight: scaled by 2",
         ),
         (faults.lose_weight("model.norm.weight"), "weights", "model.norm.weight: every value is 1 (left at its init"),
+        (
+            faults.narrow("o_proj", 2),
+            "layer_2.weights",
+            "self_attn.o_proj.weight: stored as BF16, the reference as F32",
+        ),
     ],
-    ids=["gate-up-swapped", "experts-swapped", "router-transposed-rows", "norm-scaled", "norm-not-loaded"],
+    ids=["gate-up-swapped", "experts-swapped", "router-transposed-rows", "norm-scaled", "norm-not-loaded", "narrowed"],
 )
 def test_a_weight_fault_fails_its_weight_item_first(
     fault, item: str, words: str, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
