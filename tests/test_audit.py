@@ -157,6 +157,20 @@ def test_the_golden_size_estimate_is_close_to_a_recorded_golden(arch: str, golde
     assert 0.8 < recorded / result["golden_bytes"] < 1.25, (recorded, result["golden_bytes"])
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_the_stream_estimate_holds_what_a_streamed_recording_keeps(arch: str, tmp_path: Path, tiny_model) -> None:
+    from pytest_moe_parity.record.audit import estimate
+    from pytest_moe_parity.record.run import record_golden
+
+    model = tiny_model(arch)
+    result = estimate(model, 16, "float32", None)
+    record_golden(model, tmp_path / "g", stream=True)
+    kept = json.loads((tmp_path / "g" / "manifest.json").read_text())["stats"]["host_weight_bytes"]
+    per = result["per_layer"]
+    weights = result["stream_bytes"] - per["activations_bytes"] - 2 * per["capture_bytes"]
+    assert 0.95 < kept / weights < 1.05, (kept, weights)
+
+
 def test_a_placement_fits_offloads_or_does_not(tmp_path: Path, tiny_model, capsys) -> None:
     model = tiny_model("mixtral")
     code, out, _ = cli(capsys, "estimate", "--model", model, "--dtype", "bfloat16", "--json", tmp_path / "e.json")

@@ -379,10 +379,19 @@ def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory:
         "total_weights_bytes": sum(weights.values()),
         "per_layer": per_layer,
         "golden_bytes": shape.layers * per_layer["capture_bytes"] + shape.model_level_capture(seq_len),
+        "stream_bytes": stream_bytes(weights, per_layer),
     }
     if max_memory:
         result["placement"] = place(weights, parse_memory(max_memory), per_layer["activations_bytes"])
     return result
+
+
+def stream_bytes(weights: dict[str, int], per_layer: dict[str, int]) -> int:
+    """What `moe-parity golden --stream` holds on its device: the model-level modules, the two
+    largest decoder layers, one layer's activations and two layers' captures."""
+    layers = sorted((v for u, v in weights.items() if u.startswith("layer_")), reverse=True)
+    model_level = sum(v for u, v in weights.items() if not u.startswith("layer_"))
+    return model_level + sum(layers[:2]) + per_layer["activations_bytes"] + 2 * per_layer["capture_bytes"]
 
 
 def place(weights: dict[str, int], memory: dict[str, int], activations: int) -> dict[str, Any]:
@@ -417,6 +426,8 @@ def estimate_lines(result: dict[str, Any]) -> list[str]:
         + (f"; per layer {gib(min(layers))} to {gib(max(layers))}" if layers else ""),
         f"per layer: activations {gib(per['activations_bytes'])}, golden capture {gib(per['capture_bytes'])}",
         f"golden on disk: about {gib(result['golden_bytes'])} (float32, prefill)",
+        f"`moe-parity golden --stream` on one device: about {gib(result['stream_bytes'])} (two decoder layers, "
+        "the model-level modules, one layer's activations and two layers' captures)",
     ]
     placement = result.get("placement")
     if placement:
