@@ -326,3 +326,28 @@ def test_a_checkpoint_without_its_weights_is_one_line(broken, tmp_path: Path, ti
     code, _, err = _golden(capsys, model, tmp_path / "g")
     assert code == 2 and message in err, err
     assert not (tmp_path / "g").exists()
+
+
+def test_a_quantized_checkpoint_is_never_read_without_its_scales(tmp_path: Path, tiny_model, capsys, monkeypatch):
+    """Read one unit at a time, an fp8 checkpoint's weights would load without their scales: the
+    recording leaves it to from_pretrained's quantizer, and the per-layer reader refuses it."""
+    import shutil
+
+    from pytest_moe_parity.errors import CheckpointError
+    from pytest_moe_parity.record.lazy_model import LazyModel
+
+    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
+    config = read_json(model / "config.json")
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"is quantized \(fp8\): read one layer at a time"):
+        LazyModel(model, dtype=torch.float32)
+    code, _, err = _golden(capsys, model, tmp_path / "g", "--stream")
+    assert code == 2 and "is quantized (fp8)" in err and not (tmp_path / "g").exists()
+
+    def from_pretrained_only(*args, **kwargs):
+        raise record_run.BadInput("from_pretrained was asked")
+
+    monkeypatch.setattr(record_run, "load_model", from_pretrained_only)
+    code, _, err = _golden(capsys, model, tmp_path / "g")
+    assert code == 2 and "from_pretrained was asked" in err

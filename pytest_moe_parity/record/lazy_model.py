@@ -66,6 +66,16 @@ def weight_map(model_dir: Path) -> dict[str, str]:
     )
 
 
+def quantization(config: Any) -> str | None:
+    """The quantization method a checkpoint's config declares (fp8, gptq, ...), or None. Its weights
+    need transformers' quantizer, which only `from_pretrained` applies."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "quantized")
+
+
 def own_memory(module: nn.Module) -> None:
     """Copy into the process's own memory every CPU parameter and buffer that is still a view of a
     memory-mapped checkpoint file: safetensors reads without copying, and a tensor that needed no
@@ -132,6 +142,12 @@ class LazyModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = config or AutoConfig.from_pretrained(self.model_dir, trust_remote_code=trust_remote_code)
+        method = quantization(self.config)
+        if method is not None:
+            raise CheckpointError(
+                f"{self.model_dir} is quantized ({method}): read one layer at a time, its weights would load without "
+                "their scales; dequantize it to a bf16/fp32 checkpoint first"
+            )
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
         # Parameters on meta, buffers (rotary inv_freq, ...) real: they are computed, not loaded.

@@ -27,7 +27,7 @@ from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
 from .audit import gib, parse_size, safetensors_files
 from .capture import Recorder, SliceDone
-from .lazy_model import LazyModel, own_memory
+from .lazy_model import LazyModel, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -258,8 +258,8 @@ def load_reference(
 ) -> Reference:
     """On one device, a safetensors checkpoint is read one unit at a time (`from_pretrained` maps
     every shard and holds its pages while it converts, about twice the weights at its peak);
-    accelerate placements and other checkpoints go through `from_pretrained`."""
-    if device_map or not any(model_dir.glob("*.safetensors")):
+    accelerate placements, quantized and other checkpoints go through `from_pretrained`."""
+    if device_map or not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
         model = load_model(
             model_dir,
             dtype=dtype,
