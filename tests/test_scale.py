@@ -64,6 +64,7 @@ def test_disk_offload_records_the_in_memory_golden_bit_for_bit(tmp_path: Path, t
     placed = manifest["record"]["placement"]
     assert placed["disk"]["modules"] >= 1 and placed["cpu"]["modules"] >= 1, placed
     assert manifest["record"]["device_map"] == "auto" and manifest["record"]["devices"] == ["cpu", "disk"]
+    assert manifest["record"]["loading"] == "by unit, placed by accelerate"
     assert_same_golden(reference, tmp_path / "g")
     # MiniMax-M2's score bias reaches its router as an argument: recorded as a parameter, by name.
     assert _params(manifest) == {f"model.layers.{i}.mlp.e_score_correction_bias" for i in range(4)}
@@ -83,6 +84,7 @@ def test_offloaded_buffers_are_named_and_read_back_from_the_offload(
         return load(*args, **kwargs, offload_buffers=True)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", offloading_buffers)
+    monkeypatch.setattr(record_run, "reader", lambda *args: "from_pretrained")  # accelerate's own loading
     offload = tmp_path / "kept"
     offload.mkdir()  # the user's own folder: left in place
     record_run.record_golden(tiny_model("minimax_m2"), tmp_path / "g", max_memory="cpu:1KB", offload_folder=offload)
@@ -260,6 +262,11 @@ def test_the_placement_counts_each_device_maps_modules(tmp_path: Path, tiny_mode
     assert sum(entry["bytes"] for entry in placed.values()) == total
     assert sum(entry["modules"] for entry in placed.values()) == len(model.hf_device_map)
     assert placement_line(placed).startswith("placement: cpu ") and "disk" in placed
+    # read one unit at a time, the reference is placed as from_pretrained places it
+    record_run.record_golden(
+        tiny_model("mixtral"), tmp_path / "g", max_memory="cpu:1000000B", offload_folder=tmp_path / "off"
+    )
+    assert read_json(tmp_path / "g" / "manifest.json")["record"]["placement"] == placed
 
 
 @pytest.mark.parametrize(

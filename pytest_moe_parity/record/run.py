@@ -27,6 +27,7 @@ from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
 from .audit import gib, parse_size, safetensors_files
 from .capture import Recorder, SliceDone
+from .dispatch import dispatch_by_unit
 from .lazy_model import LazyModel, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
 
@@ -207,12 +208,7 @@ class Reference:
     model: Any
     lazy: LazyModel | None = None
     stream: bool = False
-
-    @property
-    def loading(self) -> str:
-        if self.lazy is None:
-            return "from_pretrained"
-        return f"streamed, {self.lazy.max_layers} decoder layers at a time" if self.stream else "by unit"
+    loading: str = "by unit"
 
     @property
     def input_device(self) -> torch.device:
@@ -244,6 +240,17 @@ class Reference:
         return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
 
 
+def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool) -> str:
+    """How the reference is read: `from_pretrained` for a checkpoint without safetensors or a
+    quantized one (its quantizer applies the scales); else one unit at a time, `placed` by an
+    accelerate device map, `stream`ed, or every unit kept on one device (`units`)."""
+    if not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
+        return "from_pretrained"
+    if device_map:
+        return "placed"
+    return "stream" if stream else "units"
+
+
 def load_reference(
     model_dir: Path,
     config: Any,
@@ -256,10 +263,11 @@ def load_reference(
     stream: bool,
     trust_remote_code: bool,
 ) -> Reference:
-    """On one device, a safetensors checkpoint is read one unit at a time (`from_pretrained` maps
-    every shard and holds its pages while it converts, about twice the weights at its peak);
-    accelerate placements, quantized and other checkpoints go through `from_pretrained`."""
-    if device_map or not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
+    """The reference model, read as `reader` says. One unit at a time, the host holds the weights
+    it keeps and one unit in flight; `from_pretrained` maps every shard and holds its pages while it
+    converts (about the checkpoint again at its peak, and with disk offload, whatever the caps)."""
+    how = reader(model_dir, config, device_map, stream)
+    if how == "from_pretrained":
         model = load_model(
             model_dir,
             dtype=dtype,
@@ -269,8 +277,20 @@ def load_reference(
             offload_folder=offload_folder,
             trust_remote_code=trust_remote_code,
         )
-        return Reference(model)
+        return Reference(model, loading="from_pretrained")
     try:
+        if how == "placed":
+            assert device_map is not None
+            model = dispatch_by_unit(
+                model_dir,
+                config,
+                dtype=dtype,
+                device_map=device_map,
+                max_memory=max_memory,
+                offload_folder=offload_folder,
+                trust_remote_code=trust_remote_code,
+            )
+            return Reference(model, loading="by unit, placed by accelerate")
         lazy = LazyModel(
             model_dir,
             dtype=dtype,
@@ -283,7 +303,7 @@ def load_reference(
         raise BadInput(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
         raise BadInput(f"cannot build {model_dir} as a causal LM: {_first_line(exc)}") from None
-    return Reference(lazy.model, lazy, stream)
+    return Reference(lazy.model, lazy, stream, "streamed, 2 decoder layers at a time" if stream else "by unit")
 
 
 def versions() -> dict[str, str]:
