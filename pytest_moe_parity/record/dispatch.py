@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
-from .lazy_model import LazyModel, _malloc_trim
+from .lazy_model import LazyModel, malloc_trim
 
 
 def _device(device: Any) -> torch.device | str:
@@ -89,7 +89,7 @@ def dispatch_by_unit(
                 owner._parameters[slot] = nn.Parameter(new, requires_grad=False)
             else:
                 owner._buffers[slot] = new
-        _malloc_trim()
+        malloc_trim()
     model.hf_device_map = placed
     if len(set(placed.values())) > 1 or "disk" in placed.values():
         accelerate_dispatch(model, None, placed, str(offload_folder) if offload_folder else None, index, False)

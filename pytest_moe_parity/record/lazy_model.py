@@ -88,7 +88,7 @@ def own_memory(module: nn.Module) -> None:
                     t.data = t.data.clone()
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     """Hand freed heap pages back to the OS (glibc). Expert tensors of a few MB fall below glibc's
     adaptive mmap threshold after the first frees and are then carved from the heap, where freed
     layers would otherwise stay resident."""
@@ -261,7 +261,7 @@ class LazyModel:
             self._load_keys(keys)
             own_memory(target)
             if len(self._loaded) < self.max_layers:  # no eviction will give the conversion's temporaries back
-                _malloc_trim()
+                malloc_trim()
         self._tie_if_needed(target)
         missing = [n for n, p in target.named_parameters() if p.device.type == "meta"]
         if missing:
@@ -348,7 +348,7 @@ class LazyModel:
         load, never returning lets the heap grow by a layer's temporaries at each load."""
         rss = _rss_bytes()
         if rss is None or self._returned_at is None or rss - self._returned_at > freed:
-            _malloc_trim()
+            malloc_trim()
             self._returned_at = _rss_bytes()
 
     def _tie_if_needed(self, target: nn.Module) -> None:

@@ -28,7 +28,7 @@ from .archs import plan_points
 from .audit import gib, parse_size, safetensors_files
 from .capture import Recorder, SliceDone
 from .dispatch import dispatch_by_unit
-from .lazy_model import LazyModel, own_memory, quantization
+from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -567,6 +567,7 @@ def record_golden(
         def on_group(group: str, records: list[Recorded]) -> None:
             nonlocal layers_done
             size = writer.write_group(group, records)
+            malloc_trim()  # the group's captures and the layer's temporaries go back to the OS, not to a growing heap
             if records[0].point.layer is not None and records[0].point.step is None:
                 layers_done += 1
                 say(
