@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .backends import BackendSetup, backend_class, parse_hw_options, registry
+from .backends import Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
@@ -206,7 +206,11 @@ class ParitySession:
         if reference == Path(self.candidate).resolve():
             return None, "the candidate is the golden's own model"
         try:
-            return WeightCheck(reference, self.candidate, trust_remote_code=self.options.trust_remote_code), ""
+            check = WeightCheck(
+                reference, self.candidate, trust_remote_code=self.options.trust_remote_code,
+                held=self.backend.held_weights,
+            )  # fmt: skip
+            return check, ""
         except ParityError as exc:  # its activations are compared all the same
             return None, f"a checkpoint cannot be read ({exc})"
 
@@ -338,7 +342,9 @@ class ParitySession:
         if not self.options.weights:
             return []
         if self.weights is not None:
-            return [f"moe-parity: weights checked against the golden's model {self.weights.reference}"]
+            converted = type(self.backend).held_weights is not Backend.held_weights
+            held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
+            return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
         return [f"moe-parity: no weight items: {self._no_weights}"]
 
     def closing_lines(self) -> list[tuple[str, str | None]]:

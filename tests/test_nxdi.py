@@ -156,3 +156,48 @@ def test_a_checkpoint_fault_fails_at_its_nxdi_module(
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([f"*first divergence: {first} *"])
     assert result.parseoutcomes()["failed"] == 1
+
+
+BUGGY_CONVERSION = """
+import torch
+from neuronx_distributed_inference.models.{arch} import modeling_{arch} as m
+
+application = m.{application}
+convert = application.convert_hf_to_neuron_state_dict
+
+
+def buggy(state_dict, config):  # a port's conversion that puts the up half first
+    out = convert(state_dict, config)
+    for key in [k for k in out if k.endswith("gate_up_proj.weight")]:
+        gate, up = out[key].chunk(2, dim=-1)
+        out[key] = torch.cat([up, gate], dim=-1)
+    return out
+
+
+application.convert_hf_to_neuron_state_dict = staticmethod(buggy)
+"""
+APPLICATIONS = {"qwen3_moe": "NeuronQwen3MoeForCausalLM", "mixtral": "NeuronMixtralForCausalLM"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_weight_items_check_what_nxdi_converted_mapped_back(
+    arch: str, nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+) -> None:
+    """The inverse rules of the table give transformers' names and layout back: a clean conversion
+    passes every weight item; a conversion that swaps the gate and up halves (the checkpoint itself
+    is clean) fails the first layer's weight item, before any activation."""
+    golden = golden_dir(arch)
+    candidate = faults.edit_checkpoint(tiny_model(arch), tmp_path / "c", lambda t: None)  # a copy
+    pytester.syspathinsert(DOUBLES)
+    args = ("--hw", "nxdi", "--dtype", "bfloat16", "--parity-weights", "-v")
+    clean = run_parity(pytester, golden, *args, model=candidate)
+    clean.stdout.fnmatch_lines(
+        ["*weights (the nxdi backend's converted weights, mapped back) checked against*", "*layer_0.weights PASSED*"]
+    )
+    assert "weights FAILED" not in clean.stdout.str(), clean.stdout.str()
+    pytester.makeconftest(BUGGY_CONVERSION.format(arch=arch, application=APPLICATIONS[arch]))
+    buggy = run_parity(pytester, golden, *args, "-x", "--parity-report", str(tmp_path / "r"), model=candidate)
+    buggy.stdout.fnmatch_lines(
+        ["first divergence: layer_0.weights  (*gate_up_proj: its halves along dim 1 are exchanged*"]
+    )
+    assert read_json(tmp_path / "r" / "comparison_summary.json")["first_divergence"] == "layer_0.weights"

@@ -69,6 +69,7 @@ def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_pat
     result.stdout.fnmatch_lines(["*layer_1.weights PASSED*", "*layer_1.input_norm PASSED*", "first divergence: none"])
     rows = read_json(report / REPORT_FILE)["points"]
     assert [r["id"] for r in rows][:2] == ["layer_1.weights", "layer_1.input_norm"]
+    assert "plots not drawn" not in result.stdout.str() and (report / "heatmap.png").is_file()
     assert rows[0]["status"] == "passed" and rows[0]["findings"] == []
     plain = run_parity(pytester, golden, "--parity-weights", model=tiny_model("mixtral"))  # the golden's own model
     plain.stdout.fnmatch_lines(["*no weight items: the candidate is the golden's own model*"])

@@ -197,6 +197,12 @@ class Backend(ABC):
     def plan(self, points: list[Point]) -> None:  # noqa: B027 - optional hook
         """The points the run will ask for, in the order it asks (a backend may read ahead)."""
 
+    def held_weights(self, layer: int | None) -> dict[str, torch.Tensor] | None:
+        """The weights this backend holds for a unit (a decoder layer; None: the model-level
+        modules), mapped back to the reference's names and layout, for weight items; None where it
+        holds the candidate checkpoint's as transformers loads them (then the checkpoint is read)."""
+        return None
+
     def read_stats(self) -> dict[str, Any] | None:
         """What was read from the candidate so far (reported in comparison_summary.json)."""
         return None

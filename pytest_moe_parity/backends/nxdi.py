@@ -70,6 +70,8 @@ class ModuleTable:
     application: str  # the NeuronXxxForCausalLM whose convert_hf_to_neuron_state_dict converts weights
     components: dict[str, Component]
     unavailable: dict[str, str] = field(default_factory=dict)
+    # The inverse of the application's conversion, for weight items: {"prefix", "top_level", "rules"}.
+    weights: dict[str, Any] | None = None
 
 
 def tables() -> list[str]:
@@ -120,6 +122,27 @@ def convert_unit(state: dict[str, torch.Tensor], convert: Any, config: Any, laye
     one = copy.copy(config)
     one.num_hidden_layers = layers
     return convert(dict(state), one)
+
+
+def back_to_reference(
+    converted: dict[str, torch.Tensor], inverse: dict[str, Any], layer: int | None
+) -> dict[str, torch.Tensor]:
+    """A unit's converted tensors (its layer renamed to 0) under the reference's names and layout,
+    by the table's inverse rules: `neuron` -> `hf` (with `{layer}`), an optional `transpose` of two
+    dims; any other name is the reference's under `prefix` (except the `top_level` ones)."""
+    rules = {r["neuron"].format(layer=0): r for r in inverse.get("rules", [])}
+    prefix, top = inverse.get("prefix", ""), tuple(inverse.get("top_level", ()))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in converted.items():
+        rule = rules.get(name)
+        if rule is None:
+            bare = name if layer is None else name.replace("layers.0.", f"layers.{layer}.", 1)
+            out[bare if bare.startswith(top) else prefix + bare] = tensor
+            continue
+        if "transpose" in rule:
+            tensor = tensor.transpose(*rule["transpose"])
+        out[rule["hf"].format(layer=layer)] = tensor
+    return out
 
 
 def under(converted: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -190,6 +213,8 @@ class NxdiBackend(Backend):
         self._workdir: Path | None = None
 
     def start(self) -> None:
+        if self.config is not None:  # started already (weight items run before the first point)
+            return
         import tempfile
 
         from transformers import AutoConfig
@@ -232,9 +257,9 @@ class NxdiBackend(Backend):
             return experts_inputs(hidden, index, weights, int(experts))
         return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
 
-    def _weights(self, layer: int | None, module: str) -> dict[str, torch.Tensor]:
-        """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit; the unit is
-        converted once and kept while its points run."""
+    def _unit(self, layer: int | None) -> dict[str, torch.Tensor]:
+        """NxDI's conversion of this unit (its layer renamed to 0), converted once and kept while
+        its points run."""
         if self._converted is None or self._converted[0] != layer:
             application = resolve(self.table.application)
             state = unit_state(self.setup.model_dir, layer, self.weights)
@@ -242,7 +267,20 @@ class NxdiBackend(Backend):
                 state, application.convert_hf_to_neuron_state_dict, self.config, int(layer is not None)
             )
             self._converted = (layer, converted)
-        return under(self._converted[1], module.format(layer=0) + ".")
+        return self._converted[1]
+
+    def _weights(self, layer: int | None, module: str) -> dict[str, torch.Tensor]:
+        """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit."""
+        return under(self._unit(layer), module.format(layer=0) + ".")
+
+    def held_weights(self, layer: int | None) -> dict[str, torch.Tensor] | None:
+        """What NxDI's conversion made of the candidate checkpoint's unit, mapped back by the
+        table's inverse rules (None: the table has none, and the checkpoint itself is compared)."""
+        if self.table.weights is None:
+            return None
+        if self.config is None:
+            self.start()
+        return back_to_reference(self._unit(layer), self.table.weights, layer)
 
     def _kwargs(self, spec: Component) -> dict[str, Any]:
         kwargs = {k: getattr(self.config, v) for k, v in spec.args.items()}

@@ -5,6 +5,7 @@ expert layouts are compared as the model holds them), in float32; what differs i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +19,18 @@ from ..record.lazy_model import LazyModel
 class WeightCheck:
     """`findings(layer)` (None: the model-level modules) -> what is wrong, [] when nothing is."""
 
-    def __init__(self, reference: Path, candidate: Path, *, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        reference: Path,
+        candidate: Path,
+        *,
+        trust_remote_code: bool = False,
+        held: Callable[[int | None], dict[str, torch.Tensor] | None] | None = None,
+    ):
+        """`held(layer)`: the weights a backend holds for the unit, mapped back to the reference's
+        names and layout (a backend that converts them); else the candidate checkpoint is read."""
         self.reference, self.candidate = Path(reference), Path(candidate)
+        self.held = held
         self._models: dict[str, LazyModel] = {}
         self._stored = {
             "reference": {t.name: t.dtype for t in read_tensors(self.reference)},
@@ -50,7 +61,8 @@ class WeightCheck:
 
     def findings(self, layer: int | None) -> list[str]:
         ref = self._unit_params(self._model("reference"), layer)
-        cand = self._unit_params(self._model("candidate"), layer)
+        held = self.held(layer) if self.held is not None else None
+        cand = held if held is not None else self._unit_params(self._model("candidate"), layer)
         stored_cand = self._stored["candidate"]
         layer_of = self._model("reference").layer_of
         out = [  # dtypes as stored, checkpoint key by key

@@ -92,6 +92,7 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
     import numpy as np
     from matplotlib.colors import LogNorm
 
+    rows = [r for r in rows if r["component"] in COMPONENTS]  # weight items have no activation figures
     modes = sorted({m for r in rows for m in by_mode(r)}, key=("isolated", "chain").index)
     present = {r["component"] for r in rows}
     columns = [c for c in COMPONENTS if c in present]
