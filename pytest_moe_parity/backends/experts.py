@@ -26,15 +26,19 @@ def dense_experts_forward(
     routing = torch.zeros(tokens, num_experts, dtype=top_k_weights.dtype, device=hidden_states.device)
     routing = routing.scatter_add(1, top_k_index, top_k_weights)  # [T, E]: each token's weight per expert
     x = hidden_states.unsqueeze(0).expand(num_experts, tokens, hidden)
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    proj = torch.bmm(x, up) if self.is_transposed else torch.bmm(x, up.transpose(1, 2))  # [E, T, 2I]
-    if self.has_bias:
-        proj = proj + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias).unsqueeze(1)
-    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-    out = torch.bmm(proj, self.down_proj) if self.is_transposed else torch.bmm(proj, self.down_proj.transpose(1, 2))
-    if self.has_bias:
+    # The experts' layout flags, with the defaults of transformers releases that predate one of them.
+    gated = getattr(self, "has_gate", True)
+    transposed = getattr(self, "is_transposed", False)
+    bias = getattr(self, "has_bias", False)
+    up = self.gate_up_proj if gated else self.up_proj
+    proj = torch.bmm(x, up) if transposed else torch.bmm(x, up.transpose(1, 2))  # [E, T, 2I]
+    if bias:
+        proj = proj + (self.gate_up_proj_bias if gated else self.up_proj_bias).unsqueeze(1)
+    proj = self._apply_gate(proj) if gated else self.act_fn(proj)
+    out = torch.bmm(proj, self.down_proj) if transposed else torch.bmm(proj, self.down_proj.transpose(1, 2))
+    if bias:
         out = out + self.down_proj_bias.unsqueeze(1)
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     weight = routing.t().unsqueeze(-1)  # [E, T, 1]
     out = torch.where(weight != 0, out, torch.zeros_like(out))  # an expert a token skipped adds 0, never NaN

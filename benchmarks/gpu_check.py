@@ -1,0 +1,159 @@
+"""Checks that need a CUDA GPU (CI has none): `--hw cuda` and `--hw compile` replays, a golden
+recorded on the GPU, and an accelerate placement over GPU, host and disk read one unit at a time
+against the same placement through `from_pretrained`.
+
+    python benchmarks/gpu_check.py [--archs qwen3_moe,mixtral,minimax_m2] [--out summary.json]
+
+Run it from the repository root. On a bare GPU machine where the package cannot be installed (no
+build backend, no index), `--register DIR` writes the package's entry points (the plugin and the
+backends) as a dist-info into DIR, which the checks then find on PYTHONPATH. Exit 1 when a check
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FROM_PRETRAINED = """
+import sys
+from pytest_moe_parity.record import run
+run.reader = lambda *args: "from_pretrained"
+from pytest_moe_parity.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+SITE: list[str] = []
+
+
+def register(site: Path) -> None:
+    """The entry points of pyproject.toml as an installed distribution's, under `site`."""
+    import tomllib
+
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    info = site / f"pytest_moe_parity-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    groups = {**project.get("entry-points", {}), "console_scripts": project.get("scripts", {})}
+    text = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items()) + "\n" for g, items in groups.items())
+    (info / "entry_points.txt").write_text(text)
+    SITE.append(str(site))
+
+
+def sh(*argv: str, code: str | None = None) -> tuple[int, str]:
+    cmd = [sys.executable, "-c", code, *argv] if code else [sys.executable, *argv]
+    path = [os.getcwd(), *SITE, os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def cli(*argv: str) -> tuple[int, str]:
+    return sh("-m", "pytest_moe_parity.cli", *argv)
+
+
+def parity(golden: Path, model: Path, *argv: str) -> tuple[int, str]:
+    return sh("-m", "pytest", "-p", "no:cacheprovider", "--golden-dir", str(golden), "--model", str(model), "-q", *argv)
+
+
+def same_golden(a: Path, b: Path) -> str:
+    """'' when both hold the same points, call structures and tensors bit for bit; else what differs."""
+    import torch
+    from safetensors.torch import load_file
+
+    ma, mb = (json.loads((g / "manifest.json").read_text()) for g in (a, b))
+    pa, pb = ({p["id"]: p for p in m["points"]} for m in (ma, mb))
+    if list(pa) != list(pb):
+        return "different points"
+    for pid in pa:
+        if any(pa[pid][k] != pb[pid][k] for k in ("inputs", "output", "extras", "tensors")):
+            return f"{pid}: call structure differs"
+    for file in sorted({p["file"] for p in pa.values()}):
+        ta, tb = load_file(a / file), load_file(b / file)
+        for key in ta:
+            if not torch.equal(ta[key], tb[key]):
+                return f"{key}: max diff {(ta[key].float() - tb[key].float()).abs().max().item():.3g}"
+    return ""
+
+
+def line(text: str, needle: str) -> str:
+    return next((x for x in text.splitlines() if needle in x), "")
+
+
+def check(arch: str, root: Path) -> dict:
+    out: dict = {"arch": arch}
+    model, g_cpu, g_cuda = root / f"m-{arch}", root / f"g-cpu-{arch}", root / f"g-cuda-{arch}"
+    code, text = cli("tiny-model", "--arch", arch, "--out", str(model))
+    if code:
+        return {**out, "skipped": text.strip().splitlines()[-1]}
+    code, text = cli("golden", "--model", str(model), "--out", str(g_cpu), "-q")
+    out["golden_cpu"] = code == 0 or text[-500:]
+    for name, args in {
+        "hw_cuda_bf16": ("--hw", "cuda", "--dtype", "bfloat16"),
+        "hw_cuda_fp32": ("--hw", "cuda"),
+        "hw_compile_cuda_bf16": ("--hw", "compile", "--hw-option", "device=cuda", "--dtype", "bfloat16"),
+    }.items():
+        started = time.perf_counter()
+        code, text = parity(g_cpu, model, *args)
+        out[name] = {"exit": code, "summary": line(text, " points: "), "first": line(text, "first divergence"),
+                     "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+        if code:
+            out[name]["tail"] = text[-1500:]
+    code, text = cli("golden", "--model", str(model), "--out", str(g_cuda), "--device", "cuda")
+    out["golden_cuda"] = {"exit": code, "placement": line(text, "placement:"), "memory": line(text, "memory:")}
+    code, text = parity(g_cuda, model, "--hw", "cuda")
+    out["cuda_golden_on_cuda"] = {"exit": code, "summary": line(text, " points: ")}
+    caps = ("--device-map", "auto", "--max-memory", "0:1MB,cpu:500KB")  # of 1.8 MB: GPU, host and disk
+    placed, pretrained = root / f"g-placed-{arch}", root / f"g-fp-{arch}"
+    code, text = cli("golden", "--model", str(model), "--out", str(placed), *caps, "--offload-folder", str(root / "o1"))
+    out["placed_by_unit"] = {"exit": code, "placement": line(text, "placement:"), "memory": line(text, "memory:")}
+    if code:
+        out["placed_by_unit"]["tail"] = text[-1500:]
+    argv = ("golden", "--model", str(model), "--out", str(pretrained), *caps, "--offload-folder", str(root / "o2"))
+    code, text = sh(*argv, code=FROM_PRETRAINED)
+    out["placed_by_from_pretrained"] = {"exit": code, "placement": line(text, "placement:")}
+    if not code and not out["placed_by_unit"]["exit"]:
+        out["placed_same_as_from_pretrained"] = same_golden(pretrained, placed) or "bitwise"
+        out["placed_same_as_cuda"] = same_golden(g_cuda, placed) or "bitwise"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--archs", default="qwen3_moe,mixtral,minimax_m2")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--register", type=Path, default=None, help="write the entry points here (no install)")
+    args = ap.parse_args()
+    if args.register:
+        register(args.register)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: these checks need one")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [check(arch, Path(tmp)) for arch in args.archs.split(",")]
+    text = json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": results}, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    failed = [
+        r["arch"]
+        for r in results
+        if "skipped" not in r
+        and (
+            any(r[k]["exit"] for k in ("hw_cuda_bf16", "hw_cuda_fp32", "golden_cuda", "placed_by_unit"))
+            or r.get("placed_same_as_from_pretrained") != "bitwise"
+        )
+    ]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
