@@ -267,29 +267,13 @@ def load_reference(
     it keeps and one unit in flight; `from_pretrained` maps every shard and holds its pages while it
     converts (about the checkpoint again at its peak, and with disk offload, whatever the caps)."""
     how = reader(model_dir, config, device_map, stream)
+    placing = dict(dtype=dtype, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if how == "from_pretrained":
-        model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            device_map=device_map,
-            max_memory=max_memory,
-            offload_folder=offload_folder,
-            trust_remote_code=trust_remote_code,
-        )
+        model = load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing)
         return Reference(model, loading="from_pretrained")
     try:
         if how == "placed":
-            assert device_map is not None
-            model = dispatch_by_unit(
-                model_dir,
-                config,
-                dtype=dtype,
-                device_map=device_map,
-                max_memory=max_memory,
-                offload_folder=offload_folder,
-                trust_remote_code=trust_remote_code,
-            )
+            model = dispatch_by_unit(model_dir, config, trust_remote_code=trust_remote_code, **placing)
             return Reference(model, loading="by unit, placed by accelerate")
         lazy = LazyModel(
             model_dir,
