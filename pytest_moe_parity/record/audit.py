@@ -268,17 +268,32 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
-def parse_memory(spec: str) -> dict[str, int]:
-    """`0:60GiB,1:60GiB,cpu:200GiB[,disk:1TB]` -> bytes per device, in that order."""
+def parse_memory(spec: str, *, gpus: int | None = None) -> dict[str, int]:
+    """`0:60GiB,1:60GiB,cpu:200GiB[,disk:1TB]` -> bytes per device, in that order. With `gpus` (a
+    recording on this machine, which has that many visible): a bare SIZE caps every GPU, a GPU index
+    must be visible, and disk takes no cap (accelerate offloads to --offload-folder)."""
     out: dict[str, int] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
-        device, sep, amount = part.partition(":")
-        if not sep or not (device.isdigit() or device in ("cpu", "disk")):
+        device, sep, amount = part.rpartition(":")
+        if not (device.isdigit() or device in ("cpu", "disk") or (not sep and gpus is not None)):
             raise BadInput(f"--max-memory {spec!r}: {part!r} is not DEVICE:SIZE (0:60GiB, cpu:200GiB, disk:1TB)")
         try:
-            out[device] = parse_size(amount)
+            size = parse_size(amount)
         except ValueError:
             raise BadInput(f"--max-memory {spec!r}: {amount!r} is not a size (e.g. 60GiB, 512MB)") from None
+        if gpus is None:
+            out[device] = size
+        elif not sep:
+            if gpus == 0:
+                raise BadInput(f"--max-memory {spec!r} caps every GPU and none is visible; use cpu:SIZE")
+            out.update(dict.fromkeys(map(str, range(gpus)), size))
+        elif device == "disk":
+            raise BadInput(f"--max-memory {spec!r}: disk is not capped; pass --offload-folder DIR for disk offload")
+        elif device.isdigit() and int(device) >= gpus:
+            seen = f"GPUs 0-{gpus - 1} are visible" if gpus else "no GPU is visible"
+            raise BadInput(f"--max-memory {spec!r} names GPU {device}, and {seen}")
+        else:
+            out[device] = size
     if not out:
         raise BadInput(f"--max-memory {spec!r} names no device")
     return out

@@ -25,7 +25,7 @@ from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
-from .audit import gib, parse_size, safetensors_files
+from .audit import gib, parse_memory, safetensors_files
 from .capture import Recorder, SliceDone
 from .dispatch import dispatch_by_unit
 from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
@@ -125,36 +125,12 @@ def resolve_input_ids(
 
 
 def parse_max_memory(spec: str | None) -> dict[Any, int] | None:
-    """`40GB` (every GPU) or `0:60GB,1:40GB,cpu:200GB` -> bytes per accelerate device; BadInput for
-    a size that does not parse or a GPU that is not visible (disk offload is --offload-folder)."""
+    """`40GB` (every GPU) or `0:60GB,1:40GB,cpu:200GB` -> bytes per accelerate device (GPUs by
+    index); BadInput for a size that does not parse or a GPU that is not visible."""
     if not spec:
         return None
-    gpus = torch.cuda.device_count()
-    out: dict[Any, int] = {}
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        device, sep, amount = part.rpartition(":")
-        try:
-            size = parse_size(amount)
-        except ValueError:
-            raise BadInput(f"--max-memory {spec!r}: {amount!r} is not a size (e.g. 60GiB, 512MB)") from None
-        if not sep:
-            if gpus == 0:
-                raise BadInput(f"--max-memory {spec!r} caps every GPU and none is visible; use cpu:SIZE")
-            out.update(dict.fromkeys(range(gpus), size))
-        elif device == "cpu":
-            out["cpu"] = size
-        elif device == "disk":
-            raise BadInput(f"--max-memory {spec!r}: disk is not capped; pass --offload-folder DIR for disk offload")
-        elif device.isdigit():
-            if int(device) >= gpus:
-                seen = f"GPUs 0-{gpus - 1} are visible" if gpus else "no GPU is visible"
-                raise BadInput(f"--max-memory {spec!r} names GPU {device}, and {seen}")
-            out[int(device)] = size
-        else:
-            raise BadInput(f"--max-memory {spec!r}: {part!r} is not DEVICE:SIZE (0:60GiB, cpu:200GiB)")
-    if not out:
-        raise BadInput(f"--max-memory {spec!r} names no device")
-    return out
+    caps = parse_memory(spec, gpus=torch.cuda.device_count())
+    return {int(device) if device.isdigit() else device: size for device, size in caps.items()}
 
 
 def load_model(
