@@ -15,10 +15,14 @@ from torch import nn
 
 from ..errors import BadInput
 from .lazy_model import LazyModel, malloc_trim
+from .memory import device_name
 
 
-def _device(device: Any) -> torch.device | str:
-    return torch.device("cuda", device) if isinstance(device, int) else device
+def does_not_fit(model_dir: Path) -> BadInput:
+    return BadInput(
+        f"{model_dir} does not fit in the memory --max-memory gives; pass --offload-folder DIR "
+        "for accelerate to offload the rest to disk"
+    )
 
 
 def _tensors(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module, str, bool]]:
@@ -59,15 +63,12 @@ def dispatch_by_unit(
         device="cpu",
         trust_remote_code=trust_remote_code,
         config=config,
-        max_layers=max(1, int(getattr(config, "num_hidden_layers", 0) or 0)),
+        max_layers=None,
     )
     model = lazy.model
     placed = _get_device_map(model, device_map, max_memory, None)
     if "disk" in placed.values() and offload_folder is None:
-        raise BadInput(
-            f"{model_dir} does not fit in the memory --max-memory gives; pass --offload-folder DIR "
-            "for accelerate to offload the rest to disk"
-        )
+        raise does_not_fit(model_dir)
     index: dict[str, Any] = {}
     units: list[Any] = [*lazy.model_level_paths(), *range(lazy.num_layers)]
     for unit in units:
@@ -84,7 +85,7 @@ def dispatch_by_unit(
                 index = offload_weight(value.data, name, str(offload_folder), index)
                 new = torch.empty_like(value, device="meta")
             else:
-                new = value.data.to(_device(device))
+                new = value.data.to(device_name(device))
             if is_param:
                 owner._parameters[slot] = nn.Parameter(new, requires_grad=False)
             else:
@@ -94,5 +95,5 @@ def dispatch_by_unit(
     if len(set(placed.values())) > 1 or "disk" in placed.values():
         accelerate_dispatch(model, None, placed, str(offload_folder) if offload_folder else None, index, False)
     else:  # one device: the model simply lives there
-        model.to(_device(next(iter(placed.values()))))
+        model.to(device_name(next(iter(placed.values()))))
     return model.eval()

@@ -132,7 +132,7 @@ class LazyModel:
         device: str | torch.device = "cpu",
         trust_remote_code: bool = False,
         config=None,
-        max_layers: int = 2,
+        max_layers: int | None = 2,
         weights: dict[str, str] | None = None,
     ):
         from accelerate import init_empty_weights
@@ -172,7 +172,8 @@ class LazyModel:
         for key in self.weight_map:
             self._keys_by_layer.setdefault(self.layer_of(key), []).append(key)
         self._loaded: list[Unit] = []  # loaded units; decoder layers in least recently used order
-        self.max_layers = max(1, max_layers)
+        # decoder layers held at once (None: every one, never evicted)
+        self.max_layers = self.num_layers if max_layers is None else max(1, max_layers)
         self.evicted: list[str] = []
         self._conversion: list[Any] | None = None
         self._returned_at: int | None = None  # resident bytes after the last give-back

@@ -15,7 +15,7 @@ from torch import nn
 from .audit import gib
 
 
-def _device_name(device: Any) -> str:
+def device_name(device: Any) -> str:
     """accelerate names GPUs by index; torch by `cuda:N`."""
     if isinstance(device, int):
         return f"cuda:{device}"
@@ -37,7 +37,7 @@ def placement(model: nn.Module, device: torch.device | None = None) -> dict[str,
             if id(t) not in seen:
                 seen.add(id(t))
                 size += t.numel() * t.element_size()
-        entry = out.setdefault(_device_name(device), {"modules": 0, "bytes": 0})
+        entry = out.setdefault(device_name(device), {"modules": 0, "bytes": 0})
         entry["modules"] += 1 if device_map else 0
         entry["bytes"] += size
     return out

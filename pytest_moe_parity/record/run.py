@@ -27,7 +27,7 @@ from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
 from .audit import gib, parse_memory, safetensors_files
 from .capture import Recorder, SliceDone
-from .dispatch import dispatch_by_unit
+from .dispatch import dispatch_by_unit, does_not_fit
 from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
 
@@ -162,10 +162,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         if "offload_folder" in str(exc) and offload_folder is None:  # placed partly on disk, and nowhere to put it
-            raise BadInput(
-                f"{model_dir} does not fit in the memory --max-memory gives; pass --offload-folder DIR "
-                "for accelerate to offload the rest to disk"
-            ) from None
+            raise does_not_fit(model_dir) from None
         raise BadInput(f"cannot load {model_dir} as a causal LM: {_first_line(exc)}") from None
     if not device_map and device:
         model = model.to(device)
@@ -177,14 +174,22 @@ def load_model(
 
 @dataclass
 class Reference:
-    """The reference model as recording holds it: `model`, and with `lazy` its weights read from
-    the checkpoint one unit at a time as the forward reaches them (every unit kept, or with
-    `--stream` two decoder layers at a time); else what `from_pretrained` loaded."""
+    """The reference model as recording holds it, read as `reader` said (`how`): with `lazy`, its
+    weights read from the checkpoint one unit at a time as the forward reaches them (every unit
+    kept, or streamed a few decoder layers at a time)."""
 
     model: Any
+    how: str
     lazy: LazyModel | None = None
-    stream: bool = False
-    loading: str = "by unit"
+
+    @property
+    def loading(self) -> str:
+        if self.how == "stream":
+            assert self.lazy is not None
+            return f"streamed, {self.lazy.max_layers} decoder layers at a time"
+        return {"from_pretrained": "from_pretrained", "placed": "by unit, placed by accelerate"}.get(
+            self.how, "by unit"
+        )
 
     @property
     def input_device(self) -> torch.device:
@@ -196,24 +201,30 @@ class Reference:
     def placement(self) -> dict[str, dict[str, int]]:
         return placement(self.model, self.lazy.device if self.lazy is not None else None)
 
+    def _layer_bytes(self) -> list[int]:
+        """Each decoder layer's weight bytes, largest first."""
+        assert self.lazy is not None
+        return sorted((self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers)), reverse=True)
+
     def placement_line(self, placed: dict[str, dict[str, int]]) -> str:
-        if not self.stream:
+        if self.how != "stream":
             return placement_line(placed)
         assert self.lazy is not None
-        layer = max(self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers))
         return (
             f"placement: streamed from the checkpoint onto {self.lazy.device}, {self.lazy.max_layers} decoder "
-            f"layers at a time ({gib(layer)} each; {gib(sum(e['bytes'] for e in placed.values()))} in all)"
+            f"layers at a time ({gib(self._layer_bytes()[0])} each; "
+            f"{gib(sum(e['bytes'] for e in placed.values()))} in all)"
         )
 
     def host_weight_bytes(self, placed: dict[str, dict[str, int]]) -> int:
         """The weights this recording kept in host memory at most."""
-        if self.stream:
-            assert self.lazy is not None
-            layers = sorted((self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers)), reverse=True)
-            model_level = sum(self.lazy.unit_bytes(u) for u in self.lazy.model_level_paths())
-            return model_level + sum(layers[: self.lazy.max_layers]) if self.lazy.device.type == "cpu" else 0
-        return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
+        if self.how != "stream":
+            return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
+        assert self.lazy is not None
+        if self.lazy.device.type != "cpu":
+            return 0
+        model_level = sum(self.lazy.unit_bytes(u) for u in self.lazy.model_level_paths())
+        return model_level + sum(self._layer_bytes()[: self.lazy.max_layers])
 
 
 def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool) -> str:
@@ -245,25 +256,23 @@ def load_reference(
     how = reader(model_dir, config, device_map, stream)
     placing = dict(dtype=dtype, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if how == "from_pretrained":
-        model = load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing)
-        return Reference(model, loading="from_pretrained")
+        return Reference(load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing), how)
     try:
         if how == "placed":
-            model = dispatch_by_unit(model_dir, config, trust_remote_code=trust_remote_code, **placing)
-            return Reference(model, loading="by unit, placed by accelerate")
+            return Reference(dispatch_by_unit(model_dir, config, trust_remote_code=trust_remote_code, **placing), how)
         lazy = LazyModel(
             model_dir,
             dtype=dtype,
             device=device or "cpu",
             trust_remote_code=trust_remote_code,
             config=config,
-            max_layers=2 if stream else max(1, int(getattr(config, "num_hidden_layers", 0) or 0)),
+            max_layers=2 if stream else None,
         )
     except CheckpointError as exc:
         raise BadInput(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
         raise BadInput(f"cannot build {model_dir} as a causal LM: {_first_line(exc)}") from None
-    return Reference(lazy.model, lazy, stream, "streamed, 2 decoder layers at a time" if stream else "by unit")
+    return Reference(lazy.model, how, lazy)
 
 
 def versions() -> dict[str, str]:
