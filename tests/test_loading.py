@@ -4,12 +4,14 @@ transformers fuses them, evicted again when the run moves on."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from pytest_moe_parity.record.lazy_model import CheckpointError, LazyModel
+from pytest_moe_parity.record.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.replay.inputs import cast_inputs
 
@@ -69,6 +71,34 @@ def test_the_next_unit_of_the_plan_is_read_while_this_one_runs(tiny_model) -> No
     # every unit was read once: no read was lost or repeated
     assert sorted(lazy.stats.keys) == sorted(set(lazy.stats.keys))
     lazy.close()
+
+
+@pytest.mark.parametrize("user_setting", [None, "0"])
+def test_reading_ahead_loads_on_the_reading_thread(tiny_model, monkeypatch, user_setting: str | None) -> None:
+    import transformers.core_model_loading as loading
+
+    pools: list[str] = []  # the thread of each load that materialised its tensors on transformers' pool
+
+    class CountedPool(loading.ThreadPoolExecutor):
+        def __init__(self, *args, **kwargs) -> None:
+            pools.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "ThreadPoolExecutor", CountedPool)
+    if user_setting is None:
+        monkeypatch.delenv(SYNC_LOAD_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(SYNC_LOAD_VARIABLE, user_setting)
+    lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2)
+    lazy.plan([f"model.layers.{i}.mlp" for i in range(4)])
+    for i in range(4):
+        lazy.module(f"model.layers.{i}.mlp")
+    lazy.close()
+    assert os.environ.get(SYNC_LOAD_VARIABLE) == user_setting  # put back, or the user's left as it was
+    if user_setting is None:  # the first layer, read before anything ran, on the pool; the rest on one thread
+        assert pools == [threading.current_thread().name]
+    else:  # the user asked for transformers' threads
+        assert len(pools) == 4
 
 
 def test_a_plan_of_one_layer_reads_that_layer_only(tiny_model) -> None:
