@@ -44,15 +44,19 @@ def test_the_tables_are_data_for_each_architecture() -> None:
         assert {c: s.module for c, s in table.components.items()} == {
             "embedding": "embed_tokens",
             "input_norm": "layers.{layer}.input_layernorm",
+            "attention": "layers.{layer}.self_attn",
             "post_attn_norm": "layers.{layer}.post_attention_layernorm",
             "router": "layers.{layer}.mlp",
             "experts": "layers.{layer}.mlp",
             "moe": "layers.{layer}.mlp",
+            "output": "layers.{layer}",
             "final_norm": "norm",
             "logits": "lm_head",
         }
         assert {s.call for s in table.components.values()} == {"", "router", "expert_mlps"}
-        assert set(table.unavailable) == {"rotary", "attention", "output"}
+        assert {c for c, s in table.components.items() if s.inputs == "attention"} == {"attention", "output"}
+        assert table.components["output"].routing == "mlp.router"
+        assert set(table.unavailable) == {"rotary"}
     assert nxdi.load_module_table("olmoe") is None
 
 
@@ -66,7 +70,10 @@ def test_one_layer_converts_as_the_documented_layout(arch: str, nxdi_double, tin
     table = nxdi.load_module_table(arch)
     state = nxdi.unit_state(model, 2)
     assert state and all(k.startswith("layers.0.") for k in state)
-    config = type("Config", (), {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts": 8})()
+    neuron_config = type("NeuronConfig", (), {"tp_degree": 2})()
+    config = type(
+        "Config", (), {"num_hidden_layers": 4, "num_local_experts": 8, "num_experts": 8, "neuron_config": neuron_config}
+    )()
     convert = nxdi.resolve(table.application).convert_hf_to_neuron_state_dict
     got = nxdi.under(nxdi.convert_unit(state, convert, config, 1), "layers.0.mlp.")
     assert config.num_hidden_layers == 4  # the caller's config is left as it was
@@ -100,6 +107,49 @@ def test_the_experts_adapter_feeds_nxd_what_transformers_routed(nxdi_double, tin
     assert torch.allclose(affinities[rows].gather(1, ids[rows]), weights[rows])
 
 
+def test_attention_inputs_take_nxdi_s_form(golden_dir) -> None:
+    """transformers' additive mask, int64 positions and the DynamicCache of a decode step become
+    what NxDI's attention takes: a boolean causal mask [B, 1, S, S] and int32 positions for context
+    encoding; for token generation the mask over the past [B, 1, 1, past] and the cache as (K, V)."""
+    from pytest_moe_parity.golden import GoldenStore
+
+    store = GoldenStore(golden_dir("qwen3_moe", decode=1))
+    hidden, mask, positions = nxdi.attention_inputs(store.load("layer_1.attention"))
+    assert hidden.shape == (1, 16, 64) and mask.dtype == torch.bool and positions.dtype == torch.int32
+    assert torch.equal(mask, torch.ones(16, 16, dtype=torch.bool).tril().expand(1, 1, 16, 16))
+    assert torch.equal(positions, torch.arange(16, dtype=torch.int32)[None])
+    record = store.load("step_1.layer_1.output")
+    hidden, mask, positions, keys, values = nxdi.attention_inputs(record)
+    assert hidden.shape == (1, 1, 64) and torch.equal(positions, torch.tensor([[16]], dtype=torch.int32))
+    assert mask.shape == (1, 1, 1, 16) and bool(mask.all())
+    cache = record.kwargs["past_key_values"]
+    assert keys is cache.keys and values is cache.values and keys.shape == (1, 2, 16, 16)
+    # without a recorded mask or positions: causal, counted on from the cache's length
+    record.kwargs.pop("attention_mask"), record.kwargs.pop("position_ids")
+    _, mask2, positions2, *_ = nxdi.attention_inputs(record)
+    assert torch.equal(mask2, mask) and torch.equal(positions2, positions)
+
+
+def test_a_sliding_window_cache_is_not_fed_to_nxdi(nxdi_double, golden_dir, tiny_model) -> None:
+    """NxDI's windowed attention keeps its own rolling cache layout: a decode step whose cache is a
+    sliding window's is skipped with the reason, not fed as if it were a full cache."""
+    from dataclasses import replace
+
+    from helpers import session
+
+    from pytest_moe_parity.errors import PointUnavailable
+
+    run = session(golden_dir("qwen3_moe", decode=1), tiny_model("qwen3_moe"), hw="nxdi", dtype="bfloat16")
+    try:
+        record = run.golden.load("step_1.layer_0.attention")
+        record.kwargs["past_key_values"] = replace(record.kwargs["past_key_values"], window=8, seen=16)
+        spec = run.runner.backend.table.components["attention"]
+        with pytest.raises(PointUnavailable, match="a sliding-window layer's cache"):
+            run.runner.backend._inputs(record.point, spec, record)
+    finally:
+        run.close()
+
+
 def test_the_router_output_is_judged_as_top_k_weights(nxdi_double, golden_dir, tiny_model) -> None:
     """NxD's router returns full softmax affinities; the verdict turns them into renormalised top-k
     weights and they agree with transformers' router (float32 reference, a bf16 candidate)."""
@@ -118,22 +168,46 @@ def test_the_router_output_is_judged_as_top_k_weights(nxdi_double, golden_dir, t
     assert CALLS[-1]["signature"] == [(torch.Size([16, 64]), torch.bfloat16)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch, tp", [("qwen3_moe", 1), ("mixtral", 1), ("qwen3_moe", 2)])
 def test_a_clean_run_passes_on_nxdi_modules(
-    arch: str, nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+    arch: str, tp: int, nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
 ) -> None:
+    """Every point but the rotary embedding is built from NxDI's modules and passes in bf16: the
+    attention and whole decoder layers too, with their KV-cache writes compared at a decode step.
+    At tp_degree=2 a decode step's attention and layer say why they are not built."""
     from neuronx_distributed_inference.utils import testing  # imported before the inner run: its record stays
 
     golden = golden_dir(arch, decode=1)
-    args = ("--hw", "nxdi", "--dtype", "bfloat16", "--hw-option", "tp_degree=2", "--parity-report", str(tmp_path / "r"))
+    args = (
+        "--hw",
+        "nxdi",
+        "--dtype",
+        "bfloat16",
+        "--hw-option",
+        f"tp_degree={tp}",
+        "--parity-report",
+        str(tmp_path / "r"),
+    )
     result = run_parity(pytester, golden, *args, model=tiny_model(arch))
     assert result.ret == 0, result.stdout.str()
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     built = {pid for pid, r in rows.items() if r["status"] == "passed"}
-    unbuilt = {"rotary", "attention", "output"}
-    assert built == {pid for pid in rows if pid.rsplit(".", 1)[-1] not in unbuilt}
-    assert "not built by --hw nxdi: not built yet: NxDI's attention takes" in rows["layer_0.attention"]["reason"]
-    assert {c["tp_degree"] for c in testing.CALLS} == {2}
+    unbuilt = {pid for pid in rows if pid.endswith("rotary")}
+    if tp > 1:
+        unbuilt |= {
+            pid for pid in rows if pid.startswith("step_") and pid.rsplit(".", 1)[-1] in ("attention", "output")
+        }
+        assert (
+            "NxDI's token generation takes each rank's slice of the KV cache"
+            in rows["step_1.layer_0.attention"]["reason"]
+        )
+    else:
+        cache = rows["step_1.layer_1.attention"]["metrics"]
+        assert {"cache.keys", "cache.values"} <= set(cache)  # what the attention wrote, compared
+    assert built == set(rows) - unbuilt
+    assert not [r["id"] for r in rows.values() if any("does not expose" in n for n in r.get("notes", []))]
+    assert "NxDI computes the rotary embedding inside each attention module" in rows["rotary"]["reason"]
+    assert {c["tp_degree"] for c in testing.CALLS} == {tp}
     assert any(c["signature"][0][0][:2] == (1, 1) for c in testing.CALLS)  # decode steps trace their own graph
 
 
@@ -142,9 +216,10 @@ def test_a_clean_run_passes_on_nxdi_modules(
     [
         (faults.swap_gate_up(2), "layer_2.experts"),
         (faults.scale("post_attention_layernorm", 1, 1.5), "layer_1.post_attn_norm"),
+        (faults.scale("self_attn.v_proj", 1, 1.5), "layer_1.attention"),
         (faults.scale_rows("lm_head", [3, 5], 2.0), "logits"),
     ],
-    ids=["gate-up-swapped", "norm-scaled", "lm-head-rows"],
+    ids=["gate-up-swapped", "norm-scaled", "v-proj-scaled", "lm-head-rows"],
 )
 def test_a_checkpoint_fault_fails_at_its_nxdi_module(
     fault, first, nxdi_double, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
@@ -156,6 +231,68 @@ def test_a_checkpoint_fault_fails_at_its_nxdi_module(
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([f"*first divergence: {first} *"])
     assert result.parseoutcomes()["failed"] == 1
+
+
+SWAPPED_QK_NORMS = """
+from neuronx_distributed_inference.models.qwen3_moe import modeling_qwen3_moe as m
+
+application = m.NeuronQwen3MoeForCausalLM
+convert = application.convert_hf_to_neuron_state_dict
+
+
+def buggy(state_dict, config):  # a port's conversion that gives q's norm weight to k and k's to q
+    out = convert(state_dict, config)
+    for key in [k for k in out if k.endswith("q_layernorm.weight")]:
+        other = key.replace("q_layernorm", "k_layernorm")
+        out[key], out[other] = out[other], out[key]
+    return out
+
+
+application.convert_hf_to_neuron_state_dict = staticmethod(buggy)
+"""
+
+
+def test_a_conversion_bug_in_the_attention_fails_at_the_attention(
+    nxdi_double, pytester: pytest.Pytester, golden_dir, tiny_model
+) -> None:
+    """The checkpoint is clean; the port's conversion swaps the q and k norm weights: NxDI's
+    attention, fed the golden's inputs, is the first point to diverge; the norms and the MoE before
+    and after it pass."""
+    pytester.syspathinsert(DOUBLES)
+    pytester.makeconftest(SWAPPED_QK_NORMS)
+    result = run_parity(
+        pytester, golden_dir("qwen3_moe"), "--hw", "nxdi", "--dtype", "bfloat16", "-v", model=tiny_model("qwen3_moe")
+    )
+    result.stdout.fnmatch_lines(["*first divergence: layer_0.attention *"])
+    assert "layer_0.input_norm PASSED" in result.stdout.str() and "layer_0.moe PASSED" in result.stdout.str()
+
+
+TKG_SOFTMAX_BUG = """
+from neuronx_distributed_inference.modules.attention import attention_base
+
+
+def buggy(prior_scores, active_scores):  # token generation's softmax leaves the new token out of the sum
+    top = prior_scores.max(dim=-1, keepdim=True)[0]
+    exp_prior, exp_active = (prior_scores - top).exp(), (active_scores - top).exp()
+    return exp_prior / exp_prior.sum(dim=-1, keepdim=True), exp_active / exp_prior.sum(dim=-1, keepdim=True)
+
+
+attention_base.manual_softmax = buggy
+"""
+
+
+def test_a_token_generation_bug_fails_at_the_decode_step_s_attention(
+    nxdi_double, pytester: pytest.Pytester, golden_dir, tiny_model
+) -> None:
+    """A bug on NxDI's token-generation path only (the softmax split into a prior and an active
+    part): every prefill point passes, and the decode step's attention is the first divergence."""
+    pytester.syspathinsert(DOUBLES)
+    pytester.makeconftest(TKG_SOFTMAX_BUG)
+    golden = golden_dir("mixtral", decode=1)
+    result = run_parity(pytester, golden, "--hw", "nxdi", "--dtype", "bfloat16", "-v", model=tiny_model("mixtral"))
+    result.stdout.fnmatch_lines(["*first divergence: step_1.layer_0.attention *"])
+    prefill = [line for line in result.stdout.lines if "::layer_" in line or "::logits" in line]
+    assert prefill and not [line for line in prefill if "FAILED" in line], prefill
 
 
 BUGGY_CONVERSION = """

@@ -14,9 +14,13 @@ zero-layer one), keeps the point's module's keys, writes them to a safetensors c
     build_module(module_cls, example_inputs=[inputs], module_init_kwargs=..., tp_degree=N,
                  compiler_workdir=..., checkpoint_path=..., checkpoint_loader_fn=load_file)
 
-Built so far: the embedding, the norms, the MoE's router, experts and block, the final norm and the
-lm_head (`logits`, gathered). The attention and whole decoder layers (NxDI's own mask and KV-cache
-layouts) say why they are not; an NxDI tensor capture (`--hw dump`) covers them."""
+Built: the embedding, the norms, the attention, the MoE's router, experts and block, whole decoder
+layers, the final norm and the lm_head (`logits`, gathered). The attention and the decoder layer are
+called as NxDI's own module tests call them (`test_qwen3_moe_layers.py`): context encoding with a
+boolean causal mask [B, 1, S, S] and int32 position ids; token generation with the cache as
+(K, V) [B, kv_heads, past, head_dim] and a boolean mask over the past positions [B, 1, 1, past].
+The cache is an input of the traced graph, replicated to every rank by build_module, so decode
+steps' attention and layers are built at tp_degree=1 only; an NxDI capture covers them at any TP."""
 
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
 from ..points import Point
 from ..record.lazy_model import weight_map
+from ..tree import CacheState
 from . import Backend, BackendSetup, CandidateOutput, HwOption, positive_int
+from .cache import cache_states
 from .nxdi_capture import read_table, table_names
 
 INSTALL = (
@@ -49,7 +55,9 @@ class Component:
     """How one point's NxDI module is built: its path in NxDI's model (`{layer}` for decoder
     layers), the factory called with config attributes (`args`: keyword -> attribute), fixed
     keywords (`literals`; "$dtype": the candidate's dtype), the config itself (`config`), the
-    attribute of the built module that the point calls ("": the module), and the inputs' form."""
+    attribute of the built module that the point calls ("": the module), the inputs' form, NxD's
+    SPMDRank tensors the module holds (`rank_buffers`: arange(tp_degree), added where the conversion
+    did not write them) and the submodule whose output is the module's routing (`routing`)."""
 
     module: str
     factory: str
@@ -57,7 +65,9 @@ class Component:
     literals: dict[str, Any] = field(default_factory=dict)
     config: bool = False
     call: str = ""
-    inputs: str = "hidden"  # hidden | tokens | experts
+    inputs: str = "hidden"  # hidden | tokens | experts | attention
+    rank_buffers: list[str] = field(default_factory=list)
+    routing: str = ""
 
 
 @dataclass
@@ -156,14 +166,32 @@ def under(converted: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 # -- the module built per point -----------------------------------------------------------------
 class NxdiPoint(nn.Module):
     """The NxDI module of one point, called as the point needs it (the MoE's router, its experts on
-    given routing, the whole module). Built by build_module from keyword arguments."""
+    given routing, the whole module; an attention or a decoder layer on (hidden, mask, position ids
+    [, past K, past V]), giving (hidden, K, V) and, with `routing`, that submodule's outputs after
+    them, caught by a forward hook as NxD's tensor capture does). Built by build_module from
+    keyword arguments."""
 
-    def __init__(self, factory: str, kwargs: dict[str, Any], call: str):
+    def __init__(self, factory: str, kwargs: dict[str, Any], call: str, form: str = "hidden", routing: str = ""):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
         self.call = call
+        self.form = form
+        self._caught: list[Any] = []
+        if routing:
+            self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
 
     def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
+        if self.form == "attention":
+            mask, positions, *past = rest
+            self._caught.clear()
+            out = self.inner(
+                hidden_states=first,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_value=tuple(past) if past else None,
+            )
+            caught = tuple(self._caught[0]) if self._caught else ()
+            return (out[0], out[1][0], out[1][1], *caught)
         if self.call == "expert_mlps":
             affinities, index = rest
             return self.inner.expert_mlps(first, affinities, index, first.shape[0])
@@ -171,6 +199,39 @@ class NxdiPoint(nn.Module):
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
+
+
+def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+    """The golden call of an attention or a decoder layer (hidden states, transformers' additive
+    mask [B, 1, Q, past + Q], position ids, the KV cache at a decode step) in NxDI's form: (hidden,
+    a boolean mask, int32 position ids) for context encoding, (hidden, the mask over the past
+    positions [B, 1, Q, past], position ids, past K, past V) for token generation. Without a
+    recorded mask or positions: causal, and positions counted on from the cache's length."""
+    hidden = golden.kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor):
+        hidden = next(a for a in golden.args if isinstance(a, torch.Tensor))
+    bsz, q_len = hidden.shape[:2]
+    cache = cache_of(golden)
+    past = int(cache.keys.shape[2]) if cache is not None else 0
+    mask = golden.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        keep = mask if mask.dtype == torch.bool else mask == 0
+        keep = keep[:, :1, :, : past + q_len].expand(bsz, 1, q_len, past + q_len)
+    else:
+        keep = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(past).expand(bsz, 1, q_len, past + q_len)
+    positions = golden.kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(past, past + q_len).expand(bsz, q_len)
+    positions = positions.to(torch.int32).expand(bsz, q_len).contiguous()
+    if cache is None:
+        return hidden, keep.contiguous(), positions
+    return hidden, keep[..., :past].contiguous(), positions, cache.keys, cache.values
+
+
+def cache_of(golden: GoldenRecord) -> CacheState | None:
+    """The KV cache a decode step's call carries (None: a prefill call)."""
+    found = cache_states(golden.kwargs) + cache_states(golden.args)
+    return found[0] if found else None
 
 
 def experts_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int):
@@ -221,6 +282,10 @@ class NxdiBackend(Backend):
 
         load_pretrained_config = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
         hf_config = AutoConfig.from_pretrained(self.setup.model_dir)
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
+            # transformers 5 keeps it in rope_parameters; NxDI's attention reads config.rope_theta
+            hf_config.rope_theta = rope["rope_theta"]
         neuron_config = resolve(self.table.neuron_config)(
             tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype
         )
@@ -238,17 +303,40 @@ class NxdiBackend(Backend):
             raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
         if self.config is None:
             self.start()
-        inputs = self._inputs(spec, golden)
+        inputs = self._inputs(point, spec, golden)
+        cache = None
         with torch.no_grad():
             output = self._module(point, point.component, spec, inputs)(*inputs)
             routing = None
-            if point.routed_block and "router" in self.table.components:  # what the block's router chose
+            if spec.inputs == "attention":
+                output, keys, values, *caught = output
+                routing = tuple(caught) or None
+                past = cache_of(golden)
+                if past is not None:  # token generation: the cache after the call is the past and this step's K, V
+                    cache = CacheState(
+                        past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
+                    )
+            elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs)(*inputs))
         where = spec.module.format(layer=point.layer)
-        return CandidateOutput(output, routing, info={"nxdi_module": where})
+        return CandidateOutput(output, routing, info={"nxdi_module": where}, cache=cache)
 
-    def _inputs(self, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+        if spec.inputs == "attention":
+            cache = cache_of(golden)
+            if cache is not None and cache.window is not None:
+                raise PointUnavailable(
+                    f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "
+                    "attention keeps its own rolling layout); compare it with --hw dump on an NxDI capture"
+                )
+            if cache is not None and self.hw_options["tp_degree"] > 1:
+                raise PointUnavailable(
+                    f"{point.id}: not built by --hw nxdi at tp_degree={self.hw_options['tp_degree']}: NxDI's token "
+                    "generation takes each rank's slice of the KV cache as an input, and build_module gives every "
+                    "rank the same inputs; run decode steps with --hw-option tp_degree=1, or compare an NxDI capture"
+                )
+            return attention_inputs(golden)
         values = [*golden.args, *golden.kwargs.values()]
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if spec.inputs == "experts":
@@ -282,11 +370,16 @@ class NxdiBackend(Backend):
             self.start()
         return back_to_reference(self._unit(layer), self.table.weights, layer)
 
-    def _kwargs(self, spec: Component) -> dict[str, Any]:
+    def _kwargs(self, spec: Component, prefill: bool) -> dict[str, Any]:
+        """The factory's keywords; the config as NxDI gives its context-encoding model
+        (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
         kwargs = {k: getattr(self.config, v) for k, v in spec.args.items()}
         kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
         if spec.config:
-            kwargs["config"] = self.config
+            config = copy.copy(self.config)
+            config.neuron_config = copy.copy(self.config.neuron_config)
+            config.neuron_config.is_prefill_stage = prefill
+            kwargs["config"] = config
         return kwargs
 
     def _module(self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...]) -> Any:
@@ -296,9 +389,13 @@ class NxdiBackend(Backend):
 
             build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
             converted = self._weights(point.layer, spec.module)
+            tp = self.hw_options["tp_degree"]
+            for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
+                converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
             unit = "model" if point.layer is None else f"layer_{point.layer}"
-            where = self._workdir / f"{unit}.{name}.{'x'.join(map(str, inputs[0].shape))}"
+            shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if len(inputs) == 5 else "")
+            where = self._workdir / f"{unit}.{name}.{shape}"
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
             save_file({f"inner.{k}": v.contiguous() for k, v in converted.items()}, str(checkpoint))
@@ -307,7 +404,13 @@ class NxdiBackend(Backend):
             self._built[key] = build_module(
                 NxdiPoint,
                 example_inputs=[tuple(inputs)],
-                module_init_kwargs={"factory": spec.factory, "kwargs": self._kwargs(spec), "call": spec.call},
+                module_init_kwargs={
+                    "factory": spec.factory,
+                    "kwargs": self._kwargs(spec, prefill=point.step is None),
+                    "call": spec.call,
+                    "form": spec.inputs,
+                    "routing": spec.routing,
+                },
                 tp_degree=self.hw_options["tp_degree"],
                 compiler_args=self.hw_options["compiler_args"],
                 compiler_workdir=str(where / "compiler"),

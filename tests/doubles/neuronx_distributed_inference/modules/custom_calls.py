@@ -3,8 +3,8 @@ from torch import nn
 
 
 class CustomRMSNorm(nn.Module):
-    """NxDI's RMSNorm (a custom call on device): float32 statistics, the weight applied in the
-    input's dtype."""
+    """NxDI's RMSNorm (a custom call on device, modules/custom_calls.py): normalised and weighted in
+    float32, the result cast back to the input's dtype."""
 
     def __init__(self, hidden_size=None, eps=1e-6, nki_enabled=False):
         super().__init__()
@@ -15,4 +15,4 @@ class CustomRMSNorm(nn.Module):
         dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+        return (self.weight.float() * h).to(dtype)

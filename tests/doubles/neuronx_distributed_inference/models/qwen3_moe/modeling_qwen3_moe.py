@@ -1,10 +1,18 @@
 """convert_qwen3_moe_hf_to_neuron_state_dict as documented (NEURON.md 3.1): keys without `model.`;
 mlp.gate -> mlp.router.linear_router; per-expert gate_proj/up_proj [I, H] transposed and stacked
 into mlp.expert_mlps.mlp_op.gate_up_proj.weight [E, H, 2I] (gate first); down_proj [H, I] ->
-down_proj.weight [E, I, H]; q/k norms renamed; loops over config.num_hidden_layers."""
+down_proj.weight [E, I, H]; q/k norms renamed; `rank_util.rank` and each attention's
+`layers.{l}.self_attn.rank_util.rank` = arange(tp_degree) int32; loops over
+config.num_hidden_layers. The attention and the decoder layer as the source builds them
+(NeuronQwen3MoEAttention: per-head q/k RMSNorm before RoPE; the layer returns (h, kv, cos, sin, None))."""
 
 import torch
+from torch import nn
 
+from ...modules.attention.attention_base import NeuronAttentionBase
+from ...modules.attention.utils import RotaryEmbedding
+from ...modules.custom_calls import CustomRMSNorm
+from ...modules.moe_v2 import initialize_moe_module
 from ..config import InferenceConfig
 
 EXPERT = "{}mlp.experts.{}.{}.weight"
@@ -15,8 +23,11 @@ class Qwen3MoeInferenceConfig(InferenceConfig):
 
 
 def convert_qwen3_moe_hf_to_neuron_state_dict(neuron_state_dict, config):
+    ranks = lambda: torch.arange(0, config.neuron_config.tp_degree, dtype=torch.int32)  # noqa: E731
+    neuron_state_dict["rank_util.rank"] = ranks()
     for layer in range(config.num_hidden_layers):
         p = f"layers.{layer}."
+        neuron_state_dict[p + "self_attn.rank_util.rank"] = ranks()
         neuron_state_dict[p + "mlp.router.linear_router.weight"] = neuron_state_dict.pop(p + "mlp.gate.weight")
         experts = range(getattr(config, "num_experts", None) or config.num_local_experts)
         w = lambda e, name, p=p: neuron_state_dict.pop(EXPERT.format(p, e, name))  # noqa: E731
@@ -36,3 +47,44 @@ class NeuronQwen3MoeForCausalLM:
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict, config):
         return convert_qwen3_moe_hf_to_neuron_state_dict(state_dict, config)
+
+
+class NeuronQwen3MoEAttention(NeuronAttentionBase):
+    def __init__(self, config):
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, max_position_embeddings=config.max_position_embeddings, base=config.rope_theta
+        )
+        super().__init__(
+            config=config,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rotary_emb=rotary_emb,
+            rms_norm_eps=config.rms_norm_eps,
+            use_qk_norm=False,
+        )
+        self.q_layernorm = CustomRMSNorm(self.head_dim, self.rms_norm_eps)
+        self.k_layernorm = CustomRMSNorm(self.head_dim, self.rms_norm_eps)
+
+
+class NeuronQwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn = NeuronQwen3MoEAttention(config=config)
+        self.input_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = initialize_moe_module(config=config)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
+        residual = hidden_states
+        hidden_states, present_key_value, cos_cache, sin_cache = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_value=past_key_value,
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))[0]
+        return (hidden_states, present_key_value, cos_cache, sin_cache, None)
