@@ -57,9 +57,12 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "tolerance override for point ids matching PATTERN, e.g. 'layer_*.router:max_flip_share=0.1' "
      "(keys: {keys}); repeatable"),
     ("--parity-map", "parity_map", {"metavar": "FILE"}, "same as --hw-option map=FILE (--hw dump)"),
-    ("--parity-weights", "parity_weights", {"action": "store_true", "default": False},
-     "check the candidate checkpoint's weights against the golden's model first: an item per layer "
-     "(layer_N.weights) and one for the model-level weights"),
+    ("--parity-weights", "parity_weights", {"action": "store_true", "default": None},
+     "check the candidate's weights against the golden's model before its activations: an item per layer "
+     "(layer_N.weights) and one for the model-level weights (default: wherever the candidate is a checkpoint "
+     "other than the golden's model and that model is on this machine; with this flag, say why not otherwise)"),
+    ("--no-parity-weights", "parity_weights", {"action": "store_false", "default": None},
+     "no weight items"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )

@@ -73,7 +73,9 @@ class RunOptions:
     mode: str = "isolated"  # isolated, chain or both
     report_dir: Path | None = None
     trust_remote_code: bool = False
-    weights: bool = False  # weight items: the candidate checkpoint against the golden's model
+    # weight items (the candidate's weights against the golden's model): None, where they apply;
+    # True, also saying why not where they do not; False, none
+    weights: bool | None = None
     workers: int = 1  # xdist workers (-n)
     worker: int | None = None  # this worker's index; None on a controller or without xdist
     flags: dict[str, str] = field(
@@ -156,7 +158,8 @@ class ParitySession:
             ini_tolerances=list(options.ini_tolerances),
             mode=self.mode,
         )
-        self.weights, self._no_weights = self._weight_check(cls.needs_checkpoint) if options.weights else (None, "")
+        no = options.weights is False
+        self.weights, self._no_weights = (None, "") if no else self._weight_check(cls.needs_checkpoint)
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
@@ -339,13 +342,11 @@ class ParitySession:
         ]
 
     def _weights_line(self) -> list[str]:
-        if not self.options.weights:
-            return []
         if self.weights is not None:
             converted = type(self.backend).held_weights is not Backend.held_weights
             held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
             return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
-        return [f"moe-parity: no weight items: {self._no_weights}"]
+        return [f"moe-parity: no weight items: {self._no_weights}"] if self.options.weights else []
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""

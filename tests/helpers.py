@@ -32,6 +32,11 @@ def load_fp32(path: Path):
     return load_model(path, dtype=torch.float32, device="cpu", device_map=None, max_memory=None)
 
 
+# Fault tests that follow a fault to its activation point: the weight items (on wherever the
+# candidate is another checkpoint) would stop them at layer_N.weights first; tests/test_weights.py has those.
+NO_WEIGHTS = "--no-parity-weights"
+
+
 def session(golden: Path, model: Path | None = None, **options: Any) -> ParitySession:
     """A pytest-free parity session (what the plugin and `moe-parity compare` drive)."""
     return ParitySession(RunOptions(golden_dir=golden, model=model, **options))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import cli, read_json, run_parity
+from helpers import NO_WEIGHTS, cli, read_json, run_parity
 
 from pytest_moe_parity.report.files import REPORT_FILE
 
@@ -65,8 +65,9 @@ def test_a_report_draws_the_heatmap_the_layers_and_each_failed_points_tokens(
     broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "m", faults.zero_expert(2, 1))
     report = tmp_path / "report"
     result = run_parity(
-        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", "--parity-report", str(report), model=broken
-    )
+        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", NO_WEIGHTS, "--parity-report", str(report),
+        model=broken,
+    )  # fmt: skip
     result.stdout.fnmatch_lines([f"plots in {report}: heatmap.png, layers.png, * per-token plots of failed points"])
     rows = read_json(report / REPORT_FILE)["points"]
     failed = [r for r in rows if r["status"] == "failed"]

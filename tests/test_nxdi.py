@@ -11,7 +11,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import read_json, run_parity, usage_error
+from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
 
 from pytest_moe_parity.backends import nxdi
 from pytest_moe_parity.report.files import REPORT_FILE
@@ -227,7 +227,7 @@ def test_a_checkpoint_fault_fails_at_its_nxdi_module(
     golden = golden_dir("mixtral")
     candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", fault)
     pytester.syspathinsert(DOUBLES)
-    result = run_parity(pytester, golden, "--hw", "nxdi", "--dtype", "bfloat16", "-x", model=candidate)
+    result = run_parity(pytester, golden, "--hw", "nxdi", "--dtype", "bfloat16", "-x", NO_WEIGHTS, model=candidate)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([f"*first divergence: {first} *"])
     assert result.parseoutcomes()["failed"] == 1
@@ -326,7 +326,7 @@ def test_weight_items_check_what_nxdi_converted_mapped_back(
     golden = golden_dir(arch)
     candidate = faults.edit_checkpoint(tiny_model(arch), tmp_path / "c", lambda t: None)  # a copy
     pytester.syspathinsert(DOUBLES)
-    args = ("--hw", "nxdi", "--dtype", "bfloat16", "--parity-weights", "-v")
+    args = ("--hw", "nxdi", "--dtype", "bfloat16", "-v")
     clean = run_parity(pytester, golden, *args, model=candidate)
     clean.stdout.fnmatch_lines(
         ["*weights (the nxdi backend's converted weights, mapped back) checked against*", "*layer_0.weights PASSED*"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import read_json, run_parity, usage_error
+from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.archs import ARCH_TABLE
@@ -117,7 +117,8 @@ def test_fault_is_caught_at_its_own_point(fault: str, pytester: pytest.Pytester,
     if config_edit:
         faults.edit_config(candidate, config_edit)
     report = pytester.path / "report"
-    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", "--parity-report", str(report), model=candidate)
+    args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, "--parity-report", str(report))
+    result = run_parity(pytester, golden, *args, model=candidate)
     order = GoldenStore(golden).point_ids
     result.assert_outcomes(failed=1, passed=order.index(expected))
     result.stdout.fnmatch_lines([f"first divergence: {expected}*", f"FAILED *parity::{expected} - *"])
@@ -175,7 +176,7 @@ def test_failure_text_shows_counts_and_worst_elements(pytester: pytest.Pytester,
 def test_nan_in_candidate_says_where(pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
     golden = golden_dir("qwen3_moe")
     candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), pytester.path / "c", faults.poison("o_proj", 1))
-    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", model=candidate)
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, model=candidate)
     result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index("layer_1.attention"))
     result.stdout.fnmatch_lines(["*out*finite*FAIL*", "*candidate has * NaN and 0 Inf*first at index (0, *), token *"])
     assert "cosine         nan" not in result.stdout.str()
@@ -234,7 +235,7 @@ def test_outcomes_and_reports_with_and_without_xdist(xdist, pytester: pytest.Pyt
     candidate = faults.edit_checkpoint(tiny_model("mixtral"), pytester.path / "c", faults.swap_gate_up(1))
     report = pytester.path / "report"
     result = run_parity(
-        pytester, golden, "--dtype", "bfloat16", "--parity-report", str(report), *xdist, model=candidate
+        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-report", str(report), *xdist, model=candidate
     )
     n = len(GoldenStore(golden).point_ids)
     # experts and the MoE block of layer 1 fail; the rest gets golden inputs and passes (the whole
@@ -252,7 +253,7 @@ def test_outcomes_and_reports_with_and_without_xdist(xdist, pytester: pytest.Pyt
 def test_last_failed_and_stepwise(pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
     golden = golden_dir("olmoe")
     candidate = faults.edit_checkpoint(tiny_model("olmoe"), pytester.path / "c", faults.permute_router_rows(2))
-    base = ["--golden-dir", str(golden), "--model", str(candidate), "--dtype", "bfloat16"]
+    base = ["--golden-dir", str(golden), "--model", str(candidate), "--dtype", "bfloat16", NO_WEIGHTS]
     first = pytester.runpytest(*base)
     assert first.ret == 1
     failed = first.parseoutcomes()["failed"]

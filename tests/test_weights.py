@@ -1,5 +1,6 @@
-"""Weight items (`--parity-weights`): the candidate checkpoint's weights against the golden's
-model, before the activations, with what is wrong said in words."""
+"""Weight items: the candidate checkpoint's weights against the golden's model, before the
+activations, with what is wrong said in words (on wherever the candidate is another checkpoint;
+`--no-parity-weights` leaves them out, `--parity-weights` says why there are none)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_a_weight_fault_fails_its_weight_item_first(
     golden = golden_dir("qwen3_moe")
     candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "c", fault)
     report = tmp_path / "report"
-    result = run_parity(pytester, golden, "--parity-weights", "-x", "--parity-report", str(report), model=candidate)
+    result = run_parity(pytester, golden, "-x", "--parity-report", str(report), model=candidate)  # on by default
     result.stdout.fnmatch_lines(
         ["*weights checked against the golden's model*", f"first divergence: {item}  (*", f"FAILED *{item}*"]
     )
@@ -60,10 +61,7 @@ def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_pat
     golden = golden_dir("mixtral")
     candidate = faults.edit_checkpoint(tiny_model("mixtral"), tmp_path / "c", lambda t: None)  # a copy
     report = tmp_path / "report"
-    result = run_parity(
-        pytester, golden, "--parity-weights", "-v", "--parity-layers", "1", "--parity-report", str(report),
-        model=candidate,
-    )  # fmt: skip
+    result = run_parity(pytester, golden, "-v", "--parity-layers", "1", "--parity-report", str(report), model=candidate)
     n = len([p for p in GoldenStore(golden).points if p.layer == 1])
     result.assert_outcomes(passed=n + 1)
     result.stdout.fnmatch_lines(["*layer_1.weights PASSED*", "*layer_1.input_norm PASSED*", "first divergence: none"])
@@ -73,6 +71,10 @@ def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_pat
     assert rows[0]["status"] == "passed" and rows[0]["findings"] == []
     plain = run_parity(pytester, golden, "--parity-weights", model=tiny_model("mixtral"))  # the golden's own model
     plain.stdout.fnmatch_lines(["*no weight items: the candidate is the golden's own model*"])
+    assert "weight items" not in run_parity(pytester, golden, model=tiny_model("mixtral")).stdout.str()  # if asked
+    off = run_parity(pytester, golden, "--no-parity-weights", "--parity-layers", "1", model=candidate)
+    off.assert_outcomes(passed=n)
+    assert "weights checked" not in off.stdout.str() and "layer_1.weights" not in off.stdout.str()
 
 
 def test_diagnoses_in_words() -> None:
