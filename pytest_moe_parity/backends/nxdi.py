@@ -19,8 +19,11 @@ layers, the final norm and the lm_head (`logits`, gathered). The attention and t
 called as NxDI's own module tests call them (`test_qwen3_moe_layers.py`): context encoding with a
 boolean causal mask [B, 1, S, S] and int32 position ids; token generation with the cache as
 (K, V) [B, kv_heads, past, head_dim] and a boolean mask over the past positions [B, 1, 1, past].
-The cache is an input of the traced graph, replicated to every rank by build_module, so decode
-steps' attention and layers are built at tp_degree=1 only; an NxDI capture covers them at any TP."""
+The cache is an input of the traced graph, which build_module gives every rank alike, while NxDI's
+token generation holds each rank's own kv heads: at tp_degree > 1 the built module picks its rank's
+heads of the golden cache itself (NxD's SPMDRank and an index_select, the rank-in-graph pattern NxDI
+uses), by NxD's GQA sharding (kv heads kept, or repeated up to the TP degree or to the attention
+heads, then split)."""
 
 from __future__ import annotations
 
@@ -171,7 +174,15 @@ class NxdiPoint(nn.Module):
     them, caught by a forward hook as NxD's tensor capture does). Built by build_module from
     keyword arguments."""
 
-    def __init__(self, factory: str, kwargs: dict[str, Any], call: str, form: str = "hidden", routing: str = ""):
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict[str, Any],
+        call: str,
+        form: str = "hidden",
+        routing: str = "",
+        kv_heads: list[list[int]] | None = None,
+    ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
         self.call = call
@@ -179,10 +190,17 @@ class NxdiPoint(nn.Module):
         self._caught: list[Any] = []
         if routing:
             self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
+        # token generation at TP > 1: each rank takes its kv heads of the cache
+        self.register_buffer("kv_heads", None if kv_heads is None else torch.tensor(kv_heads, dtype=torch.int64))
+        if kv_heads is not None:
+            self.rank_util = resolve("neuronx_distributed.parallel_layers.layers:SPMDRank")(len(kv_heads))
 
     def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
         if self.form == "attention":
             mask, positions, *past = rest
+            if past and self.kv_heads is not None:
+                mine = self.kv_heads.index_select(0, self.rank_util.get_rank().long()).flatten()
+                past = [t.index_select(1, mine) for t in past]
             self._caught.clear()
             out = self.inner(
                 hidden_states=first,
@@ -232,6 +250,22 @@ def cache_of(golden: GoldenRecord) -> CacheState | None:
     """The KV cache a decode step's call carries (None: a prefill call)."""
     found = cache_states(golden.kwargs) + cache_states(golden.args)
     return found[0] if found else None
+
+
+def rank_kv_heads(tp_degree: int, heads: int, kv_heads: int) -> list[list[int]] | None:
+    """Which of the model's kv heads each rank holds, as NxD's GQA shards them
+    (`gqa.get_shardable_head_counts`, `replicate_kv`): kept where the TP degree divides them, else each
+    repeated (repeat_interleave) up to the TP degree (REPLICATE_TO_TP_DEGREE, when it is a multiple)
+    or to the attention heads (CONVERT_TO_MHA), then split evenly. None where NxDI pads the attention
+    heads (their count not a multiple of the TP degree)."""
+    if heads % tp_degree:
+        return None
+    if heads == kv_heads or kv_heads % tp_degree == 0:
+        grown = kv_heads
+    else:
+        grown = tp_degree if tp_degree % kv_heads == 0 else heads
+    repeats, each = grown // kv_heads, grown // tp_degree
+    return [[j // repeats for j in range(r * each, (r + 1) * each)] for r in range(tp_degree)]
 
 
 def experts_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int):
@@ -312,7 +346,8 @@ class NxdiBackend(Backend):
                 output, keys, values, *caught = output
                 routing = tuple(caught) or None
                 past = cache_of(golden)
-                if past is not None:  # token generation: the cache after the call is the past and this step's K, V
+                if past is not None and self.hw_options["tp_degree"] == 1:  # at TP > 1 K, V are rank 0's heads
+                    # token generation: the cache after the call is the past and this step's K, V
                     cache = CacheState(
                         past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
                     )
@@ -330,11 +365,12 @@ class NxdiBackend(Backend):
                     f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "
                     "attention keeps its own rolling layout); compare it with --hw dump on an NxDI capture"
                 )
-            if cache is not None and self.hw_options["tp_degree"] > 1:
+            if cache is not None and self._rank_kv_heads() is None:
                 raise PointUnavailable(
-                    f"{point.id}: not built by --hw nxdi at tp_degree={self.hw_options['tp_degree']}: NxDI's token "
-                    "generation takes each rank's slice of the KV cache as an input, and build_module gives every "
-                    "rank the same inputs; run decode steps with --hw-option tp_degree=1, or compare an NxDI capture"
+                    f"{point.id}: not built by --hw nxdi at tp_degree={self.hw_options['tp_degree']}: NxDI pads "
+                    f"{self.config.num_attention_heads} attention heads to a multiple of it, and which rank holds "
+                    "which kv heads of the cache is then not known here; use a TP degree that divides the heads, "
+                    "or compare an NxDI capture"
                 )
             return attention_inputs(golden)
         values = [*golden.args, *golden.kwargs.values()]
@@ -370,6 +406,10 @@ class NxdiBackend(Backend):
             self.start()
         return back_to_reference(self._unit(layer), self.table.weights, layer)
 
+    def _rank_kv_heads(self) -> list[list[int]] | None:
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        return rank_kv_heads(self.hw_options["tp_degree"], heads, kv_heads)
+
     def _kwargs(self, spec: Component, prefill: bool) -> dict[str, Any]:
         """The factory's keywords; the config as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
@@ -398,7 +438,12 @@ class NxdiBackend(Backend):
             where = self._workdir / f"{unit}.{name}.{shape}"
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
-            save_file({f"inner.{k}": v.contiguous() for k, v in converted.items()}, str(checkpoint))
+            state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
+            kv_heads = self._rank_kv_heads() if len(inputs) == 5 and tp > 1 else None
+            if kv_heads is not None:  # the wrapper's own: its SPMDRank and which kv heads each rank holds
+                state["rank_util.rank"] = torch.arange(tp, dtype=torch.int32)
+                state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int64)
+            save_file(state, str(checkpoint))
             if any(k[0] != point.layer for k in self._built):  # one unit's modules at a time
                 self._built.clear()
             self._built[key] = build_module(
@@ -410,6 +455,7 @@ class NxdiBackend(Backend):
                     "call": spec.call,
                     "form": spec.inputs,
                     "routing": spec.routing,
+                    "kv_heads": kv_heads,
                 },
                 tp_degree=self.hw_options["tp_degree"],
                 compiler_args=self.hw_options["compiler_args"],

@@ -36,3 +36,17 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
+
+
+class SPMDRank(nn.Module):
+    """NxD's rank inside a traced SPMD graph: a parameter of one element, sharded along dim 0 from
+    the checkpoint's arange(world_size), so rank r holds [r]."""
+
+    def __init__(self, world_size, tensor_model_parallel_size=None):
+        super().__init__()
+        self.world_size = world_size
+        self.rank = nn.Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+        self.rank.partition_dim = 0  # NxD's set_tensor_model_parallel_attributes(is_parallel=True, dim=0)
+
+    def get_rank(self):
+        return self.rank

@@ -1,8 +1,14 @@
 """build_module as documented: example_inputs is a list holding exactly one tuple of tensors; the
 module is module_cls(**module_init_kwargs) with the checkpoint's weights (strictly); the returned
-callable takes positional tensors of the traced shapes and dtypes only (static shapes)."""
+callable takes positional tensors of the traced shapes and dtypes only (static shapes). At
+tp_degree N there are N ranks, each a module loaded with its shard of the parameters NxD shards
+(those with a `partition_dim`: SPMDRank's rank) and run on its own thread with the same inputs,
+joined by the tensor-parallel all-reduce; the call returns rank 0's outputs, as an NxDModel does."""
+
+import threading
 
 import torch
+from neuronx_distributed.parallel_layers.mappings import Group, joined
 
 CALLS = []  # what was built, for the tests
 
@@ -31,10 +37,8 @@ def build_module(
     module_init_kwargs = {} if module_init_kwargs is None else module_init_kwargs
     if not isinstance(module_init_kwargs, dict):
         raise TypeError("module_init_kwargs must be a dict")
-    module = module_cls(**module_init_kwargs)
-    if checkpoint_path is not None:
-        module.load_state_dict(checkpoint_loader_fn(checkpoint_path), strict=True)
-    module.eval()
+    state = checkpoint_loader_fn(checkpoint_path) if checkpoint_path is not None else None
+    ranks = [_rank_module(module_cls, module_init_kwargs, state, rank, tp_degree) for rank in range(tp_degree)]
     signature = [(t.shape, t.dtype) for t in example_inputs[0]]
     CALLS.append(
         {
@@ -49,7 +53,40 @@ def build_module(
     def traced(*args):
         if [(t.shape, t.dtype) for t in args] != signature:
             raise RuntimeError(f"a traced module takes {signature}, got {[(t.shape, t.dtype) for t in args]}")
-        with torch.no_grad():
-            return module(*args)
+        if tp_degree == 1:
+            with torch.no_grad():
+                return ranks[0](*args)
+        return _run_ranks(ranks, args)
 
     return traced
+
+
+def _rank_module(module_cls, kwargs, state, rank, tp_degree):
+    module = module_cls(**kwargs)
+    if state is not None:
+        sharded = {n: p.partition_dim for n, p in module.named_parameters() if hasattr(p, "partition_dim")}
+        own = {k: v.chunk(tp_degree, sharded[k])[rank] if k in sharded else v for k, v in state.items()}
+        module.load_state_dict(own, strict=True)
+    return module.eval()
+
+
+def _run_ranks(ranks, args):
+    group, outputs, errors = Group(len(ranks)), [None] * len(ranks), []
+
+    def run(rank):
+        joined(group, rank)
+        try:
+            with torch.no_grad():
+                outputs[rank] = ranks[rank](*args)
+        except BaseException as exc:
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:  # the failing rank's error, not the broken barrier of the others
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return outputs[0]

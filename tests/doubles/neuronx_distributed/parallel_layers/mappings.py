@@ -1,0 +1,32 @@
+"""The tensor-parallel all-reduce of NxD's row-parallel layers, between the ranks the test
+double's build_module runs (one thread per rank, tests/doubles/.../utils/testing.py)."""
+
+import threading
+
+_ranks = threading.local()
+
+
+class Group:
+    """The ranks of one traced call: each rank's tensor in, their sum out to every rank."""
+
+    def __init__(self, size):
+        self.size = size
+        self.slots = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def all_reduce(self, rank, tensor):
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        total = sum(self.slots[1:], self.slots[0])
+        self.barrier.wait()
+        return total
+
+
+def joined(group, rank):
+    """Run the calling thread as `rank` of `group`."""
+    _ranks.group, _ranks.rank = group, rank
+
+
+def reduce_from_tensor_model_parallel_region(tensor):
+    group = getattr(_ranks, "group", None)
+    return tensor if group is None else group.all_reduce(_ranks.rank, tensor)
