@@ -5,13 +5,13 @@ attention `rank_util`: the backend adds what a module needs). The attention (hea
 heads, no q/k norm) and the decoder layer as the source builds them."""
 
 import torch
-from torch import nn
 
 from ...modules.attention.attention_base import NeuronAttentionBase
 from ...modules.attention.utils import RotaryEmbedding
 from ...modules.custom_calls import CustomRMSNorm
 from ...modules.moe import initialize_moe_module
 from ..config import InferenceConfig
+from ..model_base import MoEDecoderLayer
 
 
 class MixtralInferenceConfig(InferenceConfig):
@@ -57,7 +57,7 @@ class NeuronMixtralAttention(NeuronAttentionBase):
         )
 
 
-class NeuronMixtralDecoderLayer(nn.Module):
+class NeuronMixtralDecoderLayer(MoEDecoderLayer):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.self_attn = NeuronMixtralAttention(config=config)
@@ -71,16 +71,3 @@ class NeuronMixtralDecoderLayer(nn.Module):
         )
         self.input_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
-        residual = hidden_states
-        hidden_states, present_key_value, cos_cache, sin_cache = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_value=past_key_value,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))[0]
-        return (hidden_states, present_key_value, cos_cache, sin_cache, None)

@@ -7,13 +7,13 @@ config.num_hidden_layers. The attention and the decoder layer as the source buil
 (NeuronQwen3MoEAttention: per-head q/k RMSNorm before RoPE; the layer returns (h, kv, cos, sin, None))."""
 
 import torch
-from torch import nn
 
 from ...modules.attention.attention_base import NeuronAttentionBase
 from ...modules.attention.utils import RotaryEmbedding
 from ...modules.custom_calls import CustomRMSNorm
 from ...modules.moe_v2 import initialize_moe_module
 from ..config import InferenceConfig
+from ..model_base import MoEDecoderLayer
 
 EXPERT = "{}mlp.experts.{}.{}.weight"
 
@@ -68,23 +68,10 @@ class NeuronQwen3MoEAttention(NeuronAttentionBase):
         self.k_layernorm = CustomRMSNorm(self.head_dim, self.rms_norm_eps)
 
 
-class NeuronQwen3MoeDecoderLayer(nn.Module):
+class NeuronQwen3MoeDecoderLayer(MoEDecoderLayer):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.self_attn = NeuronQwen3MoEAttention(config=config)
         self.input_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = initialize_moe_module(config=config)
-
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
-        residual = hidden_states
-        hidden_states, present_key_value, cos_cache, sin_cache = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_value=past_key_value,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))[0]
-        return (hidden_states, present_key_value, cos_cache, sin_cache, None)
