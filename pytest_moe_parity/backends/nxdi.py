@@ -191,7 +191,7 @@ class NxdiPoint(nn.Module):
         if routing:
             self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
         # token generation at TP > 1: each rank takes its kv heads of the cache
-        self.register_buffer("kv_heads", None if kv_heads is None else torch.tensor(kv_heads, dtype=torch.int64))
+        self.register_buffer("kv_heads", None if kv_heads is None else torch.tensor(kv_heads, dtype=torch.int32))
         if kv_heads is not None:
             self.rank_util = resolve("neuronx_distributed.parallel_layers.layers:SPMDRank")(len(kv_heads))
 
@@ -199,7 +199,7 @@ class NxdiPoint(nn.Module):
         if self.form == "attention":
             mask, positions, *past = rest
             if past and self.kv_heads is not None:
-                mine = self.kv_heads.index_select(0, self.rank_util.get_rank().long()).flatten()
+                mine = self.kv_heads.index_select(0, self.rank_util.get_rank()).flatten()
                 past = [t.index_select(1, mine) for t in past]
             self._caught.clear()
             out = self.inner(
@@ -434,15 +434,16 @@ class NxdiBackend(Backend):
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
             unit = "model" if point.layer is None else f"layer_{point.layer}"
-            shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if len(inputs) == 5 else "")
+            token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
+            shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
             where = self._workdir / f"{unit}.{name}.{shape}"
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
             state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
-            kv_heads = self._rank_kv_heads() if len(inputs) == 5 and tp > 1 else None
+            kv_heads = self._rank_kv_heads() if token_generation and tp > 1 else None
             if kv_heads is not None:  # the wrapper's own: its SPMDRank and which kv heads each rank holds
                 state["rank_util.rank"] = torch.arange(tp, dtype=torch.int32)
-                state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int64)
+                state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int32)
             save_file(state, str(checkpoint))
             if any(k[0] != point.layer for k in self._built):  # one unit's modules at a time
                 self._built.clear()
