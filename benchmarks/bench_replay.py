@@ -1,7 +1,7 @@
 """Replay gives memory back: a run over every layer must hold about what a run over one layer holds,
 and cost about what loading the model and running it once costs.
 
-    python benchmarks/bench_replay.py [--layers 48] [--repeat 1] [--keep DIR]
+    python benchmarks/bench_replay.py [--layers 48] [--repeat 1] [--keep DIR] [--breakdown]
 
 A Mixtral-style checkpoint (hidden 512, 16 experts of intermediate 512, ~54 MB of float32 weights per
 layer, hub layout sharded at 200 MB) and its golden (32 tokens, float32) are written once; then, each
@@ -14,6 +14,11 @@ in a fresh process, with a bf16 candidate:
 Peak RSS is the process's own high-water mark (VmHWM: ru_maxrss would carry the parent's peak
 across fork and exec); wall time is the whole process, imports included, and after imports.
 Targets: full run <= 1.3x the one-layer run's peak RSS, and <= 1.5x the wall time of (3).
+
+`--breakdown` then times the parts of one more full run (backend start, candidate forwards, judging,
+golden reads, the rest), exclusive of each other, with the main thread's and the process's CPU time:
+where the process uses far less CPU than the cores give, its threads wait for the GIL, and only less
+Python work (not more threads) makes the run faster.
 """
 
 from __future__ import annotations
@@ -62,6 +67,42 @@ t2 = time.perf_counter()
 print(json.dumps({"code": 0, "after_imports_s": t2 - t1, "peak_rss_mb": _peak_mb()}))
 """
 )
+
+
+BREAKDOWN_CHILD = """
+import collections, json, sys, time
+import pytest, torch, transformers
+from pytest_moe_parity.backends.hf import TorchBackend
+from pytest_moe_parity.golden.store import GoldenStore
+from pytest_moe_parity.replay.runner import ParityRunner
+
+spent, nested = collections.Counter(), []
+
+def timed(cls, name, part):  # exclusive time: a timed call inside another counts once, as its own part
+    inner = getattr(cls, name)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        nested.append(0.0)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            took = time.perf_counter() - start
+            spent[part] += took - nested.pop()
+            if nested:
+                nested[-1] += took
+    setattr(cls, name, wrapper)
+
+timed(TorchBackend, "start", "backend start: modeling import, meta skeleton")
+timed(TorchBackend, "run", "candidate forwards, and waits for a layer read ahead")
+timed(ParityRunner, "judge", "judging")
+timed(GoldenStore, "load", "golden reads")
+wall, main_cpu, cpu = time.perf_counter(), time.thread_time(), time.process_time()
+code = pytest.main(sys.argv[1:])
+wall, main_cpu, cpu = time.perf_counter() - wall, time.thread_time() - main_cpu, time.process_time() - cpu
+spent["pytest, the plugin and the rest"] = wall - sum(spent.values())
+print(json.dumps({"code": int(code), "after_imports_s": wall, "main_thread_cpu_s": main_cpu, "process_cpu_s": cpu,
+                  "parts": spent}))
+"""
 
 
 def child(script: str, *args: str) -> dict:
@@ -121,6 +162,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each measurement (the minimum is reported)")
     ap.add_argument("--keep", type=Path, default=None, help="write (and reuse) the checkpoint and golden here")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="then time the parts of one more run over every layer (in-process)"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
@@ -161,6 +205,16 @@ def main() -> None:
         rounds = sorted(f["wall_s"] / b["wall_s"] for f, b in zip(samples[names[1]], samples[names[2]], strict=True))
         listed = ", ".join(f"x{r:.2f}" for r in rounds)
         print(f"  the same ratio round by round: {listed} (median x{rounds[len(rounds) // 2]:.2f})")
+        if args.breakdown:
+            parts = child(BREAKDOWN_CHILD, *base)
+            print(f"every layer, by part (after imports {parts['after_imports_s']:.1f} s):")
+            for part, seconds in sorted(parts["parts"].items(), key=lambda kv: -kv[1]):
+                print(f"  {part:<54} {seconds:5.2f} s")
+            cores = os.cpu_count() or 1
+            print(
+                f"  CPU: main thread {parts['main_thread_cpu_s']:.1f} s, whole process {parts['process_cpu_s']:.1f} s "
+                f"of the {cores * parts['after_imports_s']:.1f} s that {cores} cores give"
+            )
 
 
 if __name__ == "__main__":

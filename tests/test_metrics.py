@@ -563,6 +563,30 @@ def test_group_errors_are_the_rel_l2_over_each_groups_rows() -> None:
     assert all(float(errors[e]) == math.inf for e in groups[10].tolist())
 
 
+def test_row_sums_one_block_and_many_blocks_agree_with_float64() -> None:
+    """Small tensors take a one-block path, large ones go block by block; both are the float64 sums,
+    and a non-finite value or an overflowing sum takes the careful path in either."""
+    gen = torch.Generator().manual_seed(11)
+    for tokens, inner in ((6, 40), (5, 1 << 19)):  # one block; three blocks of two rows
+        g = torch.randn(tokens, inner, generator=gen)
+        c = (g + 0.01 * torch.randn(tokens, inner, generator=gen)).bfloat16()
+        sums = row_sums(g, c, token_dim=0)
+        d = c.double() - g.double()
+        assert torch.allclose(sums.d2, d.square().sum(dim=1), rtol=1e-12)
+        assert torch.allclose(sums.g2, g.double().square().sum(dim=1), rtol=1e-12)
+        assert not sums.bad.any()
+    g = torch.ones(4, 3)
+    c = g.clone()
+    g[1, 2] = c[1, 2] = math.inf  # the same Inf on both sides is equal
+    c[2, 0] = math.inf
+    sums = row_sums(g, c, token_dim=0)
+    assert sums.bad.tolist() == [False, False, True, False]
+    assert sums.d2[1] == 0.0 and sums.g2[1] == 2.0
+    huge = torch.full((3, 2), 1e200, dtype=torch.float64)
+    errors = row_sums(huge, -huge, token_dim=0).errors()
+    assert errors.tolist() == [math.inf] * 3  # no nan where the sums overflow
+
+
 def test_floor_share_measures_small_rows_against_the_median() -> None:
     g = torch.ones(5, 4)
     g[0] = 1e-4

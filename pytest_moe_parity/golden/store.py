@@ -65,6 +65,7 @@ class GoldenStore:
         self.verify = verify
         self.opened_files: dict[str, None] = {}  # file names in the order first read
         self._verified: set[str] = set()
+        self._safe_paths: dict[str, Path] = {}  # file name -> its checked path (resolved once)
         self.manifest = self._read_manifest()
         self._entries = {p["id"]: p for p in self.manifest["points"]}
         self._points = {pid: self._point(entry) for pid, entry in self._entries.items()}
@@ -116,12 +117,15 @@ class GoldenStore:
             raise GoldenError(f"{self.root / MANIFEST}: point {entry.get('id')!r} is malformed ({exc})") from None
 
     def _safe_path(self, name: str) -> Path:
+        if name in self._safe_paths:
+            return self._safe_paths[name]
         root = self.root.resolve()
         candidate = (root / name).resolve()
         if os.path.isabs(name) or candidate.parent != root:
             raise GoldenError(
                 f"{self.root / MANIFEST} names file {name!r} outside the golden directory; refusing to read it"
             )
+        self._safe_paths[name] = candidate
         return candidate
 
     # -- queries --------------------------------------------------------------------------------

@@ -623,6 +623,14 @@ def row_sums(golden: torch.Tensor, candidate: torch.Tensor, token_dim: int = -2)
     if num_tokens == 0 or inner == 0:
         return RowSums(d2_all, g2_all, bad_all)
     rows = max(1, (1 << 20) // inner)  # a few block-sized float64 temporaries, ~8 MB each
+    if num_tokens <= rows:  # one block (every point's activations at a golden's usual size)
+        g = g_all.reshape(num_tokens, inner).to(_F64)
+        c = c_all.reshape(num_tokens, inner).to(_F64)
+        diff = c - g
+        d2 = (diff * diff).sum(dim=1)
+        g2 = (g * g).sum(dim=1)
+        if math.isfinite(float(d2.sum()) + float(g2.sum())):  # every value finite, no sum overflowed
+            return RowSums(d2.cpu(), g2.cpu(), bad_all)
     for start in range(0, num_tokens, rows):
         stop = min(start + rows, num_tokens)
         g = g_all[start:stop].reshape(stop - start, inner).to(_F64)
@@ -659,8 +667,9 @@ def worst_tokens(per_token: torch.Tensor, n: int = 5) -> list[tuple[int, float]]
         return []
     values = per_token.to(_F64).cpu()
     key = torch.where(torch.isnan(values), _INF, values)
-    order = torch.sort(key, descending=True, stable=True).indices[:n]
-    return [(int(i), float(values[i])) for i in order]
+    order = torch.sort(key, descending=True, stable=True).indices[:n].tolist()
+    picked = values[order].tolist()
+    return list(zip(order, picked, strict=True))
 
 
 # --------------------------------------------------------------------------------------------------------
