@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pytest_moe_parity.cli import main
+from pytest_moe_parity.record.capture import CACHE_KWARGS
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.session import ParitySession, RunOptions
 
@@ -101,3 +102,10 @@ def assert_replays_bitwise(golden: Path, model) -> None:
                 (rec.extras["cache_after.keys"], rec.extras["cache_after.values"]),
                 f"{point.id} cache",
             )
+
+
+def cache_kwarg(kwargs: dict[str, Any]) -> str:
+    """The name a recorded call holds its KV cache by: `cache` from transformers 5.24 on,
+    `past_key_values` before (exactly one of them)."""
+    (name,) = [k for k in CACHE_KWARGS if k in kwargs]
+    return name

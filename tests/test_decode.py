@@ -3,11 +3,13 @@ reads stored as tensors; replayed on a cache of the candidate's kind, the cache 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import faults
 import pytest
-from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity
+import torch
+from helpers import assert_replays_bitwise, cache_kwarg, cli, load_fp32, read_json, run_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
@@ -31,7 +33,7 @@ def test_decode_steps_replay_bitwise_on_a_rebuilt_cache(arch: str, golden_dir, t
         assert [p.id for p in store.points if p.step == step] == [f"step_{step}.{p.id}" for p in prefill]
     assert [p.order for p in store.points] == sorted(p.order for p in store.points)
     rec = store.load(f"step_{STEPS}.layer_0.attention")
-    state = rec.kwargs["past_key_values"]
+    state = rec.kwargs[cache_kwarg(rec.kwargs)]
     assert isinstance(state, CacheState) and state.layer == 0
     if state.window is None:  # the cache the step reads: the prefill and the steps before it
         assert state.keys.shape[-2] == SEQ + STEPS - 1
@@ -154,7 +156,8 @@ def test_golden_cli_records_decode_steps(tmp_path: Path, tiny_model, capsys) -> 
     assert code == 0 and ", prefill and 2 decode steps, " in out
     code, out, _ = cli(capsys, "show", tmp_path / "g", "--inputs")
     assert code == 0
-    assert "kwargs.past_key_values               KV cache of layer 0: keys and values (1, 2, 16, 16)" in out
+    shown = r"kwargs\.(cache|past_key_values) +KV cache of layer 0: keys and values \(1, 2, 16, 16\)"
+    assert re.search(shown, out), out
 
 
 def _logits_row(step: int, flips: list[dict], ties: list[dict]) -> dict:
@@ -205,3 +208,29 @@ def test_a_decode_steps_left_out_token_is_counted_among_the_steps_own_tokens(gol
     prefill = store.point("layer_1.attention")
     assert (chain.tainted(prefill), chain.tokens(prefill)) == (list(range(5, SEQ)), SEQ)
     assert chain.tainted(store.point("step_2.layer_0.attention")) == []  # its own layer's routing comes later
+
+
+def test_a_recorded_cache_is_passed_by_the_name_the_module_takes() -> None:
+    """transformers 5.24 renamed a call's KV cache from `past_key_values` to `cache` (the old name
+    deprecated): a golden of either version replays on the other, its cache passed by the name the
+    candidate's module takes, through transformers' deprecation wrapper too."""
+    from torch import nn
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    from pytest_moe_parity.record.capture import cache_kwarg, with_cache_kwarg
+
+    class Before(nn.Module):
+        def forward(self, hidden_states, past_key_values=None, **kwargs):
+            return hidden_states
+
+    class After(nn.Module):
+        @deprecate_kwarg("past_key_values", "99.0.0", new_name="cache")
+        def forward(self, hidden_states, cache=None, **kwargs):
+            return hidden_states
+
+    state = CacheState(0, torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+    assert (cache_kwarg(Before()), cache_kwarg(After())) == ("past_key_values", "cache")
+    assert with_cache_kwarg(After(), {"x": 1, "past_key_values": state}) == {"x": 1, "cache": state}
+    assert with_cache_kwarg(Before(), {"cache": None, "y": False}) == {"past_key_values": None, "y": False}
+    assert with_cache_kwarg(After(), {"cache": state}) == {"cache": state}
+    assert with_cache_kwarg(Before(), {"hidden_states": 1}) == {"hidden_states": 1}

@@ -11,7 +11,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
+from helpers import NO_WEIGHTS, cache_kwarg, read_json, run_parity, usage_error
 
 from pytest_moe_parity.backends import nxdi
 from pytest_moe_parity.report.files import REPORT_FILE
@@ -122,7 +122,7 @@ def test_attention_inputs_take_nxdi_s_form(golden_dir) -> None:
     hidden, mask, positions, keys, values = nxdi.attention_inputs(record)
     assert hidden.shape == (1, 1, 64) and torch.equal(positions, torch.tensor([[16]], dtype=torch.int32))
     assert mask.shape == (1, 1, 1, 16) and bool(mask.all())
-    cache = record.kwargs["past_key_values"]
+    cache = record.kwargs[cache_kwarg(record.kwargs)]
     assert keys is cache.keys and values is cache.values and keys.shape == (1, 2, 16, 16)
     # without a recorded mask or positions: causal, counted on from the cache's length
     record.kwargs.pop("attention_mask"), record.kwargs.pop("position_ids")
@@ -142,7 +142,8 @@ def test_a_sliding_window_cache_is_not_fed_to_nxdi(nxdi_double, golden_dir, tiny
     run = session(golden_dir("qwen3_moe", decode=1), tiny_model("qwen3_moe"), hw="nxdi", dtype="bfloat16")
     try:
         record = run.golden.load("step_1.layer_0.attention")
-        record.kwargs["past_key_values"] = replace(record.kwargs["past_key_values"], window=8, seen=16)
+        name = cache_kwarg(record.kwargs)
+        record.kwargs[name] = replace(record.kwargs[name], window=8, seen=16)
         spec = run.runner.backend.table.components["attention"]
         with pytest.raises(PointUnavailable, match="a sliding-window layer's cache"):
             run.runner.backend._inputs(record.point, spec, record)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_replays_bitwise, load_fp32
+from helpers import assert_replays_bitwise, cache_kwarg, load_fp32
 from safetensors import safe_open
 
 from pytest_moe_parity.golden import GoldenStore
@@ -76,7 +76,7 @@ def test_masks_and_no_cache_are_recorded(golden_dir) -> None:
     mask = rec.kwargs["attention_mask"]
     assert mask.shape == (1, 1, 16, 16) and mask.dtype == torch.float32
     assert mask[0, 0, 0, 1] == torch.finfo(torch.float32).min and mask[0, 0, 1, 0] == 0
-    assert rec.kwargs.get("use_cache") is False and rec.kwargs.get("past_key_values") is None
+    assert rec.kwargs.get("use_cache") is False and rec.kwargs[cache_kwarg(rec.kwargs)] is None
     manifest = store.manifest
     assert manifest["record"]["use_cache"] is False
     assert manifest["record"]["experts_implementation"] == "eager"

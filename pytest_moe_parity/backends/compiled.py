@@ -45,6 +45,7 @@ from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
 from ..golden.writer import atomic_write_text
 from ..points import Point
+from ..record.capture import with_cache_kwarg
 from ..tree import flatten, unflatten
 from . import BackendSetup, CandidateOutput, HwOption
 from .cache import cache_states
@@ -330,7 +331,8 @@ class CompiledBackend(TorchBackend):
             )
         lazy = self._model()
         module = lazy.module(point.module)
-        call = flatten_call(golden.args, golden.kwargs, lambda name: named_tensor(lazy.model, name))
+        kwargs = with_cache_kwarg(module, golden.kwargs)  # a prefill's `cache=None`, by the name it takes
+        call = flatten_call(golden.args, kwargs, lambda name: named_tensor(lazy.model, name))
         router = self._router_path(point)
         key, made_of = graph_key(module, call, router, self.settings())
         graph = self.graphs.get(key)

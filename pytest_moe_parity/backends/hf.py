@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..points import Point
-from ..record.capture import cache_state
+from ..record.capture import cache_kwarg, cache_state, with_cache_kwarg
 from ..record.lazy_model import LazyModel, weight_map
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
 from .cache import with_live_caches
@@ -76,7 +76,7 @@ class TorchBackend(Backend):
         lazy = self._model()
         module = lazy.module(point.module)
         args = resolve_params(golden.args, lazy.model)
-        kwargs = resolve_params(golden.kwargs, lazy.model)
+        kwargs = with_cache_kwarg(module, resolve_params(golden.kwargs, lazy.model))
         args, kwargs, caches = with_live_caches(args, kwargs, lazy.model.config)  # decode steps
         routing: list[Any] = []
         handle = None
@@ -114,12 +114,12 @@ class TorchBackend(Backend):
         with lazy.streaming() as model, torch.no_grad():
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
-                model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=cache is not None)
+                model(input_ids=input_ids.to(self.device), use_cache=cache is not None, **{cache_kwarg(model): cache})
             outputs.update(capture.outputs)
             for step, token in enumerate(decode_tokens, 1):
                 with OutputCapture(model, [p for p in points if p.step == step], steer) as capture:
                     ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-                    model(input_ids=ids, past_key_values=cache, use_cache=True)
+                    model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
                 outputs.update(capture.outputs)
         return outputs
 

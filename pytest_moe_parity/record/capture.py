@@ -5,6 +5,8 @@ with that origin, so that a chained replay can feed the candidate's own output i
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +83,35 @@ class Origins:
 def is_cache(obj: Any) -> bool:
     """A transformers KV cache object (duck-typed: its per-layer list and `update`)."""
     return hasattr(obj, "layers") and callable(getattr(obj, "update", None)) and not isinstance(obj, nn.Module)
+
+
+# The names a transformers call takes its KV cache by: `cache` from transformers 5.24 on (where
+# `past_key_values` is deprecated), `past_key_values` before.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+@functools.cache
+def _cache_kwarg_of(forward: Callable) -> str:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return CACHE_KWARGS[1]
+    return CACHE_KWARGS[0] if CACHE_KWARGS[0] in params else CACHE_KWARGS[1]
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The name `module` takes a KV cache by (`cache`, else `past_key_values`)."""
+    return _cache_kwarg_of(type(module).forward)
+
+
+def with_cache_kwarg(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a KV cache recorded under one transformers version's name passed by the name
+    `module` takes (a golden of transformers 5.23 replayed on 5.24, or the other way round)."""
+    name = cache_kwarg(module)
+    other = next((k for k in CACHE_KWARGS if k != name and k in kwargs), None)
+    if other is None or name in kwargs:
+        return kwargs
+    return {(name if k == other else k): v for k, v in kwargs.items()}
 
 
 def cache_state(cache: Any, layer: int) -> CacheState:

@@ -26,7 +26,7 @@ from ..golden import GoldenWriter, Recorded
 from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
 from .audit import gib, parse_memory, safetensors_files
-from .capture import Recorder, SliceDone
+from .capture import Recorder, SliceDone, cache_kwarg
 from .dispatch import dispatch_by_unit, does_not_fit
 from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
@@ -325,7 +325,7 @@ def record_decode(
     as `step_k.*`, the cache each module reads stored as its layer's tensors. Returns the manifest's
     "decode" entry: the steps and the token fed at each."""
     cache = decode_cache(model)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
     order = max(p.order for p in points) + 1
     tokens: list[int] = []
     for step in range(1, steps + 1):
@@ -336,8 +336,8 @@ def record_decode(
         with Recorder(model, step_points, on_group) as rec:
             out = model(
                 input_ids=torch.tensor([[token]], dtype=torch.long, device=ids.device),
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kwarg(model): cache},
             )
             missing = rec.finish()
         if missing:
