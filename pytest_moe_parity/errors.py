@@ -49,6 +49,16 @@ class BackendFailure(ParityError):
         self.point_id = point_id
         self.original = exc
 
+    def report(self) -> str:
+        """The message, then the traceback of what the backend raised, without this package's frames."""
+        import traceback
+        from pathlib import Path
+
+        tb = traceback.TracebackException.from_exception(self.original)
+        ours = str(Path(__file__).resolve().parent)
+        tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if not f.filename.startswith(ours)])
+        return f"{self}\n\n" + "".join(tb.format()).rstrip()
+
 
 class UnusableOutput(ParityError):
     """A candidate output the verdict cannot use (a shape or structure unlike the golden's)."""

@@ -5,7 +5,6 @@ by a `ParitySession` (session.py), which knows nothing of pytest."""
 from __future__ import annotations
 
 import argparse
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
     from .judge.verdict import PointResult
     from .points import Point
     from .replay.runner import Prepared
-    from .session import Candidate, ParitySession
+    from .session import Candidate, ParitySession, WeightUnit
 
 COLLECTOR_NAME = "parity"
 SESSION_KEY = pytest.StashKey["ParitySession"]()
@@ -232,7 +231,7 @@ class ParityPlugin:
         parity_items = list(collector.collect())
         # Report the items like a collector would, so "collected N items", --lf and xdist see them.
         session.ihook.pytest_collectreport(report=pytest.CollectReport(collector.nodeid, "passed", None, parity_items))
-        kept = [i for i in parity_items if self.session.selected(getattr(i, "point", None) or i.layer)]
+        kept = [i for i in parity_items if self.session.selected(i.entry.layer)]
         if len(kept) < len(parity_items):
             self.config.hook.pytest_deselected(items=[i for i in parity_items if i not in kept])
         items[:0] = kept
@@ -244,23 +243,13 @@ class ParityPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield
-        if isinstance(item, WeightItem) and report.when == "call":
-            from .report.text import weights_row
-
-            if item.row is not None:
-                report.parity_row = item.row
-            elif report.failed:  # the check itself broke (an unreadable checkpoint)
-                row = weights_row(item.name, item.layer, item.order, [])
-                report.parity_row = {**row, "status": "error", "error": _message(call.excinfo)}
-        if isinstance(item, ParityItem) and report.when in ("setup", "call"):
-            from .report.text import status_row
-
+        if isinstance(item, ParityItem | WeightItem) and report.when in ("setup", "call"):
             # a plain dict of JSON types: xdist ships it from the worker with the report
-            if report.when == "call" and item.result is not None:
-                report.parity_row = item.result.to_row()
+            if report.when == "call" and item.row is not None:
+                report.parity_row = item.row
             elif report.failed or report.skipped:
                 status = "skipped" if report.skipped else "error"
-                report.parity_row = status_row(item.point, status, _message(call.excinfo))
+                report.parity_row = self.session.unjudged_row(item.entry, status, _message(call.excinfo))
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -287,23 +276,9 @@ class ParityPlugin:
         terminalreporter.write_sep("=", "moe-parity")
         for line, colour in self.session.closing_lines():
             terminalreporter.write_line(line, **({colour: True, "bold": True} if colour else {}))
-        missing = self._missing_steps()
+        missing = self.session.missing_steps(self.config.option.keyword)
         if missing:
             terminalreporter.write_line(missing, yellow=True, bold=True)
-
-    def _missing_steps(self) -> str | None:
-        """-k naming a decode step the golden lacks selects nothing: say why, in one line."""
-        import re
-
-        asked = [int(n) for n in re.findall(r"step_(\d+)", self.config.option.keyword or "")]
-        steps = self.session.golden.decode_steps
-        if not asked or max(asked) <= steps:
-            return None
-        have = f"decode steps 1..{steps}" if steps else "no decode steps"
-        return (
-            f"-k {self.config.option.keyword!r} asks for step_{max(asked)}; this golden has {have} "
-            f"(record them with `moe-parity golden ... --decode-steps N`)"
-        )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         del config.stash[SESSION_KEY]
@@ -320,14 +295,6 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException] | None) -> str:
     return str(exc).partition("\n")[0] if plain else f"{type(exc).__name__}: {exc}"
 
 
-def _backend_traceback(exc: BaseException) -> str:
-    """The traceback of an exception raised in a backend, without the frames of this package."""
-    tb = traceback.TracebackException.from_exception(exc)
-    ours = str(Path(__file__).resolve().parent)
-    tb.stack = traceback.StackSummary.from_list([f for f in tb.stack if not f.filename.startswith(ours)])
-    return "".join(tb.format()).rstrip()
-
-
 class ParityFailure(AssertionError):
     def __init__(self, result: PointResult):
         super().__init__(result.id)
@@ -336,23 +303,19 @@ class ParityFailure(AssertionError):
 
 class ParityCollector(pytest.Collector):
     def collect(self):
+        from .session import WeightUnit
+
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
-        checked: set[int | None] = set()
-        for point in session.points:
-            unit = point.layer
-            if session.weights is not None and point.step is None and unit not in checked:
-                checked.add(unit)  # weights before the unit's first activation item
-                weights = WeightItem.from_parent(self, name="weights" if unit is None else f"layer_{unit}.weights")
-                weights.layer, weights.order = unit, point.order - 0.5
-                if xdist and unit is not None:
-                    weights.add_marker(pytest.mark.xdist_group(name=point.group))
-                yield weights
-            item = ParityItem.from_parent(self, name=point.id, point=point)
-            item.add_marker(getattr(pytest.mark, point.component))
-            if xdist and point.layer is not None:
-                item.add_marker(pytest.mark.xdist_group(name=point.group))
+        for entry in session.schedule():
+            if isinstance(entry, WeightUnit):
+                item = WeightItem.from_parent(self, name=entry.id, entry=entry)
+            else:
+                item = ParityItem.from_parent(self, name=entry.id, entry=entry)
+                item.add_marker(getattr(pytest.mark, entry.component))
+            if xdist and entry.layer is not None:
+                item.add_marker(pytest.mark.xdist_group(name=entry.group))
             yield item
 
 
@@ -360,20 +323,17 @@ class WeightItem(pytest.Item):
     """The candidate's weights of one unit (a decoder layer, or the model-level modules) against
     the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
 
-    layer: int | None = None
-    order: float = 0.0
-    row: dict[str, Any] | None = None
+    def __init__(self, *, entry: WeightUnit, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.row: dict[str, Any] | None = None
 
     def runtest(self) -> None:
-        from .report.text import weights_row
-
         session = _session(self.config)
-        assert session is not None and session.weights is not None
-        findings = session.weights.findings(self.layer)
-        self.row = weights_row(self.name, self.layer, self.order, findings)
-        if findings:
-            pytest.fail("\n".join([f"{self.name}: the candidate's weights differ from the reference's:", *findings]),
-                        pytrace=False)  # fmt: skip
+        assert session is not None
+        self.row, failure = session.check_weights(self.entry)
+        if failure:
+            pytest.fail(failure, pytrace=False)
 
     def reportinfo(self):
         return self.path, 0, f"parity {self.name}"
@@ -383,11 +343,12 @@ class ParityItem(pytest.Item):
     """One point: setup runs the candidate (its failures are errors of the backend, a point it
     lacks is skipped), the call judges it (a divergence fails)."""
 
-    def __init__(self, *, point: Point, **kwargs: Any):
+    def __init__(self, *, entry: Point, **kwargs: Any):
         super().__init__(**kwargs)
-        self.point = point
+        self.point = self.entry = entry
         self.prepared: Prepared | None = None
         self.result: PointResult | None = None
+        self.row: dict[str, Any] | None = None
 
     def setup(self) -> None:
         from .errors import BackendFailure, GoldenError, PointUnavailable
@@ -402,32 +363,23 @@ class ParityItem(pytest.Item):
         except GoldenError as exc:
             message = str(exc)
         except BackendFailure as exc:
-            message = f"{exc}\n\n{_backend_traceback(exc.original)}"
+            message = exc.report()
         pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
 
     def runtest(self) -> None:
         from .errors import BackendFailure
-        from .judge.tolerances import JUNIT_FIGURES
 
         session = _session(self.config)
         assert session is not None and self.prepared is not None
-        marker = self.get_closest_marker("parity")
-        message = None
+        marker, message = self.get_closest_marker("parity"), ""
         try:
             self.result = session.judge(self.prepared, dict(marker.kwargs) if marker else None)
         except BackendFailure as exc:  # an output the verdict cannot use: an error of this point
             message = str(exc)
-        if message is not None:
+        if self.result is None:
             pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
-        for prefix, result in (("", self.result), ("chain_", self.result.chain)):
-            if result is None:
-                continue
-            main = result.main
-            if main is not None:
-                self.user_properties.extend((prefix + name, getattr(main, name)) for name in JUNIT_FIGURES)
-            if result.noise_ratio is not None:
-                self.user_properties.append((prefix + "noise_ratio", result.noise_ratio))
-        self.user_properties.append(("parity_status", self.result.status))
+        self.row = self.result.to_row()
+        self.user_properties.extend(self.result.junit_properties())
         if not self.result.passed:
             raise ParityFailure(self.result)
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,11 +20,13 @@ from .errors import BackendError, BackendFailure, GoldenError, ParityError, Poin
 from .golden import GoldenStore
 from .judge.tolerances import Override, resolve
 from .judge.verdict import Custom, PointResult, judge_point
-from .points import Point, describe_layers, parse_layers
+from .points import Point, describe_layers, layer_group, parse_layers
 from .replay.runner import MODES, ParityRunner, Prepared
-from .replay.weights import WeightCheck
 from .report.files import write_reports
-from .report.text import status_row, summary_lines, summary_table
+from .report.text import status_row, summary_lines, summary_table, weights_row
+
+if TYPE_CHECKING:
+    from .replay.weights import WeightCheck
 
 # Config entries a candidate must share with the golden (label, then the names models use for it).
 CONFIG_KEYS_THAT_MUST_MATCH = (
@@ -88,6 +90,23 @@ class RunOptions:
             "mode": "--parity-mode",
         }
     )
+
+
+@dataclass(frozen=True)
+class WeightUnit:
+    """The weight check of one unit: a decoder layer (`layer_N.weights`) or the model-level modules
+    (`weights`, layer None), ordered just before the unit's first point."""
+
+    layer: int | None
+    order: float
+
+    @property
+    def id(self) -> str:
+        return "weights" if self.layer is None else f"{layer_group(self.layer)}.weights"
+
+    @property
+    def group(self) -> str | None:
+        return None if self.layer is None else layer_group(self.layer)
 
 
 def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
@@ -208,6 +227,8 @@ class ParitySession:
         reference = found[0].resolve()
         if reference == Path(self.candidate).resolve():
             return None, "the candidate is the golden's own model"
+        from .replay.weights import WeightCheck
+
         try:
             check = WeightCheck(
                 reference, self.candidate, trust_remote_code=self.options.trust_remote_code,
@@ -297,6 +318,45 @@ class ParitySession:
         model-level ones, which are not layers)."""
         layer = point.layer if isinstance(point, Point) else point
         return self.layers is None or layer in self.layers
+
+    def schedule(self) -> Iterator[Point | WeightUnit]:
+        """The run's items in forward order: where weights are checked, a unit's weight check
+        before its first point (of the prefill: decode steps reuse the same weights)."""
+        checked: set[int | None] = set()
+        for point in self.points:
+            if self.weights is not None and point.step is None and point.layer not in checked:
+                checked.add(point.layer)
+                yield WeightUnit(point.layer, point.order - 0.5)
+            yield point
+
+    def check_weights(self, unit: WeightUnit) -> tuple[dict[str, Any], str | None]:
+        """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
+        assert self.weights is not None
+        findings = self.weights.findings(unit.layer)
+        failure = f"{unit.id}: the candidate's weights differ from the reference's:" if findings else None
+        return weights_row(unit.id, unit.layer, unit.order, findings), failure and "\n".join([failure, *findings])
+
+    @staticmethod
+    def unjudged_row(entry: Point | WeightUnit, status: str, message: str) -> dict[str, Any]:
+        """The row of an item that was not judged: `skipped` (with a reason) or `error`."""
+        if isinstance(entry, Point):
+            return status_row(entry, status, message)
+        row = weights_row(entry.id, entry.layer, entry.order, [])
+        return {**row, "status": status, "error" if status == "error" else "reason": message}
+
+    def missing_steps(self, keyword: str) -> str | None:
+        """Why a -k naming a decode step the golden lacks selects nothing, in one line (or None)."""
+        import re
+
+        asked = [int(n) for n in re.findall(r"step_(\d+)", keyword or "")]
+        steps = self.golden.decode_steps
+        if not asked or max(asked) <= steps:
+            return None
+        have = f"decode steps 1..{steps}" if steps else "no decode steps"
+        return (
+            f"-k {keyword!r} asks for step_{max(asked)}; this golden has {have} "
+            f"(record them with `moe-parity golden ... --decode-steps N`)"
+        )
 
     def prepare(self, point: Point) -> Prepared:
         return self.runner.prepare(point)

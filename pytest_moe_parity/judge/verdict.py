@@ -26,6 +26,7 @@ from .metrics import (
     worst_tokens,
 )
 from .tolerances import (
+    JUNIT_FIGURES,
     LOGITS_LIMITS,
     NOISE_FLOOR_EPS,
     NOISE_LIMIT,
@@ -166,6 +167,19 @@ class PointResult:
     @property
     def main(self) -> TensorMetrics | None:
         return next(iter(self.metrics.values()), None)
+
+    def junit_properties(self) -> list[tuple[str, Any]]:
+        """The figures a JUnit XML report carries for this point (`chain_` ones for the chained
+        verdict of --parity-mode both), then its status."""
+        props: list[tuple[str, Any]] = []
+        for prefix, result in (("", self), ("chain_", self.chain)):
+            if result is None:
+                continue
+            if result.main is not None:
+                props.extend((prefix + name, getattr(result.main, name)) for name in JUNIT_FIGURES)
+            if result.noise_ratio is not None:
+                props.append((prefix + "noise_ratio", result.noise_ratio))
+        return [*props, ("parity_status", self.status)]
 
     def remedy(self) -> str | None:
         """The `--parity-tol` that would accept this result, or None when no tolerance can (a shape

@@ -43,8 +43,6 @@ class ParityRunner:
         ini_tolerances: list[Override] = (),
         mode: str = "isolated",
     ):
-        from .chain import make_chain
-
         self.golden = golden
         self.backend = backend
         self.dtype = backend.dtype
@@ -53,7 +51,11 @@ class ParityRunner:
         self.started = False
         self._router_cache: dict[str, GoldenRecord] = {}
         self.mode = mode
-        self.chain = make_chain(self) if mode != "isolated" else None
+        self.chain = None
+        if mode != "isolated":
+            from .chain import make_chain
+
+            self.chain = make_chain(self)
 
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = self.golden.point(pid)
