@@ -195,6 +195,9 @@ def main() -> None:
             r = results[name]
             print(f"{name:<28} wall {r['wall_s']:6.1f} s (after imports {r['after_imports_s']:6.1f} s), "
                   f"peak RSS {r['peak_rss_mb']:7.0f} MB")  # fmt: skip
+            if args.repeat > 1:
+                walls = " ".join(f"{s['wall_s']:.1f}" for s in samples[name])
+                print(f"  {'':<26} walls round by round: {walls}")
         one, full, ref = (results[k] for k in runs)
         print(f"every layer / one layer: peak RSS x{full['peak_rss_mb'] / one['peak_rss_mb']:.2f} (target <= 1.3)")
         print(

@@ -101,6 +101,26 @@ def test_reading_ahead_loads_on_the_reading_thread(tiny_model, monkeypatch, user
         assert len(pools) == 4
 
 
+@pytest.mark.parametrize("threads", [None, 3])
+def test_the_forwards_leave_a_core_to_the_reader(tiny_model, threads: int | None) -> None:
+    """Reading ahead, the forwards take torch's threads less one (the reader has a core of its own);
+    `threads` sets them from the start; the caller's setting is put back on close."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2, threads=threads)
+        assert torch.get_num_threads() == (4 if threads is None else 3)
+        lazy.plan([f"model.layers.{i}.mlp" for i in range(3)])
+        lazy.module("model.layers.0.mlp")  # the read of layer 1 starts
+        assert lazy._ahead is not None and torch.get_num_threads() == 3
+        lazy.module("model.layers.1.mlp")
+        assert torch.get_num_threads() == 3  # not one less at every read
+        lazy.close()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_plan_of_one_layer_reads_that_layer_only(tiny_model) -> None:
     lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32)
     lazy.plan(["model.layers.2.self_attn", "model.layers.2.mlp.gate", "model.layers.2.mlp"])

@@ -31,6 +31,11 @@ class TorchBackend(Backend):
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
         HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
+        HwOption(
+            "threads",
+            "intra-op threads of the forwards (default: torch's, less one once the next layer is read ahead)",
+            positive_int,
+        ),
     )
     device_type = "cpu"
 
@@ -62,6 +67,7 @@ class TorchBackend(Backend):
             device=self.device,
             trust_remote_code=self.setup.trust_remote_code,
             max_layers=self.hw_options["max_layers"],
+            threads=self.hw_options["threads"],
             weights=self._weights,
         )
         self.lazy.plan(self._plan)
