@@ -333,8 +333,10 @@ class ParitySession:
         """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
         assert self.weights is not None
         findings = self.weights.findings(unit.layer)
-        failure = f"{unit.id}: the candidate's weights differ from the reference's:" if findings else None
-        return weights_row(unit.id, unit.layer, unit.order, findings), failure and "\n".join([failure, *findings])
+        row = weights_row(unit.id, unit.layer, unit.order, findings)
+        if not findings:
+            return row, None
+        return row, "\n".join([f"{unit.id}: the candidate's weights differ from the reference's:", *findings])
 
     @staticmethod
     def unjudged_row(entry: Point | WeightUnit, status: str, message: str) -> dict[str, Any]:

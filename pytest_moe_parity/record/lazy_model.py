@@ -332,7 +332,7 @@ class LazyModel:
 
     def _set_threads(self, count: int) -> None:
         """The forwards' intra-op threads. Measured on 2 cores, 48 Mixtral-style layers in bf16: with
-        both cores to the forwards, each core is shared with the reader and a run takes ~1 s longer
+        both cores to the forwards, each core is shared with the reader and a run takes ~0.6 s longer
         (of ~9 s after imports) than with one core each."""
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
