@@ -13,6 +13,7 @@ import torch
 
 from pytest_moe_parity.record.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.replay.inputs import cast_inputs
 
 
@@ -33,6 +34,21 @@ def test_one_layer_matches_the_full_load(arch: str, dtype: torch.dtype, tiny_mod
     assert all(".layers.2." in k for k in lazy.stats.keys)
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert lazy.stats.files == {index[k] for k in lazy.stats.keys}
+
+
+@pytest.mark.parametrize("arch", available_archs())
+def test_the_skeleton_computes_its_buffers_as_a_full_load_does(arch: str, tiny_model) -> None:
+    """The skeleton skips transformers' weight initialisation (its parameters stay on meta until
+    read), so its buffers are only what the modules' constructors compute: the same as a full load's."""
+    path = tiny_model(arch)
+    model = LazyModel(path, dtype=torch.bfloat16, max_layers=None)
+    for unit in [*range(model.num_layers), *model.model_level_paths()]:  # buffers read with a unit too
+        model.module(model.unit_path(unit))
+    lazy = dict(model.model.named_buffers())
+    full = dict(load_model(path, dtype=torch.bfloat16, device="cpu", device_map=None, max_memory=None).named_buffers())
+    assert lazy.keys() == full.keys() and (lazy or arch == "jamba")  # Jamba has no rotary frequencies
+    for name, buf in lazy.items():
+        assert buf.dtype == full[name].dtype and torch.equal(buf, full[name]), name
 
 
 def _resident_layers(lazy: LazyModel) -> set[int]:
@@ -102,19 +118,34 @@ def test_reading_ahead_loads_on_the_reading_thread(tiny_model, monkeypatch, user
 
 
 @pytest.mark.parametrize("threads", [None, 3])
-def test_the_forwards_leave_a_core_to_the_reader(tiny_model, threads: int | None) -> None:
-    """Reading ahead, the forwards take torch's threads less one (the reader has a core of its own);
-    `threads` sets them from the start; the caller's setting is put back on close."""
+def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(tiny_model, monkeypatch, threads: int | None) -> None:
+    """While the next layer is read in the background, the forwards take torch's threads less one
+    (the reader has a core of its own), and all of them once it is read; `threads` sets them from
+    the start, for good; the caller's setting is put back on close."""
+    release = threading.Event()
+    load_keys = LazyModel._load_keys
+
+    def held_read(self: LazyModel, keys: list[str]) -> None:
+        if any(self.layer_of(k) == 1 for k in keys):
+            assert release.wait(30)
+        load_keys(self, keys)
+
+    monkeypatch.setattr(LazyModel, "_load_keys", held_read)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
         lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2, threads=threads)
         assert torch.get_num_threads() == (4 if threads is None else 3)
         lazy.plan([f"model.layers.{i}.mlp" for i in range(3)])
-        lazy.module("model.layers.0.mlp")  # the read of layer 1 starts
+        lazy.module("model.layers.0.mlp")  # the read of layer 1 starts, and is held
         assert lazy._ahead is not None and torch.get_num_threads() == 3
+        lazy.module("model.layers.0.self_attn")
+        assert torch.get_num_threads() == 3  # still reading
+        release.set()
+        lazy._ahead[1].result()
+        lazy.module("model.layers.0.mlp")
+        assert torch.get_num_threads() == (4 if threads is None else 3)  # read: the core is the forwards' again
         lazy.module("model.layers.1.mlp")
-        assert torch.get_num_threads() == 3  # not one less at every read
         lazy.close()
         assert torch.get_num_threads() == 4
     finally:

@@ -155,7 +155,8 @@ class LazyModel:
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
         # Parameters on meta, buffers (rotary inv_freq, ...) real: they are computed, not loaded.
-        with init_empty_weights(include_buffers=False):
+        # Initialising parameters that stay on meta costs ~0.4 s for 48 layers and gives nothing.
+        with init_empty_weights(include_buffers=False), _no_init_weights():
             model = AutoModelForCausalLM.from_config(
                 self.config, attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code
             )
@@ -255,6 +256,7 @@ class LazyModel:
                             self._evict(keep=self.max_layers - 1)
                     self._load(unit)
         self._read_ahead(unit)
+        self._fit_threads()
 
     def _touch(self, unit: Unit) -> bool:
         """Whether the unit is loaded (a decoder layer becomes the most recently used)."""
@@ -315,8 +317,8 @@ class LazyModel:
             return
         if self._pool is None:
             self._load_on_one_thread()
-            if self._threads is None:
-                self._set_threads(max(1, torch.get_num_threads() - 1))
+            if self._threads_before is None:
+                self._threads_before = torch.get_num_threads()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-parity-read-ahead")
         self._ahead = (nxt, self._pool.submit(self._load_ahead, nxt, unit))
 
@@ -331,12 +333,22 @@ class LazyModel:
             self._set_sync_load = True
 
     def _set_threads(self, count: int) -> None:
-        """The forwards' intra-op threads. Measured on 2 cores, 48 Mixtral-style layers in bf16: with
-        both cores to the forwards, each core is shared with the reader and a run takes ~0.6 s longer
-        (of ~9 s after imports) than with one core each."""
+        """The forwards' intra-op threads (the calling thread's setting under OpenMP)."""
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(count)
+        if count != torch.get_num_threads():
+            torch.set_num_threads(count)
+
+    def _fit_threads(self) -> None:
+        """Unless `threads` was given: while the next unit is read in the background, the forwards
+        take torch's threads less one (the reader has a core of its own), and all of them once it is
+        read. Measured on 2 cores, 48 Mixtral-style layers in bf16 (a read takes ~90 ms of a layer's
+        ~190): both cores to the forwards throughout, the run is ~0.6 s longer (of ~9 s after
+        imports) than with one core each; one core each throughout, ~0.3 s longer than fitted."""
+        if self._threads is not None or self._threads_before is None:
+            return
+        reading = self._ahead is not None and not self._ahead[1].done()
+        self._set_threads(max(1, self._threads_before - 1) if reading else self._threads_before)
 
     def _load_ahead(self, unit: Unit, current: Unit) -> None:
         with self._loading:
@@ -467,6 +479,15 @@ class LazyModel:
             self._threads_before = None
         with self._state:
             self._evict(keep=0)
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    """transformers' switch that skips `init_weights` (where this transformers has it)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _numel(shape: list[int]) -> int:
