@@ -355,18 +355,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
         cli_tolerances=tolerances,
         report_dir=args.report,
         flags=flags,
+        freeze_gc=True,
     )
     try:
         session = ParitySession(options)
-        rows = list(session.run_all())
     except (SetupError, GoldenError) as exc:
         return _fail(str(exc))
-    nothing = session.nothing_compared()
-    if nothing is not None:
-        return _fail(nothing)
-    session.write_reports()
-    for line, _ in session.closing_lines():
-        print(line)
+    try:
+        rows = list(session.run_all())
+        nothing = session.nothing_compared()
+        if nothing is not None:
+            return _fail(nothing)
+        session.write_reports()
+        for line, _ in session.closing_lines():
+            print(line)
+    except (SetupError, GoldenError) as exc:
+        return _fail(str(exc))
+    finally:
+        session.close()
     failed = any(r["status"] in ("failed", "error") for r in rows)
     return EXIT_FAILED if failed else EXIT_OK
 

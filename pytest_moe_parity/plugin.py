@@ -124,6 +124,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 weights=config.getoption("parity_weights"),
+                freeze_gc=True,
                 **_xdist_role(config),
             )
         )
@@ -200,6 +201,9 @@ class ParityPlugin:
     def __init__(self, config: pytest.Config, session: ParitySession):
         self.config = config
         self.session = session
+        # Closed last (after pytest's own unconfigure and its garbage collections, which then skip
+        # what the session froze): cleanups run in reverse, and this one is among the first.
+        config.add_cleanup(session.close)
         self.worker = hasattr(config, "workerinput")
         inputs = getattr(config, "workerinput", {})
         self.explicit_paths = (
@@ -262,13 +266,11 @@ class ParityPlugin:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.worker:
-            self.session.close()
             return
         self.session.interrupted |= exitstatus == pytest.ExitCode.INTERRUPTED
         if exitstatus == pytest.ExitCode.OK and self.session.nothing_compared():
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         self.session.write_reports()
-        self.session.close()
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.worker:

@@ -80,6 +80,9 @@ class RunOptions:
     weights: bool | None = None
     workers: int = 1  # xdist workers (-n)
     worker: int | None = None  # this worker's index; None on a controller or without xdist
+    # keep what is alive once the backend has started from the garbage collector until `close()`
+    # (see `freeze_long_lived`): for front ends that always close the session (the plugin, the CLI)
+    freeze_gc: bool = False
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -176,6 +179,7 @@ class ParitySession:
             cli_tolerances=list(options.cli_tolerances),
             ini_tolerances=list(options.ini_tolerances),
             mode=self.mode,
+            freeze_gc=options.freeze_gc,
         )
         no = options.weights is False
         self.weights, self._no_weights = (None, "") if no else self._weight_check(cls.needs_checkpoint)

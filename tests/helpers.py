@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -17,10 +18,12 @@ from pytest_moe_parity.session import ParitySession, RunOptions
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
-    """Run `moe-parity ARGV` in-process: (exit code, stdout, stderr)."""
+    """Run `moe-parity ARGV` in-process: (exit code, stdout, stderr). It must leave the process as
+    it found it: nothing kept frozen from the garbage collector (`compare` freezes while it runs)."""
     with pytest.raises(SystemExit) as exc:
         sys.exit(main([str(a) for a in argv]))
     out, err = capsys.readouterr()
+    assert gc.get_freeze_count() == 0, f"moe-parity {argv[0]} left objects frozen"
     return exc.value.code, out, err
 
 

@@ -3,6 +3,7 @@ models. Clean runs assert that nothing failed; fault injections assert which poi
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -220,6 +221,32 @@ def test_parity_layers_selects_exactly(xdist, pytester: pytest.Pytester, golden_
     pytester.runpytest("-c", str(ini), "-p", "no:cacheprovider", *xdist).assert_outcomes(passed=7)
     # -k still matches substrings: layer_1 is also 10 and 11
     run_parity(pytester, golden, "-k", "layer_1", *xdist).assert_outcomes(passed=21)
+
+
+def test_what_lives_long_is_kept_from_the_collector_until_the_session_closes(
+    pytester: pytest.Pytester, golden_dir
+) -> None:
+    """Once the backend has started, the objects alive then (torch, transformers, the skeleton) are
+    frozen, so full collections do not walk them again at every run; they are thawed after pytest's
+    own last collections, and an inner run leaves the process as it found it."""
+    counts = pytester.path / "frozen.txt"
+    pytester.syspathinsert()
+    pytester.makepyfile(
+        probe=f"import gc\n\ndef pytest_runtest_teardown(item):\n"
+        f"    with open({str(counts)!r}, 'a') as fh:\n        fh.write(f'{{gc.get_freeze_count()}}\\n')\n"
+    )
+    assert gc.get_freeze_count() == 0
+    run_parity(pytester, golden_dir("mixtral"), "--parity-layers", "0", "-p", "probe").assert_outcomes(passed=7)
+    seen = [int(n) for n in counts.read_text().split()]
+    assert len(seen) == 7 and min(seen) > 10_000, seen
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # frozen by someone else: theirs to thaw, not ours
+    try:
+        frozen = gc.get_freeze_count()
+        run_parity(pytester, golden_dir("mixtral"), "--parity-layers", "0").assert_outcomes(passed=7)
+        assert 0 < gc.get_freeze_count() <= frozen  # neither thawed nor added to (some were freed)
+    finally:
+        gc.unfreeze()
 
 
 def test_markers_and_keyword_combinations(pytester: pytest.Pytester, golden_dir) -> None:
