@@ -33,7 +33,7 @@ class TorchBackend(Backend):
         HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
         HwOption(
             "threads",
-            "intra-op threads of the forwards (default: torch's, less one once the next layer is read ahead)",
+            "intra-op threads of the forwards (default: torch's, less one while the next layer is read ahead)",
             positive_int,
         ),
     )
