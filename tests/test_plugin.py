@@ -232,13 +232,25 @@ def test_what_lives_long_is_kept_from_the_collector_until_the_session_closes(
     counts = pytester.path / "frozen.txt"
     pytester.syspathinsert()
     pytester.makepyfile(
-        probe=f"import gc\n\ndef pytest_runtest_teardown(item):\n"
-        f"    with open({str(counts)!r}, 'a') as fh:\n        fh.write(f'{{gc.get_freeze_count()}}\\n')\n"
+        probe=f"""
+import gc
+
+def write(when):
+    with open({str(counts)!r}, "a") as fh:
+        fh.write(f"{{when}} {{gc.get_freeze_count()}}\\n")
+
+def pytest_runtest_teardown(item):
+    write("teardown")
+
+def pytest_unconfigure(config):  # where pytest collects garbage for the last time
+    write("unconfigure")
+"""
     )
     assert gc.get_freeze_count() == 0
     run_parity(pytester, golden_dir("mixtral"), "--parity-layers", "0", "-p", "probe").assert_outcomes(passed=7)
-    seen = [int(n) for n in counts.read_text().split()]
-    assert len(seen) == 7 and min(seen) > 10_000, seen
+    seen = [line.split() for line in counts.read_text().splitlines()]
+    assert [when for when, _ in seen] == ["teardown"] * 7 + ["unconfigure"]
+    assert min(int(n) for _, n in seen) > 10_000, seen
     assert gc.get_freeze_count() == 0
     gc.freeze()  # frozen by someone else: theirs to thaw, not ours
     try:

@@ -181,12 +181,14 @@ class ParityRunner:
 
     def close(self) -> None:
         self._router_cache.clear()
-        if self.chain is not None:
-            self.chain.close()
-        self.backend.close()
-        if self._froze:
-            gc.unfreeze()
-            self._froze = False
+        try:
+            if self.chain is not None:
+                self.chain.close()
+            self.backend.close()
+        finally:
+            if self._froze:
+                gc.unfreeze()
+                self._froze = False
 
 
 def freeze_long_lived() -> bool:
