@@ -189,7 +189,7 @@ class LazyModel:
         self._pool: ThreadPoolExecutor | None = None
         self._set_sync_load = False  # whether this model set SYNC_LOAD_VARIABLE (and unsets it on close)
         # The intra-op threads of the forwards (the calling thread's torch setting, put back on close):
-        # `threads`, else, once reading ahead starts, torch's own less one, left to the reader.
+        # `threads`, else torch's own, less one while a unit is read in the background (`_fit_threads`).
         self._threads = threads
         self._threads_before: int | None = None
         if threads is not None:
