@@ -27,9 +27,12 @@ heads, then split)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
+import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import legacy_rope, load_config
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
 from ..points import Point
@@ -100,8 +104,12 @@ def load_module_table(model_type: str) -> ModuleTable | None:
 
 
 def resolve(spec: str) -> Any:
-    """ "package.module:Name" -> the object (imported on use: NxDI only where it is installed)."""
+    """ "package.module:Name" -> the object (imported on use: NxDI only where it is installed);
+    "package.module:name()" -> what that function returns (NxDI's `get_rmsnorm_cls()`: the class
+    NxDI itself picks, its custom call on a device, transformers' RMSNorm in CPU mode)."""
     module, _, name = spec.partition(":")
+    if name.endswith("()"):
+        return getattr(importlib.import_module(module), name[:-2])()
     return getattr(importlib.import_module(module), name)
 
 
@@ -182,11 +190,16 @@ class NxdiPoint(nn.Module):
         form: str = "hidden",
         routing: str = "",
         kv_heads: list[list[int]] | None = None,
+        seq_len: int = 0,
     ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
+        config = kwargs.get("config")
+        if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
+            nxdi_cast(self.inner, config.neuron_config.torch_dtype)
         self.call = call
         self.form = form
+        self.seq_len = seq_len
         self._caught: list[Any] = []
         if routing:
             self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
@@ -212,11 +225,39 @@ class NxdiPoint(nn.Module):
             return (out[0], out[1][0], out[1][1], *caught)
         if self.call == "expert_mlps":
             affinities, index = rest
-            return self.inner.expert_mlps(first, affinities, index, first.shape[0])
+            out = self.inner.expert_mlps(first, affinities, index, self.seq_len)
+            return reduce_experts(self.inner, out)
         if self.call:
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
+
+
+def nxdi_cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """NxDI's model-wide cast (`ModelWrapper`'s `load_module` with `cast_type="config"`, which
+    `build_module` leaves out): every floating tensor but fp8 to the config's dtype."""
+    if dtype != torch.float32:
+        keep = (torch.float8_e4m3fn, torch.float8_e5m2)
+        module._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype not in keep else t)
+
+
+def nxdi_cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """NxDI's cast of a checkpoint with `cast_type="config"` (`get_state_dict`'s `_cast_helper`):
+    floating tensors but fp8 and `*scale` to the config's dtype."""
+    if dtype == torch.float32:
+        return state
+    cast = {k for k, v in state.items() if v.is_floating_point() and v.dtype != torch.float8_e4m3fn}
+    return {k: v.to(dtype) if k in cast and not k.endswith("scale") else v for k, v in state.items()}
+
+
+def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
+    """The all-reduce NxD's MoE module applies to its experts' output (`ExpertMLPsV2` leaves each
+    rank with its partial sum: the "delayed all-reduce" of `modules/moe/model.py`), over the expert-
+    parallel world where experts are sharded by EP, else the tensor-parallel group."""
+    from neuronx_distributed.parallel_layers import mappings, parallel_state
+
+    group = parallel_state.get_world_group() if getattr(moe, "ep_enabled", False) else moe.tensor_parallel_group
+    return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
 
 
 def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
@@ -277,13 +318,72 @@ def experts_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     return hidden.reshape(ids.shape[0], -1), affinities, ids
 
 
+BUILDS = ("neuron", "cpu")
+
+
+def build_choice(text: str) -> str:
+    if text not in BUILDS:
+        raise ValueError(f"expected one of {', '.join(BUILDS)}, got {text!r}")
+    return text
+
+
+def import_nxdi() -> None:
+    """Imports NxDI (the stand-ins for the Neuron-only packages already in place where wanted),
+    turning the failures a user meets into one sentence each."""
+    try:
+        importlib.import_module("neuronx_distributed_inference.utils.testing")
+    except ImportError as exc:
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            raise BackendError(
+                f"--hw nxdi: NxDI and NxD do not import under transformers {transformers.__version__} ({exc}); "
+                "run it in the Neuron SDK's Python stack (torch 2.9, torch-xla 2.9, transformers 4.57), where NxDI "
+                "pins transformers==4.57.*"
+            ) from None
+        raise BackendError(f"--hw nxdi: NxDI cannot be imported here ({exc}): {INSTALL}") from None
+
+
+@contextlib.contextmanager
+def upstream_warnings():
+    """NxD's and NxDI's own deprecation notices (every NeuronConfig warns about `get_platform_lnc`)
+    are about their code, not the port under test: kept out of a run that errors on warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def nxdi_hf_config(model_dir: Path) -> Any:
+    """The checkpoint's transformers config as NxDI reads it: the rotary settings under the names
+    NxDI's configs require (`rope_theta`, `rope_scaling`, None for the default rotary), whichever
+    transformers wrote config.json (`compat.load_config` reads one written by transformers 5 on a
+    4.57 host)."""
+    hf_config = load_config(model_dir)
+    rope = legacy_rope(hf_config.to_dict())
+    for name, value in rope.items():
+        setattr(hf_config, name, value)
+    if not hasattr(hf_config, "rope_scaling"):
+        hf_config.rope_scaling = None
+    return hf_config
+
+
 class NxdiBackend(Backend):
-    """`--hw nxdi [--hw-option tp_degree=N]`: NxDI's modules of the golden's architecture."""
+    """`--hw nxdi [--hw-option tp_degree=N] [--hw-option build=cpu]`: NxDI's modules of the
+    golden's architecture, traced and compiled for a Neuron device (`build=neuron`), or run on the
+    CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo)."""
 
     name = "nxdi"
     captures_routing = True  # the MoE block's routing: its router, built for the same layer and input
     options = (
         HwOption("tp_degree", "tensor-parallel degree of each built module (default: 1)", positive_int, 1),
+        HwOption(
+            "build",
+            "neuron: traced and compiled by NxDI's build_module on a Neuron host (the default); cpu: NxDI's "
+            "real modules on this machine's CPU, one process per rank, as NxDI's CPU inference runs them",
+            build_choice,
+            "neuron",
+        ),
         HwOption("workdir", "where converted checkpoints and compiler artifacts go (default: a temporary directory)"),
         HwOption("compiler_args", "neuronx-cc arguments (default: NxDI's own)"),
     )
@@ -300,6 +400,16 @@ class NxdiBackend(Backend):
             )
         if setup.model_dir is None:
             raise BackendError("--hw nxdi needs the Hugging Face checkpoint NxDI converts: pass --model DIR")
+        self.cpu = self.hw_options["build"] == "cpu"
+        if self.cpu:
+            from .nxdi_cpu import standins
+
+            standins.install()
+            self._cpu_mode = os.environ.get("NXD_CPU_MODE")
+            os.environ["NXD_CPU_MODE"] = "1"  # NxDI's modules take their CPU branches (plain-math RMSNorm)
+        with upstream_warnings():
+            import_nxdi()
+        self._check_tp(table)
         self.table = table
         self.weights = weight_map(setup.model_dir)
         self.config: Any = None
@@ -307,23 +417,37 @@ class NxdiBackend(Backend):
         self._converted: tuple[int | None, dict[str, torch.Tensor]] | None = None
         self._workdir: Path | None = None
 
+    def _check_tp(self, table: ModuleTable) -> None:
+        """A TP degree NxD cannot shard the golden's model by is a usage error, not a run of errors."""
+        tp = self.hw_options["tp_degree"]
+        config = self.golden.config
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
+        if experts:
+            sizes["each expert's intermediate size"] = config.get("moe_intermediate_size") or config.get(
+                "intermediate_size"
+            )
+        bad = [f"{what} ({size})" for what, size in sizes.items() if size and size % tp]
+        if bad:
+            raise BackendError(
+                f"--hw-option tp_degree={tp}: NxD shards {' and '.join(bad)} by the TP degree, which does not divide "
+                f"{'it' if len(bad) == 1 else 'them'}; use a TP degree that does (e.g. 1 or 2)"
+            )
+
     def start(self) -> None:
         if self.config is not None:  # started already (weight items run before the first point)
             return
         import tempfile
 
-        from transformers import AutoConfig
-
-        load_pretrained_config = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
-        hf_config = AutoConfig.from_pretrained(self.setup.model_dir)
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
-            # transformers 5 keeps it in rope_parameters; NxDI's attention reads config.rope_theta
-            hf_config.rope_theta = rope["rope_theta"]
-        neuron_config = resolve(self.table.neuron_config)(
-            tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype
-        )
-        self.config = resolve(self.table.config)(neuron_config, load_config=load_pretrained_config(hf_config=hf_config))
+        with upstream_warnings():
+            load_pretrained_config = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
+            hf_config = nxdi_hf_config(self.setup.model_dir)
+            neuron_config = resolve(self.table.neuron_config)(
+                tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype
+            )
+            self.config = resolve(self.table.config)(
+                neuron_config, load_config=load_pretrained_config(hf_config=hf_config)
+            )
         if self.hw_options["workdir"]:
             self._workdir = Path(self.hw_options["workdir"]).expanduser()
         else:
@@ -339,7 +463,7 @@ class NxdiBackend(Backend):
             self.start()
         inputs = self._inputs(point, spec, golden)
         cache = None
-        with torch.no_grad():
+        with torch.no_grad(), upstream_warnings():
             output = self._module(point, point.component, spec, inputs)(*inputs)
             routing = None
             if spec.inputs == "attention":
@@ -427,8 +551,11 @@ class NxdiBackend(Backend):
         if key not in self._built:
             from safetensors.torch import load_file, save_file
 
-            build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
-            converted = self._weights(point.layer, spec.module)
+            if self.cpu:
+                from .nxdi_cpu.ranks import build_module
+            else:
+                build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
+            converted = nxdi_cast_state(self._weights(point.layer, spec.module), self.config.neuron_config.torch_dtype)
             tp = self.hw_options["tp_degree"]
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
@@ -457,6 +584,7 @@ class NxdiBackend(Backend):
                     "form": spec.inputs,
                     "routing": spec.routing,
                     "kv_heads": kv_heads,
+                    "seq_len": 1 if point.step is not None else self.golden_seq_len(),
                 },
                 tp_degree=self.hw_options["tp_degree"],
                 compiler_args=self.hw_options["compiler_args"],
@@ -466,9 +594,22 @@ class NxdiBackend(Backend):
             )
         return self._built[key]
 
+    def golden_seq_len(self) -> int:
+        """The prefill's tokens per sequence (NxD's experts pick the context-encoding path by it)."""
+        ids = self.golden.manifest.get("inputs", {}).get("input_ids") or [[]]
+        return len(ids[0])
+
     def close(self) -> None:
         self._built.clear()
         self._converted = None
+        if getattr(self, "cpu", False):
+            from .nxdi_cpu.ranks import close_pools
+
+            close_pools()
+            if self._cpu_mode is None:
+                os.environ.pop("NXD_CPU_MODE", None)
+            else:
+                os.environ["NXD_CPU_MODE"] = self._cpu_mode
         tmp = getattr(self, "_tmp", None)
         if tmp is not None:
             tmp.cleanup()

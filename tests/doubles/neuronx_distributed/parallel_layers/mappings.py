@@ -27,6 +27,12 @@ def joined(group, rank):
     _ranks.group, _ranks.rank = group, rank
 
 
-def reduce_from_tensor_model_parallel_region(tensor):
+def rank_and_size():
+    """(this thread's rank, the TP degree); (0, 1) outside a traced call."""
+    group = getattr(_ranks, "group", None)
+    return (0, 1) if group is None else (_ranks.rank, group.size)
+
+
+def reduce_from_tensor_model_parallel_region(tensor, process_group=None):
     group = getattr(_ranks, "group", None)
     return tensor if group is None else group.all_reduce(_ranks.rank, tensor)

@@ -1,9 +1,13 @@
-"""NxD's MoE as documented: RouterTopK (float32 router, float64 softmax over every expert, the full
-affinities returned with the top-k ids) and ExpertMLPsV2 (gate_up [E, H, 2I], down [E, I, H],
-top-k affinities renormalised)."""
+"""NxD's MoE as its source computes it (`modules/moe/routing.py`, `expert_mlps_v2.py`, `model.py`):
+RouterTopK (the input cast to the router weight's dtype, float64 softmax over every expert, the full
+affinities returned with the top-k ids), ExpertMLPsV2 (gate_up [E, H, 2I], down [E, I, H], top-k
+affinities renormalised; at TP > 1 each rank holds its share of the intermediate size and returns
+its partial sum) and the MoE module, which all-reduces the experts' partial sums (NxD's "delayed
+all-reduce")."""
 
 import torch
 import torch.nn.functional as F
+from neuronx_distributed.parallel_layers import mappings
 from torch import nn
 
 
@@ -14,7 +18,8 @@ class RouterTopK(nn.Module):
         self.linear_router = nn.Linear(hidden_size, num_experts, bias=False, dtype=torch.float32)
 
     def forward(self, hidden_states):
-        logits = self.linear_router(hidden_states.reshape(-1, hidden_states.shape[-1]).to(torch.float32))
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = self.linear_router(flat.to(self.linear_router.weight.dtype))
         affinities = torch.softmax(logits.to(torch.float64), dim=-1)
         index = torch.topk(affinities, self.top_k, dim=-1).indices
         return logits.to(hidden_states.dtype), affinities.to(hidden_states.dtype), index.long()
@@ -42,7 +47,12 @@ class ExpertMLPsV2(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         gate_up, down = self.mlp_op.gate_up_proj.weight, self.mlp_op.down_proj.weight
-        inter = down.shape[1]
+        rank, size = mappings.rank_and_size()  # this rank's share of the intermediate size
+        full = down.shape[1]
+        inter = full // size
+        share = torch.arange(rank * inter, (rank + 1) * inter)
+        mine = torch.cat([share, full + share])  # its gate and its up columns
+        gate_up, down = gate_up[:, :, mine], down[:, rank * inter : (rank + 1) * inter]
         out = torch.zeros_like(hidden_states)
         for expert in expert_index.unique().tolist():
             token, slot = torch.where(expert_index == expert)
@@ -53,6 +63,9 @@ class ExpertMLPsV2(nn.Module):
 
 
 class MoE(nn.Module):
+    ep_enabled = False
+    tensor_parallel_group = None
+
     def __init__(self, router, expert_mlps):
         super().__init__()
         self.router = router
@@ -62,7 +75,8 @@ class MoE(nn.Module):
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
         _, affinities, index = self.router(flat)
-        return (self.expert_mlps(flat, affinities, index, flat.shape[0]).reshape(shape),)
+        out = self.expert_mlps(flat, affinities, index, shape[-2])
+        return (mappings.reduce_from_tensor_model_parallel_region(out).reshape(shape),)
 
 
 def initialize_moe_module(config, rmsnorm=None, init_tkg_module=False):

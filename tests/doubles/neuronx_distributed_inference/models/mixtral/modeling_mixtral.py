@@ -71,3 +71,8 @@ class NeuronMixtralDecoderLayer(MoEDecoderLayer):
         )
         self.input_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+def get_rmsnorm_cls():
+    # NxDI: transformers' RMSNorm in CPU mode, its custom call otherwise; the double's custom call is plain math
+    return CustomRMSNorm

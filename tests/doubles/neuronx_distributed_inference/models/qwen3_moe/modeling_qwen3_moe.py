@@ -75,3 +75,8 @@ class NeuronQwen3MoeDecoderLayer(MoEDecoderLayer):
         self.input_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = CustomRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = initialize_moe_module(config=config)
+
+
+def get_rmsnorm_cls():
+    # NxDI: transformers' RMSNorm in CPU mode, its custom call otherwise; the double's custom call is plain math
+    return CustomRMSNorm

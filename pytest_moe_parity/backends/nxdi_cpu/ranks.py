@@ -1,0 +1,250 @@
+"""NxD's modules on the CPU, one process per tensor-parallel rank, as NxDI's own CPU inference
+runs them (`NeuronApplicationBase.to_cpu`): `NXD_CPU_MODE=1`, a gloo process group of `tp_degree`
+ranks, `initialize_model_parallel(tp_degree, skip_collective_init=True)`; per module: built from
+its class and keywords, the checkpoint sharded by NxD's `get_sharded_checkpoint` for each rank and
+loaded. Like NxDI's `build_module`, it casts nothing: the module and checkpoint keep their dtypes. The collectives NxD's
+layers call (all-reduce, all-gather) run for real over gloo.
+
+`build_module` has the signature of NxDI's `utils.testing.build_module`, whose trace to a NEFF
+and compile cannot run here: a test or a user's script swaps one for the other. What it returns
+is called like the traced model (positional tensors, rank 0's outputs) and also keeps every
+rank's outputs of its last call (`rank_outputs`), the per-rank evidence a TP failure needs."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import standins
+
+
+class RankFailure(RuntimeError):
+    """A rank's process raised: the message is its exception and where it was raised."""
+
+
+# -- the rank's side ------------------------------------------------------------------------------
+def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp_degree: int) -> list[str]:
+    """NxD's sharded loading (`get_sharded_checkpoint`, then `load_state_dict(strict=False)` as
+    NxDI's CPU path does), refusing a module that would keep initial values for tensors the
+    checkpoint lacks; returns the checkpoint keys NxD dropped as unknown to the module."""
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
+
+    wanted = set(module.state_dict())
+    dropped = sorted(k for k in state if k not in wanted)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Removing redundant keys from checkpoint")
+        get_sharded_checkpoint(state, module, rank, tp_degree)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise RankFailure(
+            f"the checkpoint has no tensor for {len(missing)} of the module's ({', '.join(missing[:6])}"
+            f"{', ...' if len(missing) > 6 else ''}): NxD would leave them at their initial values"
+        )
+    module.load_state_dict(state, strict=False)
+    return dropped
+
+
+def _serve(rank: int, tp_degree: int, store: str, conn: Any) -> None:
+    os.environ["NXD_CPU_MODE"] = "1"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_degree))
+    modules: dict[int, torch.nn.Module] = {}
+    try:
+        from neuronx_distributed.parallel_layers import parallel_state
+
+        if torch.distributed.is_initialized():  # forked from a process that had a group: not this rank's
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp_degree)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree, skip_collective_init=True)
+        conn.send(("ok", None))
+    except Exception as exc:  # reported to the parent, which raises it
+        conn.send(("error", _describe(exc, rank)))
+        return
+    while True:
+        op, *args = conn.recv()
+        try:
+            if op == "close":
+                break
+            if op == "build":
+                handle, path, module_cls, kwargs, checkpoint, loader = args
+                for entry in path:
+                    if entry not in sys.path:
+                        sys.path.append(entry)
+                modules.clear()  # one module at a time per rank: the parent drops the older handles
+                with torch.no_grad():
+                    torch.manual_seed(0)
+                    module = module_cls(**kwargs)
+                    dropped = _load(module, loader(checkpoint), rank, tp_degree)
+                modules[handle] = module.eval()
+                conn.send(("ok", dropped))
+            elif op == "run":
+                handle, inputs = args
+                if handle not in modules:
+                    raise RankFailure("this module was dropped: another module was built after it")
+                with torch.no_grad():
+                    conn.send(("ok", modules[handle](*inputs)))
+        except Exception as exc:
+            conn.send(("error", _describe(exc, rank)))
+    with contextlib.suppress(Exception):
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _describe(exc: BaseException, rank: int) -> str:
+    where = traceback.extract_tb(exc.__traceback__)
+    frame = where[-1] if where else None
+    at = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    return f"rank {rank}: {type(exc).__name__}: {exc}{at}"
+
+
+# -- the parent's side ----------------------------------------------------------------------------
+class RankPool:
+    """`tp_degree` processes, each a rank of one gloo group, holding one built module at a time."""
+
+    def __init__(self, tp_degree: int):
+        standins.install()
+        self.tp_degree = tp_degree
+        self._dir = tempfile.TemporaryDirectory(prefix="moe-parity-ranks-")
+        # fork: the ranks start with what this process imported (NxD, NxDI, the stand-ins) instead
+        # of importing torch and NxDI again, ~10 s a rank; spawn where fork is not offered
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        self._conns, self._procs = [], []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork beside threads
+            for rank in range(tp_degree):
+                parent, child = context.Pipe()
+                proc = context.Process(
+                    target=_serve, args=(rank, tp_degree, os.path.join(self._dir.name, "store"), child), daemon=True
+                )
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        self._handles = 0
+        self._gather("start")
+
+    def _gather(self, what: str) -> list[Any]:
+        replies = []
+        for rank, conn in enumerate(self._conns):
+            try:
+                replies.append(conn.recv())
+            except EOFError:
+                code = self._procs[rank].exitcode
+                replies.append(("error", f"rank {rank}: its process ended (exit code {code}) during {what}"))
+        errors = [payload for status, payload in replies if status == "error"]
+        if errors:
+            raise RankFailure("; ".join(dict.fromkeys(errors)))
+        return [payload for _, payload in replies]
+
+    def _broadcast(self, *message: Any) -> None:
+        for conn in self._conns:
+            conn.send(message)
+
+    def build(self, module_cls: type, kwargs: dict[str, Any], checkpoint: str, loader: Callable) -> RankedModule:
+        self._handles += 1
+        self._broadcast("build", self._handles, list(sys.path), module_cls, kwargs, checkpoint, loader)
+        dropped = self._gather(f"the build of {module_cls.__name__}")[0]
+        return RankedModule(self, self._handles, dropped)
+
+    def run(self, handle: int, inputs: tuple[torch.Tensor, ...]) -> list[Any]:
+        self._broadcast("run", handle, tuple(inputs))
+        return self._gather("a forward")
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(Exception):
+                conn.send(("close",))
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._dir.cleanup()
+
+
+class RankedModule:
+    """A module built on every rank, called as a traced NxD model is: rank 0's outputs."""
+
+    def __init__(self, pool: RankPool, handle: int, dropped: list[str]):
+        self.pool, self.handle = pool, handle
+        self.dropped_keys = dropped  # checkpoint keys NxD's loading dropped as unknown to the module
+        self.rank_outputs: list[Any] = []
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.rank_outputs = self.pool.run(self.handle, inputs)
+        return self.rank_outputs[0]
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def pool(tp_degree: int) -> RankPool:
+    """The process's pool of `tp_degree` ranks (one at a time: a pool of another size closes it)."""
+    current = _POOLS.get(tp_degree)
+    if current is not None and current.alive:
+        return current
+    close_pools()
+    _POOLS[tp_degree] = RankPool(tp_degree)
+    return _POOLS[tp_degree]
+
+
+@atexit.register
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def build_module(
+    module_cls: type,
+    example_inputs: list[tuple[torch.Tensor, ...]],
+    module_init_kwargs: dict[str, Any] | None = None,
+    tp_degree: int = 1,
+    world_size: int | None = None,
+    local_ranks_size: int | None = None,
+    compiler_args: str | None = None,
+    compiler_workdir: str | None = None,
+    checkpoint_path: str | None = None,
+    priority_model_idx: int | None = 0,
+    logical_nc_config: int = 1,
+    dry_run: bool = False,
+    checkpoint_loader_fn: Callable[[str], dict[str, torch.Tensor]] = lambda p: torch.load(p, weights_only=True),
+) -> RankedModule | None:
+    """NxDI's `build_module` on the CPU: the module built on `tp_degree` ranks and loaded from
+    `checkpoint_path`. The compiler's arguments and workdir have nothing to do
+    here; `example_inputs` is checked as NxDI checks it. World sizes beyond the TP degree (expert
+    or pipeline parallelism) are not run on the CPU."""
+    if not (
+        isinstance(example_inputs, list)
+        and all(isinstance(t, tuple) and all(isinstance(x, torch.Tensor) for x in t) for t in example_inputs)
+    ):
+        raise ValueError("example_inputs must be a list of tensor tuples")
+    if len(example_inputs) != 1:
+        raise ValueError("example_inputs must contain exactly one input")
+    if world_size not in (None, tp_degree):
+        raise NotImplementedError(
+            f"the CPU build runs tensor parallelism only: world_size={world_size}, tp_degree={tp_degree}"
+        )
+    if checkpoint_path is None:
+        raise NotImplementedError(
+            "the CPU build loads a checkpoint (checkpoint_path=...): NxDI's build_module without one saves the "
+            "module's own initial weights under an XLA process group, which needs a Neuron device"
+        )
+    if dry_run:
+        return None
+    ranks = pool(tp_degree)
+    return ranks.build(module_cls, dict(module_init_kwargs or {}), str(checkpoint_path), checkpoint_loader_fn)

@@ -1,0 +1,66 @@
+"""Across transformers versions: the package runs under transformers 4.57 (the Neuron SDK's, which
+NxDI pins) and 5.x. A checkpoint's config.json written by one is read by the other with the
+spellings it expects, so a golden recorded under transformers 5 replays on a 4.57 host.
+
+What differs in config.json (the rest of the configs is read alike):
+- transformers 5 writes the rotary settings as `rope_parameters` ({"rope_theta", "rope_type", ...});
+  4.57 reads `rope_theta` and `rope_scaling` and, without them, takes its class's default theta
+  (Mixtral's 1e6 where the checkpoint says 1e4: every attention point off);
+- transformers 5 writes some counts under their attribute-map names (Qwen3-MoE's experts as
+  `num_local_experts`); 4.57's class takes the old name and, without it, its default (128 experts)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+MAJOR = int(transformers.__version__.split(".")[0])
+
+# transformers 5's spelling -> the one 4.57's config classes take, where a class takes only the latter
+RENAMED = {"num_local_experts": "num_experts"}
+
+
+def version_note() -> str:
+    return f"transformers {transformers.__version__}"
+
+
+def legacy_rope(written: dict[str, Any]) -> dict[str, Any]:
+    """`rope_theta` and `rope_scaling` (None for the default rotary) from a config's
+    `rope_parameters`, where it has them and not the old names; {} otherwise."""
+    rope = written.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return {}
+    out: dict[str, Any] = {"rope_theta": rope["rope_theta"]}
+    if written.get("rope_scaling") is None:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        out["rope_scaling"] = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def config_overrides(written: dict[str, Any], config_class: type) -> dict[str, Any]:
+    """What a config written by transformers 5 needs passed to `config_class` (this process's
+    transformers) to mean the same: nothing under transformers 5."""
+    if MAJOR >= 5:
+        return {}
+    takes = set(inspect.signature(config_class.__init__).parameters)
+    out = legacy_rope(written)
+    for new, old in RENAMED.items():
+        if new in written and old in takes and new not in takes and old not in written:
+            out[old] = written[new]
+    return out
+
+
+def load_config(model_dir: Path | str, **kwargs: Any) -> Any:
+    """`AutoConfig.from_pretrained(model_dir)`, read as the transformers that wrote it meant."""
+    from transformers import AutoConfig
+
+    written = json.loads((Path(model_dir) / "config.json").read_text())
+    config = AutoConfig.from_pretrained(model_dir, **kwargs)
+    overrides = config_overrides(written, type(config))
+    if overrides:
+        config = AutoConfig.from_pretrained(model_dir, **kwargs, **overrides)
+    return config
