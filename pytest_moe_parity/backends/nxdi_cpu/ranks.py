@@ -222,7 +222,7 @@ def build_module(
     priority_model_idx: int | None = 0,
     logical_nc_config: int = 1,
     dry_run: bool = False,
-    checkpoint_loader_fn: Callable[[str], dict[str, torch.Tensor]] = lambda p: torch.load(p, weights_only=True),
+    checkpoint_loader_fn: Callable[[str], dict[str, torch.Tensor]] | None = None,
 ) -> RankedModule | None:
     """NxDI's `build_module` on the CPU: the module built on `tp_degree` ranks and loaded from
     `checkpoint_path`. The compiler's arguments and workdir have nothing to do
@@ -247,4 +247,10 @@ def build_module(
     if dry_run:
         return None
     ranks = pool(tp_degree)
-    return ranks.build(module_cls, dict(module_init_kwargs or {}), str(checkpoint_path), checkpoint_loader_fn)
+    loader = checkpoint_loader_fn or load_torch
+    return ranks.build(module_cls, dict(module_init_kwargs or {}), str(checkpoint_path), loader)
+
+
+def load_torch(path: str) -> dict[str, torch.Tensor]:
+    """The default loader: NxDI's is `torch.load`; tensors only here (no pickled code is run)."""
+    return torch.load(path, weights_only=True)
