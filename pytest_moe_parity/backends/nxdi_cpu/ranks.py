@@ -57,7 +57,11 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
 
 def _serve(rank: int, tp_degree: int, store: str, conn: Any) -> None:
     os.environ["NXD_CPU_MODE"] = "1"
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_degree))
+    standins.install()
+    # One thread, as PyTorch's DataLoader workers: a process forked after its parent ran OpenMP
+    # threads can hang at its first parallel op under GNU OpenMP (seen: NxDI's MoE test, whose
+    # reference ran first, hung in its experts' __init__)
+    torch.set_num_threads(1)
     modules: dict[int, torch.nn.Module] = {}
     try:
         from neuronx_distributed.parallel_layers import parallel_state
@@ -116,22 +120,18 @@ class RankPool:
         standins.install()
         self.tp_degree = tp_degree
         self._dir = tempfile.TemporaryDirectory(prefix="moe-parity-ranks-")
-        # fork: the ranks start with what this process imported (NxD, NxDI, the stand-ins) instead
-        # of importing torch and NxDI again, ~10 s a rank; spawn where fork is not offered
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        context = _context()
         self._conns, self._procs = [], []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: fork beside threads
-            for rank in range(tp_degree):
-                parent, child = context.Pipe()
-                proc = context.Process(
-                    target=_serve, args=(rank, tp_degree, os.path.join(self._dir.name, "store"), child), daemon=True
-                )
+        for rank in range(tp_degree):
+            parent, child = context.Pipe()
+            store = os.path.join(self._dir.name, "store")
+            proc = context.Process(target=_serve, args=(rank, tp_degree, store, child), daemon=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: a fork beside threads
                 proc.start()
-                child.close()
-                self._conns.append(parent)
-                self._procs.append(proc)
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
         self._handles = 0
         self._gather("start")
 
@@ -175,6 +175,12 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
         self._dir.cleanup()
+
+
+def _context() -> Any:
+    """Ranks fork from this process: they start with what it imported (torch, NxD, NxDI and the
+    stand-ins: ~10 s a rank to import again). Spawned where fork is not offered."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
 class RankedModule:
