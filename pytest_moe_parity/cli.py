@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import compat
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -546,8 +548,15 @@ COMMANDS = {
 }
 
 
+# Commands that run transformers' own modules of the golden's architecture (its transformers 5 layout)
+NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in NEEDS_TRANSFORMERS_5 and compat.MAJOR < 5:
+        print(f"moe-parity {args.command}: {compat.needs_transformers_5()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -13,19 +13,25 @@ from __future__ import annotations
 
 import inspect
 import json
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import transformers
-
-MAJOR = int(transformers.__version__.split(".")[0])
+VERSION = version("transformers")  # read without importing transformers (the CLI starts fast)
+MAJOR = int(VERSION.split(".")[0])
 
 # transformers 5's spelling -> the one 4.57's config classes take, where a class takes only the latter
 RENAMED = {"num_local_experts": "num_experts"}
 
 
-def version_note() -> str:
-    return f"transformers {transformers.__version__}"
+def needs_transformers_5() -> str:
+    """The sentence for what runs transformers' own modules where transformers 4 is installed."""
+    return (
+        "this runs transformers' own modules of the golden's architecture, as transformers 5 lays them out "
+        f"(fused experts: its points and names); this environment has transformers {VERSION}, the Neuron SDK's "
+        "(NxDI pins 4.57): run it where transformers>=5 is installed, or compare on this stack with --hw nxdi "
+        "or --hw dump"
+    )
 
 
 def legacy_rope(written: dict[str, Any]) -> dict[str, Any]:

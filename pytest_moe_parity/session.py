@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import compat
 from .backends import Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
@@ -155,6 +156,8 @@ class ParitySession:
                 raise SetupError(
                     f"{flags['dtype']} {options.dtype!r} is not a floating-point torch dtype (e.g. bfloat16)"
                 ) from None
+        if cls.runs_transformers_modules and compat.MAJOR < 5:
+            raise SetupError(f"{flags['hw']} {self.hw}: {compat.needs_transformers_5()}")
         try:
             setup = BackendSetup(
                 self.golden,
@@ -182,6 +185,7 @@ class ParitySession:
             freeze_gc=options.freeze_gc,
         )
         no = options.weights is False
+        self._weights_loud = False  # why there are no weight items is said even unasked
         self.weights, self._no_weights = (None, "") if no else self._weight_check(cls.needs_checkpoint)
         self.rows: dict[str, dict[str, Any]] = {}
         self.interrupted = False
@@ -228,6 +232,12 @@ class ParitySession:
         found = self._golden_model()
         if found is None:
             return None, "the golden's model is not on this machine"
+        if compat.MAJOR < 5:  # said whatever the options: the candidate's weights go unchecked
+            self._weights_loud = True
+            return None, (
+                f"they read the golden's model as transformers 5 lays it out, and this environment has transformers "
+                f"{compat.VERSION}: check the weights where transformers>=5 is installed (moe-parity audit)"
+            )
         reference = found[0].resolve()
         if reference == Path(self.candidate).resolve():
             return None, "the candidate is the golden's own model"
@@ -412,7 +422,8 @@ class ParitySession:
             converted = type(self.backend).held_weights is not Backend.held_weights
             held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
             return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
-        return [f"moe-parity: no weight items: {self._no_weights}"] if self.options.weights else []
+        loud = self.options.weights or self._weights_loud
+        return [f"moe-parity: no weight items: {self._no_weights}"] if loud else []
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""

@@ -14,7 +14,7 @@ from helpers import read_json, run_parity, usage_error
 from pytest_moe_parity.backends import nxdi
 from pytest_moe_parity.compat import load_config
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import REPORT_FILE
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 ARCHS = ("qwen3_moe", "mixtral")
 CPU = ("--hw", "nxdi", "--hw-option", "build=cpu")
@@ -109,3 +109,107 @@ def test_the_experts_give_the_reduced_sum_at_tp_2(t5: Path) -> None:
             run.close()
     assert len(outs[2]) == 2 and torch.equal(outs[2][0], outs[2][1])
     torch.testing.assert_close(outs[2][0], outs[1][0], rtol=1e-5, atol=1e-6)
+
+
+def _missing_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxD's row-parallel layers (the attention's o_proj) return each rank's partial sum."""
+    from neuronx_distributed.parallel_layers import layers
+
+    monkeypatch.setattr(layers, "reduce_from_tensor_model_parallel_region", lambda t, *a, **k: t)
+
+
+def _every_rank_takes_rank_0_s_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank loads rank 0's shard of every sharded tensor."""
+    from neuronx_distributed.trace import trace
+
+    shard = trace.shard_children
+    monkeypatch.setattr(
+        trace, "shard_children", lambda m, c, p, d, rank, tp, *a, **k: shard(m, c, p, d, 0, tp, *a, **k)
+    )
+
+
+def _column_shard_of_the_wrong_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column-parallel weights (split along their output dimension: the attention's q, k, v heads)
+    take the other rank's half, while the row-parallel o_proj keeps its own."""
+    from neuronx_distributed.trace import trace
+
+    local = trace.create_local_weight
+
+    def wrong(rank, world_size, full_weight, partition_dim, *args, **kwargs):
+        if partition_dim == 0 and full_weight.dim() == 2:
+            rank = (rank + 1) % world_size
+        return local(rank, world_size, full_weight, partition_dim, *args, **kwargs)
+
+    monkeypatch.setattr(trace, "create_local_weight", wrong)
+
+
+PARTED = "TP 1 of the same candidate matches the golden where TP 2 does not"
+
+
+@pytest.mark.parametrize(
+    "fault, where, cause",
+    [
+        (_missing_all_reduce, "layer_0.attention", "the ranks hold partial sums whose total is the expected output"),
+        (_every_rank_takes_rank_0_s_shard, "embedding", PARTED),
+        (_column_shard_of_the_wrong_half, "layer_0.attention", PARTED),
+    ],
+    ids=["missing-all-reduce", "rank-0-shard-everywhere", "column-shard-wrong-half"],
+)
+def test_a_tp_only_bug_fails_at_its_point_naming_the_parallelism(
+    fault, where: str, cause: str, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The classic TP-only bugs in NxD's real layers (the ranks fork from this process, so they
+    carry the fault): the run stops at the first point whose module the fault touches (a rank-0
+    shard everywhere: the sharded embedding; the others: the attention), and its failure text names
+    the tensor parallelism, from the ranks' own outputs or from the same candidate at TP 1, never
+    weight order. At TP 1 the same fault is harmless (one rank, one shard, nothing to reduce)."""
+    golden, model = t5 / "mixtral-golden", t5 / "mixtral-model"
+    fault(monkeypatch)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, *CPU, "--hw-option", "tp_degree=2", "-x", "--parity-report", str(report), model=model
+    )
+    order = points(golden)
+    before = [p for p in order[: order.index(where)] if not p.endswith("rotary")]
+    result.assert_outcomes(passed=len(before), skipped=int(where != "embedding"), failed=1)
+    result.stdout.fnmatch_lines([f"first divergence: {where}  (tensor parallelism (tp_degree=2): {cause}*"])
+    result.stdout.fnmatch_lines([f"FAILED *parity::{where} *"])
+    summary = read_json(report / SUMMARY_FILE)
+    assert summary["first_divergence"] == where
+    assert "weight order" not in summary["hint"] and "gate/up" not in summary["hint"]
+    single = run_parity(pytester, golden, *CPU, "--hw-option", "tp_degree=1", "-x", "-k", where, model=model)
+    assert single.ret == 0 and single.parseoutcomes()["passed"] >= 1, single.stdout.str()
+
+
+NEEDS_5 = "this runs transformers' own modules of the golden's architecture, as transformers 5 lays them out"
+
+
+def test_transformers_own_modules_are_a_usage_error_on_the_neuron_stack(t5: Path, pytester: pytest.Pytester) -> None:
+    """`--hw cpu` (and trace, compile, neuron) replay transformers' modules, laid out as the golden's
+    transformers 5 lays them out: on 4.57 one line says so, with what to do."""
+    usage_error(run_parity(pytester, t5 / "qwen3_moe-golden", "--hw", "cpu"), f"--hw cpu: {NEEDS_5}")
+
+
+def test_recording_is_bad_input_on_the_neuron_stack(t5: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from pytest_moe_parity.cli import main
+
+    assert main(["golden", "--model", str(t5 / "qwen3_moe-model"), "--out", str(tmp_path / "g")]) == 2
+    err = capsys.readouterr().err
+    assert f"moe-parity golden: {NEEDS_5}" in err and "transformers 4.57" in err
+    assert not (tmp_path / "g").exists()
+
+
+def test_weight_items_say_why_they_are_left_out_on_the_neuron_stack(
+    t5: Path, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Another candidate checkpoint would get weight items; here they would read the reference as
+    transformers 4.57 lays it out, so they are left out, and the run says so unasked."""
+    import shutil
+
+    candidate = shutil.copytree(t5 / "mixtral-model", tmp_path / "candidate")
+    result = run_parity(pytester, t5 / "mixtral-golden", *CPU, "-k", "layer_0", model=candidate)
+    result.stdout.fnmatch_lines(["moe-parity: no weight items: they read the golden's model as transformers 5 lays*"])
+    assert (
+        result.ret == 0
+        and "weights" not in result.stdout.str().split("moe-parity: no weight items")[1].split("\n", 1)[1]
+    )

@@ -99,7 +99,9 @@ class CandidateOutput:
     routing: tuple[torch.Tensor, ...] | None = None
     seconds: float = 0.0
     # What the backend says about this point, kept in its report row (compiled backends: the graph,
-    # whether it was compiled, loaded from the cache or reused, and the compile seconds).
+    # whether it was compiled, loaded from the cache or reused, and the compile seconds). Two keys are
+    # read: "notes" (lines added to the row's notes) and "hint" (the cause the failure text names if
+    # the point fails, in place of the component's usual one: the backend's own evidence).
     info: dict[str, Any] = field(default_factory=dict)
     # decode steps: the attention's layer of the KV cache after the call (what it wrote), where the
     # backend can show it; compared with the golden's cache write
@@ -112,6 +114,9 @@ class Backend(ABC):
     name: ClassVar[str] = "?"
     # The candidate is a transformers checkpoint: its config is checked against the golden's.
     needs_checkpoint: ClassVar[bool] = True
+    # runs transformers' own modules of the golden's architecture (laid out as transformers 5 does):
+    # a usage error where transformers 4 is installed (the Neuron SDK's stack)
+    runs_transformers_modules: ClassVar[bool] = False
     # The settings this backend accepts through --hw-option.
     options: ClassVar[tuple[HwOption, ...]] = ()
     # Capabilities: `module(path)` returns torch modules (for custom tests); `run` fills
@@ -206,6 +211,12 @@ class Backend(ABC):
     def read_stats(self) -> dict[str, Any] | None:
         """What was read from the candidate so far (reported in comparison_summary.json)."""
         return None
+
+    def explain(self, point: Point, golden: GoldenRecord) -> dict[str, Any]:
+        """Called for a point that failed, with the golden record and its output: what more the
+        backend can say (`{"notes": [...], "hint": "..."}`, as in `CandidateOutput.info`), e.g. a
+        differential run it does only where something is wrong. Nothing by default."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -23,6 +23,7 @@ class TorchBackend(Backend):
     """`--hw cpu`: the transformers model of the candidate checkpoint, in --dtype."""
 
     name = "cpu"
+    runs_transformers_modules = True
     provides_modules = True
     captures_routing = True
     chain = "model"

@@ -260,6 +260,31 @@ def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
     return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
 
 
+def _merge(info: dict[str, Any], more: dict[str, Any]) -> None:
+    """Adds a finding to a point's info: notes appended, the first hint kept."""
+    info.setdefault("notes", []).extend(more.get("notes", []))
+    if more.get("hint") and not info.get("hint"):
+        info["hint"] = more["hint"]
+    info.update({k: v for k, v in more.items() if k not in ("notes", "hint")})
+    if not info["notes"]:
+        del info["notes"]
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """The first tensor of an output (a module's hidden states, a router's logits)."""
+    while isinstance(value, tuple | list):
+        value = value[0]
+    return value
+
+
+def rel_error(candidate: torch.Tensor, expected: torch.Tensor) -> float:
+    """||candidate - expected|| / ||expected|| over the flattened values (inf where sizes differ)."""
+    if candidate.numel() != expected.numel():
+        return float("inf")
+    c, e = candidate.detach().double().flatten(), expected.detach().double().flatten()
+    return float((c - e).norm() / e.norm().clamp_min(1e-30))
+
+
 def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
     """The golden call of an attention or a decoder layer (hidden states, transformers' additive
     mask [B, 1, Q, past + Q], position ids, the KV cache at a decode step) in NxDI's form: (hidden,
@@ -327,6 +352,13 @@ def build_choice(text: str) -> str:
     return text
 
 
+def on_off(text: str) -> bool:
+    value = {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False}
+    if text.lower() not in value:
+        raise ValueError(f"expected on or off, got {text!r}")
+    return value[text.lower()]
+
+
 def import_nxdi() -> None:
     """Imports NxDI (the stand-ins for the Neuron-only packages already in place where wanted),
     turning the failures a user meets into one sentence each."""
@@ -384,6 +416,12 @@ class NxdiBackend(Backend):
             build_choice,
             "neuron",
         ),
+        HwOption(
+            "tp_diff",
+            "with build=cpu and tp_degree > 1: also run each point at TP 1 and name where the two part (on/off)",
+            on_off,
+            False,
+        ),
         HwOption("workdir", "where converted checkpoints and compiler artifacts go (default: a temporary directory)"),
         HwOption("compiler_args", "neuronx-cc arguments (default: NxDI's own)"),
     )
@@ -410,11 +448,18 @@ class NxdiBackend(Backend):
         with upstream_warnings():
             import_nxdi()
         self._check_tp(table)
+        self.tp = self.hw_options["tp_degree"]
+        if self.hw_options["tp_diff"] and not (self.cpu and self.tp > 1):
+            raise BackendError(
+                "--hw-option tp_diff=on compares TP 1 with TP N on the CPU: it needs build=cpu and tp_degree above 1"
+            )
         self.table = table
         self.weights = weight_map(setup.model_dir)
         self.config: Any = None
+        self._configs: dict[int, Any] = {}
+        self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
         self._built: dict[tuple, Any] = {}
-        self._converted: tuple[int | None, dict[str, torch.Tensor]] | None = None
+        self._converted: tuple[tuple[int | None, int], dict[str, torch.Tensor]] | None = None
         self._workdir: Path | None = None
 
     def _check_tp(self, table: ModuleTable) -> None:
@@ -439,20 +484,23 @@ class NxdiBackend(Backend):
             return
         import tempfile
 
-        with upstream_warnings():
-            load_pretrained_config = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
-            hf_config = nxdi_hf_config(self.setup.model_dir)
-            neuron_config = resolve(self.table.neuron_config)(
-                tp_degree=self.hw_options["tp_degree"], torch_dtype=self.dtype
-            )
-            self.config = resolve(self.table.config)(
-                neuron_config, load_config=load_pretrained_config(hf_config=hf_config)
-            )
+        self.config = self._config(self.tp)
         if self.hw_options["workdir"]:
             self._workdir = Path(self.hw_options["workdir"]).expanduser()
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="moe-parity-nxdi-")
             self._workdir = Path(self._tmp.name)
+
+    def _config(self, tp: int) -> Any:
+        """NxDI's inference config of the golden's model at TP `tp` (made once per degree)."""
+        if tp not in self._configs:
+            with upstream_warnings():
+                hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
+                neuron_config = resolve(self.table.neuron_config)(tp_degree=tp, torch_dtype=self.dtype)
+                self._configs[tp] = resolve(self.table.config)(
+                    neuron_config, load_config=hf_adapter(hf_config=nxdi_hf_config(self.setup.model_dir))
+                )
+        return self._configs[tp]
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         spec = self.table.components.get(point.component)
@@ -463,8 +511,12 @@ class NxdiBackend(Backend):
             self.start()
         inputs = self._inputs(point, spec, golden)
         cache = None
+        info: dict[str, Any] = {"nxdi_module": spec.module.format(layer=point.layer)}
         with torch.no_grad(), upstream_warnings():
-            output = self._module(point, point.component, spec, inputs)(*inputs)
+            module = self._module(point, point.component, spec, inputs)
+            output = module(*inputs)
+            if self.cpu and self.tp > 1:
+                _merge(info, self._parallel_evidence(point, spec, inputs, module))
             routing = None
             if spec.inputs == "attention":
                 output, keys, values, *caught = output
@@ -478,8 +530,58 @@ class NxdiBackend(Backend):
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs)(*inputs))
-        where = spec.module.format(layer=point.layer)
-        return CandidateOutput(output, routing, info={"nxdi_module": where}, cache=cache)
+        return CandidateOutput(output, routing, info=info, cache=cache)
+
+    def _parallel_evidence(self, point: Point, spec: Component, inputs: tuple[torch.Tensor, ...], module: Any):
+        """What the ranks' own outputs say at TP > 1 (the CPU build holds every rank's): whether they
+        agree, as NxD's replicated outputs must, and where they do not, whether their sum is the golden
+        output (a missing all-reduce). With `tp_diff`, the TP 1 differential of every point too. Notes
+        for the row, and the hint of the point if it fails."""
+        firsts = [first_tensor(o) for o in module.rank_outputs]
+        self._last = (point.id, spec, inputs, firsts[0])
+        expected = first_tensor(self.golden.load(point).output)  # what the backend is handed has no output
+        out: dict[str, Any] = {}
+        differ = [r for r in range(1, self.tp) if not torch.equal(firsts[r], firsts[0])]
+        if differ:
+            summed = rel_error(sum(f.double() for f in firsts), expected) < 0.1 * rel_error(firsts[0], expected)
+            ranks = ", ".join(map(str, differ))
+            out["notes"] = [f"tensor parallelism: rank(s) {ranks} of {self.tp} output other values than rank 0"]
+            out["hint"] = (
+                f"tensor parallelism (tp_degree={self.tp}): the ranks hold partial sums whose total is the "
+                "expected output: a missing all-reduce"
+                if summed
+                else f"tensor parallelism (tp_degree={self.tp}): the ranks' outputs differ where NxD replicates "
+                "them: a missing collective, or ranks computing on other shards than NxD's sharding gives them"
+            )
+        if self.hw_options["tp_diff"]:
+            _merge(out, self._tp_differential(point, expected))
+        return out
+
+    def explain(self, point: Point, golden: GoldenRecord) -> dict[str, Any]:
+        """A failed point at TP > 1 on the CPU: the TP 1 differential (unless every point had it)."""
+        if not (self.cpu and self.tp > 1) or self.hw_options["tp_diff"] or self._last[0] != point.id:
+            return {}
+        with torch.no_grad(), upstream_warnings():
+            return self._tp_differential(point, first_tensor(golden.output))
+
+    def _tp_differential(self, point: Point, expected: torch.Tensor) -> dict[str, Any]:
+        """The same point built at TP 1: where it matches the golden and TP N does not, the
+        divergence comes from the parallelism."""
+        _, spec, inputs, at_tp = self._last
+        single = first_tensor(self._module(point, point.component, spec, inputs, tp=1)(*inputs))
+        err_n, err_1 = rel_error(at_tp, expected), rel_error(single, expected)
+        out: dict[str, Any] = {
+            "notes": [f"TP differential: rel_l2 to the golden {err_n:.3g} at TP {self.tp}, {err_1:.3g} at TP 1"]
+        }
+        if err_n > 4 * err_1 + 1e-6:
+            out["tp_parted"] = True
+            out["notes"].append(f"TP 1 and TP {self.tp} of the candidate part here")
+            out["hint"] = (
+                f"tensor parallelism (tp_degree={self.tp}): TP 1 of the same candidate matches the golden where TP "
+                f"{self.tp} does not: a sharding bug (a rank loading another rank's shard, the wrong half of a split) "
+                "or a missing collective"
+            )
+        return out
 
     def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
         if spec.inputs == "attention":
@@ -505,21 +607,22 @@ class NxdiBackend(Backend):
             return experts_inputs(hidden, index, weights, int(experts))
         return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
 
-    def _unit(self, layer: int | None) -> dict[str, torch.Tensor]:
-        """NxDI's conversion of this unit (its layer renamed to 0), converted once and kept while
-        its points run."""
-        if self._converted is None or self._converted[0] != layer:
+    def _unit(self, layer: int | None, tp: int | None = None) -> dict[str, torch.Tensor]:
+        """NxDI's conversion of this unit (its layer renamed to 0) at TP `tp` (the conversion writes
+        rank tensors), converted once and kept while its points run."""
+        tp = tp or self.tp
+        if self._converted is None or self._converted[0] != (layer, tp):
             application = resolve(self.table.application)
             state = unit_state(self.setup.model_dir, layer, self.weights)
             converted = convert_unit(
-                state, application.convert_hf_to_neuron_state_dict, self.config, int(layer is not None)
+                state, application.convert_hf_to_neuron_state_dict, self._config(tp), int(layer is not None)
             )
-            self._converted = (layer, converted)
+            self._converted = ((layer, tp), converted)
         return self._converted[1]
 
-    def _weights(self, layer: int | None, module: str) -> dict[str, torch.Tensor]:
+    def _weights(self, layer: int | None, module: str, tp: int) -> dict[str, torch.Tensor]:
         """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit."""
-        return under(self._unit(layer), module.format(layer=0) + ".")
+        return under(self._unit(layer, tp), module.format(layer=0) + ".")
 
     def held_weights(self, layer: int | None) -> dict[str, torch.Tensor] | None:
         """What NxDI's conversion made of the candidate checkpoint's unit, mapped back by the
@@ -530,24 +633,28 @@ class NxdiBackend(Backend):
             self.start()
         return back_to_reference(self._unit(layer), self.table.weights, layer)
 
-    def _rank_kv_heads(self) -> list[list[int]] | None:
+    def _rank_kv_heads(self, tp: int | None = None) -> list[list[int]] | None:
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
-        return rank_kv_heads(self.hw_options["tp_degree"], heads, kv_heads)
+        return rank_kv_heads(tp or self.tp, heads, kv_heads)
 
-    def _kwargs(self, spec: Component, prefill: bool) -> dict[str, Any]:
+    def _kwargs(self, spec: Component, prefill: bool, tp: int) -> dict[str, Any]:
         """The factory's keywords; the config as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
-        kwargs = {k: getattr(self.config, v) for k, v in spec.args.items()}
+        base = self._config(tp)
+        kwargs = {k: getattr(base, v) for k, v in spec.args.items()}
         kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
         if spec.config:
-            config = copy.copy(self.config)
-            config.neuron_config = copy.copy(self.config.neuron_config)
+            config = copy.copy(base)
+            config.neuron_config = copy.copy(base.neuron_config)
             config.neuron_config.is_prefill_stage = prefill
             kwargs["config"] = config
         return kwargs
 
-    def _module(self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...]) -> Any:
-        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs))
+    def _module(
+        self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...], tp: int | None = None
+    ) -> Any:
+        tp = tp or self.tp
+        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp)
         if key not in self._built:
             from safetensors.torch import load_file, save_file
 
@@ -555,38 +662,37 @@ class NxdiBackend(Backend):
                 from .nxdi_cpu.ranks import build_module
             else:
                 build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
-            converted = nxdi_cast_state(self._weights(point.layer, spec.module), self.config.neuron_config.torch_dtype)
-            tp = self.hw_options["tp_degree"]
+            converted = nxdi_cast_state(self._weights(point.layer, spec.module, tp), self.dtype_of(tp))
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
             unit = "model" if point.layer is None else f"layer_{point.layer}"
             token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
             shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
-            where = self._workdir / f"{unit}.{name}.{shape}"
+            where = self._workdir / f"{unit}.{name}.{shape}.tp{tp}"
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
             state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
-            kv_heads = self._rank_kv_heads() if token_generation and tp > 1 else None
+            kv_heads = self._rank_kv_heads(tp) if token_generation and tp > 1 else None
             if kv_heads is not None:  # the wrapper's own: its SPMDRank and which kv heads each rank holds
                 state["rank_util.rank"] = torch.arange(tp, dtype=torch.int32)
                 state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int32)
             save_file(state, str(checkpoint))
             if any(k[0] != point.layer for k in self._built):  # one unit's modules at a time
-                self._built.clear()
+                self._release()
             self._built[key] = build_module(
                 NxdiPoint,
                 example_inputs=[tuple(inputs)],
                 module_init_kwargs={
                     "factory": spec.factory,
-                    "kwargs": self._kwargs(spec, prefill=point.step is None),
+                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp),
                     "call": spec.call,
                     "form": spec.inputs,
                     "routing": spec.routing,
                     "kv_heads": kv_heads,
                     "seq_len": 1 if point.step is not None else self.golden_seq_len(),
                 },
-                tp_degree=self.hw_options["tp_degree"],
+                tp_degree=tp,
                 compiler_args=self.hw_options["compiler_args"],
                 compiler_workdir=str(where / "compiler"),
                 checkpoint_path=str(checkpoint),
@@ -594,13 +700,23 @@ class NxdiBackend(Backend):
             )
         return self._built[key]
 
+    def dtype_of(self, tp: int) -> torch.dtype:
+        return self._config(tp).neuron_config.torch_dtype
+
     def golden_seq_len(self) -> int:
         """The prefill's tokens per sequence (NxD's experts pick the context-encoding path by it)."""
         ids = self.golden.manifest.get("inputs", {}).get("input_ids") or [[]]
         return len(ids[0])
 
-    def close(self) -> None:
+    def _release(self) -> None:
+        """Drops the built modules (on the CPU build, from their ranks too)."""
+        for module in self._built.values():
+            if hasattr(module, "release"):
+                module.release()
         self._built.clear()
+
+    def close(self) -> None:
+        self._release()
         self._converted = None
         if getattr(self, "cpu", False):
             from .nxdi_cpu.ranks import close_pools

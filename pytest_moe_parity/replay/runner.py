@@ -174,6 +174,13 @@ class ParityRunner:
         result.golden_dtype = self.golden.dtype
         result.backend = cand.info
         result.notes.extend(cand.info.get("notes", []))
+        hint = cand.info.get("hint")
+        if not result.passed:
+            more = self.backend.explain(point, record)
+            result.notes.extend(more.get("notes", []))
+            hint = hint or more.get("hint")
+        if not result.passed and hint:  # the backend's own evidence (e.g. its ranks') names the cause
+            result.hint = hint
         return result
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:

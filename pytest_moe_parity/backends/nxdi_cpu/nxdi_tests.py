@@ -20,4 +20,5 @@ def pytest_configure(config: pytest.Config) -> None:
     except ImportError as exc:
         raise pytest.UsageError(f"NxDI cannot be imported here ({exc}): its module tests need NxDI and NxD") from None
     testing.build_module = ranks.build_module
+    ranks.START["method"] = "spawn"  # the tests' references run first, on every core
     config.add_cleanup(ranks.close_pools)

@@ -37,9 +37,15 @@ class RankFailure(RuntimeError):
 def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp_degree: int) -> list[str]:
     """NxD's sharded loading (`get_sharded_checkpoint`, then `load_state_dict(strict=False)` as
     NxDI's CPU path does), refusing a module that would keep initial values for tensors the
-    checkpoint lacks; returns the checkpoint keys NxD dropped as unknown to the module."""
+    checkpoint lacks; returns the checkpoint keys NxD dropped as unknown to the module. NxD's
+    SPMDRank (a rank inside a traced graph) holds `arange(world_size)` in a checkpoint, as its
+    docstring asks; where a checkpoint leaves it out (NxDI's own module tests do), that is put in."""
+    from neuronx_distributed.parallel_layers.layers import SPMDRank
     from neuronx_distributed.trace.trace import get_sharded_checkpoint
 
+    for name, sub in module.named_modules():  # its documented checkpoint value, where one leaves it out
+        if isinstance(sub, SPMDRank):
+            state.setdefault(f"{name}.rank" if name else "rank", torch.arange(sub.world_size, dtype=torch.int32))
     wanted = set(module.state_dict())
     dropped = sorted(k for k in state if k not in wanted)
     with warnings.catch_warnings():
@@ -55,13 +61,13 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
     return dropped
 
 
-def _serve(rank: int, tp_degree: int, store: str, conn: Any) -> None:
+KEPT = 64  # modules a rank holds at most
+
+
+def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> None:
     os.environ["NXD_CPU_MODE"] = "1"
     standins.install()
-    # One thread, as PyTorch's DataLoader workers: a process forked after its parent ran OpenMP
-    # threads can hang at its first parallel op under GNU OpenMP (seen: NxDI's MoE test, whose
-    # reference ran first, hung in its experts' __init__)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     modules: dict[int, torch.nn.Module] = {}
     try:
         from neuronx_distributed.parallel_layers import parallel_state
@@ -85,17 +91,22 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any) -> None:
                 for entry in path:
                     if entry not in sys.path:
                         sys.path.append(entry)
-                modules.clear()  # one module at a time per rank: the parent drops the older handles
+                while len(modules) >= KEPT:  # the oldest first, where the parent did not drop them
+                    modules.pop(next(iter(modules)))
                 with torch.no_grad():
                     torch.manual_seed(0)
                     module = module_cls(**kwargs)
                     dropped = _load(module, loader(checkpoint), rank, tp_degree)
                 modules[handle] = module.eval()
                 conn.send(("ok", dropped))
+            elif op == "drop":
+                for handle in args[0]:
+                    modules.pop(handle, None)
+                continue  # no reply
             elif op == "run":
                 handle, inputs = args
                 if handle not in modules:
-                    raise RankFailure("this module was dropped: another module was built after it")
+                    raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
                 with torch.no_grad():
                     conn.send(("ok", modules[handle](*inputs)))
         except Exception as exc:
@@ -116,16 +127,23 @@ def _describe(exc: BaseException, rank: int) -> str:
 class RankPool:
     """`tp_degree` processes, each a rank of one gloo group, holding one built module at a time."""
 
-    def __init__(self, tp_degree: int):
+    def __init__(self, tp_degree: int, start: str = "fork"):
         standins.install()
         self.tp_degree = tp_degree
         self._dir = tempfile.TemporaryDirectory(prefix="moe-parity-ranks-")
-        context = _context()
+        if start not in multiprocessing.get_all_start_methods():
+            start = "spawn"
+        context = multiprocessing.get_context(start)
+        # A forked rank runs one thread, as PyTorch's DataLoader workers do: a process forked after
+        # its parent ran OpenMP threads can hang at its first parallel op under GNU OpenMP (seen:
+        # NxDI's MoE test, whose reference runs first, hung in its experts' __init__). A spawned rank
+        # (~10 s of imports) takes its share of the cores.
+        threads = 1 if start == "fork" else max(1, torch.get_num_threads() // tp_degree)
         self._conns, self._procs = [], []
         for rank in range(tp_degree):
             parent, child = context.Pipe()
             store = os.path.join(self._dir.name, "store")
-            proc = context.Process(target=_serve, args=(rank, tp_degree, store, child), daemon=True)
+            proc = context.Process(target=_serve, args=(rank, tp_degree, store, child, threads), daemon=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: a fork beside threads
                 proc.start()
@@ -158,6 +176,11 @@ class RankPool:
         dropped = self._gather(f"the build of {module_cls.__name__}")[0]
         return RankedModule(self, self._handles, dropped)
 
+    def drop(self, handles: list[int]) -> None:
+        """Frees these modules on every rank."""
+        if handles and self.alive:
+            self._broadcast("drop", handles)
+
     def run(self, handle: int, inputs: tuple[torch.Tensor, ...]) -> list[Any]:
         self._broadcast("run", handle, tuple(inputs))
         return self._gather("a forward")
@@ -177,12 +200,6 @@ class RankPool:
         self._dir.cleanup()
 
 
-def _context() -> Any:
-    """Ranks fork from this process: they start with what it imported (torch, NxD, NxDI and the
-    stand-ins: ~10 s a rank to import again). Spawned where fork is not offered."""
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-
-
 class RankedModule:
     """A module built on every rank, called as a traced NxD model is: rank 0's outputs."""
 
@@ -195,17 +212,28 @@ class RankedModule:
         self.rank_outputs = self.pool.run(self.handle, inputs)
         return self.rank_outputs[0]
 
+    def release(self) -> None:
+        """Frees the module on its ranks."""
+        self.pool.drop([self.handle])
+
 
 _POOLS: dict[int, RankPool] = {}
 
 
+# How ranks start: "fork" (they inherit this process's imports; one thread each), or "spawn" (a
+# fresh interpreter each, ~10 s of imports, then their share of the cores): NxDI's own module tests,
+# whose large references run before the ranks start, take spawn.
+START = {"method": "fork"}
+
+
 def pool(tp_degree: int) -> RankPool:
-    """The process's pool of `tp_degree` ranks (one at a time: a pool of another size closes it)."""
+    """The process's pool of `tp_degree` ranks, started on first use and kept until `close_pools`
+    (a TP differential holds two: TP N and TP 1)."""
     current = _POOLS.get(tp_degree)
-    if current is not None and current.alive:
-        return current
-    close_pools()
-    _POOLS[tp_degree] = RankPool(tp_degree)
+    if current is None or not current.alive:
+        if current is not None:
+            current.close()
+        _POOLS[tp_degree] = RankPool(tp_degree, START["method"])
     return _POOLS[tp_degree]
 
 

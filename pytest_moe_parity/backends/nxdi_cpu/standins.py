@@ -104,10 +104,24 @@ def platform_target() -> str:
     return os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
 
 
-# What the stand-ins answer for real: host queries that NxD and NxDI make on their CPU paths too.
+def custom_allclose(expected: Any, actual: Any, atol: float = 1e-5, rtol: float = 1e-5) -> tuple[bool, float]:
+    """torch_neuronx's comparison that NxDI's `check_accuracy_embeddings` calls: "equivalent to
+    torch.allclose except rtol is multiplied by absolute max" (NxDI's `utils/accuracy.py`);
+    (passed, the largest absolute difference). Plain math, no device."""
+    import torch
+
+    expected, actual = torch.as_tensor(expected).double(), torch.as_tensor(actual).double()
+    diff = (actual - expected).abs()
+    passed = bool((diff <= atol + rtol * expected.abs().max()).all())
+    return passed, float(diff.max()) if diff.numel() else 0.0
+
+
+# What the stand-ins answer for real: host queries that NxD and NxDI make on their CPU paths too,
+# and torch_neuronx's plain-math helpers that NxDI's tests call.
 HOST_QUERIES = {
     "torch_neuronx.utils.get_platform_target": platform_target,
     "torch_neuronx.utils.utils.get_platform_target": platform_target,
+    "torch_neuronx.testing.validation.custom_allclose": custom_allclose,
 }
 
 
