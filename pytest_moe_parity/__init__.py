@@ -2,10 +2,10 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree <- golden, judge <- record, dump <- backends <- replay <- report <- session <- plugin, cli
+points, dtypes, errors, tree, compat <- golden, judge <- record, dump <- backends <- replay <- report <- session <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
-  call structures (no torch needed at import)
+  call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config
 - golden: the recorded call format and the golden store (write and read); judge: metrics,
   tolerances and verdicts
 - record: where capture points live in a model, loading a checkpoint one unit (decoder layer or

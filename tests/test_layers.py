@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 # lowest first; a module may import from its own layer's package (inside a sub-package) and below
 LAYERS = [
-    {"points", "dtypes", "errors", "tree"},
+    {"points", "dtypes", "errors", "tree", "compat"},
     {"golden", "judge"},
     {"record", "dump"},
     {"backends"},
@@ -26,6 +26,7 @@ ORDER = [
     "dtypes",
     "errors",
     "tree",
+    "compat",
     "golden",
     "judge",
     "record",
