@@ -64,6 +64,18 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
 KEPT = 64  # modules a rank holds at most
 
 
+class XlaSemantics(torch.overrides.TorchFunctionMode):
+    """What a traced graph computes where eager torch is stricter: torch_xla's `torch.where` takes a
+    non-boolean condition as `condition != 0` (checked with torch_xla 2.9 on its CPU device), and
+    NxDI's own module tests feed a float mask to token generation's `torch.where`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.where and args and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.bool:
+            args = (args[0] != 0, *args[1:])
+        return func(*args, **kwargs)
+
+
 def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> None:
     os.environ["NXD_CPU_MODE"] = "1"
     standins.install()
@@ -107,7 +119,7 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                 handle, inputs = args
                 if handle not in modules:
                     raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
-                with torch.no_grad():
+                with torch.no_grad(), XlaSemantics():
                     conn.send(("ok", modules[handle](*inputs)))
         except Exception as exc:
             conn.send(("error", _describe(exc, rank)))
