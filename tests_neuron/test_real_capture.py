@@ -32,12 +32,6 @@ def cpu_group():
             torch.distributed.destroy_process_group()
 
 
-def first_tensor(value):
-    while isinstance(value, tuple | list):
-        value = value[0]
-    return value
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_the_capture_table_names_what_nxdi_keeps(arch: str, t5: Path, cpu_group, monkeypatch) -> None:
     from neuronx_distributed.utils.tensor_capture import api
@@ -81,9 +75,9 @@ def test_the_capture_table_names_what_nxdi_keeps(arch: str, t5: Path, cpu_group,
     finally:
         api.disable_tensor_capture(model)
     for pid, name in names.items():
-        expected = first_tensor(golden.load(pid).output)
+        expected = nxdi.first_tensor(golden.load(pid).output)
         assert kept[name].shape == expected.shape, (pid, name, kept[name].shape, expected.shape)
     # self_attn's own first output is its cos cache, not its output: the table names o_proj
-    attention = first_tensor(golden.load("layer_0.attention").output)
+    attention = nxdi.first_tensor(golden.load("layer_0.attention").output)
     assert kept["layers.0.self_attn"].shape != attention.shape
     assert "cos cache" in json.loads((MAPS_DIR / f"{arch}.json").read_text())["notes"]["layer_{layer}.attention"]
