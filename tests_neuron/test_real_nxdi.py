@@ -213,3 +213,20 @@ def test_weight_items_say_why_they_are_left_out_on_the_neuron_stack(
         result.ret == 0
         and "weights" not in result.stdout.str().split("moe-parity: no weight items")[1].split("\n", 1)[1]
     )
+
+
+def test_a_tensor_the_checkpoint_lacks_is_an_error_not_an_initial_value(
+    t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NxD's loading (`load_state_dict(strict=False)`, as NxDI's CPU path calls it) keeps a module's
+    initial values for what the checkpoint lacks, quietly; the CPU build refuses at that point."""
+    under = nxdi.under
+    monkeypatch.setattr(
+        nxdi, "under", lambda converted, prefix: {k: v for k, v in under(converted, prefix).items() if k != "weight"}
+    )
+    result = run_parity(
+        pytester, t5 / "qwen3_moe-golden", *CPU, "-k", "layer_0.input_norm", model=t5 / "qwen3_moe-model"
+    )
+    result.assert_outcomes(errors=3)  # the prefill's and the two decode steps'
+    lacks = "the checkpoint has no tensor for 1 of the module's (inner.weight): NxD would leave them at their initial"
+    result.stdout.fnmatch_lines([f"*layer_0.input_norm: the backend raised RankFailure: rank 0: RankFailure: {lacks}*"])

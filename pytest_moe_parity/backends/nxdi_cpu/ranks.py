@@ -12,6 +12,7 @@ rank's outputs of its last call (`rank_outputs`), the per-rank evidence a TP fai
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import multiprocessing
@@ -37,7 +38,9 @@ class RankFailure(RuntimeError):
 def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp_degree: int) -> list[str]:
     """NxD's sharded loading (`get_sharded_checkpoint`, then `load_state_dict(strict=False)` as
     NxDI's CPU path does), refusing a module that would keep initial values for tensors the
-    checkpoint lacks; returns the checkpoint keys NxD dropped as unknown to the module. NxD's
+    checkpoint lacks (NxD's loading would leave them as initialised, quietly); returns the checkpoint
+    keys NxD dropped as unknown to the module (`RankedModule.dropped_keys`: in a clean NxDI build the
+    names its preshard hooks copied elsewhere, e.g. q_proj into qkv_proj, so not a finding). NxD's
     SPMDRank (a rank inside a traced graph) holds `arange(world_size)` in a checkpoint, as its
     docstring asks; where a checkpoint leaves it out (NxDI's own module tests do), that is put in."""
     from neuronx_distributed.parallel_layers.layers import SPMDRank
@@ -47,10 +50,16 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
         if isinstance(sub, SPMDRank):
             state.setdefault(f"{name}.rank" if name else "rank", torch.arange(sub.world_size, dtype=torch.int32))
     wanted = set(module.state_dict())
-    dropped = sorted(k for k in state if k not in wanted)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Removing redundant keys from checkpoint")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         get_sharded_checkpoint(state, module, rank, tp_degree)
+    dropped: list[str] = []
+    for warning in said:  # NxD drops what its preshard hooks left unknown to the module, and warns only
+        text = str(warning.message)
+        if text.startswith(REDUNDANT):
+            dropped += ast.literal_eval(text[len(REDUNDANT) :].strip())
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     missing = sorted(wanted - set(state))
     if missing:
         raise RankFailure(
@@ -62,6 +71,7 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
 
 
 KEPT = 64  # modules a rank holds at most
+REDUNDANT = "Removing redundant keys from checkpoint:"  # NxD's preprocess_checkpoint
 
 
 class XlaSemantics(torch.overrides.TorchFunctionMode):
