@@ -230,3 +230,28 @@ def test_a_tensor_the_checkpoint_lacks_is_an_error_not_an_initial_value(
     result.assert_outcomes(errors=3)  # the prefill's and the two decode steps'
     lacks = "the checkpoint has no tensor for 1 of the module's (inner.weight): NxD would leave them at their initial"
     result.stdout.fnmatch_lines([f"*layer_0.input_norm: the backend raised RankFailure: rank 0: RankFailure: {lacks}*"])
+
+
+def test_a_dump_compares_on_the_neuron_stack(t5: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`moe-parity compare` (the dump route) and `show` on a transformers-5 golden under 4.57: a dump
+    of the golden's own prefill outputs, under the points' module names, passes every point it holds."""
+    from safetensors.torch import save_file
+
+    from pytest_moe_parity.cli import main
+
+    golden = GoldenStore(t5 / "mixtral-golden")
+    tensors = {}
+    for point in (p for p in golden.points if p.step is None):  # the prefill's points
+        output = golden.load(point).output
+        leaves = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+        if len(leaves) == 1:
+            tensors[point.module] = leaves[0].contiguous()
+        else:
+            tensors.update({f"{point.module}.{i}": t.contiguous() for i, t in enumerate(leaves)})
+    (tmp_path / "dump").mkdir()
+    save_file(tensors, str(tmp_path / "dump" / "dump.safetensors"))
+    assert main(["show", str(t5 / "mixtral-golden")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(t5 / "mixtral-golden"), str(tmp_path / "dump")]) == 0
+    out = capsys.readouterr().out
+    assert "first divergence: none" in out and " 0 failed, 0 errors" in out
