@@ -17,14 +17,19 @@ from pytest_moe_parity.backends.nxdi_cpu import ranks, standins
 
 @pytest.fixture
 def standin_packages(monkeypatch):
-    """The stand-ins installed for this test only (the finder and the modules it made removed)."""
-    before = list(sys.meta_path)
-    yield standins.install()
-    monkeypatch.setattr(sys, "meta_path", before)
-    torch.classes.__dict__.pop("neuron", None)
+    """The stand-ins installed for this test only: what another test imported of these packages (the
+    doubles of tests/doubles) is hidden meanwhile, and the finder and its modules go afterwards."""
     for name in [m for m in sys.modules if m.partition(".")[0] in standins.ROOTS]:
-        if getattr(sys.modules[name], "__standin__", False):
-            del sys.modules[name]
+        monkeypatch.delitem(sys.modules, name)
+    before = list(sys.meta_path)
+    try:
+        yield standins.install()
+    finally:
+        sys.meta_path[:] = before
+        torch.classes.__dict__.pop("neuron", None)
+        for name in [m for m in sys.modules if m.partition(".")[0] in standins.ROOTS]:
+            if getattr(sys.modules[name], "__standin__", False):
+                del sys.modules[name]
 
 
 def test_a_missing_neuron_package_imports_as_a_stand_in_that_raises_when_called(standin_packages) -> None:
