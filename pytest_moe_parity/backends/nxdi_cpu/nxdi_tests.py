@@ -11,12 +11,14 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from ..nxdi import upstream_warnings
     from . import ranks, standins
 
     standins.install()
     os.environ["NXD_CPU_MODE"] = "1"
     try:
-        from neuronx_distributed_inference.utils import testing
+        with upstream_warnings():
+            from neuronx_distributed_inference.utils import testing
     except ImportError as exc:
         raise pytest.UsageError(f"NxDI cannot be imported here ({exc}): its module tests need NxDI and NxD") from None
     testing.build_module = ranks.build_module
