@@ -60,5 +60,15 @@ class BackendFailure(ParityError):
         return f"{self}\n\n" + "".join(tb.format()).rstrip()
 
 
+class BackendStartFailure(BackendFailure):
+    """The backend raised in `start()`, before its first point: no point can run, so the run reports
+    it once, as the backend's failure, and stops."""
+
+    def __init__(self, point_id: str, exc: BaseException):
+        super().__init__(point_id, exc)
+        what = str(exc) if isinstance(exc, ParityError) else f"{type(exc).__name__}: {exc}"
+        self.args = (f"the backend failed to start (before {point_id}, its first point): {what}",)
+
+
 class UnusableOutput(ParityError):
     """A candidate output the verdict cannot use (a shape or structure unlike the golden's)."""

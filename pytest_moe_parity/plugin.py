@@ -353,7 +353,7 @@ class ParityItem(pytest.Item):
         self.row: dict[str, Any] | None = None
 
     def setup(self) -> None:
-        from .errors import BackendFailure, GoldenError, PointUnavailable
+        from .errors import BackendFailure, BackendStartFailure, GoldenError, PointUnavailable
 
         session = _session(self.config)
         assert session is not None
@@ -364,6 +364,9 @@ class ParityItem(pytest.Item):
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
         except GoldenError as exc:
             message = str(exc)
+        except BackendStartFailure as exc:  # no point can run: said once, at this one, and the run stops
+            self.session.shouldfail = f"moe-parity: --hw {session.hw}: {exc}"
+            message = exc.report()
         except BackendFailure as exc:
             message = exc.report()
         pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown

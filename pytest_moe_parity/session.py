@@ -397,6 +397,8 @@ class ParitySession:
                 row = status_row(point, "error", str(exc))
             self.record(row)
             yield row
+            if self.runner.start_failure is not None:  # no point can run: said once, at the first
+                return
 
     # -- rows and reports -----------------------------------------------------------------------
     def record(self, row: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 import tomllib
 import torch
-from helpers import read_json, run_parity, session, usage_error
+from helpers import NO_WEIGHTS, read_json, run_parity, session, usage_error
 
 from pytest_moe_parity import backends
 from pytest_moe_parity.backends import Backend, BackendError, BackendSetup, CandidateOutput, parse_hw_options
@@ -170,15 +170,25 @@ def test_an_error_alone_is_no_divergence(monkeypatch, pytester: pytest.Pytester,
 class FailingStart(TorchBackend):
     name = "failing-start"
 
-    def start(self):
+    def _start(self):
         raise OSError("no NeuronCore visible")
 
 
-def test_a_failing_start_errors_at_the_first_point(monkeypatch, pytester: pytest.Pytester, golden_dir) -> None:
+@pytest.mark.parametrize("mode", ["isolated", "chain"])
+def test_a_failing_start_is_said_once_and_stops_the_run(
+    mode: str, monkeypatch, pytester: pytest.Pytester, golden_dir
+) -> None:
+    """No point can run on a backend that did not start: one error, the backend's, and the run stops
+    (without -x), in either mode; start() is not tried again."""
+    starts: list[int] = []
+    monkeypatch.setattr(FailingStart, "start", lambda self: starts.append(1) or FailingStart._start(self))
     register(monkeypatch, FailingStart)
-    result = run_parity(pytester, golden_dir("olmoe"), "--hw", "failing-start", "-x")
+    golden = golden_dir("olmoe", noise="bfloat16")
+    result = run_parity(pytester, golden, "--hw", "failing-start", "--parity-mode", mode, NO_WEIGHTS)
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["embedding: the backend raised OSError: no NeuronCore visible", "*in start*"])
+    said = "the backend failed to start (before embedding, its first point): OSError: no NeuronCore visible"
+    result.stdout.fnmatch_lines([said, "*in _start*", f"*moe-parity: --hw failing-start: {said}*"])
+    assert result.ret == 1 and len(starts) == 1
 
 
 class Unconfigurable(Backend):

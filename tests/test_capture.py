@@ -229,9 +229,10 @@ def test_a_pt_file_of_another_object_is_one_line(tmp_path: Path, golden_dir, cap
     assert code == 1 and "holds a dict, not a tensor or a tuple of tensors" in out
 
 
-def test_the_dtype_is_given_or_the_goldens_never_guessed(tmp_path: Path, golden_dir, tiny_model, capsys) -> None:
-    """float32 logits among a bf16 dump no longer decide the dtype (they sorted first); the golden's
-    dtype is taken, and the closing line says where it came from and what the dump holds."""
+def test_the_dtype_is_given_or_the_dumped_outputs_never_guessed(tmp_path: Path, golden_dir, tiny_model, capsys) -> None:
+    """float32 logits among a bf16 dump do not decide the dtype (they sorted first): the outputs the
+    points find do, every one of them; a --dtype unlike the dump's gets a closing line that says what
+    the dump holds."""
     golden = golden_dir("mixtral")
     run = session(golden, tiny_model("mixtral"), dtype="bfloat16")
     tensors = {"a_logits": torch.zeros(2, dtype=torch.float32)}
@@ -241,9 +242,13 @@ def test_the_dtype_is_given_or_the_goldens_never_guessed(tmp_path: Path, golden_
     save_file(tensors, str(tmp_path / "d" / "dump.safetensors"))
     code, out, _ = cli(capsys, "compare", golden, tmp_path / "d")
     n = len(run.points)
+    outputs = len([p for p in run.points if p.component != "router"])
+    assert code == 1 and "first divergence: rotary" in out  # only the first of (cos, sin) was dumped
+    assert f"compared {n} of {n} points, candidate dtype bfloat16 (from all {outputs} dumped outputs" in out
+    code, out, _ = cli(capsys, "compare", golden, tmp_path / "d", "--dtype", "float32")
     assert code == 1
     assert (
-        f"compared {n} of {n} points, candidate dtype float32 (from the golden); {n} of {n + 1} dumped "
+        f"compared {n} of {n} points, candidate dtype float32 (from --dtype); {n} of {n + 1} dumped "
         "tensors are bfloat16: pass --dtype bfloat16 if the candidate computed in it" in out
     )
 

@@ -309,3 +309,28 @@ def test_errors_below_an_eighth_of_the_dtypes_epsilon_are_not_ratios() -> None:
     assert res.noise_ratio == pytest.approx(8e-4 / floor) and res.passed
     res = judge_point(point, golden, golden * (1 + 2.5e-3), tol, torch.bfloat16, noise=noise, fixed=False)
     assert res.noise_ratio == pytest.approx(2.5e-3 / floor) and not res.passed
+
+
+def test_a_points_chain_runs_each_point_once(golden_dir, tiny_model, cache_dir) -> None:
+    """A `chain = "points"` backend (trace) is called once per point in a forward-order chained run,
+    however many layers: earlier layers' outputs are forgotten as the chain moves on, never recomputed.
+    A point asked for again after its layer was forgotten is computed again, from the start."""
+    import torch
+
+    golden = golden_dir("qwen3_moe", layers=6)
+    run = session(golden, tiny_model("qwen3_moe", 6), hw="trace", hw_options=[f"cache_dir={cache_dir}"], mode="chain")
+    backend = run.runner.backend
+    calls: list[str] = []
+    real = backend.run
+    backend.run = lambda point, inputs: calls.append(point.id) or real(point, inputs)
+    try:
+        ids = run.golden.point_ids
+        results = [run.runner.run(pid) for pid in ids]
+        assert all(r.passed for r in results), [r.to_row() for r in results if not r.passed]
+        assert calls == ids  # each point once, in forward order
+        first = run.runner.prepare("layer_1.output").chain.output  # forgotten: computed again up to it
+        again = run.runner.prepare("layer_1.output").chain.output  # kept this time
+        assert len(calls) == len(ids) + ids.index("layer_1.output") + 1
+        assert torch.equal(first, again)
+    finally:
+        run.close()

@@ -207,3 +207,50 @@ def test_dump_needs_a_location_and_takes_its_map_as_an_option(
         run_parity(pytester, golden, "--hw", "dump", "--hw-option", "device=cuda", model=dump),
         "--hw-option device=cuda: the dump backend has no option 'device'; its options: map",
     )
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_a_dump_under_the_port_s_own_names_needs_its_map(fmt: str, tmp_path: Path, golden_dir, tiny_model, capsys):
+    """A forgotten map file: the dump's names mostly match no point, so the run is a usage error that
+    lists what matched nothing and points at the map, never "compared 2 of 32 points", exit 0."""
+    golden = golden_dir("qwen3_moe")
+    dump = write_dump(
+        golden, tiny_model("qwen3_moe"), tmp_path / "dump", fmt=fmt,
+        name=lambda p: f"decoder.{p.layer}.{p.component}_out" if p.layer is not None else p.id,
+    )  # fmt: skip
+    code, out, err = compare(capsys, golden, dump)
+    assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+    prefill = len(GoldenStore(golden).point_ids)
+    assert f"matches 4 of the golden's {prefill} prefill points" in err
+    assert "dumped tensors match no point (decoder.0.attention_out" in err
+    assert "no tensor was found for layer_0.input_norm, layer_0.attention" in err
+    assert 'pass a map file of point ids to dumped names (--map FILE, --parity-map FILE), e.g. {"layer_{layer}' in err
+    mapping = tmp_path / "map.json"
+    components = {p.component for p in GoldenStore(golden).points if p.layer is not None}
+    mapping.write_text(json.dumps({f"layer_{{layer}}.{c}": f"decoder.{{layer}}.{c}_out" for c in components}))
+    code, out, err = compare(capsys, golden, dump, "--map", mapping)
+    assert code == 0 and f"{prefill} points: {prefill} passed" in out, out + err
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_the_dump_s_own_dtype_is_the_candidate_s(fmt: str, tmp_path: Path, golden_dir, tiny_model, capsys) -> None:
+    """Without --dtype, a dump whose floating tensors are all bf16 is a bf16 candidate (every file is
+    looked at, routers aside: their weights are float32 in a bf16 transformers model); one output in
+    float32 among them is one line asking for --dtype."""
+    golden = golden_dir("mixtral")
+    dump = write_dump(golden, tiny_model("mixtral"), tmp_path / "dump", fmt=fmt)
+    code, out, err = compare(capsys, golden, dump)
+    n = len(GoldenStore(golden).point_ids)
+    assert code == 0 and f"{n} points: {n} passed" in out, out + err
+    outputs = len([p for p in GoldenStore(golden).points if p.component != "router"])
+    assert f"candidate dtype bfloat16 (from all {outputs} dumped outputs but the routers' are bfloat16)" in out
+    if fmt == "pt":
+        torch.save(torch.zeros(2, dtype=torch.float32), dump / "layer_3.attention.pt")
+    else:
+        save_file({"layer_3.attention": torch.zeros(2)}, str(dump / "extra.safetensors"))
+    code, _, err = compare(capsys, golden, dump)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    several = f"are in several dtypes ({outputs - 1} bfloat16, 1 float32 (layer_3.attention)): pass --dtype with the"
+    assert several in err, err
+    code, out, _ = compare(capsys, golden, dump, "--dtype", "bfloat16")  # the point id is looked for first
+    assert code == 1 and "first divergence: layer_3.attention" in out

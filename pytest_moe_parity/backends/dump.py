@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, parse_dtype
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
-from ..points import TEMPLATE_EXAMPLES, Point, is_point_template
+from ..points import ROUTER, TEMPLATE_EXAMPLES, Point, is_point_template
 from ..tree import leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
 from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
@@ -45,6 +45,7 @@ _SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
 _RANK_DIR = re.compile(r"^(?:tp_)?rank_?(\d+)$")
 _RANK_SUFFIX = re.compile(r"^(.+)\.rank(\d+)$")
 _MAP_KEYS = {"name", "concat_dim", "ranks"}
+_RANK_PART = re.compile(r"\.\d+$")  # NAME.0, NAME.1: the parts of one output
 
 
 class DumpError(BackendError):
@@ -316,6 +317,24 @@ class DumpDir:
                 census[dtype] = census.get(dtype, 0) + 1
         return census
 
+    def dtype_of(self, name: str) -> str | None:
+        """The floating dtype of the tensor under `name` (a `.pt` file's first tensor), from its header
+        or the capture's metadata, or a `.pt` file opened memory-mapped (`weights_only=True`, its data
+        not read); None for an integer tensor, or a file that cannot be opened (an error at its point)."""
+        if name not in self._index:
+            name = f"{name}.0"  # the first of a point's several outputs
+        if name in self.dtypes:
+            return self.dtypes[name]
+        path, key = next(iter(self._index[name].values()))
+        if key is not None:
+            return self.dtypes.get(key)
+        try:
+            value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # said at the point that reads it
+            return None
+        first = next((t for t in leaves(value) if isinstance(t, torch.Tensor)), None)
+        return dtype_name(first.dtype) if first is not None and first.is_floating_point() else None
+
 
 def _same(a: Any, b: Any) -> bool:
     la, lb = leaves(a), leaves(b)
@@ -369,11 +388,49 @@ class DumpBackend(Backend):
         self.batch = _batch(self.golden)
         self.seq = int(self.golden.manifest["inputs"]["seq_len"])
         self._check_coverage()
+        self._dtype_from = ""
+        if setup.dtype is None:
+            self.native_dtype, self._dtype_from = self._dumped_dtype()
+
+    def _dumped_dtype(self) -> tuple[torch.dtype | None, str]:
+        """The candidate's dtype when --dtype is not given: the one every dumped output the golden's
+        points find is in (each one looked at, never guessed from one), routers aside (their weights
+        are float32 in a bf16 transformers model and in NxDI's router alike); several are a usage error."""
+        found: dict[str, list[str]] = {}
+        for point in self.golden.points:
+            located = self.dump.locate(point)
+            if located is None or point.component == ROUTER:
+                continue
+            dtype = self.dump.dtype_of(located[0])
+            if dtype is not None:
+                found.setdefault(dtype, []).append(point.id)
+        if len(found) > 1:
+            counts = ", ".join(
+                f"{len(ids)} {d}" + (f" ({', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''})" if i else "")
+                for i, (d, ids) in enumerate(sorted(found.items(), key=lambda kv: -len(kv[1])))
+            )
+            raise DumpError(
+                f"the dumped outputs in {self.dump.root} are in several dtypes ({counts}): pass --dtype with "
+                "the one the candidate computed in"
+            )
+        if not found:
+            return None, ""
+        ((dtype, ids),) = found.items()
+        return parse_dtype(dtype), f"all {len(ids)} dumped outputs but the routers' are {dtype}"
+
+    @property
+    def dtype_source(self) -> str:
+        return self._dtype_from or super().dtype_source
 
     def _check_coverage(self) -> None:
-        """A dump in which no point of the golden can be found is a mistake, not a run of skips."""
+        """A dump in which no point of the golden can be found is a mistake, not a run of skips; so is
+        one whose names mostly match nothing (a forgotten map file): fewer than half the prefill's
+        points found while dumped tensors match no point."""
         points = self.golden.points
-        if any(self.dump.locate(p) is not None for p in points):
+        located = {p.id: self.dump.locate(p) for p in points}
+        if any(found is not None for found in located.values()):
+            if self.dump.capture is None:
+                self._check_names(located)
             return
         first = next((p for p in points if self.dump.why_missing(p) is None), points[0])
         tried = self.dump.candidates(first)
@@ -382,6 +439,20 @@ class DumpBackend(Backend):
             f"no dumped tensor in {self.dump.root} matches a point of the golden (looked for {first.id} "
             f"as {', '.join(tried)}; the dump's nearest names: {', '.join(nearest) or 'none'}); "
             "pass a map file of point ids to dumped names"
+        )
+
+    def _check_names(self, located: dict[str, tuple[str, Source] | None]) -> None:
+        used = {name for found in located.values() if found is not None for name in (found[0],)}
+        unmatched = [n for n in self.dump.names if n not in used and _RANK_PART.sub("", n) not in used]
+        prefill = [p for p in self.golden.points if p.step is None]
+        missing = [p.id for p in prefill if located[p.id] is None]
+        if not unmatched or len(missing) * 2 <= len(prefill):
+            return
+        raise DumpError(
+            f"the dump {self.dump.root} matches {len(prefill) - len(missing)} of the golden's {len(prefill)} "
+            f"prefill points: {len(unmatched)} dumped tensors match no point ({_some(unmatched)}) and no tensor "
+            f"was found for {_some(missing)}; pass a map file of point ids to dumped names (--map FILE, "
+            f'--parity-map FILE), e.g. {{"layer_{{layer}}.attention": "{_example(unmatched)}"}}'
         )
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
@@ -437,6 +508,15 @@ class DumpBackend(Backend):
         if missing:
             line += f"; not in the dump: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
         return [line]
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _example(names: list[str]) -> str:
+    """A dumped name as a map template: its first layer-like number as `{layer}`."""
+    return re.sub(r"(?<=[._])\d+(?=[._]|$)", "{layer}", names[0], count=1)
 
 
 def _batch(golden: GoldenStore) -> int:

@@ -201,14 +201,20 @@ class PointChain(Chain):
     def __init__(self, runner: ParityRunner):
         super().__init__(runner)
         self._done: dict[str, CandidateOutput | PointUnavailable | BackendFailure] = {}
+        self._next = 0  # the index of the first point (in forward order) not computed yet
         self._layers: list[int] = []
         self._missing: dict[str, list[str]] = {}  # point -> inputs left golden (their origin is missing)
+        self.calls = 0  # points computed: once each in a forward-order run
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
-        if point.id not in self._done:
-            for earlier in self.golden.points[: self.golden.point_ids.index(point.id) + 1]:
-                if earlier.id not in self._done:
-                    self._compute(earlier)
+        index = self.golden.point_ids.index(point.id)
+        if point.id not in self._done and index < self._next:  # asked again after its layer was forgotten
+            self._done.clear()
+            self._layers.clear()
+            self._next = 0
+        for earlier in self.golden.points[self._next : index + 1]:  # each point once, in forward order
+            self._compute(earlier)
+        self._next = max(self._next, index + 1)
         out = self._done[point.id]
         if isinstance(out, PointUnavailable | BackendFailure):
             raise out
@@ -221,7 +227,7 @@ class PointChain(Chain):
         return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, info)
 
     def _chained(self, point: Point):
-        missing = self._missing.setdefault(point.id, [])
+        missing = self._missing[point.id] = []
 
         def lookup(origin: Spec) -> torch.Tensor | None:
             if "sum" in origin:
@@ -238,6 +244,7 @@ class PointChain(Chain):
         return lookup
 
     def _compute(self, point: Point) -> None:
+        self.calls += 1
         record = self.golden.load(point, chained=self._chained(point))
         try:
             out = self.runner.call(point, record)
@@ -269,6 +276,8 @@ class PointChain(Chain):
 
     def close(self) -> None:
         self._done.clear()
+        self._layers.clear()
+        self._next = 0
 
 
 class RecordedChain(Chain):

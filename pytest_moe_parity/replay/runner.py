@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..backends import Backend, CandidateOutput
-from ..errors import BackendFailure, PointUnavailable, UnusableOutput
+from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import PointResult, judge_point
@@ -51,6 +51,7 @@ class ParityRunner:
         self.cli_tolerances = list(cli_tolerances)
         self.ini_tolerances = list(ini_tolerances)
         self.started = False
+        self.start_failure: BackendStartFailure | None = None  # what start() raised, raised again after
         self.freeze_gc = freeze_gc  # whether start() may freeze the objects alive then
         self._froze = False  # whether it did (close() thaws them)
         self._router_cache: dict[str, GoldenRecord] = {}
@@ -68,14 +69,18 @@ class ParityRunner:
         )
 
     def start(self, point: Point) -> None:
-        """Start the backend before its first point (its failure is an error of that point)."""
+        """Start the backend before its first point. Its failure is the backend's, said once: every
+        later point raises the same failure, never a second start."""
+        if self.start_failure is not None:
+            raise self.start_failure
         if not self.started:
             try:
                 self.backend.start()
             except (PointUnavailable, KeyboardInterrupt):
                 raise
             except Exception as exc:
-                raise BackendFailure(point.id, exc) from exc
+                self.start_failure = BackendStartFailure(point.id, exc)
+                raise self.start_failure from exc
             self.started = True
             self._froze = self.freeze_gc and freeze_long_lived()
 
