@@ -85,7 +85,19 @@ BAD_GOLDEN_ARGS = {
     "ids not numbers": (["--model", "{model}", "--input-ids", "1,x"], "comma-separated integers"),
     "zero seq len": (["--model", "{model}", "--seq-len", "0"], "at least 1"),
     "bad dtype": (["--model", "{model}", "--dtype", "float33"], "not a torch dtype"),
+    "decode steps past the context": (
+        ["--model", "{model}", "--decode-steps", "100000"],
+        "16 prompt tokens and 100000 decode steps reach position 100016, beyond the model's context of "
+        "[0-9]+ tokens \\(max_position_embeddings\\): ask for fewer",
+    ),
+    "prompt past the context": (["--model", "{model}", "--seq-len", "10000000"], "beyond the model's context of"),
 }
+
+
+def test_an_estimate_past_the_model_s_context_is_bad_input(tiny_model, capsys) -> None:
+    code, out, err = run(capsys, "estimate", "--model", str(tiny_model("qwen3_moe")), "--seq-len", str(10**12))
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert f"{10**12} tokens are beyond the model's context of" in err
 
 
 @pytest.mark.parametrize("case", sorted(BAD_GOLDEN_ARGS))

@@ -105,17 +105,30 @@ def test_bad_compare_input(setup, message, tmp_path: Path, golden_dir, capsys) -
     assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
-def test_pt_files_are_never_unpickled(tmp_path: Path, golden_dir, capsys) -> None:
+@pytest.mark.parametrize("content", ["pickle", "garbage", "dict"])
+def test_pt_files_are_never_unpickled(content: str, tmp_path: Path, pytester, golden_dir, capsys) -> None:
+    """A `.pt` file that is not tensors is one line naming it before anything runs (exit 2, pytest's 4),
+    never torch's text with its advice to pass weights_only=False, nor a warning."""
     import pickle
 
     class Evil:
         def __reduce__(self):
             return (print, ("pwned",))
 
-    (tmp_path / "embedding.pt").write_bytes(pickle.dumps(Evil()))
-    code, out, err = compare(capsys, golden_dir("olmoe"), tmp_path)  # read when its point comes: an error of it
-    assert code == 1 and "pwned" not in out + err
-    assert "backend errors: 1, first at embedding: " in out and "cannot be loaded with weights_only=True" in out
+    path = tmp_path / "d" / "embedding.pt"
+    path.parent.mkdir()
+    if content == "dict":
+        torch.save({"a": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(pickle.dumps(Evil()) if content == "pickle" else b"not a file torch.save wrote")
+    save_file({"logits": torch.zeros(2)}, str(tmp_path / "d" / "rest.safetensors"))
+    code, out, err = compare(capsys, golden_dir("olmoe"), path.parent)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "pwned" not in out + err, err
+    said = "holds a dict, not a tensor" if content == "dict" else "cannot be read as tensors: torch.load(weights_only"
+    assert f"{path} {said}" in err and "weights_only=False" not in err and "Warning" not in err
+    result = run_parity(pytester, golden_dir("olmoe"), "--hw", "dump", model=path.parent)
+    usage_error(result, f"--hw dump: {path} {said}")
+    assert "weights_only=False" not in result.stderr.str() + result.stdout.str()
 
 
 def test_compare_on_a_bad_golden(tmp_path: Path, capsys) -> None:

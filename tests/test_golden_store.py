@@ -181,3 +181,36 @@ def test_overwrite_clears_an_old_golden(golden_copy: Path) -> None:
     writer = GoldenWriter(golden_copy, overwrite=True)
     writer.prepare()
     assert list(golden_copy.iterdir()) == []
+
+
+def test_a_point_listed_twice_is_refused(golden_copy: Path) -> None:
+    _edit_manifest(golden_copy, lambda m: m["points"].insert(5, dict(m["points"][3])))
+    pid = json.loads((golden_copy / MANIFEST).read_text())["points"][3]["id"]
+    with pytest.raises(GoldenError, match=rf"manifest.json lists point {pid} twice: the manifest was edited"):
+        GoldenStore(golden_copy)
+
+
+@pytest.mark.parametrize("lie", ["dtype", "shape"])
+def test_a_manifest_that_lies_about_a_tensor_is_refused_verify_included(lie: str, golden_copy: Path, capsys) -> None:
+    """The sha256s hold (the files are as recorded) while the manifest says another dtype or shape:
+    `show --verify` and the point's read both refuse it, naming the tensor."""
+    from pytest_moe_parity.cli import main
+
+    entry = json.loads((golden_copy / MANIFEST).read_text())["points"][3]
+    key = next(iter(entry["tensors"]))
+    said = "bfloat16" if lie == "dtype" else entry["tensors"][key]["dtype"]
+
+    def edit(m):
+        spec = m["points"][3]["tensors"][key]
+        if lie == "dtype":
+            spec["dtype"] = "bfloat16"
+        else:
+            spec["shape"] = [*spec["shape"][:-1], spec["shape"][-1] + 1]
+
+    _edit_manifest(golden_copy, edit)
+    message = rf"{entry['id']}'s tensor {key} is float32 \[.*\] in its file, but the manifest says {said} \[.*record"
+    with pytest.raises(GoldenError, match=message):
+        GoldenStore(golden_copy).load(entry["id"])
+    assert main(["show", str(golden_copy), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "but the manifest says" in err

@@ -145,6 +145,10 @@ class DumpDir:
             self._index_files()
         if not self._index:
             raise DumpError(f"{self.root} holds no .safetensors or .pt files")
+        for pieces in self._index.values():  # every .pt file opens as tensors, or the run does not start
+            for path, key in pieces.values():
+                if key is None:
+                    load_pt(path, mmap=True)
 
     def _index_capture(self, model_type: str | None) -> None:
         self.capture = read_capture(self.root)
@@ -212,18 +216,7 @@ class DumpDir:
             with safe_open(str(f), framework="pt") as fh:
                 return fh.get_tensor(key)
         if self._pt_last is None or self._pt_last[0] != f:
-            try:
-                value = torch.load(f, map_location="cpu", weights_only=True)
-            except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
-                raise DumpError(f"{f} cannot be loaded with weights_only=True ({type(exc).__name__}: {exc})") from None
-            if not isinstance(value, torch.Tensor | tuple | list) or not all(
-                isinstance(t, torch.Tensor) for t in leaves(value)
-            ):
-                raise DumpError(
-                    f"{f} holds a {type(value).__name__}, not a tensor or a tuple of tensors: save each "
-                    "output as a tensor (torch.save(tensor, path))"
-                )
-            self._pt_last = (f, value)
+            self._pt_last = (f, load_pt(f))
         return self._pt_last[1]
 
     def _whole(self, name: str, source: Source, point: Point) -> tuple[Any, list[str]]:
@@ -319,8 +312,8 @@ class DumpDir:
 
     def dtype_of(self, name: str) -> str | None:
         """The floating dtype of the tensor under `name` (a `.pt` file's first tensor), from its header
-        or the capture's metadata, or a `.pt` file opened memory-mapped (`weights_only=True`, its data
-        not read); None for an integer tensor, or a file that cannot be opened (an error at its point)."""
+        or the capture's metadata, or a `.pt` file opened memory-mapped (its data not read); None for an
+        integer tensor."""
         if name not in self._index:
             name = f"{name}.0"  # the first of a point's several outputs
         if name in self.dtypes:
@@ -328,12 +321,38 @@ class DumpDir:
         path, key = next(iter(self._index[name].values()))
         if key is not None:
             return self.dtypes.get(key)
-        try:
-            value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:  # said at the point that reads it
-            return None
+        value = load_pt(path, mmap=True)
         first = next((t for t in leaves(value) if isinstance(t, torch.Tensor)), None)
         return dtype_name(first.dtype) if first is not None and first.is_floating_point() else None
+
+
+def load_pt(path: Path, *, mmap: bool = False) -> Any:
+    """A `.pt` file's tensor, or tuple or list of tensors, read with `weights_only=True` (memory-mapped
+    with `mmap`: nothing but its structure is read). Anything else, or a file torch cannot read that
+    way, is one line naming the file: never torch's advice to turn the safety off."""
+    import pickle
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on legacy files: the line below says it all
+            value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        if mmap and "mmap" in str(exc):  # a legacy (not zip) file: torch maps zip files only
+            return load_pt(path)
+        raise DumpError(
+            f"{path} cannot be read as tensors: torch.load(weights_only=True) refuses it (a file torch.save did not "
+            "write, or one that holds objects other than tensors); save each output with torch.save(tensor or tuple "
+            "of tensors, path), or as safetensors"
+        ) from None
+    if not isinstance(value, torch.Tensor | tuple | list) or not all(
+        isinstance(t, torch.Tensor) for t in leaves(value)
+    ):
+        raise DumpError(
+            f"{path} holds a {type(value).__name__}, not a tensor or a tuple of tensors: save each "
+            "output as a tensor (torch.save(tensor, path))"
+        )
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:

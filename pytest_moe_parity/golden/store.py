@@ -50,6 +50,12 @@ class GoldenRecord:
         return self.point.id
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}  # fmt: skip
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """safetensors hands out tensors at any byte offset; CPU GEMM kernels take other code paths
     (other summation orders) for unaligned data, so replaying a misaligned golden input is not
@@ -103,11 +109,17 @@ class GoldenStore:
             raise GoldenError(f"{path} lacks its 'files' or 'points' table")
         for name in files:
             self._safe_path(name)
+        seen: set[str] = set()
         for p in points:
             if not isinstance(p, dict) or not {"id", "file", "inputs", "output", "tensors"} <= p.keys():
                 raise GoldenError(f"{path}: a point entry is malformed: {str(p)[:80]}")
             if p["file"] not in files:
                 raise GoldenError(f"{path}: point {p['id']} names file {p['file']!r} absent from 'files'")
+            if p["id"] in seen:
+                raise GoldenError(
+                    f"{path} lists point {p['id']} twice: the manifest was edited or merged; record again"
+                )
+            seen.add(p["id"])
         return manifest
 
     def _point(self, entry: dict[str, Any]) -> Point:
@@ -212,9 +224,32 @@ class GoldenStore:
         return self._points.get(rid) if rid is not None else None
 
     def verify_all(self) -> None:
-        """Check every file against its sha256 (reading normally checks a file on first use)."""
+        """Check every file against its sha256 (reading normally checks a file on first use), and every
+        tensor the manifest lists against its file's header: there, in the dtype and shape it says."""
         for name in self.manifest["files"]:
             self._check_file(name, force=True)
+        for pid, entry in self._entries.items():
+            path = self._safe_path(entry["file"])
+            try:
+                with safe_open(str(path), framework="pt") as fh:
+                    available = set(fh.keys())
+                    for key, spec in entry["tensors"].items():
+                        if key not in available:
+                            raise GoldenError(f"{path} lacks tensor {key!r} listed in the manifest")
+                        piece = fh.get_slice(key)
+                        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+                        self._check_spec(pid, key, spec, dtype, list(piece.get_shape()))
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
+
+    def _check_spec(self, pid: str, key: str, spec: dict[str, Any], dtype: str, shape: list[int]) -> None:
+        """A tensor as its file holds it against what the manifest says of it."""
+        said = (spec.get("dtype"), list(spec.get("shape", [])))
+        if said != (dtype, shape):
+            raise GoldenError(
+                f"{self.root / MANIFEST}: {pid}'s tensor {key} is {dtype} {shape} in its file, "
+                f"but the manifest says {said[0]} {said[1]}: the golden was edited after recording; record it again"
+            )
 
     def _check_file(self, name: str, *, force: bool = False) -> Path:
         path = self._safe_path(name)
@@ -246,6 +281,9 @@ class GoldenStore:
                     out[key] = _aligned(fh.get_tensor(key))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
+        for key, spec in entry["tensors"].items():
+            t = out[key]
+            self._check_spec(entry["id"], key, spec, str(t.dtype).removeprefix("torch."), list(t.shape))
         return out
 
     def load(self, pid: str | Point, *, chained: Callable[[Spec], torch.Tensor | None] | None = None) -> GoldenRecord:

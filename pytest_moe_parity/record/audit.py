@@ -359,6 +359,21 @@ class Shape:
         return (5 * tokens * self.hidden + 2 * tokens * self.head_dim + tokens * self.vocab) * 4 + tokens * 16
 
 
+def check_context(context: Any, tokens: int, decode_steps: int = 0) -> None:
+    """BadInput where the prompt and the decode steps reach past the model's context (its
+    `max_position_embeddings`): such a run means nothing, and a mistyped count would run for hours."""
+    if not isinstance(context, int) or context <= 0 or tokens + decode_steps <= context:
+        return
+    if decode_steps:
+        raise BadInput(
+            f"{tokens} prompt tokens and {decode_steps} decode steps reach position {tokens + decode_steps}, beyond "
+            f"the model's context of {context} tokens (max_position_embeddings): ask for fewer"
+        )
+    raise BadInput(
+        f"{tokens} tokens are beyond the model's context of {context} (max_position_embeddings): ask for fewer"
+    )
+
+
 def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory: str | None) -> dict[str, Any]:
     model_dir = Path(model_dir)
     tensors = read_tensors(model_dir)
@@ -366,9 +381,12 @@ def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory:
     if not config_file.is_file():
         raise BadInput(f"{model_dir} has no config.json: the estimate needs the model's shape")
     try:
-        shape = Shape.from_config(json.loads(config_file.read_text()))
+        config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise BadInput(f"{config_file} is not valid JSON ({exc})") from None
+    shape = Shape.from_config(config)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    check_context(text.get("max_position_embeddings"), seq_len)
     if dtype is not None and dtype not in DTYPE_SIZES:
         raise BadInput(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
     size = DTYPE_SIZES[dtype] if dtype else None

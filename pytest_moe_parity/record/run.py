@@ -25,7 +25,7 @@ from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..points import Point, describe_layers, parse_layers
 from .archs import plan_points
-from .audit import gib, parse_memory, safetensors_files
+from .audit import check_context, gib, parse_memory, safetensors_files
 from .capture import Recorder, SliceDone, cache_kwarg
 from .dispatch import dispatch_by_unit, does_not_fit
 from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
@@ -480,6 +480,7 @@ def record_golden(
         seq_len=seq_len,
         trust_remote_code=trust_remote_code,
     )
+    check_context(getattr(config, "max_position_embeddings", None), len(ids), decode_steps)
     if out.resolve() == model_dir.resolve():
         raise BadInput("--out must not be the model directory")
     wanted_layers = layer_slice(layers, getattr(config, "num_hidden_layers", None))
@@ -524,9 +525,10 @@ def record_golden(
         what = (
             f"{n_layers} layers" if wanted_layers is None else f"layers {describe_layers(slice_layers)} of {n_layers}"
         )
+        steps = f", then {decode_steps} decode steps of {len(points)} points each" if decode_steps else ""
         say(
             f"recording {model_dir} ({plan.model_type}, {what}, {len(points)} points, "
-            f"{len(ids)} tokens, {dtype_name(torch_dtype)}) -> {out}"
+            f"{len(ids)} tokens, {dtype_name(torch_dtype)}{steps}) -> {out}"
         )
         placed = ref.placement()
         say(ref.placement_line(placed))
