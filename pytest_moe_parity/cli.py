@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("candidate", type=Path, help="directory of dumped .safetensors / .pt files")
     compare.add_argument("--map", type=Path, default=None, help="JSON map of point ids to dumped tensor names")
     compare.add_argument("--report", type=Path, default=None, help="write comparison_report/summary.json here")
+    compare.add_argument(
+        "--plots",
+        choices=("yes", "no"),
+        default="yes",
+        help="draw the report's pictures beside its JSON (default: yes)",
+    )
     compare.add_argument("--dtype", default=None, help="the candidate's dtype for the default tolerances")
     compare.add_argument(
         "--mode",
@@ -267,20 +273,20 @@ def cmd_golden(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps or 0,
             progress=say,
         )
+        seconds = result.seconds
         if noise_dtype is not None:
             device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
-            record_noise(
+            seconds += record_noise(
                 result.out, noise_dtype, model_dir=args.model, device=device,
                 trust_remote_code=args.trust_remote_code, progress=say,
-            )  # fmt: skip
+            )["recorded"]["seconds"]  # fmt: skip
     except BadInput as exc:
         return _fail(str(exc))
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
     if args.decode_steps:
         noise = f", prefill and {args.decode_steps} decode step{'s' if args.decode_steps > 1 else ''}{noise}"
     print(
-        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {result.seconds:.1f} s "
-        f"-> {result.out}"
+        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
     )
     return EXIT_OK
 
@@ -309,6 +315,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
     if "layers" in m["record"]:
         print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
+    if args.inputs:
+        ids = m["inputs"]["input_ids"]
+        rows = ids if ids and isinstance(ids[0], list) else [ids]
+        for i, row in enumerate(rows):
+            print(f"  input ids{f' (row {i})' if len(rows) > 1 else ''}: {', '.join(map(str, row))}")
+        if store.decode_steps:
+            tokens = ", ".join(f"step_{k} {t}" for k, t in enumerate(store.decode_tokens, 1))
+            print(f"  decode tokens (the reference's greedy choice fed at each step): {tokens}")
     for point in store.points:
         entry = store.entry(point)
         outputs = describe(entry["output"], entry["tensors"], "out")
@@ -356,6 +370,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         hw_options=[f"map={args.map.resolve()}"] if args.map else [],
         cli_tolerances=tolerances,
         report_dir=args.report,
+        plots=args.plots == "yes",
         flags=flags,
         freeze_gc=True,
     )

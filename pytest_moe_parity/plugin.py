@@ -51,6 +51,8 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "real run, judged against the reference's own error; both: each point both ways (ini: parity_mode)"),
     ("--parity-report", "parity_report", {"metavar": "DIR"},
      "write comparison_report.json and comparison_summary.json to DIR"),
+    ("--parity-plots", "parity_plots", {"choices": ("yes", "no")},
+     "draw the report's pictures beside its JSON (default: yes; ini: parity_plots)"),
     ("--parity-tol", "parity_tol", {"action": "append", "default": [], "type": _tolerance_arg,
                                     "metavar": "PATTERN:key=value,..."},
      "tolerance override for point ids matching PATTERN, e.g. 'layer_*.router:max_flip_share=0.1' "
@@ -71,6 +73,7 @@ _INI = (
     ("parity_hw_options", "backend settings, one KEY=VALUE per line", "linelist"),
     ("parity_layers", "decoder layers to run, e.g. 1,17,20-29 (same as --parity-layers)", None),
     ("parity_mode", "isolated, chain or both (same as --parity-mode)", None),
+    ("parity_plots", "yes or no (same as --parity-plots)", None),
 )
 # fmt: on
 
@@ -108,6 +111,9 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
     if config.getoption("parity_map"):
         hw_options.append(f"map={Path(config.getoption('parity_map')).expanduser().resolve()}")
     report = config.getoption("parity_report")
+    plots = config.getoption("parity_plots") or config.getini("parity_plots") or "yes"
+    if plots not in ("yes", "no"):
+        raise pytest.UsageError(f"parity_plots (ini): expected yes or no, got {plots!r}")
     quiet_transformers()
     try:
         return ParitySession(
@@ -122,6 +128,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 layers=config.getoption("parity_layers") or config.getini("parity_layers"),
                 mode=config.getoption("parity_mode") or config.getini("parity_mode") or "isolated",
                 report_dir=Path(report).expanduser().resolve() if report else None,
+                plots=plots == "yes",
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 weights=config.getoption("parity_weights"),
                 freeze_gc=True,
@@ -276,6 +283,9 @@ class ParityPlugin:
         if self.worker:
             return
         terminalreporter.write_sep("=", "moe-parity")
+        if not terminalreporter.showheader or terminalreporter.no_header:  # -q, --no-header: say it here
+            for line in self.session.header_lines():
+                terminalreporter.write_line(line)
         for line, colour in self.session.closing_lines():
             terminalreporter.write_line(line, **({colour: True, "bold": True} if colour else {}))
         missing = self.session.missing_steps(self.config.option.keyword)

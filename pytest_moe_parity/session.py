@@ -75,6 +75,7 @@ class RunOptions:
     layers: str | None = None
     mode: str = "isolated"  # isolated, chain or both
     report_dir: Path | None = None
+    plots: bool = True  # the report's pictures beside its JSON
     trust_remote_code: bool = False
     # weight items (the candidate's weights against the golden's model): None, where they apply;
     # True, also saying why not where they do not; False, none
@@ -476,7 +477,11 @@ class ParitySession:
         """The JSON reports and pictures (`--parity-report`); what was drawn joins the closing lines."""
         if self.options.report_dir is not None and self.rows:
             self.report_lines = write_reports(
-                self.options.report_dir, list(self.rows.values()), meta=self.meta(), interrupted=self.interrupted
+                self.options.report_dir,
+                list(self.rows.values()),
+                meta=self.meta(),
+                interrupted=self.interrupted,
+                plots=self.options.plots,
             )
 
     def close(self) -> None:

@@ -223,12 +223,6 @@ def test_bad_map_entries(entry, message, tmp_path: Path) -> None:
     assert message in str(err.value)
 
 
-def test_a_pt_file_of_another_object_is_one_line(tmp_path: Path, golden_dir, capsys) -> None:
-    torch.save({"a": torch.zeros(1)}, tmp_path / "embedding.pt")
-    code, out, _ = cli(capsys, "compare", golden_dir("olmoe"), tmp_path)
-    assert code == 1 and "holds a dict, not a tensor or a tuple of tensors" in out
-
-
 def test_the_dtype_is_given_or_the_dumped_outputs_never_guessed(tmp_path: Path, golden_dir, tiny_model, capsys) -> None:
     """float32 logits among a bf16 dump do not decide the dtype (they sorted first): the outputs the
     points find do, every one of them; a --dtype unlike the dump's gets a closing line that says what

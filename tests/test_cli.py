@@ -154,6 +154,17 @@ def test_show_inputs_documents_each_call(golden_dir, capsys) -> None:
         at = lines.index(line, at) + 1
 
 
+def test_show_inputs_gives_the_prompt_and_the_decode_tokens(golden_dir, capsys) -> None:
+    from pytest_moe_parity.golden import GoldenStore
+
+    golden = GoldenStore(golden_dir("qwen3_moe", decode=2))
+    code, out, _ = run(capsys, "show", golden.root, "--inputs")
+    ids = ", ".join(map(str, golden.manifest["inputs"]["input_ids"][0]))
+    a, b = golden.decode_tokens
+    assert code == 0 and f"  input ids: {ids}\n" in out
+    assert f"  decode tokens (the reference's greedy choice fed at each step): step_1 {a}, step_2 {b}\n" in out
+
+
 def test_console_script_exit_code(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -219,3 +230,22 @@ def test_demo_records_and_runs_the_bundled_golden() -> None:
     assert "matches the bundled golden: yes" in proc.stdout
     assert "32 points: 32 passed, 0 failed, 0 errors" in proc.stdout
     assert "first divergence: none" in proc.stdout
+
+
+def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time(tmp_path: Path, tiny_model, capsys):
+    code, out, err = run(
+        capsys, "golden", "--model", str(tiny_model("qwen3_moe")), "--out", str(tmp_path / "g"),
+        "--noise-dtype", "bfloat16", "--decode-steps", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "then 1 decode step of 32 points each) ->" in lines[0]
+    progress = [li for li in lines if li.startswith("  noise floor ")]
+    assert [li.split()[2] for li in progress] == [f"layer_{i}" for i in range(4)] + [
+        f"step_1.layer_{i}" for i in range(4)
+    ]
+    assert progress[-1].startswith("  noise floor step_1.layer_3 [8/8, ")
+    noise = float(next(li for li in lines if li.startswith("noise floor recorded in")).split()[-1].rstrip("s"))
+    recording = float(next(li for li in lines if li.startswith("  layer_3: ")).rsplit(" ", 1)[-1].rstrip("s]"))
+    total = float(lines[-1].split(", ")[-1].split(" s ->")[0])
+    assert total >= noise + recording - 0.2, (total, noise, recording)

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import NO_WEIGHTS, cli, read_json, run_parity
+from helpers import NO_WEIGHTS, cli, read_json, run_parity, usage_error
+from safetensors.torch import save_file
 
-from pytest_moe_parity.report.files import REPORT_FILE
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
@@ -185,3 +187,21 @@ def test_a_copied_golden_keeps_its_fingerprint(runs, tmp_path: Path) -> None:
 
     copy = shutil.copytree(runs["golden"], tmp_path / "copy")
     assert GoldenStore(copy).fingerprint == GoldenStore(runs["golden"]).fingerprint
+
+
+def test_the_pictures_can_be_turned_off(pytester: pytest.Pytester, golden_dir, tmp_path: Path, capsys) -> None:
+    """`--parity-plots no` (ini `parity_plots = no`, `compare --plots no`): the JSON reports alone."""
+    golden = golden_dir("olmoe")
+    for how, args in (("flag", ["--parity-plots", "no"]), ("ini", ["-o", "parity_plots=no"])):
+        report = tmp_path / how
+        result = run_parity(pytester, golden, "-m", "final_norm", "--parity-report", str(report), *args)
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["plots: off (the JSON reports are written)"])
+        assert sorted(p.name for p in report.iterdir()) == sorted([REPORT_FILE, SUMMARY_FILE])
+    usage_error(run_parity(pytester, golden, "-o", "parity_plots=maybe"), "parity_plots (ini): expected yes or no")
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    save_file({"embedding": GoldenStore(golden).load("embedding").output.contiguous()}, str(dump / "d.safetensors"))
+    code, out, err = cli(capsys, "compare", golden, dump, "--report", tmp_path / "cli", "--plots", "no")
+    assert code == 0 and "plots: off (the JSON reports are written)" in out, out + err
+    assert not list((tmp_path / "cli").glob("*.png"))

@@ -367,9 +367,33 @@ def test_invalid_golden_dir(pytester: pytest.Pytester, tmp_path: Path) -> None:
 
 
 def test_unknown_hw_lists_the_available(pytester: pytest.Pytester, golden_dir) -> None:
+    """The built-in backends and whatever else is installed (the README's own example, once installed,
+    is listed too)."""
+    from pytest_moe_parity.backends import registry
+
+    available = ", ".join(sorted(registry()))
+    assert {"compile", "cpu", "cuda", "dump", "neuron", "nxdi", "trace"} <= set(registry())
     usage_error(
         run_parity(pytester, golden_dir("olmoe"), "--hw", "tpu"),
-        "--hw 'tpu' is not a known backend; available: compile, cpu, cuda, dump, neuron, nxdi, trace",
+        f"--hw 'tpu' is not a known backend; available: {available}",
+    )
+
+
+def test_a_file_as_the_golden_dir_is_named_as_a_file(pytester: pytest.Pytester, golden_dir) -> None:
+    manifest = golden_dir("olmoe") / "manifest.json"
+    usage_error(
+        pytester.runpytest("--golden-dir", str(manifest)),
+        f"{manifest} is a file, not a golden directory: pass the directory that holds manifest.json",
+    )
+
+
+@pytest.mark.parametrize("flag", ["-q", "--no-header"])
+def test_the_golden_and_candidate_lines_survive_a_quiet_run(flag: str, pytester: pytest.Pytester, golden_dir) -> None:
+    golden = golden_dir("olmoe")
+    result = run_parity(pytester, golden, flag, "-m", "final_norm")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [f"moe-parity: golden {golden} (olmoe, *", "moe-parity: candidate * on --hw cpu in float32", "*1 passed*"]
     )
 
 

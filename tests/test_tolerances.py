@@ -272,3 +272,23 @@ def test_logits_fail_on_a_real_top1_flip_and_report_a_tie() -> None:
     assert "next token: top-1 agreement 83.3% of 12 tokens (real flips 1, ties 1)" in text
     assert f"token 7: golden top-1 {int(top.indices[7, 0])}, candidate {int(top.indices[7, 1])}" in text
     assert r.to_row()["logits"]["top1"]["flipped_tokens"] == [7]
+
+
+def test_the_remedy_is_one_line_that_pastes_as_it_stands() -> None:
+    """However long the point id and however many keys, the `--parity-tol` suggestion is one line,
+    never cut inside a token (it was `max_fl ip_share`), and what it says parses."""
+    point = Point.parse("step_3.layer_57.router", module="m", order=0, router_kind="softmax")
+    tol = default_tolerance(torch.bfloat16, "router")
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=gen)
+    weights, index = logits.softmax(-1).topk(2)
+    bad = logits + torch.randn(64, 8, generator=gen)
+    bad_weights, bad_index = bad.softmax(-1).topk(2)
+    r = judge_point(point, (logits, weights, index), (bad, bad_weights, bad_index), tol, torch.bfloat16)
+    remedy = r.remedy()
+    assert not r.passed and remedy is not None and len(remedy) > 60
+    text = failure_text(r)
+    line = next(li for li in text.splitlines() if "to accept this result" in li)
+    assert line == f"  to accept this result: {remedy}"
+    pattern, values = parse_override(remedy.removeprefix("--parity-tol ").strip("'"))
+    assert pattern == "step_3.layer_57.router" and len(values) >= 2  # e.g. max_flip_share and rel_l2

@@ -79,6 +79,11 @@ class GoldenStore:
     # -- manifest -------------------------------------------------------------------------------
     def _read_manifest(self) -> dict[str, Any]:
         root = self.root
+        if root.exists() and not root.is_dir():
+            raise GoldenError(
+                f"{root} is a file, not a golden directory: pass the directory that holds {MANIFEST} "
+                "(recorded by `moe-parity golden`)"
+            )
         if not root.is_dir():
             raise GoldenError(f"golden directory {root} does not exist")
         path = root / MANIFEST

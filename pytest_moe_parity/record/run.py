@@ -525,7 +525,8 @@ def record_golden(
         what = (
             f"{n_layers} layers" if wanted_layers is None else f"layers {describe_layers(slice_layers)} of {n_layers}"
         )
-        steps = f", then {decode_steps} decode steps of {len(points)} points each" if decode_steps else ""
+        steps = f", then {decode_steps} decode step{'s' if decode_steps > 1 else ''} of {len(points)} points each"
+        steps = steps if decode_steps else ""
         say(
             f"recording {model_dir} ({plan.model_type}, {what}, {len(points)} points, "
             f"{len(ids)} tokens, {dtype_name(torch_dtype)}{steps}) -> {out}"

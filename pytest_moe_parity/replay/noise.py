@@ -65,18 +65,23 @@ def record_noise(
     started = time.perf_counter()
     say(f"noise floor: the reference in {name}, isolated and chained, at {len(golden.points)} points")
     figures: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}}
+    layer_groups = list(dict.fromkeys(p.group for p in golden.points if p.layer is not None))
+    ends = {p.group: p.id for p in golden.points}  # each group's last point
     try:
         for point in golden.points:
             try:
                 prepared = runner.prepare(point)
             except PointUnavailable:
-                continue
+                prepared = None
             except BackendFailure as exc:
                 raise BadInput(f"the reference in {name} failed at {point.id}: {exc}") from None
-            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chain)):
+            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chain)) if prepared else ():
                 if cand is not None:
                     result = runner.judge_output(point, prepared.golden, cand, mode, None)
                     figures[mode][point.id] = noise_figures(result)
+            if point.layer is not None and ends[point.group] == point.id:  # its layer's last point: done
+                done = layer_groups.index(point.group) + 1
+                say(f"  noise floor {point.group} [{done}/{len(layer_groups)}, {time.perf_counter() - started:.1f}s]")
     finally:
         runner.close()
     entry = {

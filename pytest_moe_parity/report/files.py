@@ -39,8 +39,11 @@ def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bo
     }
 
 
-def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> list[str]:
-    """The two JSON reports, then the pictures; returns the line that says what was drawn."""
+def write_reports(
+    directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool, plots: bool = True
+) -> list[str]:
+    """The two JSON reports, then the pictures (unless `plots` is off); returns the line that says what
+    was drawn."""
     directory.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: r["order"])
     report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": ordered}
@@ -48,7 +51,7 @@ def write_reports(directory: Path, rows: list[dict[str, Any]], *, meta: dict[str
     atomic_write_text(
         directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
     )
-    return [draw(report, directory)]
+    return [draw(report, directory) if plots else "plots: off (the JSON reports are written)"]
 
 
 def draw(report: dict[str, Any], directory: Path) -> str:

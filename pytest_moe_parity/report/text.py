@@ -32,8 +32,14 @@ def _fmt(x: Any, digits: int = 4) -> str:
 
 
 def _wrapped(prefix: str, text: str, indent: int = 4) -> list[str]:
+    """`text` wrapped at spaces only: a token (a point id, a figure, a path) is never cut."""
     return textwrap.wrap(
-        text, width=WIDTH, initial_indent=prefix, subsequent_indent=" " * indent, break_on_hyphens=False
+        text,
+        width=WIDTH,
+        initial_indent=prefix,
+        subsequent_indent=" " * indent,
+        break_on_hyphens=False,
+        break_long_words=False,
     )
 
 
@@ -67,8 +73,8 @@ def failure_text(r: PointResult) -> str:
     if hint:
         lines.extend(_wrapped("  hint: ", hint))
     remedy = r.remedy()
-    if remedy:
-        lines.extend(_wrapped("  to accept this result: ", remedy))
+    if remedy:  # one line, however long: it is pasted as it stands
+        lines.append(f"  to accept this result: {remedy}")
     lines.extend(_wrapped("  tolerance from: ", " < ".join(r.tolerance_sources)))
     return "\n".join(lines)
 
