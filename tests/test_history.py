@@ -205,3 +205,57 @@ def test_the_pictures_can_be_turned_off(pytester: pytest.Pytester, golden_dir, t
     code, out, err = cli(capsys, "compare", golden, dump, "--report", tmp_path / "cli", "--plots", "no")
     assert code == 0 and "plots: off (the JSON reports are written)" in out, out + err
     assert not list((tmp_path / "cli").glob("*.png"))
+
+
+def test_a_golden_recorded_again_keeps_its_fingerprint_and_last_night_s_report(
+    runs, tiny_model, tmp_path: Path, capsys
+) -> None:
+    """The same model and inputs recorded again: the files' bytes may differ (safetensors writes its
+    header's metadata in no fixed order), what they hold does not, so `moe-parity diff` takes last
+    night's report; other inputs make another golden."""
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.replay.noise import record_noise
+    from pytest_moe_parity.session import ParitySession, RunOptions
+
+    first = GoldenStore(runs["golden"])
+    again = tmp_path / "again"
+    record_golden(tiny_model("qwen3_moe"), again, seq_len=first.manifest["inputs"]["seq_len"])
+    record_noise(again, "bfloat16", model_dir=tiny_model("qwen3_moe"))
+    assert GoldenStore(again).fingerprint == first.fingerprint
+    options = RunOptions(golden_dir=again, model=tiny_model("qwen3_moe"), dtype="bfloat16", mode="both",
+                         report_dir=tmp_path / "tonight")  # fmt: skip
+    session = ParitySession(options)
+    list(session.run_all())
+    session.write_reports()
+    code, out, err = cli(capsys, "diff", runs["clean"], tmp_path / "tonight")
+    assert code == 0, out + err
+    other = tmp_path / "other"
+    record_golden(tiny_model("qwen3_moe"), other, seq_len=first.manifest["inputs"]["seq_len"] + 1)
+    assert GoldenStore(other).fingerprint != first.fingerprint
+    # the file digests alone: what the files hold, whatever their bytes
+    files = json.loads((again / "manifest.json").read_text())["files"]
+    assert all(len(f["content"]) == 64 for f in files.values())
+
+
+def test_decode_steps_are_drawn_apart_from_the_prefill(
+    pytester: pytest.Pytester, tiny_model, golden_dir, tmp_path: Path, monkeypatch
+) -> None:
+    """Each picture holds one step: the prefill's failed expert is not painted over by the decode
+    steps' figures of the same layer and component."""
+    from pytest_moe_parity.report import plots
+
+    drawn: list[set] = []
+    heatmap = plots.heatmap
+    monkeypatch.setattr(
+        plots, "heatmap", lambda rows, new: drawn.append({r.get("step") for r in rows}) or heatmap(rows, new)
+    )
+    golden = golden_dir("qwen3_moe", decode=2)
+    broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "m", faults.zero_expert(2, 1))
+    report = tmp_path / "report"
+    result = run_parity(pytester, golden, NO_WEIGHTS, "--parity-report", str(report), model=broken)
+    drew = f"plots in {report}: heatmap.png, layers.png, the same for step_1 to step_2, * per-token plots of *"
+    result.stdout.fnmatch_lines([drew])
+    assert drawn == [{None}, {1}, {2}]
+    for name in ("heatmap", "layers"):
+        for suffix in ("", ".step_1", ".step_2"):
+            decode_png(report / f"{name}{suffix}.png")

@@ -185,10 +185,23 @@ class GoldenStore:
 
     @property
     def fingerprint(self) -> str:
-        """What this golden recorded, in 16 hex digits: the sha256 of its tensor files' own sha256s.
-        Two reports are comparable when their goldens share it (a copied golden keeps it)."""
+        """What this golden recorded, in 16 hex digits: its points, its inputs and what its tensors hold
+        (each file's content digest: names, dtypes, shapes and data, not the file's bytes), so a golden
+        recorded again from the same model and inputs keeps it, and so does a copy. Two reports are
+        comparable when their goldens share it. A golden written before content digests: its files'
+        sha256s."""
         files = self.manifest["files"]
-        text = "\n".join(f"{name}:{files[name].get('sha256', '')}" for name in sorted(files))
+        if all("content" in f for f in files.values()):
+            text = "\n".join(
+                [
+                    *(f"{name}:{files[name]['content']}" for name in sorted(files)),
+                    ",".join(self._entries),
+                    json.dumps(self.manifest.get("inputs", {}).get("input_ids")),
+                    json.dumps(self.decode_tokens),
+                ]
+            )
+        else:
+            text = "\n".join(f"{name}:{files[name].get('sha256', '')}" for name in sorted(files))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def point(self, pid: str | Point) -> Point:

@@ -3,6 +3,7 @@ the manifest last and atomically, so an interrupted recording never reads as com
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class GoldenWriter:
         digest = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, path)
-        self.files[file] = {"sha256": digest, "bytes": size}
+        self.files[file] = {"sha256": digest, "bytes": size, "content": content_digest(tensors)}
         for rec in records:
             self.points.append(
                 {
@@ -172,3 +173,15 @@ def update_manifest(root: Path | str, key: str, value: Any) -> None:
     body = json.loads(path.read_text(encoding="utf-8"))
     body[key] = value
     atomic_write_text(path, json.dumps(body, indent=1, sort_keys=False) + "\n")
+
+
+def content_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """What a file's tensors hold, whatever bytes the file's header is written in (safetensors writes
+    its metadata in no fixed order): the sha256 of each tensor's name, dtype, shape and data, by name."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].detach().to("cpu").contiguous()
+        h.update(f"{key}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -71,7 +71,10 @@ def plots_line(written: list[Path], directory: Path) -> str:
     from .plots import TOKENS_PREFIX
 
     tokens = sum(1 for p in written if p.name.startswith(TOKENS_PREFIX))
-    named = [p.name for p in written if not p.name.startswith(TOKENS_PREFIX)]
+    steps = sorted({p.name.split(".")[1] for p in written if ".step_" in p.name}, key=lambda s: int(s[5:]))
+    named = [p.name for p in written if not p.name.startswith(TOKENS_PREFIX) and ".step_" not in p.name]
+    if steps:
+        named.append(f"the same for {steps[0]}" + (f" to {steps[-1]}" if len(steps) > 1 else ""))
     if tokens:
         named.append(f"{tokens} per-token plot{'s' if tokens > 1 else ''} of failed points")
     return f"plots in {directory}: {', '.join(named)}" if named else "plots: no point to draw"

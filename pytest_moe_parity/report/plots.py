@@ -4,6 +4,7 @@
   candidate's dtype, else rel_l2 (log scale); failed points crossed, errors and skips marked;
 - `layers.png`: per layer, the error of its `output` point isolated and chained, with the reference's
   own error up to `noise_factor` times it as a band;
+- with decode steps, `heatmap.step_K.png` and `layers.step_K.png` for step K beside the prefill's;
 - `tokens_<point>.png` per failed point: each token's own error against the token limit, tokens left
   out in grey.
 
@@ -67,11 +68,16 @@ def render_plots(report: dict[str, Any], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{TOKENS_PREFIX}*.png"):
         stale.unlink()
+    for stale in (*directory.glob("heatmap.step_*.png"), *directory.glob("layers.step_*.png")):
+        stale.unlink()
     written = []
-    if rows:
-        written.append(_save(heatmap(rows, new), directory / HEATMAP))
-        if any(r.get("layer") is not None for r in rows):
-            written.append(_save(layer_errors(rows, new), directory / LAYERS))
+    steps = sorted({r.get("step") for r in rows}, key=lambda s: -1 if s is None else s)
+    for step in steps:  # the prefill, then each decode step apart: one step's colours never hide another's
+        these = [r for r in rows if r.get("step") == step]
+        suffix = "" if step is None else f".step_{step}"
+        written.append(_save(heatmap(these, new), directory / HEATMAP.replace(".png", f"{suffix}.png")))
+        if any(r.get("layer") is not None for r in these):
+            written.append(_save(layer_errors(these, new), directory / LAYERS.replace(".png", f"{suffix}.png")))
     failed = [
         (mode, r)
         for row in rows
