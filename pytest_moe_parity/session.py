@@ -19,7 +19,7 @@ from .backends import Backend, BackendSetup, backend_class, parse_hw_options, re
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
-from .judge.tolerances import Override, resolve
+from .judge.tolerances import NOISE_FACTOR, Override, resolve
 from .judge.verdict import Custom, PointResult, judge_point
 from .points import Point, describe_layers, layer_group, parse_layers
 from .replay.runner import MODES, ParityRunner, Prepared
@@ -438,7 +438,35 @@ class ParitySession:
         backend = [(line, None) for line in self.backend.closing_lines(rows)]
         nothing = self.nothing_compared()
         warning = [(nothing, "red")] if nothing else []
-        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + warning + reports
+        mode = [(hint, "yellow")] if (hint := self.mode_hint(rows)) else []
+        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
+
+    def mode_hint(self, rows: list[dict[str, Any]]) -> str | None:
+        """A candidate that holds its own run (a dump) judged isolated, against the reference's
+        isolated error, where most failures are within the reference's own chained error: one line
+        saying the chained verdict is the one that fits a whole-model run."""
+        if self.mode != "isolated" or self.backend.chain != "recorded":
+            return None
+        failed = [r for r in rows if r.get("status") == "failed" and (r.get("noise") or {}).get("ratio")]
+        figures = "free" if self.golden.has_noise(self.dtype, "free") else "chain"
+        if not failed or not self.golden.has_noise(self.dtype, figures):
+            return None
+        within = 0
+        for row in failed:
+            reference = self.golden.noise(self.dtype, figures, row["id"]) or {}
+            ratios = [
+                m["rel_l2"] / max(reference[t]["rel_l2"], 1e-12)
+                for t, m in (row.get("metrics") or {}).items()
+                if t in reference and isinstance(m, dict) and m.get("rel_l2") is not None
+            ]
+            within += bool(ratios) and max(ratios) <= NOISE_FACTOR
+        if within * 2 < len(failed):
+            return None
+        return (
+            f"{within} of the {len(failed)} failed points are within the reference's own chained error: if the "
+            f"dump is the candidate's own whole-model run (not fed the golden's inputs point by point), judge it "
+            f"chained: {self.options.flags['mode']} chain"
+        )
 
     def nothing_compared(self) -> str | None:
         """A run whose every point was skipped compared nothing: a mistake (a dump of other names,

@@ -1,7 +1,8 @@
 """A hand-written plain-PyTorch port of Qwen3-MoE, as a team writes one for another runtime: its own
 modules and names, experts fused in NxDI's layout (`gate_up [E, H, 2I]`, `down [E, I, H]`), weights
-read from the Hugging Face checkpoint. `Bugs` switches on the code-level port bugs the dump route
-must catch, each at the component that has it."""
+read from the Hugging Face checkpoint, and its own KV cache for decode steps (`generate`). `Bugs`
+switches on the code-level port bugs the dump route must catch, each at the component that has it,
+the decode-only ones at the first decode step."""
 
 from __future__ import annotations
 
@@ -36,17 +37,30 @@ class Bugs:
     scale_by_hidden: bool = False  # scores scaled by hidden_size ** -0.5, not head_dim ** -0.5
     mask_one_ahead: bool = False  # each token also sees the next one
     zero_expert: tuple[int, int] | None = None  # (layer, expert) whose weights were lost in conversion
+    # not a bug: the same function rounded otherwise, as a port on other kernels computes it (queries
+    # scaled before the scores, experts summed in float32, norms' weights applied in float32)
+    other_rounding: bool = False
+    # below a fixed limit, above the reference's own error:
+    router_softmax_bf16: bool = False  # the router's softmax in bf16, not float32
+    norm_eps_10x: bool = False  # every RMSNorm's eps ten times the checkpoint's
+    # decode only (one new token on the cache):
+    decode_position_stale: bool = False  # the new token is rotated at the last cached position, not its own
+    decode_router_softmax_bf16: bool = False  # the decode graph's router softmax in bf16, not float32
+    decode_drops_last_cached: bool = False  # the new token attends to every cached position but the last
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, fp32_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fp32_weight = fp32_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_weight:
+            return (self.weight.float() * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -82,12 +96,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.dim, h, bias=False)
-        self.q_norm = RMSNorm(self.dim, cfg["rms_norm_eps"])
-        self.k_norm = RMSNorm(self.dim, cfg["rms_norm_eps"])
+        self.q_norm = RMSNorm(self.dim, cfg["rms_norm_eps"], bugs.other_rounding)
+        self.k_norm = RMSNorm(self.dim, cfg["rms_norm_eps"], bugs.other_rounding)
         self.scale = (h if bugs.scale_by_hidden else self.dim) ** -0.5
         self.bugs = bugs
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """`cache`: this layer's [keys, values] so far ([B, kv_heads, past, D], empty at first), extended
+        in place with this call's."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.dim)).transpose(1, 2)
@@ -95,14 +113,25 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate(q, self.bugs.rope_interleaved) * sin
         k = k * cos + _rotate(k, self.bugs.rope_interleaved) * sin
+        past = 0
+        if cache is not None:
+            past = cache[0].shape[2] if cache else 0
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
         groups = self.heads // self.kv_heads
         if self.bugs.gqa_repeat:
             k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        if self.bugs.other_rounding:
+            scores = torch.matmul(q * self.scale, k.transpose(2, 3))
+        else:
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         ahead = 2 if self.bugs.mask_one_ahead else 1
-        hidden = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=ahead)
+        hidden = torch.triu(torch.ones(t, past + t, dtype=torch.bool), diagonal=past + ahead)
+        if past and t == 1 and self.bugs.decode_drops_last_cached:
+            hidden[:, past - 1] = True
         scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, -1)
@@ -115,10 +144,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg["num_experts"], cfg["hidden_size"]))
         self.k = cfg["num_experts_per_tok"]
         self.renormalise = cfg["norm_topk_prob"] and not bugs.no_renormalise
+        self.bugs = bugs
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, decode: bool = False):
         logits = F.linear(x, self.weight)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        bf16 = self.bugs.router_softmax_bf16 or (decode and self.bugs.decode_router_softmax_bf16)
+        probs = F.softmax(logits, dim=-1, dtype=torch.bfloat16 if bf16 else torch.float32)
         weights, ids = torch.topk(probs, self.k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -128,51 +159,55 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """All experts of a layer fused, as NxDI lays them out: gate_up [E, H, 2I], down [E, I, H]."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, bugs: Bugs):
         super().__init__()
         e, h, i = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
         self.gate_up = nn.Parameter(torch.zeros(e, h, 2 * i))
         self.down = nn.Parameter(torch.zeros(e, i, h))
+        self.fp32_sum = bugs.other_rounding
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32 if self.fp32_sum else x.dtype)
         inter = self.down.shape[1]
         for expert in ids.unique().tolist():
             token, slot = torch.where(ids == expert)
             gate_up = x[token] @ self.gate_up[expert]
             y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ self.down[expert]
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out
+        return out.to(x.dtype)
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: dict, bugs: Bugs):
         super().__init__()
         self.router = Router(cfg, bugs)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, bugs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        _, weights, ids = self.router(flat)
+        _, weights, ids = self.router(flat, decode=x.shape[1] == 1)
         return self.experts(flat, ids, weights).reshape(x.shape)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: dict, bugs: Bugs):
         super().__init__()
-        self.input_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.input_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], bugs.other_rounding)
         self.attn = Attention(cfg, bugs)
-        self.post_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], bugs.other_rounding)
         self.moe = MoE(cfg, bugs)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, cache)
         return x + self.moe(self.post_norm(x))
 
 
 class Qwen3MoePort(nn.Module):
     def __init__(self, cfg: dict, bugs: Bugs = Bugs()):
         super().__init__()
+        self.bugs = bugs
         self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
         self.rotary = Rotary(cfg["head_dim"], theta)
@@ -180,12 +215,28 @@ class Qwen3MoePort(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """The logits of `ids` [B, T]; with `cache` (a list per layer, from `new_cache`), after the
+        positions it holds, which it then holds too."""
         x = self.embed(ids)
-        cos, sin = self.rotary(x, torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1))
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        past = cache[0][0].shape[2] if cache and cache[0] else 0
+        start = past - 1 if past and self.bugs.decode_position_stale else past
+        positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+        cos, sin = self.rotary(x, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache[i] if cache is not None else None)
         return self.head(self.norm(x))
+
+    def new_cache(self) -> list[list[torch.Tensor]]:
+        return [[] for _ in self.layers]
+
+    def generate(self, ids: torch.Tensor, tokens: list[int]) -> None:
+        """The prefill of `ids`, then one decode step per token of `tokens` (teacher-forced: the tokens
+        the reference chose), each on the cache the calls before it wrote."""
+        cache = self.new_cache()
+        self(ids, cache)
+        for token in tokens:
+            self(torch.full((ids.shape[0], 1), token, dtype=ids.dtype), cache)
 
 
 def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs = Bugs()) -> Qwen3MoePort:
@@ -197,6 +248,8 @@ def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs =
     hf: dict[str, torch.Tensor] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         hf.update(load_file(str(shard)))
+    if bugs.norm_eps_10x:
+        cfg = {**cfg, "rms_norm_eps": cfg["rms_norm_eps"] * 10}
     port = Qwen3MoePort(cfg, bugs)
     state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])

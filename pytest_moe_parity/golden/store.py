@@ -72,6 +72,7 @@ class GoldenStore:
         self.opened_files: dict[str, None] = {}  # file names in the order first read
         self._verified: set[str] = set()
         self._safe_paths: dict[str, Path] = {}  # file name -> its checked path (resolved once)
+        self._noise_keys: dict[str, dict[tuple[str, str], list[str]]] = {}  # see noise_tokens
         self.manifest = self._read_manifest()
         self._entries = {p["id"]: p for p in self.manifest["points"]}
         self._points = {pid: self._point(entry) for pid, entry in self._entries.items()}
@@ -231,6 +232,35 @@ class GoldenStore:
         """The reference's own error at a point when run in `dtype`, isolated or chained: per
         compared tensor, its figures (rel_l2, max_token_rel_l2); None where not recorded."""
         return self._noise(dtype, mode).get(pid)
+
+    def noise_tokens(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, torch.Tensor]:
+        """The reference's own squared error per token at a point in `dtype`, per compared tensor (NaN:
+        a token its run left out); {} for a golden recorded before these were kept."""
+        from ..dtypes import dtype_name
+
+        entry = self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get("tokens")
+        if not entry:
+            return {}
+        name = entry["file"]
+        if name not in self._verified:
+            path = self._safe_path(name)
+            if not path.is_file():
+                raise GoldenError(f"{path} is missing from the golden directory (the noise floor's per-token errors)")
+            if self.verify and sha256_file(path) != entry.get("sha256"):
+                raise GoldenError(f"{path} does not match its sha256 in the manifest; record the noise floor again")
+            self._verified.add(name)
+        try:
+            with safe_open(str(self._safe_path(name)), framework="pt") as fh:
+                if name not in self._noise_keys:  # (mode, point) -> its keys, indexed once
+                    index: dict[tuple[str, str], list[str]] = {}
+                    for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        m, p, _ = key.split("/", 2)
+                        index.setdefault((m, p), []).append(key)
+                    self._noise_keys[name] = index
+                keys = self._noise_keys[name].get((mode, pid), [])
+                return {k.split("/", 2)[2]: fh.get_tensor(k) for k in keys}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise GoldenError(f"{self._safe_path(name)} cannot be read as safetensors ({exc})") from None
 
     def has_noise(self, dtype: torch.dtype | str, mode: str) -> bool:
         return bool(self._noise(dtype, mode))

@@ -3,9 +3,11 @@ the manifest last and atomically, so an interrupted recording never reads as com
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,20 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_replace(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write, moved onto `path` when the block ends cleanly (and
+    removed when it does not): a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644 & ~_umask())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _umask() -> int:

@@ -30,6 +30,7 @@ from .tolerances import (
     LOGITS_LIMITS,
     NOISE_FLOOR_EPS,
     NOISE_LIMIT,
+    NOISE_TOKENS,
     ROUTING_LIMITS,
     TENSOR_LIMITS,
     TOKEN_LIMIT,
@@ -133,6 +134,9 @@ class PointResult:
     step: int | None = None
     backend: dict[str, Any] = field(default_factory=dict)  # what the backend said (CandidateOutput.info)
     mode: str = "isolated"  # "isolated" (golden inputs) or "chain" (the candidate's own inputs)
+    # per compared tensor with a row per token: each token's squared error (NaN: left out), for the
+    # noise floor's per-token record (not in the reports)
+    token_d2: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
     noise: dict[str, Any] | None = None
     chain: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
@@ -282,6 +286,7 @@ class Judge:
         fixed: bool = True,
         noise: dict[str, dict[str, float]] | None = None,
         exclude: tuple[list[int], int] | None = None,
+        noise_tokens: dict[str, torch.Tensor] | None = None,
     ):
         self.point = point
         self.tol = tol
@@ -289,6 +294,11 @@ class Judge:
         # noise: the reference's own error per compared tensor, for the noise ratio
         self.fixed = fixed
         self.noise = noise
+        # the reference's own squared error per token and tensor (NaN: a token it left out): its figures
+        # are then taken over the very tokens the candidate is judged on
+        self.noise_tokens = noise_tokens or {}
+        self._fixed_targets: set[str] = set()  # tensors judged by the dtype's limits: no token both runs kept
+        self._kept: dict[str, torch.Tensor] = {}  # per tensor with a row per token: the rows judged
         # chained runs: (tokens left out everywhere, the number of tokens), see _keep
         self.exclude = exclude if exclude and exclude[0] else None
         self.dtype = candidate_dtype
@@ -319,7 +329,9 @@ class Judge:
         if g.is_complex() or c.is_complex():  # e.g. rotary freqs_cis: compare real and imaginary parts
             g = torch.view_as_real(g) if g.is_complex() else g
             c = torch.view_as_real(c) if c.is_complex() else c
-        keep_rows = self._keep(g, keep_rows) if g.shape == c.shape else keep_rows
+        keep_rows = self._keep(target, g, keep_rows) if g.shape == c.shape else keep_rows
+        if keep_rows is not None:
+            self._kept[target] = keep_rows
         if keep_rows is not None and g.shape == c.shape:
             g, c = _token_rows(g)[keep_rows], _token_rows(c)[keep_rows]
         m = compare_tensors(g, c, atol=self.tol.atol, rtol=self.tol.rtol)
@@ -340,7 +352,7 @@ class Judge:
                 f"{target}: candidate has {m.nan_candidate} NaN and {m.inf_candidate} Inf "
                 f"(golden {m.nan_golden} / {m.inf_golden}); first at index {where}, token {token}"
             )
-        for key in TENSOR_LIMITS if self.fixed else ():
+        for key in TENSOR_LIMITS if self.fixed or target in self._fixed_targets else ():
             limit = self.tol.limit(key)
             if limit is None:
                 continue
@@ -357,15 +369,30 @@ class Judge:
             r.worst_elements[target] = rows
         return m
 
-    def _keep(self, g: torch.Tensor, keep_rows: torch.Tensor | None) -> torch.Tensor | None:
-        """`keep_rows` without the tokens a chained run leaves out, for a tensor with a row per token."""
-        if self.exclude is None or g.dim() < 1:
-            return keep_rows
-        tokens, count = self.exclude
-        if _token_rows(g).shape[0] != count:
-            return keep_rows
-        keep = torch.ones(count, dtype=torch.bool) if keep_rows is None else keep_rows.clone()
-        keep[tokens] = False
+    def _keep(self, target: str, g: torch.Tensor, keep_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """`keep_rows` without the tokens a chained run leaves out, for a tensor with a row per token,
+        and without those the reference's own run left out (its per-token record has no figure for
+        them): both are judged on the same tokens. Where none would be left, the reference has no
+        figure over the candidate's tokens, and this tensor is judged by the dtype's limits."""
+        rows = _token_rows(g).shape[0] if g.dim() >= 1 else 0
+        keep = keep_rows
+        if self.exclude is not None and g.dim() >= 1 and rows == self.exclude[1]:
+            keep = torch.ones(rows, dtype=torch.bool) if keep is None else keep.clone()
+            keep[self.exclude[0]] = False
+        reference = self.noise_tokens.get(target)
+        if reference is None or self.fixed:
+            return keep
+        if reference.numel() != rows:
+            self.noise_tokens.pop(target)  # not a row per token: the whole-tensor figures stand
+            return keep
+        both = ~torch.isnan(reference) if keep is None else keep & ~torch.isnan(reference)
+        if both.any() or (keep is not None and not keep.any()):
+            return both if not bool(both.all()) else keep
+        self._fixed_targets.add(target)
+        self.result.notes.append(
+            f"{target}: no token that both this run and the reference's own run routed like the golden so far: "
+            "judged by the dtype's limits"
+        )
         return keep
 
     def _token_check(
@@ -374,10 +401,12 @@ class Judge:
         """The worst token's own error against `token_rel_l2` (a whole-tensor figure dilutes damage to
         a few tokens); True when it fails. Tokens are the rows of the tensor's last dimension; their
         sums are kept for the per-expert breakdown."""
-        if g.dim() < 2 or g.numel() == 0 or c.shape != g.shape or _token_rows(g).shape[0] < 2:
+        if g.dim() < 2 or g.numel() == 0 or c.shape != g.shape:
             return False
         sums = row_sums(_token_rows(g), _token_rows(c), token_dim=0)
         self.row_sums[target] = (sums, keep_rows)
+        if _token_rows(g).shape[0] < 2:  # one token (a decode step): its error is the tensor's
+            return False
         errors = sums.errors(TOKEN_FLOOR)
         worst = worst_tokens(errors, 5)
         if keep_rows is not None:  # rows of the kept tokens -> token positions
@@ -397,7 +426,7 @@ class Judge:
                 self.result.token_errors = spread
         key = TOKEN_LIMIT
         limit = self.tol.limit(key)
-        if limit is None or not self.fixed:
+        if limit is None or not (self.fixed or target in self._fixed_targets):
             return False
         passed = key.passes(m.max_token_rel_l2, limit)
         self.result.checks.append(Check(key.check_name, target, m.max_token_rel_l2, limit, key.op, passed, key.name))
@@ -574,7 +603,7 @@ class Judge:
         if m is None or not m.shape_match or not isinstance(c, torch.Tensor) or g.dim() < 1:
             return
         g, c = _token_rows(g), _token_rows(c.detach().to("cpu"))
-        keep = self._keep(g, None)
+        keep = self._kept.get("out")  # the tokens the tensor checks judged
         if keep is not None:
             g, c = g[keep], c[keep]
         lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor)
@@ -621,9 +650,10 @@ class Judge:
         # weights that mostly round exactly): a ratio of two such errors says nothing
         floor = torch.finfo(self.dtype).eps / NOISE_FLOOR_EPS if self.dtype.is_floating_point else 0.0
         targets: dict[str, dict[str, float]] = {}
+        widened: dict[str, tuple[int, float]] = {}
         for target, m in self.result.metrics.items():
-            ref = self.noise.get(target)
-            if ref is None or not m.shape_match:
+            ref = self._reference(target)
+            if ref is None or not m.shape_match or target in self._fixed_targets:
                 continue
             figures = {"rel_l2_ratio": m.rel_l2 / max(ref["rel_l2"], floor)}
             if m.max_token_rel_l2 is not None and ref.get("max_token_rel_l2") is not None:
@@ -632,16 +662,66 @@ class Judge:
             ratio = max(weighted) if all(math.isfinite(x) for x in weighted) else math.inf
             targets[target] = {"ratio": ratio, **figures, **{f"reference_{k}": v for k, v in ref.items()}}
             limit = self.tol.limit(NOISE_LIMIT)
+            judged = self._tokens_judged(target)
+            if limit is not None and judged is not None and judged < NOISE_TOKENS:
+                limit *= math.sqrt(NOISE_TOKENS / max(judged, 1))  # few tokens: a noisier ratio
+                widened[target] = (judged, limit)
             if limit is not None:
                 passed = NOISE_LIMIT.passes(ratio, limit)
                 self.result.checks.append(
                     Check(NOISE_LIMIT.check_name, target, ratio, limit, NOISE_LIMIT.op, passed, NOISE_LIMIT.name)
                 )
+        if widened:
+            target, (n, limit) = next(iter(widened.items()))
+            self.result.notes.append(
+                f"{target}: {n} token(s) judged: the noise limit widens to {limit:.3g} (a ratio over fewer than "
+                f"{NOISE_TOKENS} tokens is a noisier estimate)"
+            )
         if targets:
             self.result.noise = {"ratio": max(t["ratio"] for t in targets.values()), "targets": targets}
+            subset = [t for t in targets.values() if t.get("reference_tokens", 0) < t.get("reference_of_tokens", 0)]
+            if subset:
+                n, of = subset[0]["reference_tokens"], subset[0]["reference_of_tokens"]
+                self.result.notes.append(
+                    f"noise ratio over the {n} of {of} tokens that this run and the reference's own run both "
+                    "routed like the golden so far (their errors compared on the same tokens)"
+                )
+
+    def _tokens_judged(self, target: str) -> int | None:
+        """How many tokens a tensor's verdict judged (None: it has no row per token)."""
+        if target not in self.row_sums:
+            return None
+        return int(self.row_sums[target][0].d2.numel())
+
+    def _reference(self, target: str) -> dict[str, float] | None:
+        """The reference's own figures for a tensor: over the tokens this verdict judges where its
+        per-token record gives them (and then how many tokens that is), else as recorded."""
+        ref = self.noise.get(target)
+        record = self.noise_tokens.get(target)
+        if ref is None or record is None or target not in self.row_sums:
+            return ref
+        sums, keep = self.row_sums[target]
+        d2 = (record if keep is None else record[keep]).to(torch.float64)
+        if d2.numel() != sums.g2.numel() or bool(torch.isnan(d2).any()):
+            return ref
+        g2 = sums.g2
+        rel = float(torch.sqrt(d2.sum() / g2.sum())) if float(g2.sum()) > 0 else 0.0
+        token = float(RowSums(d2, g2, torch.zeros_like(d2, dtype=torch.bool)).errors(TOKEN_FLOOR).max())
+        figures = {**ref, "rel_l2": rel, "max_token_rel_l2": token, "tokens": int(d2.numel())}
+        return {**figures, "of_tokens": int(record.numel())}
 
     def finish(self) -> PointResult:
         self._noise_checks()
+        for target, keep in self._kept.items():  # every token left out: no figure of any token
+            if not keep.any():
+                self.result.token_d2[target] = torch.full((keep.numel(),), math.nan, dtype=torch.float32)
+        for target, (sums, keep) in self.row_sums.items():  # each token's squared error, NaN where left out
+            if keep is None:
+                self.result.token_d2[target] = sums.d2.to(torch.float32)
+            else:
+                full = torch.full((keep.numel(),), math.nan, dtype=torch.float32)
+                full[keep] = sums.d2.to(torch.float32)
+                self.result.token_d2[target] = full
         r = self.result
         if self.exclude is not None:
             tokens = self.exclude[0]
@@ -696,6 +776,7 @@ def judge_point(
     noise: dict[str, dict[str, float]] | None = None,
     exclude: tuple[list[int], int] | None = None,
     cache_write: tuple[tuple[torch.Tensor, torch.Tensor], Any] | None = None,
+    noise_tokens: dict[str, torch.Tensor] | None = None,
 ) -> PointResult:
     """The verdict of one point. Routers are judged on logits, weights by expert id and top-k sets;
     points that follow a router (`Point.follows_router`) over the tokens whose routing agrees, given
@@ -705,7 +786,17 @@ def judge_point(
     tokens left out of every tensor with a row per token (a chained run's earlier routing flips);
     `cache_write`: (the golden's keys and values after a decode step, the candidate's CacheState or
     None), compared too."""
-    judge = Judge(point, tol, candidate_dtype, config or {}, router, fixed=fixed, noise=noise, exclude=exclude)
+    judge = Judge(
+        point,
+        tol,
+        candidate_dtype,
+        config or {},
+        router,
+        fixed=fixed,
+        noise=noise,
+        exclude=exclude,
+        noise_tokens=noise_tokens,
+    )
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, score_bias)
     elif isinstance(point, Point) and point.follows_router:

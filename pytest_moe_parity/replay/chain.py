@@ -17,7 +17,10 @@ reasons that are no port's bug. Where the run can be steered (the `points` chain
 runs that accept `steer`), such a token's decoder-layer output is put back to the golden's, so the
 divergence does not spread, and the token itself is left out of later verdicts; where it cannot (a
 dump, a third-party whole-model run), the token and every later token of its sequence are left out.
-The reference's own chained run (the noise floor) is steered the same way."""
+The reference's own chained run (the noise floor) is recorded both ways: steered, for the chains
+that are steered, and free (`"free"`), for those that cannot be (a dump's flips are the port's own,
+as the free reference's are its own), so a verdict compares like with like, and each is judged on
+the tokens both runs kept."""
 
 from __future__ import annotations
 
@@ -149,11 +152,11 @@ class Chain:
 
 class ModelChain(Chain):
     """One whole-model forward of the candidate, every point captured (steered where the backend
-    accepts it: `Backend.steers_chain`)."""
+    accepts it, `Backend.steers_chain`, and the runner does not ask for the free run)."""
 
     def __init__(self, runner: ParityRunner):
         super().__init__(runner)
-        self.steered = bool(getattr(self.backend, "steers_chain", False))
+        self.steered = bool(getattr(self.backend, "steers_chain", False)) and runner.steer
         self.decodes = bool(getattr(self.backend, "chains_decode", False)) and self.golden.decode_steps > 0
         self._outputs: dict[str, Any] | None = None
         self.seconds = 0.0
@@ -281,7 +284,12 @@ class PointChain(Chain):
 
 
 class RecordedChain(Chain):
-    """The backend's outputs are the candidate's own run already (a dump of it)."""
+    """The backend's outputs are the candidate's own run already (a dump of it): its decode steps too,
+    each on the cache its own prefill and earlier steps wrote."""
+
+    def __init__(self, runner: ParityRunner):
+        super().__init__(runner)
+        self.decodes = self.golden.decode_steps > 0
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         out = self.runner.call(point, record)

@@ -44,6 +44,7 @@ class ParityRunner:
         ini_tolerances: list[Override] = (),
         mode: str = "isolated",
         freeze_gc: bool = False,
+        steer: bool = True,
     ):
         self.golden = golden
         self.backend = backend
@@ -56,6 +57,7 @@ class ParityRunner:
         self._froze = False  # whether it did (close() thaws them)
         self._router_cache: dict[str, GoldenRecord] = {}
         self.mode = mode
+        self.steer = steer  # whether a chain that can be steered is (the noise floor's free run: not)
         self.chain = None
         if mode != "isolated":
             from .chain import make_chain
@@ -140,7 +142,9 @@ class ParityRunner:
         tol, sources = self.tolerance(point, marker)
         router = self.golden.router_of(point)
         golden_router = bias = None
-        noise = self.golden.noise(self.dtype, mode, point.id)
+        figures = self.noise_figures_for(mode)
+        noise = self.golden.noise(self.dtype, figures, point.id)
+        tokens = self.golden.noise_tokens(self.dtype, figures, point.id) if noise is not None else None
         if point.component == ROUTER:
             bias = record.extras.get("score_bias")
         elif router is not None:
@@ -164,6 +168,7 @@ class ParityRunner:
                 noise=noise,
                 exclude=(self.chain.tainted(point), self.chain.tokens(point)) if chained else None,
                 cache_write=_cache_write(record, cand),
+                noise_tokens=tokens,
             )
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
             raise BackendFailure(point.id, UnusableOutput(unusable(point, record.output, cand.output, exc))) from exc
@@ -187,6 +192,12 @@ class ParityRunner:
         if not result.passed and hint:  # the backend's own evidence (e.g. its ranks') names the cause
             result.hint = hint
         return result
+
+    def noise_figures_for(self, mode: str) -> str:
+        """Which of the reference's own runs a verdict in `mode` is read against: isolated, or the
+        chained run steered as this chain is (`"chain"`), or free (`"free"`, where the golden has it)."""
+        unsteered = mode == "chain" and self.chain is not None and not self.chain.steered
+        return "free" if unsteered and self.golden.has_noise(self.dtype, "free") else mode
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
         return self.judge(self.prepare(pid), marker)
