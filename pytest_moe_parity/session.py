@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compat
-from .backends import Backend, BackendSetup, backend_class, parse_hw_options, registry
+from .backends import CHAIN_KINDS, Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
@@ -291,10 +291,15 @@ class ParitySession:
         if mode == "isolated":
             return mode
         if cls.chain is None:
-            able = ", ".join(name for name in sorted(registry()) if _chain_of(name) is not None)
+            able = ", ".join(name for name in sorted(registry()) if _chain_of(name) in CHAIN_KINDS)
             raise SetupError(
                 f"{flag} {mode}: the {self.hw} backend cannot run the candidate on its own inputs; "
-                f"backends that can: {able}"
+                f"backends that can: {able} (a backend chains by declaring `chain`: see the README's backend contract)"
+            )
+        if cls.chain not in CHAIN_KINDS:
+            raise SetupError(
+                f"{flag} {mode}: the {self.hw} backend declares chain = {cls.chain!r}; a backend's chain is one of "
+                f"{', '.join(CHAIN_KINDS)} (or None)"
             )
         if mode == "both" and cls.chain == "recorded":
             raise SetupError(

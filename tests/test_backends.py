@@ -282,17 +282,37 @@ def test_the_readme_backend_example_works_as_documented(
     toml = next(b for b in _readme_blocks("toml") if "pytest_moe_parity.backends" in b)
     entry_points = tomllib.loads(toml)["project"]["entry-points"]["pytest_moe_parity.backends"]
     install(monkeypatch, pytester.path / "site", "my_port_parity", code, entry_points)
-    golden = golden_dir("qwen3_moe")
+    golden = golden_dir("qwen3_moe", noise="bfloat16", decode=3)
     n = len(GoldenStore(golden).point_ids)
-    ported = 4 * 3 + 1  # input_norm, post_attn_norm and experts of 4 layers, and the final norm
-    result = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-rs")
-    result.assert_outcomes(passed=ported, skipped=n - ported)
-    result.stdout.fnmatch_lines(["*layer_0.attention: not ported yet*"])
+    ported = (4 * 3 + 1) * 4  # input_norm, post_attn_norm and experts of 4 layers, the final norm; 4 steps
+    for mode in ("isolated", "chain", "both"):
+        report = pytester.path / f"r-{mode}"
+        result = run_parity(
+            pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-rs", "--parity-mode", mode,
+            "--hw-option", "fp32_norm_weight=on", "--parity-report", str(report),
+        )  # fmt: skip
+        result.assert_outcomes(passed=ported, skipped=n - ported)
+        result.stdout.fnmatch_lines(["*layer_0.attention: not ported yet*"])
+        rows = {r["id"]: r for r in read_json(report / "comparison_report.json")["points"]}
+        assert rows["step_3.layer_3.experts"]["status"] == "passed"
+        if mode != "isolated":
+
+            def chained(pid: str, rows: dict = rows, mode: str = mode) -> dict:
+                return rows[pid] if mode == "chain" else rows[pid]["chain"]
+
+            assert chained("layer_1.experts")["mode"] == "chain" and chained("layer_1.experts")["noise"]
+            notes = " ".join(chained("layer_1.post_attn_norm")["notes"] + rows["step_1.layer_0.input_norm"]["notes"])
+            assert "stayed golden (the point that produces it was not run by the candidate)" in notes
+            assert "decode steps are judged on the golden's inputs: the handport backend does not chain them" in notes
     buggy = faults.edit_checkpoint(tiny_model("qwen3_moe"), pytester.path / "buggy", faults.swap_gate_up(2))
     result = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-m", "experts", model=buggy)
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=12, failed=4)  # layer_2.experts of the prefill and of each decode step
     result.stdout.fnmatch_lines(["first divergence: layer_2.experts*"])
     usage_error(
         run_parity(pytester, golden, "--hw", "handport", "--hw-option", "eps=tiny"),
         "--hw-option eps=tiny: could not convert string to float: 'tiny'",
+    )
+    usage_error(
+        run_parity(pytester, golden, "--hw", "handport", "--hw-option", "fp32_norm_weight=maybe"),
+        "--hw-option fp32_norm_weight=maybe: expected on or off, got 'maybe'",
     )

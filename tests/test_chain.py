@@ -169,11 +169,23 @@ def test_chain_mode_asks_for_what_it_needs(monkeypatch, pytester: pytest.Pyteste
         def run(self, point, golden):
             return CandidateOutput(None)
 
+    class Unknown(Isolated):
+        name = "unknown-chain"
+        chain = "layers"
+
     monkeypatch.setitem(backends.registry(), Isolated.name, Isolated)
+    monkeypatch.setitem(backends.registry(), Unknown.name, Unknown)
+    able = [n for n in sorted(backends.registry()) if backends.backend_class(n).chain in backends.CHAIN_KINDS]
+    assert {"compile", "cpu", "cuda", "dump", "neuron", "trace"} <= set(able)  # and whatever else is installed
     usage_error(
         run_parity(pytester, golden, "--hw", "isolated-only", "--parity-mode", "chain"),
         "--parity-mode chain: the isolated-only backend cannot run the candidate on its own inputs; "
-        "backends that can: compile, cpu, cuda, dump, neuron, trace",
+        f"backends that can: {', '.join(able)} (a backend chains by declaring `chain`",
+    )
+    usage_error(
+        run_parity(pytester, golden, "--hw", "unknown-chain", "--parity-mode", "chain"),
+        "--parity-mode chain: the unknown-chain backend declares chain = 'layers'; a backend's chain is one of "
+        "model, points, recorded (or None)",
     )
     # float32 has no noise floor to ask for: chained verdicts use the fixed float32 limits
     run_parity(pytester, plain, "--parity-mode", "chain", model=tiny_model("olmoe")).assert_outcomes(

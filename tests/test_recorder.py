@@ -28,9 +28,10 @@ def _ids(golden: Path) -> torch.Tensor:
 
 
 def _record_port(golden: Path, model: Path, out: Path, bugs: Bugs | None = None) -> Path:
+    """The port's prefill, and its own decode steps on its own cache where the golden has them."""
     port = load_port(model, bugs=bugs or Bugs())
     with torch.no_grad(), record(port, out, POINTS):
-        port(_ids(golden))
+        port.generate(_ids(golden), GoldenStore(golden).decode_tokens)
     return out
 
 
@@ -141,3 +142,83 @@ def test_nothing_is_written_when_the_block_fails_or_runs_nothing(tmp_path: Path,
         pass
     with torch.no_grad(), record(port, out, POINTS, overwrite=True):
         port(_ids(golden))
+
+
+# -- the noise floor on the port's own chained run, prefill and decode -----------------------------
+
+
+@pytest.fixture(scope="module")
+def decode_goldens(golden_dir) -> dict[int, Path]:
+    """Noise-floor goldens with 3 decode steps: 4 layers, and 16 layers of 24 tokens (where the port
+    rounded otherwise routes a token unlike the golden early: the case that starved verdicts)."""
+    return {
+        4: golden_dir("qwen3_moe", noise="bfloat16", decode=3),
+        16: golden_dir("qwen3_moe", layers=16, seq_len=24, noise="bfloat16", decode=3),
+    }
+
+
+def _compare(capsys, golden: Path, dump_dir: Path, report: Path, *args: str) -> tuple[int, str, dict]:
+    code, out, err = cli(capsys, "compare", golden, dump_dir, "--report", report, *args)
+    assert not err, err
+    return code, out, read_json(report / SUMMARY_FILE)
+
+
+@pytest.mark.parametrize("layers", [4, 16])
+@pytest.mark.parametrize("rounding", ["as the reference", "otherwise"])
+def test_a_clean_port_s_own_decode_passes_chained(
+    layers: int, rounding: str, decode_goldens, tiny_model, tmp_path: Path, capsys
+) -> None:
+    """Prefill and 3 decode steps, dumped from the port's own run (its own cache), chained against the
+    reference's free run: no false alarm, at 16 layers neither, where an early routing flip leaves
+    few tokens to judge (judged on those, against the reference's error on the same tokens)."""
+    golden = decode_goldens[layers]
+    out = _record_port(
+        golden, tiny_model("qwen3_moe", layers), tmp_path / "d", Bugs(other_rounding=rounding != "as the reference")
+    )
+    code, stdout, summary = _compare(capsys, golden, out, tmp_path / "r", "--mode", "chain")
+    n = len(GoldenStore(golden).point_ids)
+    assert code == 0 and summary["passed"] == n, stdout
+    rows = read_json(tmp_path / "r" / "comparison_report.json")["points"]
+    assert {r["mode"] for r in rows} == {"chain"}
+    assert all(r["noise"] for r in rows if r["step"])  # the decode steps too: judged chained, on the noise floor
+    if layers == 16 and rounding == "otherwise":  # a flip early leaves few tokens later: said, and judged on them
+        few = [r for r in rows if any("noise ratio over the " in note for note in r["notes"])]
+        assert few and any("judged: the noise limit widens to" in note for r in few for note in r["notes"])
+
+
+@pytest.mark.parametrize(
+    "bugs, first",
+    [
+        (Bugs(decode_position_stale=True), "step_1.rotary"),
+        (Bugs(decode_drops_last_cached=True), "step_1.layer_0.attention"),
+        (Bugs(router_softmax_bf16=True), "layer_0.router"),
+        (Bugs(norm_eps_10x=True), "layer_0.input_norm"),
+    ],
+    ids=["decode-position-stale", "decode-drops-a-cached-position", "router-softmax-bf16", "norm-eps-10x"],
+)
+def test_a_port_bug_fails_at_its_point_in_the_chained_run(
+    bugs: Bugs, first: str, decode_goldens, tiny_model, tmp_path: Path, capsys
+) -> None:
+    """The decode-only bugs fail at their first decode step's point and nowhere before; the sub-noise
+    bugs (under the fixed bf16 limits) at their own point of the prefill; 16 layers deep."""
+    golden = decode_goldens[16]
+    out = _record_port(golden, tiny_model("qwen3_moe", 16), tmp_path / "d", bugs)
+    code, stdout, summary = _compare(capsys, golden, out, tmp_path / "r", "--mode", "chain")
+    assert code == 1 and summary["first_divergence"] == first, stdout
+    rows = read_json(tmp_path / "r" / "comparison_report.json")["points"]
+    assert all(r["status"] == "passed" for r in rows if r["order"] < GoldenStore(golden).point(first).order)
+    if first.startswith("step_"):
+        assert summary["first_decode_step_differing"] in (None, 1)
+
+
+def test_a_dump_judged_isolated_is_told_the_chained_mode_fits(decode_goldens, tiny_model, tmp_path: Path, capsys):
+    """A whole-model dump judged against the reference's isolated error fails where rounding
+    accumulated: one line says most of those failures sit within the reference's chained error, and
+    which mode fits; the chained verdict passes."""
+    golden = decode_goldens[16]
+    out = _record_port(golden, tiny_model("qwen3_moe", 16), tmp_path / "d", Bugs(other_rounding=True))
+    code, stdout, _ = _compare(capsys, golden, out, tmp_path / "r")
+    assert code == 1
+    line = next(li for li in stdout.splitlines() if "within the reference's own chained error" in li)
+    assert line.endswith("judge it chained: --mode chain"), line
+    assert _compare(capsys, golden, out, tmp_path / "r2", "--mode", "chain")[0] == 0

@@ -42,10 +42,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "CHAIN_KINDS",
     "ENTRY_POINT_GROUP",
     "Backend",
     "BackendError",
     "BackendSetup",
+    "CacheState",
     "CandidateOutput",
     "GoldenRecord",
     "HwOption",
@@ -53,11 +55,16 @@ __all__ = [
     "Point",
     "PointUnavailable",
     "backend_class",
+    "on_off",
+    "one_of",
+    "positive_int",
     "registry",
     "resolve_params",
 ]
 
 ENTRY_POINT_GROUP = "pytest_moe_parity.backends"
+# How a backend takes part in a chained run (`Backend.chain`): see the class's comment.
+CHAIN_KINDS = ("model", "points", "recorded")
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,27 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"expected a whole number of at least 1, got {text!r}")
     return value
+
+
+_SWITCH = {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False}
+
+
+def on_off(text: str) -> bool:
+    """An HwOption parser for a switch: on/off (or 1/0, true/false, yes/no)."""
+    if text.lower() not in _SWITCH:
+        raise ValueError(f"expected on or off, got {text!r}")
+    return _SWITCH[text.lower()]
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """An HwOption parser that takes one of `choices`."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
 
 
 def parse_hw_options(items: Iterable[str]) -> dict[str, str]:

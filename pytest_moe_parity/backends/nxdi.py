@@ -47,7 +47,7 @@ from ..golden import GoldenRecord
 from ..points import Point
 from ..record.lazy_model import weight_map
 from ..tree import CacheState
-from . import Backend, BackendSetup, CandidateOutput, HwOption, positive_int
+from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
 from .cache import cache_states
 from .nxdi_capture import read_table, table_names
 
@@ -347,17 +347,7 @@ def experts_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
 BUILDS = ("neuron", "cpu")
 
 
-def build_choice(text: str) -> str:
-    if text not in BUILDS:
-        raise ValueError(f"expected one of {', '.join(BUILDS)}, got {text!r}")
-    return text
-
-
-def on_off(text: str) -> bool:
-    value = {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False}
-    if text.lower() not in value:
-        raise ValueError(f"expected on or off, got {text!r}")
-    return value[text.lower()]
+build_choice = one_of(*BUILDS)
 
 
 def import_nxdi() -> None:

@@ -730,7 +730,13 @@ class Judge:
                 f"{len(tokens)} token(s) left out: the candidate routed them unlike the golden at an earlier "
                 f"layer, so they follow other experts from there on: {tokens[:16]}"
             )
-        r.passed = all(c.passed for c in r.checks) and bool(r.checks)
+        nothing_left = not r.checks and bool(self._kept) and not any(bool(k.any()) for k in self._kept.values())
+        if nothing_left:  # every token routed unlike the golden before here: the flip was judged where it was
+            r.notes.append(
+                "no token left to judge: every token was routed unlike the golden at this layer or before (judged "
+                "at its router, near-ties allowed)"
+            )
+        r.passed = all(c.passed for c in r.checks) and (bool(r.checks) or nothing_left)
         if not r.passed:
             r.hint = self._hint()
         return r

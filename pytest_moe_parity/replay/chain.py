@@ -41,8 +41,6 @@ from ..tree import first_tensor, map_structure
 if TYPE_CHECKING:
     from .runner import ParityRunner
 
-CHAIN_KINDS = ("model", "points", "recorded")
-
 
 class Chain:
     """The candidate's chained output of each point, and the tokens its routing sent elsewhere."""
