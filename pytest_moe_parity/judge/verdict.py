@@ -4,7 +4,7 @@ the numbers and the one-line hint that make a failure a diagnosis. Knows nothing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -473,11 +473,24 @@ class Judge:
         *,
         judge_flips: bool,
     ) -> list[int]:
-        """Compare top-k sets; returns the tokens whose routing differs (flips and ties)."""
+        """Compare top-k sets; returns the tokens whose routing differs (flips and ties). In a chained
+        verdict, the tokens already left out (routed unlike the golden before this layer, so following
+        other experts since) are not judged again here: their flips are where they first happened."""
         g_logits, _, g_idx = golden_router_out[:3]
         c_idx = candidate_router_out[2].detach().to("cpu")
         scores, tol = self.selection(g_logits, bias)
-        rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+        rows = scores.shape[0]
+        if self.exclude is not None and rows == self.exclude[1] and g_idx.numel() == c_idx.numel():
+            keep = torch.ones(rows, dtype=torch.bool)
+            keep[self.exclude[0]] = False
+            positions = keep.nonzero().flatten().tolist()
+            g_idx, c_idx = g_idx.reshape(rows, -1)[keep], c_idx.reshape(rows, -1)[keep]
+            scores, tol = scores[keep], (tol[keep] if isinstance(tol, torch.Tensor) and tol.dim() else tol)
+            rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+            rm.flips = [replace(f, token=positions[f.token]) for f in rm.flips]
+            rm.ties = [replace(f, token=positions[f.token]) for f in rm.ties]
+        else:
+            rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
         r = self.result
         r.routing = rm.to_dict()
         if judge_flips:
