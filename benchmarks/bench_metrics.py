@@ -4,7 +4,10 @@ compare script this project replaces (the user's `compare_gpu_neuron_outputs.py`
 "similarity %" at rtol = atol = 1e-3, cosine, Pearson, max/mean/median absolute and relative
 difference, NaN/Inf flags), written as such scripts are written.
 
-    python benchmarks/bench_metrics.py [--mb 256] [--threads N] [--repeat 3]
+    python benchmarks/bench_metrics.py [--mb 256] [--threads N] [--repeat 3] [--contend]
+
+`--contend` runs a busy process beside it (one spinning thread per core, as another pytest worker
+or a build would), the contention under which OpenMP's parallel regions wait for time slices.
 
 Targets: >= 20x faster than the script's metric set, within 10x of the single read; and the
 figures agree with their float64 definitions (the error is printed, and asserted in
@@ -64,19 +67,49 @@ def reference(g: torch.Tensor, c: torch.Tensor) -> dict[str, float]:
     return {"cosine": gc / (gg * cc) ** 0.5, "pearson": cov / (vg * vc) ** 0.5, "rel_l2": (dd / gg) ** 0.5}
 
 
+def spin(seconds: float) -> None:
+    """A busy process: one spinning Python thread per core (the GIL lets one run at a time, so a
+    process per core)."""
+    import time as clock
+
+    end = clock.monotonic() + seconds
+    x = 0
+    while clock.monotonic() < end:
+        x += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=256, help="size of each tensor in MB (default 256)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--contend", action="store_true", help="a busy process per core beside the measurement")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    busy = []
+    if args.contend:
+        import multiprocessing
+        import os
+
+        for _ in range(len(os.sched_getaffinity(0))):
+            proc = multiprocessing.get_context("fork").Process(target=spin, args=(600.0,), daemon=True)
+            proc.start()
+            busy.append(proc)
+    try:
+        measure(args)
+    finally:
+        for proc in busy:
+            proc.terminate()
+
+
+def measure(args: argparse.Namespace) -> None:
     n = args.mb * (1 << 20) // 4
     gen = torch.Generator().manual_seed(0)
     golden = torch.randn(n, generator=gen)
     candidate = golden + 1e-3 * torch.randn(n, generator=gen)
-    print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s), best of {args.repeat}")
+    contended = ", a busy process per core beside it" if args.contend else ""
+    print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s){contended}, best of {args.repeat}")
     read = best_of(lambda: torch.dot(golden, candidate), args.repeat)
     ours = best_of(lambda: compare_tensors(golden, candidate), args.repeat)
     script = best_of(lambda: original_script_metrics(golden, candidate), 1)

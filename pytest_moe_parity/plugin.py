@@ -64,6 +64,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "other than the golden's model and that model is on this machine; with this flag, say why not otherwise)"),
     ("--no-parity-weights", "parity_weights", {"action": "store_false", "default": None},
      "no weight items"),
+    ("--parity-threads", "parity_threads", {"type": int, "metavar": "N"},
+     "intra-op threads of each process running points (default: the cores / the xdist workers under -n, "
+     "else torch's; ini: parity_threads)"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -74,6 +77,7 @@ _INI = (
     ("parity_layers", "decoder layers to run, e.g. 1,17,20-29 (same as --parity-layers)", None),
     ("parity_mode", "isolated, chain or both (same as --parity-mode)", None),
     ("parity_plots", "yes or no (same as --parity-plots)", None),
+    ("parity_threads", "intra-op threads of each process running points (same as --parity-threads)", None),
 )
 # fmt: on
 
@@ -114,6 +118,13 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
     plots = config.getoption("parity_plots") or config.getini("parity_plots") or "yes"
     if plots not in ("yes", "no"):
         raise pytest.UsageError(f"parity_plots (ini): expected yes or no, got {plots!r}")
+    raw = config.getoption("parity_threads")
+    raw = raw if raw is not None else (config.getini("parity_threads") or None)
+    threads = int(raw) if raw is not None and str(raw).strip().isdigit() else raw
+    if raw is not None and not (isinstance(threads, int) and threads >= 1):
+        raise pytest.UsageError(
+            f"--parity-threads / parity_threads: expected a whole number of at least 1, got {raw!r}"
+        )
     quiet_transformers()
     try:
         return ParitySession(
@@ -129,6 +140,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 mode=config.getoption("parity_mode") or config.getini("parity_mode") or "isolated",
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 plots=plots == "yes",
+                threads=threads,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 weights=config.getoption("parity_weights"),
                 freeze_gc=True,

@@ -81,6 +81,8 @@ class RunOptions:
     # True, also saying why not where they do not; False, none
     weights: bool | None = None
     workers: int = 1  # xdist workers (-n)
+    # intra-op threads of the process running points (None: the cores / workers under xdist, else torch's)
+    threads: int | None = None
     worker: int | None = None  # this worker's index; None on a controller or without xdist
     # keep what is alive once the backend has started from the garbage collector until `close()`
     # (see `freeze_long_lived`): for front ends that always close the session (the plugin, the CLI)
@@ -174,6 +176,7 @@ class ParitySession:
             message = str(exc)  # a backend's sentence names its flag, else the run names the backend
             raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
         self.dtype: torch.dtype = self.backend.dtype
+        self._fit_threads()
         self.layers = self._layers()
         self.mode = self._mode(cls)
         self._check_noise()
@@ -518,9 +521,27 @@ class ParitySession:
             )
 
     def close(self) -> None:
-        self.runner.close()
-        if self.weights is not None:
-            self.weights.close()
+        try:
+            self.runner.close()
+            if self.weights is not None:
+                self.weights.close()
+        finally:
+            if self._threads_before is not None:
+                torch.set_num_threads(self._threads_before)
+                self._threads_before = None
+
+    def _fit_threads(self) -> None:
+        """The intra-op threads of this process: `threads`, else under xdist the cores this process
+        may run on shared among the workers (two workers of two threads each on two cores make every
+        one of OpenMP's parallel regions wait for a time slice: the judge's metric pass took 2.7-27 s
+        where one thread each took 0.5 s); else torch's own. Put back on close."""
+        count = self.options.threads
+        if count is None and self.options.worker is not None and self.options.workers > 1:
+            count = max(1, len(os.sched_getaffinity(0)) // self.options.workers)
+        self._threads_before = None
+        if count is not None and count != torch.get_num_threads():
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(count)
 
 
 class Candidate:

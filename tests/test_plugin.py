@@ -540,3 +540,57 @@ def test_junit_xml_carries_the_judged_figures(pytester: pytest.Pytester, golden_
     assert set(JUNIT_FIGURES) >= {"cosine", "rel_l2"}
     assert all(f'name="{name}"' in text for name in JUNIT_FIGURES)
     assert 'name="parity_status" value="passed"' in text
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["-n", "2"], "shared"),  # each worker: the cores / 2
+        (["-n", "2", "--parity-threads", "3"], 3),
+        (["-o", "parity_threads=3"], 3),
+        ([], "torch's"),
+    ],
+    ids=["xdist", "xdist-option", "ini", "serial"],
+)
+def test_each_process_running_points_takes_its_share_of_the_cores(
+    args: list, expect, pytester: pytest.Pytester, golden_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under -n, each worker's intra-op threads are the cores / the workers (more threads than cores
+    make every parallel region wait for a time slice); --parity-threads and the ini set them; a
+    serial run keeps torch's."""
+    import os
+
+    import torch
+
+    pytester.makepyfile(
+        probe="""
+import os, torch
+
+def pytest_runtest_call(item):
+    with open(os.path.join(os.environ["THREADS_OUT"], f"{os.getpid()}.txt"), "w") as fh:
+        fh.write(str(torch.get_num_threads()))
+"""
+    )
+    out = pytester.path / "threads"
+    out.mkdir()
+    monkeypatch.setenv("THREADS_OUT", str(out))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=os.pathsep)
+    result = run_parity(
+        pytester, golden_dir("olmoe"), "-p", "probe", "-m", "final_norm or embedding", *args, subprocess=True
+    )
+    assert result.ret == 0, result.stdout.str()
+    seen = {int(f.read_text()) for f in out.iterdir()}
+    cores = len(os.sched_getaffinity(0))
+    wanted = {"shared": max(1, cores // 2), "torch's": torch.get_num_threads()}.get(expect, expect)
+    assert seen == {wanted}, (seen, wanted)
+
+
+def test_a_bad_thread_count_is_a_usage_error(pytester: pytest.Pytester, golden_dir) -> None:
+    usage_error(
+        run_parity(pytester, golden_dir("olmoe"), "--parity-threads", "0"),
+        "--parity-threads / parity_threads: expected a whole number of at least 1, got 0",
+    )
+    usage_error(
+        run_parity(pytester, golden_dir("olmoe"), "-o", "parity_threads=many"),
+        "--parity-threads / parity_threads: expected a whole number of at least 1, got 'many'",
+    )
