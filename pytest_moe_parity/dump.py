@@ -18,11 +18,13 @@ hand-written port, a custom runtime). The glue a port needs is its point map:
         model(prompt_ids)                 # the prefill
         model(next_id, cache=cache)       # decode step 1 (each call of `model` is the next step)
 
-Forward hooks on the named modules keep each one's output (its tensors, moved to the CPU) under
-the point id, `step_k.` prefixed at decode step k; a module called more than once in a step keeps
-its first call. On a clean exit each step is written to `prefill.safetensors`,
-`step_{k}.safetensors` (under `rank{r}/` when torch.distributed runs with more than one rank, for a
-map entry with `"ranks"` to gather); an exception inside the block writes nothing."""
+Forward hooks on the named modules keep each one's output (its tensors, moved to the CPU) under the
+point id, `step_k.` prefixed at decode step k; a module called more than once in a step keeps its
+first call. `recorder.keep_cache(layer, keys, values)` after a decode step keeps what that step's
+attention left in the layer's KV cache, compared with the golden's cache write. On a clean exit each
+step is written to `prefill.safetensors`, `step_{k}.safetensors` (under `rank{r}/` when
+torch.distributed runs with more than one rank, for a map entry with `"ranks"` to gather); an
+exception inside the block writes nothing."""
 
 from __future__ import annotations
 
@@ -106,6 +108,16 @@ class Recorder:
             kept[name] = tensors[0].detach().to("cpu", copy=True).contiguous()
         else:
             kept.update({f"{name}.{i}": t.detach().to("cpu", copy=True).contiguous() for i, t in enumerate(tensors)})
+
+    def keep_cache(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A decoder layer's KV cache after this step's attention wrote it (`[batch, kv_heads,
+        positions, head_dim]`, past and this step): kept as `step_k.layer_L.attention.cache.keys` and
+        `.values`, and compared with the golden's cache write (a write at the wrong position fails
+        that step's attention). Call it inside the block, after the step, for each layer."""
+        kept = self.outputs.setdefault(self.step, {})
+        name = self._name(f"layer_{layer}.attention")
+        for part, tensor in (("keys", keys), ("values", values)):
+            kept[f"{name}.cache.{part}"] = tensor.detach().to("cpu", copy=True).contiguous()
 
     def next_step(self) -> None:
         """Start the next decode step by hand (for runtimes that do not call the root model)."""

@@ -47,6 +47,7 @@ class Bugs:
     decode_position_stale: bool = False  # the new token is rotated at the last cached position, not its own
     decode_router_softmax_bf16: bool = False  # the decode graph's router softmax in bf16, not float32
     decode_drops_last_cached: bool = False  # the new token attends to every cached position but the last
+    decode_cache_overwrites_last: bool = False  # the new token's keys and values overwrite the last cached ones
 
 
 class RMSNorm(nn.Module):
@@ -117,7 +118,12 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache[0].shape[2] if cache else 0
             if cache:
-                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+                if t == 1 and self.bugs.decode_cache_overwrites_last:  # written one position early
+                    cache[0][:, :, -1:], cache[1][:, :, -1:] = k, v
+                    past -= 1
+                    k, v = cache[0], cache[1]
+                else:
+                    k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
             cache[:] = [k, v]
         groups = self.heads // self.kv_heads
         if self.bugs.gqa_repeat:
@@ -230,13 +236,16 @@ class Qwen3MoePort(nn.Module):
     def new_cache(self) -> list[list[torch.Tensor]]:
         return [[] for _ in self.layers]
 
-    def generate(self, ids: torch.Tensor, tokens: list[int]) -> None:
+    def generate(self, ids: torch.Tensor, tokens: list[int], recorder=None) -> None:
         """The prefill of `ids`, then one decode step per token of `tokens` (teacher-forced: the tokens
-        the reference chose), each on the cache the calls before it wrote."""
+        the reference chose), each on the cache the calls before it wrote; with a `recorder`
+        (`pytest_moe_parity.dump.record`'s), each decode step's cache too, as the port writes it."""
         cache = self.new_cache()
         self(ids, cache)
         for token in tokens:
             self(torch.full((ids.shape[0], 1), token, dtype=ids.dtype), cache)
+            for layer, (keys, values) in enumerate(cache if recorder is not None else ()):
+                recorder.keep_cache(layer, keys, values)
 
 
 def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs = Bugs()) -> Qwen3MoePort:

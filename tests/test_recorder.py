@@ -222,3 +222,24 @@ def test_a_dump_judged_isolated_is_told_the_chained_mode_fits(decode_goldens, ti
     line = next(li for li in stdout.splitlines() if "within the reference's own chained error" in li)
     assert line.endswith("judge it chained: --mode chain"), line
     assert _compare(capsys, golden, out, tmp_path / "r2", "--mode", "chain")[0] == 0
+
+
+def test_a_dumped_cache_write_is_compared(decode_goldens, tiny_model, tmp_path: Path, capsys) -> None:
+    """`Recorder.keep_cache` after each decode step: the port's cache write is compared with the
+    golden's (clean: passes, with cache.keys in the row; written one position early: fails there)."""
+    golden = decode_goldens[4]
+    for bugs, code in ((Bugs(), 0), (Bugs(decode_cache_overwrites_last=True), 1)):
+        port = load_port(tiny_model("qwen3_moe"), bugs=bugs)
+        with torch.no_grad(), record(port, tmp_path / "d", POINTS, overwrite=True) as rec:
+            port.generate(_ids(golden), GoldenStore(golden).decode_tokens, recorder=rec)
+        assert "step_1.layer_2.attention.cache.keys" in _names(tmp_path / "d" / "step_1.safetensors")
+        got, stdout, summary = _compare(capsys, golden, tmp_path / "d", tmp_path / f"r{code}", "--mode", "chain")
+        rows = {r["id"]: r for r in read_json(tmp_path / f"r{code}" / "comparison_report.json")["points"]}
+        row = rows["step_1.layer_0.attention"]
+        assert got == code, stdout
+        assert {"cache.keys", "cache.values"} <= set(row["metrics"])
+        if code:
+            assert summary["first_divergence"] == "step_1.layer_0.attention"
+            assert any(c["target"].startswith("cache.") and not c["passed"] for c in row["checks"]), row["checks"]
+        else:
+            assert not any("the cache write is not compared" in n for n in row["notes"])

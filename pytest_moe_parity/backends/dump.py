@@ -37,7 +37,7 @@ from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, TEMPLATE_EXAMPLES, Point, is_point_template
 from ..tree import leaves
-from . import Backend, BackendSetup, CandidateOutput, HwOption, PointUnavailable
+from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, PointUnavailable
 from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -218,6 +218,13 @@ class DumpDir:
         if self._pt_last is None or self._pt_last[0] != f:
             self._pt_last = (f, load_pt(f))
         return self._pt_last[1]
+
+    def has(self, name: str) -> bool:
+        return name in self._index
+
+    def read(self, name: str) -> Any:
+        """The tensor under `name` (not sharded)."""
+        return self._read(name)
 
     def _whole(self, name: str, source: Source, point: Point) -> tuple[Any, list[str]]:
         """The tensor under `name`, gathered from its ranks when the source says it is sharded."""
@@ -462,7 +469,11 @@ class DumpBackend(Backend):
 
     def _check_names(self, located: dict[str, tuple[str, Source] | None]) -> None:
         used = {name for found in located.values() if found is not None for name in (found[0],)}
-        unmatched = [n for n in self.dump.names if n not in used and _RANK_PART.sub("", n) not in used]
+        unmatched = [
+            n
+            for n in self.dump.names
+            if n not in used and _RANK_PART.sub("", n) not in used and not n.endswith((".cache.keys", ".cache.values"))
+        ]
         prefill = [p for p in self.golden.points if p.step is None]
         missing = [p.id for p in prefill if located[p.id] is None]
         if not unmatched or len(missing) * 2 <= len(prefill):
@@ -499,7 +510,20 @@ class DumpBackend(Backend):
                 shape = self._golden_shape(router)
                 logits = fit(dumped[1], shape, self.batch, self._positions(point))[0] if shape else dumped[1]
                 routing = (logits,)
-        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes})
+        return CandidateOutput(
+            output, routing, info={"dumped_as": name, "notes": notes}, cache=self._cache(point, name)
+        )
+
+    def _cache(self, point: Point, name: str) -> CacheState | None:
+        """A decode step's attention: the layer's KV cache after the call, where the dump holds it
+        (`NAME.cache.keys` and `.values`, as `Recorder.keep_cache` writes them)."""
+        if point.step is None or point.component != "attention":
+            return None
+        for base in dict.fromkeys((name, point.id)):
+            keys, values = f"{base}.cache.keys", f"{base}.cache.values"
+            if self.dump.has(keys) and self.dump.has(values):
+                return CacheState(point.layer, self.dump.read(keys), self.dump.read(values))
+        return None
 
     def _positions(self, point: Point) -> int:
         """The golden's positions per sequence at `point`: the prompt's, or one at a decode step."""

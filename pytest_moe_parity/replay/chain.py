@@ -225,7 +225,7 @@ class PointChain(Chain):
                 f"chain: {', '.join(self._missing[point.id])} stayed golden (the point that produces it "
                 "was not run by the candidate)"
             ]
-        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, info)
+        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, info, cache=out.cache)
 
     def _chained(self, point: Point):
         missing = self._missing[point.id] = []
@@ -292,7 +292,7 @@ class RecordedChain(Chain):
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         out = self.runner.call(point, record)
         out.info = {**out.info, "chain": "recorded"}
-        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, out.info)
+        return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, out.info, cache=out.cache)
 
 
 def _routes(point: Point) -> bool:
