@@ -46,12 +46,16 @@ def original_script_metrics(gpu: torch.Tensor, neuron: torch.Tensor, rtol: float
     }
 
 
-def best_of(fn, repeat: int) -> float:
+def best_of(fn, repeat: int, rounds: list[float] | None = None) -> float:
+    """The best wall time of `repeat` calls (each one's appended to `rounds`)."""
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best = min(best, took)
+        if rounds is not None:
+            rounds.append(took)
     return best
 
 
@@ -111,10 +115,12 @@ def measure(args: argparse.Namespace) -> None:
     contended = ", a busy process per core beside it" if args.contend else ""
     print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s){contended}, best of {args.repeat}")
     read = best_of(lambda: torch.dot(golden, candidate), args.repeat)
-    ours = best_of(lambda: compare_tensors(golden, candidate), args.repeat)
+    rounds: list[float] = []
+    ours = best_of(lambda: compare_tensors(golden, candidate), args.repeat, rounds)
     script = best_of(lambda: original_script_metrics(golden, candidate), 1)
     print(f"  one read (torch.dot of the pair)     {read:8.3f} s")
     print(f"  compare_tensors, full metric set     {ours:8.3f} s   {ours / read:5.1f}x the read (target <= 10)")
+    print(f"    every round: {' '.join(f'{t:.3f}' for t in rounds)} s (worst {max(rounds) / read:.1f}x the read)")
     print(f"  the original script's metric set     {script:8.3f} s   {script / ours:5.1f}x slower (target >= 20)")
     m, ref = compare_tensors(golden, candidate), reference(golden, candidate)
     for name in ("cosine", "pearson", "rel_l2"):
