@@ -50,20 +50,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from pytest_moe_parity.golden import GoldenStore
-    from pytest_moe_parity.record.run import record_golden
-    from pytest_moe_parity.record.tiny import write_tiny_model
-    from pytest_moe_parity.replay.noise import record_noise
-    from pytest_moe_parity.session import quiet_transformers
+    from noise_goldens import noise_golden
 
-    quiet_transformers()
+    from pytest_moe_parity.golden import GoldenStore
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for layers in args.layers:
-            model = write_tiny_model("qwen3_moe", root / f"model-{layers}", layers=layers)
-            golden = root / f"golden-{layers}"
-            record_golden(model, golden, seq_len=32)
-            record_noise(golden, "bfloat16", model_dir=model)
+            _, golden = noise_golden(root, layers, seq_len=32)
             points = len(GoldenStore(golden).point_ids)
             base = ["-q", "-p", "no:cacheprovider", "--golden-dir", str(golden), "--hw", "trace", "--dtype",
                     "bfloat16", "--hw-option", f"cache_dir={root / 'cache'}"]  # fmt: skip

@@ -81,20 +81,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    from pytest_moe_parity.record.run import record_golden
-    from pytest_moe_parity.record.tiny import write_tiny_model
-    from pytest_moe_parity.replay.noise import record_noise
-    from pytest_moe_parity.session import quiet_transformers
+    from noise_goldens import noise_golden
 
-    quiet_transformers()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for layers in args.layers:
             started = time.perf_counter()
-            model = write_tiny_model("qwen3_moe", root / f"m{layers}", layers=layers)
-            golden = root / f"g{layers}"
-            record_golden(model, golden, seq_len=args.tokens, decode_steps=args.steps)
-            record_noise(golden, "bfloat16", model_dir=model)
+            model, golden = noise_golden(root, layers, args.tokens, args.steps)
             print(f"{layers} layers, {args.tokens} tokens, {args.steps} decode steps "
                   f"(golden and noise floor {time.perf_counter() - started:.1f} s)")  # fmt: skip
             for rounding in (False, True):
