@@ -48,6 +48,7 @@ class Bugs:
     decode_router_softmax_bf16: bool = False  # the decode graph's router softmax in bf16, not float32
     decode_drops_last_cached: bool = False  # the new token attends to every cached position but the last
     decode_cache_overwrites_last: bool = False  # the new token's keys and values overwrite the last cached ones
+    cache_bf16: bool = False  # keys and values kept in bf16 whatever the port computes in (a float32 port's bug)
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +125,10 @@ class Attention(nn.Module):
                     k, v = cache[0], cache[1]
                 else:
                     k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-            cache[:] = [k, v]
+            if self.bugs.cache_bf16:  # what is kept is rounded; this call still uses its own keys and values
+                cache[:] = [k.to(torch.bfloat16).to(q.dtype), v.to(torch.bfloat16).to(q.dtype)]
+            else:
+                cache[:] = [k, v]
         groups = self.heads // self.kv_heads
         if self.bugs.gqa_repeat:
             k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)

@@ -243,3 +243,19 @@ def test_a_dumped_cache_write_is_compared(decode_goldens, tiny_model, tmp_path: 
             assert any(c["target"].startswith("cache.") and not c["passed"] for c in row["checks"]), row["checks"]
         else:
             assert not any("the cache write is not compared" in n for n in row["notes"])
+
+
+def test_a_float32_port_s_bf16_cache_fails_at_the_first_decode_attention(
+    decode_goldens, tiny_model, tmp_path: Path, capsys
+) -> None:
+    """A port computing in float32 that keeps its KV cache in bf16: the prefill passes (its attention
+    reads its own keys before they are cached), the first decode step's attention fails, chained, by
+    float32's limits (the dump's own dtype)."""
+    golden = decode_goldens[4]
+    for bugs, code in ((Bugs(), 0), (Bugs(cache_bf16=True), 1)):
+        port = load_port(tiny_model("qwen3_moe"), dtype=torch.float32, bugs=bugs)
+        with torch.no_grad(), record(port, tmp_path / "d", POINTS, overwrite=True):
+            port.generate(_ids(golden), GoldenStore(golden).decode_tokens)
+        got, stdout, summary = _compare(capsys, golden, tmp_path / "d", tmp_path / f"r{code}", "--mode", "chain")
+        assert got == code and "candidate dtype float32 (from all " in stdout, stdout
+        assert summary["first_divergence"] == ("step_1.layer_0.attention" if code else None)
