@@ -249,3 +249,15 @@ def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time
     recording = float(next(li for li in lines if li.startswith("  layer_3: ")).rsplit(" ", 1)[-1].rstrip("s]"))
     total = float(lines[-1].split(", ")[-1].split(" s ->")[0])
     assert total >= noise + recording - 0.2, (total, noise, recording)
+
+
+def test_decode_steps_say_what_they_write_and_what_all_of_them_will(tmp_path: Path, tiny_model, capsys) -> None:
+    code, out, err = run(
+        capsys, "golden", "--model", str(tiny_model("qwen3_moe")), "--out", str(tmp_path / "g"), "--decode-steps", "2"
+    )
+    assert code == 0, err
+    first, second = (li for li in out.splitlines() if li.startswith("  step_"))
+    assert re.fullmatch(
+        r"  step_1: token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far; all 2: at least [\d.]+ MB, \d+ s\]", first
+    )
+    assert re.fullmatch(r"  step_2: token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far\]", second), second

@@ -319,11 +319,14 @@ def record_decode(
     steps: int,
     on_group: Callable[[str, list[Recorded]], None],
     say: Callable[[str], None],
+    written: Callable[[], int] = lambda: 0,
 ) -> dict[str, Any]:
     """After the prefill, `steps` greedy decode steps with a transformers DynamicCache: the prefill
     runs again with the cache (not recorded: its points are), then every step's points are recorded
-    as `step_k.*`, the cache each module reads stored as its layer's tensors. Returns the manifest's
-    "decode" entry: the steps and the token fed at each."""
+    as `step_k.*`, the cache each module reads stored as its layer's tensors. Each step's line says
+    what it wrote and took, the first also what all the steps will (at least: each step stores the
+    cache, which grows). Returns the manifest's "decode" entry: the steps and the token fed at each."""
+    started, before = time.perf_counter(), written()
     cache = decode_cache(model)
     out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
     order = max(p.order for p in points) + 1
@@ -342,7 +345,12 @@ def record_decode(
             missing = rec.finish()
         if missing:
             say(f"note: decode step {step} never called {', '.join(missing[:4])}; not recorded")
-        say(f"  step_{step}: token {token}, {len(step_points) - len(missing)} points")
+        size, seconds = (written() - before) / 1e6, time.perf_counter() - started
+        ahead = ""
+        if step == 1 and steps > 1:  # each step stores the cache, which grows: at least this
+            ahead = f"; all {steps}: at least {size * steps:.1f} MB, {seconds * steps:.0f} s"
+        recorded = len(step_points) - len(missing)
+        say(f"  step_{step}: token {token}, {recorded} points [{size:.2f} MB, {seconds:.1f}s so far{ahead}]")
     return {"steps": steps, "tokens": tokens, "cache": type(cache).__name__}
 
 
@@ -567,7 +575,11 @@ def record_golden(
                 skipped = rec.finish()
             for pid in skipped:
                 say(f"note: point {pid} was never called by the forward pass; not recorded")
-            decode = record_decode(model, points, ids_tensor, decode_steps, on_group, say) if decode_steps else None
+            decode = (
+                record_decode(model, points, ids_tensor, decode_steps, on_group, say, lambda: writer.bytes_written)
+                if decode_steps
+                else None
+            )
         peak = peaks(placed)
         say(memory_line(peak))
 
