@@ -9,7 +9,6 @@ float64 reference)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -105,24 +104,6 @@ def _chunks(tensors: Sequence[torch.Tensor], chunk_elems: int) -> Iterator[tuple
         parts = [t[prefix][start:stop].reshape(-1) for t in tensors]
         yield offset, parts
         offset += parts[0].numel()
-
-
-@contextlib.contextmanager
-def _one_thread(when: bool) -> Iterator[None]:
-    """torch's intra-op threads set to one while the block runs (`when`), put back after. The chunk
-    loop runs some twenty small operations a chunk, each of them a parallel region: beside a busy
-    process every region waits for a time slice of each of its threads, and the full metric set of
-    two 256 MB tensors took 0.2-4.7 s with two threads on two cores, against 0.15-0.25 s with one
-    (0.12 s quiet, against 0.08 s: benchmarks/bench_metrics.py, with and without --contend)."""
-    before = torch.get_num_threads()
-    if not when or before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -510,9 +491,8 @@ def compare_tensors(
     numel = golden.numel()
     rel_floor = _REL_FLOOR * _finite_abs_max(golden, chunk_elems)
     acc = _Accumulator(atol, rtol, rel_floor, min(chunk_elems, max(numel, 1)), golden.device)
-    with _one_thread(numel > chunk_elems and golden.device.type == "cpu"):
-        for offset, (g_chunk, c_chunk) in _chunks((golden, candidate), chunk_elems):
-            acc.update(offset, g_chunk, c_chunk)
+    for offset, (g_chunk, c_chunk) in _chunks((golden, candidate), chunk_elems):
+        acc.update(offset, g_chunk, c_chunk)
 
     within_tol = acc.within / numel if numel else 1.0
     max_rel = acc.max_rel if rel_floor > 0.0 else (0.0 if acc.max_abs == 0.0 else _INF)
