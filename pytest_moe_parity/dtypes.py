@@ -15,6 +15,14 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# safetensors' dtype codes (file headers) -> torch's names, and those of them that are floating.
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+SAFETENSORS_FLOATS = {code: name for code, name in SAFETENSORS_DTYPES.items() if "float" in name}
+
 # Short names people write on command lines.
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 

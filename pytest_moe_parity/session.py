@@ -456,7 +456,7 @@ class ParitySession:
         if self.mode != "isolated" or self.backend.chain != "recorded":
             return None
         failed = [r for r in rows if r.get("status") == "failed" and (r.get("noise") or {}).get("ratio")]
-        figures = "free" if self.golden.has_noise(self.dtype, "free") else "chain"
+        figures = self.golden.unsteered_noise(self.dtype)
         if not failed or not self.golden.has_noise(self.dtype, figures):
             return None
         within = 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import dtype_name, parse_dtype
+from ..dtypes import SAFETENSORS_FLOATS, dtype_name, parse_dtype
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
@@ -41,7 +41,7 @@ from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, Poin
 from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
-_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_SAFETENSORS_FLOATS = {code: SAFETENSORS_FLOATS[code] for code in ("F64", "F32", "F16", "BF16")}
 _RANK_DIR = re.compile(r"^(?:tp_)?rank_?(\d+)$")
 _RANK_SUFFIX = re.compile(r"^(.+)\.rank(\d+)$")
 _MAP_KEYS = {"name", "concat_dim", "ranks"}
@@ -145,10 +145,13 @@ class DumpDir:
             self._index_files()
         if not self._index:
             raise DumpError(f"{self.root} holds no .safetensors or .pt files")
+        self._pt_dtypes: dict[Path, str | None] = {}  # .pt file -> its first tensor's floating dtype
         for pieces in self._index.values():  # every .pt file opens as tensors, or the run does not start
             for path, key in pieces.values():
                 if key is None:
-                    load_pt(path, mmap=True)
+                    first = next((t for t in leaves(load_pt(path, mmap=True)) if isinstance(t, torch.Tensor)), None)
+                    floating = first is not None and first.is_floating_point()
+                    self._pt_dtypes[path] = dtype_name(first.dtype) if floating else None
 
     def _index_capture(self, model_type: str | None) -> None:
         self.capture = read_capture(self.root)
@@ -318,19 +321,15 @@ class DumpDir:
         return census
 
     def dtype_of(self, name: str) -> str | None:
-        """The floating dtype of the tensor under `name` (a `.pt` file's first tensor), from its header
-        or the capture's metadata, or a `.pt` file opened memory-mapped (its data not read); None for an
-        integer tensor."""
+        """The floating dtype of the tensor under `name` (a `.pt` file's first tensor), from its header,
+        the capture's metadata, or what opening the `.pt` file at start showed; None for an integer
+        tensor."""
         if name not in self._index:
             name = f"{name}.0"  # the first of a point's several outputs
         if name in self.dtypes:
             return self.dtypes[name]
         path, key = next(iter(self._index[name].values()))
-        if key is not None:
-            return self.dtypes.get(key)
-        value = load_pt(path, mmap=True)
-        first = next((t for t in leaves(value) if isinstance(t, torch.Tensor)), None)
-        return dtype_name(first.dtype) if first is not None and first.is_floating_point() else None
+        return self.dtypes.get(key) if key is not None else self._pt_dtypes.get(path)
 
 
 def load_pt(path: Path, *, mmap: bool = False) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..dtypes import SAFETENSORS_DTYPES, dtype_name
 from ..errors import GoldenError
 from ..points import Point
 from .spec import Spec, build
@@ -48,12 +49,6 @@ class GoldenRecord:
     @property
     def id(self) -> str:
         return self.point.id
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}  # fmt: skip
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -224,8 +219,6 @@ class GoldenStore:
 
     def _noise(self, dtype: torch.dtype | str, mode: str) -> dict[str, Any]:
         """Point id -> the reference's own figures in `dtype`, isolated or chained ({} if not recorded)."""
-        from ..dtypes import dtype_name
-
         return self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode) or {}
 
     def noise(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, dict[str, float]] | None:
@@ -236,8 +229,6 @@ class GoldenStore:
     def noise_tokens(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, torch.Tensor]:
         """The reference's own squared error per token at a point in `dtype`, per compared tensor (NaN:
         a token its run left out); {} for a golden recorded before these were kept."""
-        from ..dtypes import dtype_name
-
         entry = self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get("tokens")
         if not entry:
             return {}
@@ -265,6 +256,11 @@ class GoldenStore:
     def has_noise(self, dtype: torch.dtype | str, mode: str) -> bool:
         return bool(self._noise(dtype, mode))
 
+    def unsteered_noise(self, dtype: torch.dtype | str) -> str:
+        """Which of the reference's chained runs an unsteered chain (a dump) is read against: its free
+        run where recorded (`"free"`), else the steered one (goldens recorded before the free run)."""
+        return "free" if self.has_noise(dtype, "free") else "chain"
+
     def router_of(self, point: Point) -> Point | None:
         """The router whose routing a point follows (`moe`, `output`, `experts`); None for dense
         layers and for points that follow no router."""
@@ -285,7 +281,7 @@ class GoldenStore:
                         if key not in available:
                             raise GoldenError(f"{path} lacks tensor {key!r} listed in the manifest")
                         piece = fh.get_slice(key)
-                        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+                        dtype = SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
                         self._check_spec(pid, key, spec, dtype, list(piece.get_shape()))
             except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                 raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
@@ -331,7 +327,7 @@ class GoldenStore:
             raise GoldenError(f"{path} cannot be read as safetensors ({exc})") from None
         for key, spec in entry["tensors"].items():
             t = out[key]
-            self._check_spec(entry["id"], key, spec, str(t.dtype).removeprefix("torch."), list(t.shape))
+            self._check_spec(entry["id"], key, spec, dtype_name(t.dtype), list(t.shape))
         return out
 
     def load(self, pid: str | Point, *, chained: Callable[[Spec], torch.Tensor | None] | None = None) -> GoldenRecord:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput
 
 SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
          "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
-NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-         "F8_E5M2": "float8_e5m2"}  # fmt: skip
+NAMES = SAFETENSORS_FLOATS
 FLOATS = set(NAMES)
 CLASSES = ("embedding", "attention", "router", "experts", "shared_experts", "mlp", "norms", "lm_head", "other")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

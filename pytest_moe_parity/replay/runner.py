@@ -197,7 +197,7 @@ class ParityRunner:
         """Which of the reference's own runs a verdict in `mode` is read against: isolated, or the
         chained run steered as this chain is (`"chain"`), or free (`"free"`, where the golden has it)."""
         unsteered = mode == "chain" and self.chain is not None and not self.chain.steered
-        return "free" if unsteered and self.golden.has_noise(self.dtype, "free") else mode
+        return self.golden.unsteered_noise(self.dtype) if unsteered else mode
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
         return self.judge(self.prepare(pid), marker)
