@@ -619,3 +619,91 @@ def test_compare_logits_against_a_float64_reference() -> None:
     same = compare_logits(g, g.clone(), torch.bfloat16)
     assert same.top1_agreement == 1.0 and same.kl_max == 0.0 and same.top_k_overlap == 1.0
     json.dumps(lm.to_dict())
+
+
+# ------------------------------------------------------------------------------------------ contention
+
+
+def _spin(seconds: float) -> None:
+    import time as clock
+
+    end = clock.monotonic() + seconds
+    while clock.monotonic() < end:
+        pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="reads /proc/loadavg")
+def test_free_cores_sees_other_processes_busy() -> None:
+    """With a spinning process on every core, no core is free (at least one is reported)."""
+    import multiprocessing
+    import time
+
+    from pytest_moe_parity.judge.contention import free_cores
+
+    cores = len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    busy = [ctx.Process(target=_spin, args=(20.0,), daemon=True) for _ in range(cores)]
+    for proc in busy:
+        proc.start()
+    try:
+        deadline = time.monotonic() + 10
+        seen = []
+        while time.monotonic() < deadline:  # the spinners need a moment to start
+            seen.append(free_cores())
+            if seen[-1] == 1:
+                break
+            time.sleep(0.05)
+        assert seen[-1] == 1, seen
+    finally:
+        for proc in busy:
+            proc.terminate()
+            proc.join()
+
+
+def test_fitted_threads_narrows_to_the_free_cores_and_puts_them_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_moe_parity.judge import contention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(contention, "_last", (-1.0, None))
+        monkeypatch.setattr(contention, "free_cores", lambda: 1)
+        with contention.fitted_threads(1 << 20) as used:
+            assert used == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with contention.fitted_threads(1000) as used:  # too small to open a parallel region: left alone
+            assert used == 2 and torch.get_num_threads() == 2
+        monkeypatch.setattr(contention, "_last", (-1.0, None))
+        monkeypatch.setattr(contention, "free_cores", lambda: None)  # the machine does not say
+        with contention.fitted_threads(1 << 20) as used:
+            assert used == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compare_tensors_runs_on_the_cores_left_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside busy processes the metric pass runs on one thread, with the same figures."""
+    from pytest_moe_parity.judge import contention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    real_dot = torch.dot
+    monkeypatch.setattr(torch, "dot", lambda a, b: (seen.append(torch.get_num_threads()), real_dot(a, b))[1])
+    try:
+        gen = torch.Generator().manual_seed(3)
+        g = torch.randn(300_000, generator=gen)
+        c = g + 1e-3 * torch.randn(300_000, generator=gen)
+        monkeypatch.setattr(contention, "_last", (-1.0, None))
+        monkeypatch.setattr(contention, "free_cores", lambda: 2)
+        quiet = compare_tensors(g, c)
+        assert seen and set(seen) == {2}
+        seen.clear()
+        monkeypatch.setattr(contention, "_last", (-1.0, None))
+        monkeypatch.setattr(contention, "free_cores", lambda: 1)
+        busy = compare_tensors(g, c)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        assert_metrics_close(busy, quiet, rel=1e-6)
+    finally:
+        torch.set_num_threads(before)

@@ -5,7 +5,9 @@ chunk's sums are taken in the chunk's float precision (float32 for float32/bfloa
 float64 otherwise) and accumulated across chunks in float64. Cosine and Pearson are computed from the
 squared norm of the difference (law of cosines), so they stay accurate where they matter, near 1:
 their absolute error is about 1e-6 times (1 - value) plus 1e-6 times rel_l2 (see the tests against a
-float64 reference)."""
+float64 reference). Beside busy processes the pass runs on the cores they leave free
+(`contention.fitted_threads`): its twenty-odd operations per chunk would otherwise each wait for a
+descheduled thread's time slice."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, json_safe
+from .contention import fitted_threads
 
 __all__ = [
     "LogitsMetrics",
@@ -42,6 +45,7 @@ _INF = math.inf
 _DEFAULT_CHUNK = 1 << 18
 # max_rel measures elements against max(|g|, _REL_FLOOR * max|g|), i.e. 0.1 % of the golden peak.
 _REL_FLOOR = 1e-3
+_DOT_SPAN = 1 << 18
 # Pearson: when a mean exceeds this many standard deviations, centred sums are taken on shifted
 # values (sum of squares minus squared sum would cancel catastrophically).
 _SHIFT_RATIO = 1.0
@@ -130,7 +134,7 @@ def _finite_abs_max(t: torch.Tensor, chunk_elems: int) -> float:
     for _, (chunk,) in _chunks((t,), chunk_elems):
         if not chunk.is_floating_point():
             chunk = chunk.to(_F64)
-        lo, hi = torch.aminmax(chunk)
+        lo, hi = chunk.amin(), chunk.amax()
         low, high = float(lo), float(hi)
         if not (math.isfinite(low) and math.isfinite(high)):  # NaN or Inf inside: look at the finite ones
             chunk = chunk[torch.isfinite(chunk)]
@@ -248,15 +252,14 @@ class _Accumulator:
             *self._buffers(dtype, n, 3), None, None)  # fmt: skip
         g = g_raw if g_raw.dtype == dtype else gb.copy_(g_raw)
         c = c_raw if c_raw.dtype == dtype else cb.copy_(c_raw)
-        gg = float(torch.dot(g, g))
-        cc = float(torch.dot(c, c))
+        gg, cc = _sum_sq(g), _sum_sq(c)
         if not (math.isfinite(gg) and math.isfinite(cc)):  # NaN/Inf present, or the sums overflowed
             fin_g, fin_c = torch.isfinite(g), torch.isfinite(c)
             if not (bool(fin_g.all()) and bool(fin_c.all())):
                 g, c = self._split_nonfinite(offset, g, c, fin_g, fin_c)
             g, c = g.to(_F64), c.to(_F64)  # rare path: exact float64 on the (finite) rest
             d, t, u = self._buffers(_F64, g.numel(), 3)
-            gg, cc = float(torch.dot(g, g)), float(torch.dot(c, c))
+            gg, cc = _sum_sq(g), _sum_sq(c)
         self._accumulate_finite(g, c, gg, cc, d, t, u)
 
     def _split_nonfinite(
@@ -305,7 +308,7 @@ class _Accumulator:
             return
         sum_g = float(g.sum())
         torch.sub(c, g, out=d)
-        dd = float(torch.dot(d, d))
+        dd = _sum_sq(d)
         sum_d = float(d.sum())
         if self.shift is None:
             mean_g, mean_c = sum_g / n, (sum_g + sum_d) / n
@@ -339,18 +342,18 @@ class _Accumulator:
 
         d.abs_()
         self.sum_abs += float(d.sum())
-        chunk_max = float(d.max())
+        chunk_max = float(d.amax())
         self.max_abs = max(self.max_abs, chunk_max)
         torch.abs(g, out=t)
         if self.rel_floor > 0.0:
             torch.clamp(t, min=self.rel_floor, out=u)
             torch.div(d, u, out=u)
-            self.max_rel = max(self.max_rel, float(u.max()))
+            self.max_rel = max(self.max_rel, float(u.amax()))
         if chunk_max <= self.atol:  # every element is within atol
             self.within += n
             return
         torch.add(d, t, alpha=-self.rtol, out=t)  # |d| - rtol |g| <= atol  <=>  within
-        if float(t.max()) <= self.atol:
+        if float(t.amax()) <= self.atol:
             self.within += n
         else:
             self.within += int(t.le_(self.atol).sum())
@@ -359,7 +362,17 @@ class _Accumulator:
 def _shifted_sums(x: torch.Tensor, shift: float, scratch: torch.Tensor) -> tuple[float, float]:
     """(sum, sum of squares) of x - shift."""
     torch.sub(x, shift, out=scratch)
-    return float(scratch.sum()), float(torch.dot(scratch, scratch))
+    total = float(scratch.sum())
+    return total, float(scratch.square_().sum())
+
+
+def _sum_sq(x: torch.Tensor) -> float:
+    """Sum of squares of x: BLAS dots over spans of at most _DOT_SPAN elements, added in float64. A dot
+    reads its input once and writes nothing; its float32 error grows with its length (~2e-7 at 2^18
+    elements, ~3e-6 at 2^20), so long chunks are cut into spans."""
+    if x.numel() <= _DOT_SPAN:
+        return float(torch.dot(x, x))
+    return math.fsum(float(torch.dot(span, span)) for span in x.split(_DOT_SPAN))
 
 
 def _one_minus_cos(sq_diff: float, sq_a: float, sq_b: float) -> float:
@@ -489,10 +502,11 @@ def compare_tensors(
         )
 
     numel = golden.numel()
-    rel_floor = _REL_FLOOR * _finite_abs_max(golden, chunk_elems)
-    acc = _Accumulator(atol, rtol, rel_floor, min(chunk_elems, max(numel, 1)), golden.device)
-    for offset, (g_chunk, c_chunk) in _chunks((golden, candidate), chunk_elems):
-        acc.update(offset, g_chunk, c_chunk)
+    with fitted_threads(numel if golden.device.type == "cpu" else 0):
+        rel_floor = _REL_FLOOR * _finite_abs_max(golden, chunk_elems)
+        acc = _Accumulator(atol, rtol, rel_floor, min(chunk_elems, max(numel, 1)), golden.device)
+        for offset, (g_chunk, c_chunk) in _chunks((golden, candidate), chunk_elems):
+            acc.update(offset, g_chunk, c_chunk)
 
     within_tol = acc.within / numel if numel else 1.0
     max_rel = acc.max_rel if rel_floor > 0.0 else (0.0 if acc.max_abs == 0.0 else _INF)
