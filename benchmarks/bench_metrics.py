@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pytest_moe_parity.judge import metrics
-from pytest_moe_parity.judge.metrics import compare_tensors
+from pytest_moe_parity.judge import tensors
+from pytest_moe_parity.judge.tensors import compare_tensors
 
 
 def original_script_metrics(gpu: torch.Tensor, neuron: torch.Tensor, rtol: float = 1e-3, atol: float = 1e-3) -> dict:
@@ -99,7 +99,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.no_fit:
-        metrics.fitted_threads = lambda numel: contextlib.nullcontext(torch.get_num_threads())
+        tensors.fitted_threads = lambda numel: contextlib.nullcontext(torch.get_num_threads())
     busy = []
     if args.contend:
         import multiprocessing

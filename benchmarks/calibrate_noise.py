@@ -35,7 +35,7 @@ def ratios(session) -> dict[str, dict[str, float]]:
         except (PointUnavailable, BackendFailure):
             continue
         row = {}
-        for r in (res, res.chain):
+        for r in (res, res.chained):
             if r is not None and r.noise_ratio is not None:
                 row[r.mode] = r.noise_ratio
                 targets = r.noise["targets"].values()

@@ -390,7 +390,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     finally:
         session.close()
-    failed = any(r["status"] in ("failed", "error") for r in rows)
+    failed = any(r.status in ("failed", "error") for r in rows)
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -457,20 +457,20 @@ def _matches_bundled(fresh, ref) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
-    from .report.files import plots_line, read_report
+    from .report.files import plots_line, read_report, report_rows
     from .report.plots import PlotsUnavailable, render_plots
-    from .report.text import summary_lines, summary_table
+    from .report.summary import summary_lines, summary_table
 
     try:
         report = read_report(args.report)
     except ValueError as exc:
         return _fail(str(exc))
     directory = args.report if args.report.is_dir() else args.report.parent
+    rows = report_rows(report)
     try:  # the pictures are what this command is for: without matplotlib, say so and fail
-        written = render_plots(report, directory)
+        written = render_plots(rows, directory)
     except PlotsUnavailable as exc:
         return _fail(str(exc))
-    rows = report["points"]
     print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(rows)} points)")
     for line in summary_table(rows):
         print(line)

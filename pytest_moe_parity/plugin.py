@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .judge.verdict import PointResult
     from .points import Point
     from .replay.runner import Prepared
+    from .report.rows import Row
     from .session import Candidate, ParitySession, WeightUnit
 
 COLLECTOR_NAME = "parity"
@@ -267,18 +268,20 @@ class ParityPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield
         if isinstance(item, ParityItem | WeightItem) and report.when in ("setup", "call"):
-            # a plain dict of JSON types: xdist ships it from the worker with the report
+            # the row's JSON: xdist ships it from the worker with the report
             if report.when == "call" and item.row is not None:
-                report.parity_row = item.row
+                report.parity_row = item.row.to_json()
             elif report.failed or report.skipped:
                 status = "skipped" if report.skipped else "error"
-                report.parity_row = self.session.unjudged_row(item.entry, status, _message(call.excinfo))
+                report.parity_row = self.session.unjudged_row(item.entry, status, _message(call.excinfo)).to_json()
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         row = getattr(report, "parity_row", None)
         if row is not None:
-            self.session.record(row)
+            from .report.rows import Row
+
+            self.session.add_row(Row.from_json(row))
 
     def pytest_keyboard_interrupt(self) -> None:
         self.session.interrupted = True
@@ -350,7 +353,7 @@ class WeightItem(pytest.Item):
     def __init__(self, *, entry: WeightUnit, **kwargs: Any):
         super().__init__(**kwargs)
         self.entry = entry
-        self.row: dict[str, Any] | None = None
+        self.row: Row | None = None
 
     def runtest(self) -> None:
         session = _session(self.config)
@@ -372,7 +375,7 @@ class ParityItem(pytest.Item):
         self.point = self.entry = entry
         self.prepared: Prepared | None = None
         self.result: PointResult | None = None
-        self.row: dict[str, Any] | None = None
+        self.row: Row | None = None
 
     def setup(self) -> None:
         from .errors import BackendFailure, BackendStartFailure, GoldenError, PointUnavailable
@@ -405,7 +408,9 @@ class ParityItem(pytest.Item):
             message = str(exc)
         if self.result is None:
             pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
-        self.row = self.result.to_row()
+        from .report.rows import point_row
+
+        self.row = point_row(self.result)
         self.user_properties.extend(self.result.junit_properties())
         if not self.result.passed:
             raise ParityFailure(self.result)

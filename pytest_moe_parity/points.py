@@ -8,7 +8,7 @@ the pytest plugin reads this module at startup even when it is inert."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # Inside one decoder layer, the parts come before the wholes that contain them, so that
@@ -45,8 +45,17 @@ _ID_RE = re.compile(r"^(?:step_(\d+)\.)?(?:layer_(\d+)\.)?([a-z_]+)$")
 
 def point_id(component: str, layer: int | None = None, step: int | None = None) -> str:
     """`layer_17.attention`, `embedding`, `step_3.layer_17.attention`."""
-    pid = component if layer is None else f"{layer_group(layer)}.{component}"
-    return pid if step is None else f"step_{step}.{pid}"
+    return in_step(component if layer is None else f"{layer_group(layer)}.{component}", step)
+
+
+def step_prefix(step: int | None) -> str:
+    """What the names of decode step `step` start with: `step_3.`; nothing for the prefill (None)."""
+    return "" if step is None else f"step_{step}."
+
+
+def in_step(name: str, step: int | None) -> str:
+    """`name` (a point id, a layer, a dumped tensor's name) as decode step `step` calls it."""
+    return step_prefix(step) + name
 
 
 def layer_group(layer: int) -> str:
@@ -91,8 +100,7 @@ class Point:
     def group(self) -> str:
         """The golden file the point is stored in: its layer, or the model-level point itself (for
         a decode step, prefixed with it: `step_3.layer_17`)."""
-        base = layer_group(self.layer) if self.layer is not None else self.component
-        return base if self.step is None else f"step_{self.step}.{base}"
+        return in_step(layer_group(self.layer) if self.layer is not None else self.component, self.step)
 
     @property
     def routed_block(self) -> bool:
@@ -111,9 +119,6 @@ class Point:
     def parse(cls, pid: str, **fields: Any) -> Point:
         step, layer, component = parse_point_id(pid)
         return cls(component, layer, step=step, **fields)
-
-    def with_order(self, order: int) -> Point:
-        return replace(self, order=order)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, **asdict(self)}

@@ -20,11 +20,12 @@ from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
 from .judge.tolerances import NOISE_FACTOR, Override, resolve
-from .judge.verdict import Custom, PointResult, judge_point
+from .judge.verdict import Case, Custom, PointResult, judge_point
 from .points import Point, describe_layers, layer_group, parse_layers
 from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
-from .report.text import status_row, summary_lines, summary_table, weights_row
+from .report.rows import Row, point_row, unjudged_row, weights_row
+from .report.summary import summary_lines, summary_table
 
 if TYPE_CHECKING:
     from .replay.weights import WeightCheck
@@ -43,7 +44,7 @@ CONFIG_KEYS_THAT_MUST_MATCH = (
 def _chain_of(name: str) -> str | None:
     """How a registered backend chains (None when it cannot, or cannot be loaded)."""
     try:
-        return backend_class(name).chain
+        return backend_class(name).chain_kind
     except BackendError:
         return None
 
@@ -148,7 +149,7 @@ class ParitySession:
             cls = backend_class(self.hw)
         except BackendError as exc:
             raise SetupError(f"{flags['hw']} {self.hw}: {exc}") from None
-        self.candidate, self.candidate_source = self._candidate(cls.needs_checkpoint)
+        self.candidate_dir, self.candidate_source = self._candidate(cls.needs_checkpoint)
         if cls.needs_checkpoint:
             self._check_config()
         dtype = None
@@ -164,7 +165,7 @@ class ParitySession:
         try:
             setup = BackendSetup(
                 self.golden,
-                self.candidate,
+                self.candidate_dir,
                 dtype,
                 options=parse_hw_options(options.hw_options),
                 trust_remote_code=options.trust_remote_code,
@@ -191,7 +192,7 @@ class ParitySession:
         no = options.weights is False
         self._weights_loud = False  # why there are no weight items is said even unasked
         self.weights, self._no_weights = (None, "") if no else self._weight_check(cls.needs_checkpoint)
-        self.rows: dict[str, dict[str, Any]] = {}
+        self.rows: dict[str, Row] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
 
@@ -231,7 +232,7 @@ class ParitySession:
     def _weight_check(self, needs_checkpoint: bool) -> tuple[WeightCheck | None, str]:
         """Weight items, where the candidate is a checkpoint other than the reference's and the
         reference's is here to compare with; else why not."""
-        if not needs_checkpoint or self.candidate is None:
+        if not needs_checkpoint or self.candidate_dir is None:
             return None, f"the {self.hw} backend's candidate is not a checkpoint"
         found = self._golden_model()
         if found is None:
@@ -243,13 +244,13 @@ class ParitySession:
                 f"{compat.VERSION}: check the weights where transformers>=5 is installed (moe-parity audit)"
             )
         reference = found[0].resolve()
-        if reference == Path(self.candidate).resolve():
+        if reference == Path(self.candidate_dir).resolve():
             return None, "the candidate is the golden's own model"
         from .replay.weights import WeightCheck
 
         try:
             check = WeightCheck(
-                reference, self.candidate, trust_remote_code=self.options.trust_remote_code,
+                reference, self.candidate_dir, trust_remote_code=self.options.trust_remote_code,
                 held=self.backend.held_weights,
             )  # fmt: skip
             return check, ""
@@ -257,10 +258,10 @@ class ParitySession:
             return None, f"a checkpoint cannot be read ({exc})"
 
     def _check_config(self) -> None:
-        assert self.candidate is not None
-        config_file = self.candidate / "config.json"
+        assert self.candidate_dir is not None
+        config_file = self.candidate_dir / "config.json"
         if not config_file.is_file():
-            raise SetupError(f"candidate {self.candidate} is not a transformers checkpoint (no config.json)")
+            raise SetupError(f"candidate {self.candidate_dir} is not a transformers checkpoint (no config.json)")
         try:
             candidate = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
@@ -268,7 +269,7 @@ class ParitySession:
         golden_cfg = {**self.golden.config, "model_type": self.golden.model_type}
         diffs = config_differences(golden_cfg, candidate)
         if diffs:
-            raise SetupError(f"candidate {self.candidate} does not match the golden's model: " + "; ".join(diffs))
+            raise SetupError(f"candidate {self.candidate_dir} does not match the golden's model: " + "; ".join(diffs))
 
     def _layers(self) -> list[int] | None:
         text = self.options.layers
@@ -293,18 +294,18 @@ class ParitySession:
             raise SetupError(f"{flag} {mode!r} is not a mode; use one of {', '.join(MODES)}")
         if mode == "isolated":
             return mode
-        if cls.chain is None:
+        if cls.chain_kind is None:
             able = ", ".join(name for name in sorted(registry()) if _chain_of(name) in CHAIN_KINDS)
             raise SetupError(
                 f"{flag} {mode}: the {self.hw} backend cannot run the candidate on its own inputs; "
-                f"backends that can: {able} (a backend chains by declaring `chain`: see the README's backend contract)"
+                f"backends that can: {able} (a backend chains by declaring `chain`: see the backend contract)"
             )
-        if cls.chain not in CHAIN_KINDS:
+        if cls.chain_kind not in CHAIN_KINDS:
             raise SetupError(
-                f"{flag} {mode}: the {self.hw} backend declares chain = {cls.chain!r}; a backend's chain is one of "
-                f"{', '.join(CHAIN_KINDS)} (or None)"
+                f"{flag} {mode}: the {self.hw} backend declares chain = {cls.chain_kind!r}; "
+                f"a backend's chain is one of {', '.join(CHAIN_KINDS)} (or None)"
             )
-        if mode == "both" and cls.chain == "recorded":
+        if mode == "both" and cls.chain_kind == "recorded":
             raise SetupError(
                 f"{flag} both: a {self.hw} candidate holds one run of its own; use {flag} chain if it is "
                 "a whole-model run, isolated if it was fed the golden inputs"
@@ -352,7 +353,7 @@ class ParitySession:
                 yield WeightUnit(point.layer, point.order - 0.5)
             yield point
 
-    def check_weights(self, unit: WeightUnit) -> tuple[dict[str, Any], str | None]:
+    def check_weights(self, unit: WeightUnit) -> tuple[Row, str | None]:
         """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
         assert self.weights is not None
         findings = self.weights.findings(unit.layer)
@@ -362,12 +363,11 @@ class ParitySession:
         return row, "\n".join([f"{unit.id}: the candidate's weights differ from the reference's:", *findings])
 
     @staticmethod
-    def unjudged_row(entry: Point | WeightUnit, status: str, message: str) -> dict[str, Any]:
+    def unjudged_row(entry: Point | WeightUnit, status: str, message: str) -> Row:
         """The row of an item that was not judged: `skipped` (with a reason) or `error`."""
         if isinstance(entry, Point):
-            return status_row(entry, status, message)
-        row = weights_row(entry.id, entry.layer, entry.order, [])
-        return {**row, "status": status, "error" if status == "error" else "reason": message}
+            return unjudged_row(entry, status, message)
+        return unjudged_row(weights_row(entry.id, entry.layer, entry.order, []), status, message)
 
     def missing_steps(self, keyword: str) -> str | None:
         """Why a -k naming a decode step the golden lacks selects nothing, in one line (or None)."""
@@ -393,25 +393,25 @@ class ParitySession:
         """The points this run will prepare, in order (the backend may read ahead)."""
         self.backend.plan(points)
 
-    def run_all(self) -> Iterator[dict[str, Any]]:
+    def run_all(self) -> Iterator[Row]:
         """Judge every selected point in forward order, recording and yielding its row."""
         points = [p for p in self.points if self.selected(p)]
         self.plan(points)
         for point in points:
             try:
-                row = self.judge(self.prepare(point)).to_row()
+                row = point_row(self.judge(self.prepare(point)))
             except PointUnavailable as exc:
-                row = status_row(point, "skipped", str(exc))
+                row = unjudged_row(point, "skipped", str(exc))
             except BackendFailure as exc:
-                row = status_row(point, "error", str(exc))
-            self.record(row)
+                row = unjudged_row(point, "error", str(exc))
+            self.add_row(row)
             yield row
             if self.runner.start_failure is not None:  # no point can run: said once, at the first
                 return
 
     # -- rows and reports -----------------------------------------------------------------------
-    def record(self, row: dict[str, Any]) -> None:
-        self.rows[row["id"]] = row
+    def add_row(self, row: Row) -> None:
+        self.rows[row.id] = row
 
     def header_lines(self) -> list[str]:
         m = self.golden.manifest
@@ -423,7 +423,7 @@ class ParitySession:
             f"moe-parity: golden {self.golden.root} ({m['model']['model_type']}, "
             f"{recorded}, {len(self.golden.point_ids)} points, "
             f"{m['inputs']['seq_len']} tokens, {self.golden.dtype}){layers}",
-            f"moe-parity: candidate {self.candidate} ({self.candidate_source}) on --hw {self.hw} "
+            f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
             *self._weights_line(),
         ]
@@ -443,28 +443,28 @@ class ParitySession:
             return [("no parity items ran", None)]
         table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
         reports = [(line, None) for line in self.report_lines]
-        backend = [(line, None) for line in self.backend.closing_lines(rows)]
+        backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in rows])]
         nothing = self.nothing_compared()
         warning = [(nothing, "red")] if nothing else []
         mode = [(hint, "yellow")] if (hint := self.mode_hint(rows)) else []
         return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
 
-    def mode_hint(self, rows: list[dict[str, Any]]) -> str | None:
+    def mode_hint(self, rows: list[Row]) -> str | None:
         """A candidate that holds its own run (a dump) judged isolated, against the reference's
         isolated error, where most failures are within the reference's own chained error: one line
         saying the chained verdict is the one that fits a whole-model run."""
-        if self.mode != "isolated" or self.backend.chain != "recorded":
+        if self.mode != "isolated" or self.backend.chain_kind != "recorded":
             return None
-        failed = [r for r in rows if r.get("status") == "failed" and (r.get("noise") or {}).get("ratio")]
+        failed = [r for r in rows if r.status == "failed" and r.noise_ratio]
         figures = self.golden.unsteered_noise(self.dtype)
         if not failed or not self.golden.has_noise(self.dtype, figures):
             return None
         within = 0
         for row in failed:
-            reference = self.golden.noise(self.dtype, figures, row["id"]) or {}
+            reference = self.golden.noise(self.dtype, figures, row.id) or {}
             ratios = [
                 m["rel_l2"] / max(reference[t]["rel_l2"], 1e-12)
-                for t, m in (row.get("metrics") or {}).items()
+                for t, m in row.metrics.items()
                 if t in reference and isinstance(m, dict) and m.get("rel_l2") is not None
             ]
             within += bool(ratios) and max(ratios) <= NOISE_FACTOR
@@ -480,11 +480,11 @@ class ParitySession:
         """A run whose every point was skipped compared nothing: a mistake (a dump of other names,
         a selection of points the candidate lacks), never a success. Why, or None."""
         rows = list(self.rows.values())
-        if not rows or any(r["status"] != "skipped" for r in rows):
+        if not rows or any(r.status != "skipped" for r in rows):
             return None
         return (
             f"no point was compared: the {self.hw} backend gave none of the {len(rows)} selected points "
-            f"(first: {rows[0].get('reason', '')})"
+            f"(first: {rows[0].reason or ''})"
         )
 
     def meta(self) -> dict[str, Any]:
@@ -492,7 +492,7 @@ class ParitySession:
             "golden_dir": str(self.golden.root.resolve()),
             "golden_fingerprint": self.golden.fingerprint,
             "model_type": self.golden.model_type,
-            "candidate_model": str(self.candidate),
+            "candidate_model": str(self.candidate_dir),
             "candidate_source": self.candidate_source,
             "hw": self.hw,
             "hw_options": dict(parse_hw_options(self.options.hw_options)),
@@ -580,7 +580,7 @@ def judge_custom(
     cli = session.runner.cli_tolerances if session is not None else []
     ini = session.runner.ini_tolerances if session is not None else []
     tol, sources = resolve(name, component, dtype, marker=marker, cli=cli, ini=ini)
-    result = judge_point(Custom(name, component), golden, candidate, tol, dtype)
+    result = judge_point(Case(Custom(name, component), golden, candidate, tol, dtype))
     result.tolerance_sources = sources
     result.golden_dtype = dtype_name(golden.dtype)
     return result

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pytest_moe_parity.cli import main
-from pytest_moe_parity.record.capture import CACHE_KWARGS
+from pytest_moe_parity.model.calls import CACHE_KWARGS
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.session import ParitySession, RunOptions
 
@@ -83,10 +83,10 @@ def assert_bitwise(actual, expected, where: str) -> None:
 
 def assert_replays_bitwise(golden: Path, model) -> None:
     """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
-    from pytest_moe_parity.backends.cache import with_live_caches
     from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.golden.spec import resolve_params
-    from pytest_moe_parity.record.capture import cache_state
+    from pytest_moe_parity.model.cache import with_live_caches
+    from pytest_moe_parity.model.calls import cache_state
 
     store = GoldenStore(golden)
     for point in store.points:

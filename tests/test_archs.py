@@ -9,8 +9,8 @@ import pytest
 from helpers import assert_replays_bitwise, load_fp32
 
 from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.model.archs import ARCH_TABLE, _plan_from_spec, find_structure, plan_points
 from pytest_moe_parity.points import LAYER_COMPONENTS
-from pytest_moe_parity.record.archs import ARCH_TABLE, _plan_from_spec, find_structure, plan_points
 from pytest_moe_parity.record.run import record_golden
 from pytest_moe_parity.record.tiny import available_archs, build_tiny_model
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from pytest_moe_parity import backends
 from pytest_moe_parity.backends import Backend, CandidateOutput
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.record.capture import output_tensors
+from pytest_moe_parity.model.calls import output_tensors
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
@@ -175,7 +175,7 @@ def test_chain_mode_asks_for_what_it_needs(monkeypatch, pytester: pytest.Pyteste
 
     monkeypatch.setitem(backends.registry(), Isolated.name, Isolated)
     monkeypatch.setitem(backends.registry(), Unknown.name, Unknown)
-    able = [n for n in sorted(backends.registry()) if backends.backend_class(n).chain in backends.CHAIN_KINDS]
+    able = [n for n in sorted(backends.registry()) if backends.backend_class(n).chain_kind in backends.CHAIN_KINDS]
     assert {"compile", "cpu", "cuda", "dump", "neuron", "trace"} <= set(able)  # and whatever else is installed
     usage_error(
         run_parity(pytester, golden, "--hw", "isolated-only", "--parity-mode", "chain"),
@@ -276,25 +276,33 @@ def test_the_noise_ratio_gives_the_worst_token_a_slack(rel_ratio, token_ratio, r
     import torch
 
     from pytest_moe_parity.judge.tolerances import default_tolerance
-    from pytest_moe_parity.judge.verdict import judge_point
+    from pytest_moe_parity.judge.verdict import Case, judge_point
     from pytest_moe_parity.points import Point
 
     golden = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     candidate = golden.clone()
     candidate[0, 3] += 5e-2 * golden[0, 3].norm() / 4**0.5  # one token off by 5e-2 of its norm (above the floor)
     res = judge_point(
-        Point.parse("layer_0.attention"), golden, candidate, default_tolerance("bfloat16", "attention"), torch.bfloat16
+        Case(
+            Point.parse("layer_0.attention"),
+            golden,
+            candidate,
+            default_tolerance("bfloat16", "attention"),
+            torch.bfloat16,
+        )
     )
     m = res.main
     noise = {"out": {"rel_l2": m.rel_l2 / rel_ratio, "max_token_rel_l2": m.max_token_rel_l2 / token_ratio}}
     res = judge_point(
-        Point.parse("layer_0.attention"),
-        golden,
-        candidate,
-        default_tolerance("bfloat16", "attention"),
-        torch.bfloat16,
-        noise=noise,
-        fixed=False,
+        Case(
+            Point.parse("layer_0.attention"),
+            golden,
+            candidate,
+            default_tolerance("bfloat16", "attention"),
+            torch.bfloat16,
+            noise=noise,
+            fixed=False,
+        )
     )
     target = res.noise["targets"]["out"]
     assert target["rel_l2_ratio"] == pytest.approx(rel_ratio)
@@ -309,17 +317,17 @@ def test_errors_below_an_eighth_of_the_dtypes_epsilon_are_not_ratios() -> None:
     import torch
 
     from pytest_moe_parity.judge.tolerances import default_tolerance
-    from pytest_moe_parity.judge.verdict import judge_point
+    from pytest_moe_parity.judge.verdict import Case, judge_point
     from pytest_moe_parity.points import Point
 
     golden = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     candidate = golden * (1 + 8e-4)
     point, tol = Point.parse("layer_0.attention"), default_tolerance("bfloat16", "attention")
     noise = {"out": {"rel_l2": 5e-4, "max_token_rel_l2": 5e-4}}
-    res = judge_point(point, golden, candidate, tol, torch.bfloat16, noise=noise, fixed=False)
+    res = judge_point(Case(point, golden, candidate, tol, torch.bfloat16, noise=noise, fixed=False))
     floor = torch.finfo(torch.bfloat16).eps / 8
     assert res.noise_ratio == pytest.approx(8e-4 / floor) and res.passed
-    res = judge_point(point, golden, golden * (1 + 2.5e-3), tol, torch.bfloat16, noise=noise, fixed=False)
+    res = judge_point(Case(point, golden, golden * (1 + 2.5e-3), tol, torch.bfloat16, noise=noise, fixed=False))
     assert res.noise_ratio == pytest.approx(2.5e-3 / floor) and not res.passed
 
 
@@ -338,10 +346,10 @@ def test_a_points_chain_runs_each_point_once(golden_dir, tiny_model, cache_dir) 
     try:
         ids = run.golden.point_ids
         results = [run.runner.run(pid) for pid in ids]
-        assert all(r.passed for r in results), [r.to_row() for r in results if not r.passed]
+        assert all(r.passed for r in results), [r.id for r in results if not r.passed]
         assert calls == ids  # each point once, in forward order
-        first = run.runner.prepare("layer_1.output").chain.output  # forgotten: computed again up to it
-        again = run.runner.prepare("layer_1.output").chain.output  # kept this time
+        first = run.runner.prepare("layer_1.output").chained.output  # forgotten: computed again up to it
+        again = run.runner.prepare("layer_1.output").chained.output  # kept this time
         assert len(calls) == len(ids) + ids.index("layer_1.output") + 1
         assert torch.equal(first, again)
     finally:

@@ -13,7 +13,8 @@ from helpers import assert_replays_bitwise, cache_kwarg, cli, load_fp32, read_js
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
-from pytest_moe_parity.report.text import decode_line
+from pytest_moe_parity.report.rows import Row
+from pytest_moe_parity.report.summary import decode_line
 from pytest_moe_parity.tree import CacheState
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
@@ -160,11 +161,11 @@ def test_golden_cli_records_decode_steps(tmp_path: Path, tiny_model, capsys) -> 
     assert re.search(shown, out), out
 
 
-def _logits_row(step: int, flips: list[dict], ties: list[dict]) -> dict:
-    return {
+def _logits_row(step: int | None, flips: list[dict], ties: list[dict]) -> Row:
+    return Row.from_json({
         "id": f"step_{step}.logits", "component": "logits", "step": step, "candidate_dtype": "bfloat16",
-        "logits": {"top1": {"flips": flips, "ties": ties}},
-    }  # fmt: skip
+        "logits": {"top1": {"flips": flips, "ties": ties}}, "status": "passed",
+    })  # fmt: skip
 
 
 def test_the_decode_line_names_the_first_step_whose_next_token_differs() -> None:
@@ -181,7 +182,7 @@ def test_the_decode_line_names_the_first_step_whose_next_token_differs() -> None
         "red",
     )
     assert decode_line(rows[:1]) == ("decode: the next token agrees with the golden at every step judged (1)", "green")
-    assert decode_line([{**rows[0], "step": None}]) is None  # no decode steps: no line
+    assert decode_line([_logits_row(None, [], [])]) is None  # no decode steps: no line
 
 
 def test_a_hybrid_cache_without_keys_and_values_is_refused_before_recording(tmp_path: Path, tiny_model, capsys) -> None:
@@ -217,7 +218,7 @@ def test_a_recorded_cache_is_passed_by_the_name_the_module_takes() -> None:
     from torch import nn
     from transformers.utils.deprecation import deprecate_kwarg
 
-    from pytest_moe_parity.record.capture import cache_kwarg, with_cache_kwarg
+    from pytest_moe_parity.model.calls import cache_kwarg, with_cache_kwarg
 
     class Before(nn.Module):
         def forward(self, hidden_states, past_key_values=None, **kwargs):

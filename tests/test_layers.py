@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 # lowest first; a module may import from its own layer's package (inside a sub-package) and below
 LAYERS = [
     {"points", "dtypes", "errors", "tree", "compat"},
-    {"golden", "judge"},
+    {"golden", "judge", "model"},
     {"record", "dump"},
     {"backends"},
     {"replay"},
@@ -29,6 +29,7 @@ ORDER = [
     "compat",
     "golden",
     "judge",
+    "model",
     "record",
     "dump",
     "backends",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_moe_parity.record.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
+from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.replay.inputs import cast_inputs

@@ -161,7 +161,7 @@ def test_the_router_output_is_judged_as_top_k_weights(nxdi_double, golden_dir, t
         result = run.runner.run("layer_1.router")
     finally:
         run.close()
-    assert result.passed, result.to_row()
+    assert result.passed, result.checks
     assert any("every expert's affinity [T, E]" in n for n in result.notes)
     from neuronx_distributed_inference.utils.testing import CALLS
 

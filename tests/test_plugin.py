@@ -12,7 +12,7 @@ import pytest
 from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.record.archs import ARCH_TABLE
+from pytest_moe_parity.model.archs import ARCH_TABLE
 from pytest_moe_parity.record.run import record_golden
 from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE

@@ -344,7 +344,7 @@ def test_a_quantized_checkpoint_is_never_read_without_its_scales(tmp_path: Path,
     import shutil
 
     from pytest_moe_parity.errors import CheckpointError
-    from pytest_moe_parity.record.lazy_model import LazyModel
+    from pytest_moe_parity.model.lazy_model import LazyModel
 
     model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
     config = read_json(model / "config.json")

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
-from pytest_moe_parity.judge.verdict import Custom, judge_point
+from pytest_moe_parity.judge.verdict import Case, Custom, judge_point
 from pytest_moe_parity.points import Point
-from pytest_moe_parity.report.text import failure_text, summary_table
+from pytest_moe_parity.report.rows import Row, point_row
+from pytest_moe_parity.report.summary import summary_table
+from pytest_moe_parity.report.text import failure_text
 
 
 def test_parse_override() -> None:
@@ -57,7 +59,7 @@ def test_atol_alone_means_allclose() -> None:
     g = torch.zeros(10)
     c = torch.zeros(10)
     c[3] = 0.01
-    r = judge_point(point, g, c, tol, torch.float32)
+    r = judge_point(Case(point, g, c, tol, torch.float32))
     assert not r.passed and [ch.name for ch in r.failed_checks] == ["cosine", "rel_l2", "within"]
 
 
@@ -66,7 +68,7 @@ POINT = Point("attention", 1, order=3)
 
 def test_shape_mismatch_fails_with_both_shapes() -> None:
     tol = default_tolerance(torch.bfloat16, "attention")
-    r = judge_point(POINT, torch.zeros(1, 4, 8), torch.zeros(1, 3, 8), tol, torch.bfloat16)
+    r = judge_point(Case(POINT, torch.zeros(1, 4, 8), torch.zeros(1, 3, 8), tol, torch.bfloat16))
     assert not r.passed
     text = failure_text(r)
     assert "shape mismatch: golden (1, 4, 8) vs candidate (1, 3, 8)" in text
@@ -77,7 +79,7 @@ def test_nan_says_where() -> None:
     g = torch.randn(1, 6, 8)
     c = g.clone()
     c[0, 4, 2] = float("nan")
-    r = judge_point(POINT, g, c, tol, torch.bfloat16)
+    r = judge_point(Case(POINT, g, c, tol, torch.bfloat16))
     assert not r.passed
     assert "candidate has 1 NaN and 0 Inf (golden 0 / 0); first at index (0, 4, 2), token 4" in failure_text(r)
     assert "nan" not in " ".join(f"{c.value}" for c in r.checks if c.name in ("cosine", "rel_l2"))
@@ -92,12 +94,12 @@ def test_router_tie_is_not_a_failure_but_a_flip_is() -> None:
     swapped = weights.clone()
     swapped[0] = weights[0].flip(0)
     tie = (logits, swapped, torch.tensor([[1, 0], [0, 2]]))  # token 0: order only; token 1: near-tie swap
-    r = judge_point(point, golden, tie, tol, torch.bfloat16)
+    r = judge_point(Case(point, golden, tie, tol, torch.bfloat16))
     assert r.passed, failure_text(r)
     assert [f["token"] for f in r.routing["ties"]] == [1] and r.routing["flips"] == []
     assert r.excluded_tokens == [1]
     flip = (logits, weights, torch.tensor([[0, 3], [0, 1]]))  # token 0: expert 3 instead of 1, gap 3.0
-    r = judge_point(point, golden, flip, tol, torch.bfloat16)
+    r = judge_point(Case(point, golden, flip, tol, torch.bfloat16))
     assert not r.passed and [f["token"] for f in r.routing["flips"]] == [0]
     assert "flip_share" in [c.name for c in r.failed_checks]
 
@@ -110,7 +112,7 @@ def test_sigmoid_router_ties_use_the_golden_score_bias() -> None:
     w = torch.tensor([[0.5, 0.5]])
     golden = (logits, w, torch.tensor([[3, 1]]))
     lost_bias = (logits, w, torch.tensor([[0, 1]]))  # a port without the bias picks by logits only
-    r = judge_point(point, golden, lost_bias, tol, torch.bfloat16, score_bias=bias)
+    r = judge_point(Case(point, golden, lost_bias, tol, torch.bfloat16, score_bias=bias))
     assert not r.passed and r.routing["flips"][0]["gap"] == pytest.approx(0.6)
 
 
@@ -120,6 +122,7 @@ def test_summary_table_is_compact_for_big_runs() -> None:
         for i in range(100)
     ]
     rows[57]["status"] = "failed"
+    rows = [Row.from_json(row) for row in rows]
     lines = summary_table(rows, full_limit=40)
     assert len(lines) < 10
     assert any(line.startswith("layer_57.moe") and "failed" in line for line in lines)
@@ -130,8 +133,8 @@ def test_a_router_returning_logits_only_is_compared_as_a_tensor() -> None:
     point = Point("router", 0, router_kind="softmax")
     tol = default_tolerance(torch.bfloat16, "router")
     logits = torch.randn(5, 4)
-    assert judge_point(point, logits, logits.clone(), tol, torch.bfloat16).passed
-    r = judge_point(point, logits, logits.roll(1, dims=1), tol, torch.bfloat16)
+    assert judge_point(Case(point, logits, logits.clone(), tol, torch.bfloat16)).passed
+    r = judge_point(Case(point, logits, logits.roll(1, dims=1), tol, torch.bfloat16))
     assert not r.passed and list(r.metrics) == ["out"]
 
 
@@ -141,7 +144,7 @@ def test_failure_text_counts_worst_elements_and_remedy() -> None:
     c = g.clone()
     c[0, 3, 5] = -g[0, 3, 5] * 2  # one element wrong
     c[0, 6] *= 1.2  # one token 20% off
-    r = judge_point(POINT, g, c, tol, torch.bfloat16)
+    r = judge_point(Case(POINT, g, c, tol, torch.bfloat16))
     assert not r.passed
     text = failure_text(r)
     m = r.metrics["out"]
@@ -157,7 +160,7 @@ def test_failure_text_counts_worst_elements_and_remedy() -> None:
     # the remedy accepts: re-judged under it, the same result passes
     pattern, values = parse_override(remedy.removeprefix("--parity-tol ").strip("'"))
     relaxed, _ = resolve(POINT.id, "attention", torch.bfloat16, cli=[(pattern, values)])
-    assert judge_point(POINT, g, c, relaxed, torch.bfloat16).passed
+    assert judge_point(Case(POINT, g, c, relaxed, torch.bfloat16)).passed
 
 
 def test_remedy_rounds_outward_and_refuses_the_unacceptable() -> None:
@@ -169,11 +172,11 @@ def test_remedy_rounds_outward_and_refuses_the_unacceptable() -> None:
     assert _accepting(0.5, ">=") == pytest.approx(0.5)
     tol = default_tolerance(torch.bfloat16, "attention")
     g = torch.randn(4, 8)
-    assert judge_point(POINT, g, -g, tol, torch.bfloat16).remedy() is None  # cosine -1: nothing accepts it
-    assert judge_point(POINT, g, g[:, :4], tol, torch.bfloat16).remedy() is None  # a shape
+    assert judge_point(Case(POINT, g, -g, tol, torch.bfloat16)).remedy() is None  # cosine -1: nothing accepts it
+    assert judge_point(Case(POINT, g, g[:, :4], tol, torch.bfloat16)).remedy() is None  # a shape
     nan = g.clone()
     nan[0, 0] = float("nan")
-    assert judge_point(POINT, g, nan, tol, torch.bfloat16).remedy() is None
+    assert judge_point(Case(POINT, g, nan, tol, torch.bfloat16)).remedy() is None
 
 
 # -- per-token damage, experts that follow the candidate's routing, per-expert breakdown, logits --------
@@ -184,7 +187,7 @@ def test_a_dropped_token_fails_the_token_check_though_the_whole_tensor_passes() 
     g = torch.randn(1, 1024, 16, generator=gen)
     c = g + 2e-3 * torch.randn(g.shape, generator=gen)
     c[0, 700] = 0.0  # one token of 1024 lost: diluted to rel_l2 0.03 in the whole
-    r = judge_point(POINT, g, c, default_tolerance(torch.bfloat16, "input_norm"), torch.bfloat16)
+    r = judge_point(Case(POINT, g, c, default_tolerance(torch.bfloat16, "input_norm"), torch.bfloat16))
     assert not r.passed
     assert [(ch.target, ch.name) for ch in r.failed_checks] == [("out", "max_token_rel_l2")]
     assert r.metrics["out"].max_token_rel_l2 == pytest.approx(1.0) and r.metrics["out"].worst_token == 700
@@ -196,7 +199,8 @@ def test_a_dropped_token_fails_the_token_check_though_the_whole_tensor_passes() 
     small = g.clone()
     small[0, 3] = 1e-6
     noisy = small + 2e-3 * torch.randn(g.shape, generator=gen)
-    assert judge_point(POINT, small, noisy, default_tolerance(torch.bfloat16, "input_norm"), torch.bfloat16).passed
+    tol = default_tolerance(torch.bfloat16, "input_norm")
+    assert judge_point(Case(POINT, small, noisy, tol, torch.bfloat16)).passed
 
 
 def _routing(num_tokens: int, num_experts: int, k: int, seed: int = 0):
@@ -218,11 +222,11 @@ def test_experts_leave_out_the_tokens_the_candidate_routed_elsewhere() -> None:
     cand_index[5] = torch.tensor([x for x in range(8) if x not in golden_router[2][5].tolist()][:2])
     cand_router = (golden_router[0], golden_router[1], cand_index)
     tol = default_tolerance(torch.bfloat16, "experts")
-    r = judge_point(point, g, c, tol, torch.bfloat16, golden_router=golden_router, candidate_router=cand_router)
+    r = judge_point(Case(point, g, c, tol, torch.bfloat16, golden_router=golden_router, candidate_router=cand_router))
     assert r.passed, failure_text(r)
     assert r.excluded_tokens == [5] and "1 token(s) whose routing flipped are excluded" in r.notes[0]
     # without the candidate's routing (an isolated replay takes the golden's), token 5 is a failure
-    r = judge_point(point, g, c, tol, torch.bfloat16, golden_router=golden_router)
+    r = judge_point(Case(point, g, c, tol, torch.bfloat16, golden_router=golden_router))
     assert not r.passed and r.worst[0][0] == 5 and not r.notes
     assert "max_token_rel_l2" in [ch.name for ch in r.failed_checks]
 
@@ -237,15 +241,15 @@ def test_one_broken_expert_of_64_is_named() -> None:
     c = g + 2e-3 * torch.randn(g.shape, generator=gen)
     served = (index == rare).any(dim=-1)
     c[served] = 0.4 * g[served]  # its tokens lose most of their output
-    r = judge_point(point, g, c, default_tolerance(torch.bfloat16, "experts"), torch.bfloat16,
-                    golden_router=(logits, weights, index))  # fmt: skip
+    r = judge_point(Case(point, g, c, default_tolerance(torch.bfloat16, "experts"), torch.bfloat16,
+                    golden_router=(logits, weights, index)))  # fmt: skip
     assert not r.passed
     expert, tokens, err = r.worst_experts[0]
     assert (expert, tokens) == (rare, int(counts[rare])) and err == pytest.approx(0.6, rel=0.05)
     assert all(e != rare and x < err for e, _, x in r.worst_experts[1:])
     text = failure_text(r)
     assert f"worst experts (rel error over their golden-routed tokens): #{rare} 0.6" in text
-    row = r.to_row()
+    row = point_row(r).to_json()
     assert row["worst_experts"][0][:2] == [rare, int(counts[rare])]
 
 
@@ -259,19 +263,19 @@ def test_logits_fail_on_a_real_top1_flip_and_report_a_tie() -> None:
     # token 4: the runner-up is raised just above the top-1 while the golden gap is within rounding
     g[0, 4, top.indices[4, 1]] = top.values[4, 0] - 1e-3
     c[0, 4, top.indices[4, 1]] = top.values[4, 0] + 1e-3
-    r = judge_point(point, g, c, tol, torch.bfloat16)
+    r = judge_point(Case(point, g, c, tol, torch.bfloat16))
     assert r.passed, failure_text(r)
     assert r.logits is not None and [f.token for f in r.logits.top1.ties] == [4] and not r.logits.top1.flips
     assert r.logits.top1_agreement == pytest.approx(11 / 12)
     # token 7: the candidate's choice lost by a clear margin in the golden: a real flip
     c[0, 7, top.indices[7, 1]] = top.values[7, 0] + 1.0
-    r = judge_point(point, g, c, tol, torch.bfloat16)
+    r = judge_point(Case(point, g, c, tol, torch.bfloat16))
     assert not r.passed and [(ch.target, ch.name) for ch in r.failed_checks] == [("top1", "flip_share")]
     assert [f.token for f in r.logits.top1.flips] == [7]
     text = failure_text(r)
     assert "next token: top-1 agreement 83.3% of 12 tokens (real flips 1, ties 1)" in text
     assert f"token 7: golden top-1 {int(top.indices[7, 0])}, candidate {int(top.indices[7, 1])}" in text
-    assert r.to_row()["logits"]["top1"]["flipped_tokens"] == [7]
+    assert point_row(r).to_json()["logits"]["top1"]["flipped_tokens"] == [7]
 
 
 def test_the_remedy_is_one_line_that_pastes_as_it_stands() -> None:
@@ -284,7 +288,7 @@ def test_the_remedy_is_one_line_that_pastes_as_it_stands() -> None:
     weights, index = logits.softmax(-1).topk(2)
     bad = logits + torch.randn(64, 8, generator=gen)
     bad_weights, bad_index = bad.softmax(-1).topk(2)
-    r = judge_point(point, (logits, weights, index), (bad, bad_weights, bad_index), tol, torch.bfloat16)
+    r = judge_point(Case(point, (logits, weights, index), (bad, bad_weights, bad_index), tol, torch.bfloat16))
     remedy = r.remedy()
     assert not r.passed and remedy is not None and len(remedy) > 60
     text = failure_text(r)

@@ -102,7 +102,7 @@ def test_the_experts_give_the_reduced_sum_at_tp_2(t5: Path) -> None:
         )
         try:
             result = run.runner.run("layer_1.experts")
-            assert result.passed, result.to_row()
+            assert result.passed, result.checks
             module = next(iter(run.runner.backend._built.values()))
             outs[tp] = module.rank_outputs
         finally:

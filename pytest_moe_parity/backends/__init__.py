@@ -10,7 +10,7 @@ Lifecycle, once per session (per xdist worker):
    candidate, a bad `--hw-option`) and raise `BackendError` with one sentence: the run stops with a
    usage error before any test. No weights are read here.
 2. `start()` once, before the first point: load, compile.
-3. `run(point, golden)` per point (and, in chain mode, `run_model` once where `chain = "model"`).
+3. `run(point, golden)` per point (and, in chain mode, `run_model` once where `chain_kind = "model"`).
    `golden` holds the point's recorded call with every floating tensor already cast to
    `backend.dtype` and moved to `backend.device`; parameters the module received as arguments
    are `ParamRef` placeholders (resolve them with `resolve_params`). Raise `PointUnavailable` for
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "pytest_moe_parity.backends"
-# How a backend takes part in a chained run (`Backend.chain`): see the class's comment.
+# How a backend takes part in a chained run (`Backend.chain_kind`): see the class's comment.
 CHAIN_KINDS = ("model", "points", "recorded")
 
 
@@ -126,15 +126,12 @@ class Backend(ABC):
     runs_transformers_modules: ClassVar[bool] = False
     # The settings this backend accepts through --hw-option.
     options: ClassVar[tuple[HwOption, ...]] = ()
-    # Capabilities: `module(path)` returns torch modules (for custom tests); `run` fills
-    # CandidateOutput.routing for routed blocks.
-    provides_modules: ClassVar[bool] = False
-    captures_routing: ClassVar[bool] = False
     # How the backend takes part in a chained run (--parity-mode chain): "model": `run_model` runs
     # the candidate's own whole-model forward; "points": `run` accepts any inputs, so the run feeds
     # each point the candidate's own earlier outputs; "recorded": what `run` returns already is the
-    # candidate's own run (a dump of it). None: it cannot chain.
-    chain: ClassVar[str | None] = None
+    # candidate's own run (a dump of it). None: it cannot chain. (A backend that sets `chain`, its
+    # name before 0.x, is read the same.)
+    chain_kind: ClassVar[str | None] = None
     steers_chain: ClassVar[bool] = False  # run_model honours `steer`
     chains_decode: ClassVar[bool] = False  # run_model takes `decode_tokens`: the steps after the prefill
 
@@ -142,6 +139,11 @@ class Backend(ABC):
     native_dtype: torch.dtype | None = None
     # Where golden inputs are moved before `run`.
     device: torch.device = torch.device("cpu")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "chain" in cls.__dict__ and "chain_kind" not in cls.__dict__:  # the attribute's former name
+            cls.chain_kind = cls.__dict__["chain"]
 
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup
@@ -193,7 +195,7 @@ class Backend(ABC):
     def run_model(
         self, input_ids: torch.Tensor, points: list[Point], steer: Any = None, decode_tokens: list[int] = ()
     ) -> dict[str, Any]:
-        """Backends with `chain = "model"`: the candidate's own forward on `input_ids` ([B, T]),
+        """Backends with `chain_kind = "model"`: the candidate's own forward on `input_ids` ([B, T]),
         building its own masks and positions, and every point's output on it (point id -> output,
         structured as the golden's; a router's output is its routing). Backends that declare
         `steers_chain` call `steer(point, output, outputs_so_far)` as each point returns and go on
@@ -203,7 +205,7 @@ class Backend(ABC):
         raise BackendError(f"the {self.name} backend has no whole-model run")
 
     def module(self, path: str) -> nn.Module:
-        """The candidate's torch module at a point's module path (backends with `provides_modules`)."""
+        """The candidate's torch module at a point's module path (for custom tests)."""
         raise BackendError(f"the {self.name} backend has no torch modules; use candidate.call(record)")
 
     def plan(self, points: list[Point]) -> None:  # noqa: B027 - optional hook

@@ -44,11 +44,11 @@ from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
 from ..golden.writer import atomic_write_text
+from ..model.cache import cache_states
+from ..model.calls import with_cache_kwarg
 from ..points import Point
-from ..record.capture import with_cache_kwarg
 from ..tree import flatten, unflatten
 from . import BackendSetup, CandidateOutput, HwOption
-from .cache import cache_states
 from .experts import DENSE
 from .experts import register as register_dense_experts
 from .hf import TorchBackend
@@ -260,8 +260,7 @@ class CompiledBackend(TorchBackend):
     """The transformers modules of the candidate checkpoint, each point compiled (see the module
     docstring). Subclasses implement `_compile` and `_swap`, and `_save`/`_load` to be cached."""
 
-    captures_routing = True
-    chain = "points"  # the same graphs, fed the candidate's own earlier outputs
+    chain_kind = "points"  # the same graphs, fed the candidate's own earlier outputs
     options = _options_with(
         HwOption("cache_dir", "where compiled graphs are kept between runs (default: ~/.cache/pytest-moe-parity)"),
         HwOption("experts", "experts implementation of the candidate: dense (static shapes, the default), eager, ..."),

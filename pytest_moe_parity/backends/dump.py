@@ -400,8 +400,7 @@ class DumpBackend(Backend):
 
     name = "dump"
     needs_checkpoint = False
-    captures_routing = True  # when the router's (logits, weights, top-k ids), or its logits, were dumped
-    chain = "recorded"  # a dump of the candidate's own forward is a chained run already
+    chain_kind = "recorded"  # a dump of the candidate's own forward is a chained run already
     options = (HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),)
 
     def __init__(self, setup: BackendSetup) -> None:

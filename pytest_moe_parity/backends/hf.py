@@ -1,5 +1,5 @@
 """The `cpu` and `cuda` backends: the candidate checkpoint's transformers modules, weights read
-per layer on demand (see `lazy_model`)."""
+per layer on demand (see `model.lazy_model`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
+from ..model.cache import with_live_caches
+from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg
+from ..model.checkpoint import weight_map
+from ..model.lazy_model import LazyModel
 from ..points import Point
-from ..record.capture import cache_kwarg, cache_state, with_cache_kwarg
-from ..record.lazy_model import LazyModel, weight_map
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
-from .cache import with_live_caches
 
 
 class TorchBackend(Backend):
@@ -24,9 +25,7 @@ class TorchBackend(Backend):
 
     name = "cpu"
     runs_transformers_modules = True
-    provides_modules = True
-    captures_routing = True
-    chain = "model"
+    chain_kind = "model"
     steers_chain = True
     chains_decode = True
     options = (
@@ -114,7 +113,7 @@ class TorchBackend(Backend):
         so every step sees the same inputs as the golden's)."""
         from transformers import DynamicCache
 
-        from ..record.capture import OutputCapture
+        from ..model.calls import OutputCapture
 
         lazy = self._model()
         outputs: dict[str, Any] = {}

@@ -44,11 +44,11 @@ from .. import compat
 from ..compat import legacy_rope, load_config
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
+from ..model.cache import cache_states
+from ..model.checkpoint import weight_map
 from ..points import Point
-from ..record.lazy_model import weight_map
 from ..tree import CacheState
 from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
-from .cache import cache_states
 from .nxdi_capture import read_table, table_names
 
 INSTALL = (
@@ -395,7 +395,6 @@ class NxdiBackend(Backend):
     CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo)."""
 
     name = "nxdi"
-    captures_routing = True  # the MoE block's routing: its router, built for the same layer and input
     options = (
         HwOption("tp_degree", "tensor-parallel degree of each built module (default: 1)", positive_int, 1),
         HwOption(

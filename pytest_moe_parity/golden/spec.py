@@ -94,7 +94,7 @@ class Flattener:
             return {"t": "dict", "items": {k: self.flatten(v, f"{key}.{k}") for k, v in obj.items()}}
         raise RecordError(
             f"{key}: cannot record an argument of type {type(obj).__name__} "
-            "(a cache object is recorded as its layer's tensors, see record.capture.cache_state)"
+            "(a cache object is recorded as its layer's tensors, see model.calls.cache_state)"
         )
 
 

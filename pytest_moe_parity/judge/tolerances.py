@@ -106,11 +106,6 @@ JUNIT_FIGURES = (*(k.figure for k in TENSOR_LIMITS if not k.optional), "max_abs"
 _BY_NAME = {k.name: k for k in TOLERANCE_KEYS}
 
 
-def keys_help() -> str:
-    """The tolerance keys with what each means, for option and marker help."""
-    return "; ".join(f"{k.name}: {k.help}" for k in TOLERANCE_KEYS)
-
-
 @dataclass(frozen=True)
 class Tolerance:
     """Values of the keys of `TOLERANCE_KEYS` (same names, same order)."""

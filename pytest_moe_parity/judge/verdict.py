@@ -12,19 +12,10 @@ import torch
 from ..dtypes import dtype_name, json_safe
 from ..points import EXPERTS, ROUTER, Point
 from ..tree import first_tensor, leaves
-from .metrics import (
-    LogitsMetrics,
-    RowSums,
-    TensorMetrics,
-    compare_logits,
-    compare_routing,
-    compare_tensors,
-    row_sums,
-    scatter_topk,
-    tie_tolerance,
-    worst_elements,
-    worst_tokens,
-)
+from .logits import LogitsMetrics, compare_logits
+from .routing import SelectionRule, compare_routing, router_triple, scatter_topk, topk_of_affinities
+from .tensors import TensorMetrics, compare_tensors, worst_elements
+from .tokens import RowSums, row_sums, worst_tokens
 from .tolerances import (
     JUNIT_FIGURES,
     LOGITS_LIMITS,
@@ -139,7 +130,7 @@ class PointResult:
     token_d2: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
     noise: dict[str, Any] | None = None
-    chain: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
+    chained: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
 
     @property
     def status(self) -> str:
@@ -149,7 +140,7 @@ class PointResult:
     def failed_checks(self) -> list[Check]:
         """The checks that failed, the chained verdict's too (--parity-mode both)."""
         own = [c for c in self.checks if not c.passed]
-        return own + (self.chain.failed_checks if self.chain is not None else [])
+        return own + (self.chained.failed_checks if self.chained is not None else [])
 
     @property
     def noise_ratio(self) -> float | None:
@@ -159,14 +150,14 @@ class PointResult:
     def verdicts(self) -> dict[str, str]:
         """Each mode's own verdict: {"isolated": "passed", "chain": "failed"}."""
         own = "passed" if self.checks and all(c.passed for c in self.checks) else "failed"
-        return {self.mode: own, **(self.chain.verdicts if self.chain is not None else {})}
+        return {self.mode: own, **(self.chained.verdicts if self.chained is not None else {})}
 
-    def add_chain(self, chain: PointResult) -> None:
+    def add_chained(self, chained: PointResult) -> None:
         """Both modes: this (isolated) result and the chained one; it passes when both do."""
-        self.chain = chain
-        self.passed = self.passed and chain.passed
-        if not chain.passed and not self.hint:
-            self.hint = chain.hint
+        self.chained = chained
+        self.passed = self.passed and chained.passed
+        if not chained.passed and not self.hint:
+            self.hint = chained.hint
 
     @property
     def main(self) -> TensorMetrics | None:
@@ -176,7 +167,7 @@ class PointResult:
         """The figures a JUnit XML report carries for this point (`chain_` ones for the chained
         verdict of --parity-mode both), then its status."""
         props: list[tuple[str, Any]] = []
-        for prefix, result in (("", self), ("chain_", self.chain)):
+        for prefix, result in (("", self), ("chain_", self.chained)):
             if result is None:
                 continue
             if result.main is not None:
@@ -199,41 +190,6 @@ class PointResult:
             return None
         body = ",".join(f"{k}={v:.4g}" for k, v in values.items())
         return f"--parity-tol '{self.id}:{body}'"
-
-    def to_row(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "order": self.order,
-            "layer": self.layer,
-            "step": self.step,
-            "component": self.component,
-            "status": self.status,
-            "mode": self.mode,
-            "verdicts": self.verdicts,
-            "noise": self.noise,
-            "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
-            "checks": [c.to_dict() for c in self.checks],
-            "limits": {k: json_safe(v) for k, v in self.tolerance.items()},
-            "tolerance_sources": self.tolerance_sources,
-            "routing": self.routing,
-            "excluded_tokens": self.excluded_tokens,
-            "worst_tokens": [[t, json_safe(e)] for t, e in self.worst],
-            "token_errors": self.token_errors if self.verdicts[self.mode] == "failed" else None,
-            "worst_experts": [[e, n, json_safe(err)] for e, n, err in self.worst_experts],
-            "logits": self.logits.to_dict() if self.logits is not None else None,
-            "worst_elements": {
-                k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
-                for k, rows in self.worst_elements.items()
-            },
-            "notes": self.notes,
-            "hint": self.hint if not self.passed else "",
-            "remedy": self.remedy() if not self.passed else None,
-            "candidate_dtype": self.candidate_dtype,
-            "golden_dtype": self.golden_dtype,
-            "seconds": round(self.seconds, 6),
-            "backend": self.backend,
-            "chain": self.chain.to_row() if self.chain is not None else None,
-        }
 
 
 def _ceil_2(x: float) -> float:
@@ -304,6 +260,7 @@ class Judge:
         self.dtype = candidate_dtype
         self.config = config
         self.router = router if router is not None else (point if point.component == ROUTER else None)
+        self.rule = SelectionRule.of(self.router, candidate_dtype, tol.tie_factor, config)
         # per compared target: its token rows' sums and which tokens they are (see _token_check)
         self.row_sums: dict[str, tuple[RowSums, torch.Tensor | None]] = {}
         self.result = PointResult(
@@ -433,38 +390,6 @@ class Judge:
         return not passed
 
     # -- routing --------------------------------------------------------------------------------
-    def selection(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Golden selection scores [T, E] and the per-token tie tolerance [T]."""
-        kind = (self.router.router_kind if self.router is not None else None) or "softmax"
-        logits = logits.reshape(-1, logits.shape[-1]).to(torch.float64)
-        base_tol = tie_tolerance(logits, self.dtype, self.tol.tie_factor)
-        if kind in ("sigmoid_bias", "grouped_sigmoid_bias"):
-            scores = torch.sigmoid(logits)
-            eps = torch.finfo(self.dtype).eps
-            tol = 0.25 * base_tol
-            if bias is not None:
-                bias = bias.to(torch.float64)
-                scores = scores + bias
-                tol = tol + self.tol.tie_factor * eps * float(bias.abs().max())
-            if kind == "grouped_sigmoid_bias":
-                scores = self._group_penalty(scores)
-            return scores, tol
-        return logits, base_tol
-
-    def _group_penalty(self, scores: torch.Tensor) -> torch.Tensor:
-        """DeepSeek picks expert groups first: an expert of an unpicked group is as far from being
-        chosen as its own gap plus its group's gap, so subtract the group's deficit."""
-        n_group = int(self.config.get("n_group") or 1)
-        topk_group = int(self.config.get("topk_group") or n_group)
-        T, E = scores.shape
-        if n_group <= 1 or E % n_group:
-            return scores
-        grouped = scores.view(T, n_group, E // n_group)
-        group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
-        kth = group_scores.topk(topk_group, dim=-1).values[:, -1:]
-        deficit = (kth - group_scores).clamp(min=0)
-        return (grouped - deficit.unsqueeze(-1)).reshape(T, E)
-
     def compare_topk(
         self,
         golden_router_out: Any,
@@ -478,7 +403,7 @@ class Judge:
         other experts since) are not judged again here: their flips are where they first happened."""
         g_logits, _, g_idx = golden_router_out[:3]
         c_idx = candidate_router_out[2].detach().to("cpu")
-        scores, tol = self.selection(g_logits, bias)
+        scores, tol = self.rule.scores(g_logits, bias)
         rows = scores.shape[0]
         if self.exclude is not None and rows == self.exclude[1] and g_idx.numel() == c_idx.numel():
             keep = torch.ones(rows, dtype=torch.bool)
@@ -511,8 +436,7 @@ class Judge:
         g_logits, _, g_idx = golden_out[:3]
         if logits is None or len(_tensor_leaves(cand_out)) != 1 or logits.shape[-1] != g_logits.shape[-1]:
             return None
-        scores, _ = self.selection(logits.detach().to("cpu"), bias)
-        ids = scores.topk(g_idx.shape[-1], dim=-1).indices.reshape(g_idx.shape)
+        ids = self.rule.pick(logits.detach().to("cpu"), g_idx.shape[-1], bias).reshape(g_idx.shape)
         return logits, None, ids
 
     def judge_router(self, golden_out: Any, cand_out: Any, bias: torch.Tensor | None) -> None:
@@ -546,14 +470,7 @@ class Judge:
         self.result.excluded_tokens = disagree
 
     def _topk_of_affinities(self, affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor):
-        """A router that returns every expert's affinity [T, E] with its top-k ids (NxDI's RouterTopK:
-        the full softmax; the experts renormalise the top k): the top-k weights, renormalised when
-        the golden's top-k weights are (rows summing to 1)."""
-        picked = affinities.reshape(-1, affinities.shape[-1]).gather(1, index.reshape(-1, index.shape[-1]).long())
-        sums = golden_w.reshape(-1, golden_w.shape[-1]).to(torch.float64).sum(-1)
-        renormalised = bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-2))
-        if renormalised:
-            picked = picked / picked.sum(-1, keepdim=True)
+        picked, renormalised = topk_of_affinities(affinities, index, golden_w)
         self.result.notes.append(
             "router: the candidate's weights are every expert's affinity [T, E]: its top-k ids' affinities are "
             + ("judged renormalised, as the golden's top-k weights are" if renormalised else "judged as they are")
@@ -769,67 +686,72 @@ def _positions(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).flatten(2) if t.dim() == 4 else t
 
 
-def router_triple(out: Any) -> bool:
-    """(router_logits, top_k_weights, top_k_index), as every transformers MoE router returns."""
-    return (
-        isinstance(out, tuple | list)
-        and len(out) >= 3
-        and all(isinstance(t, torch.Tensor) for t in out[:3])
-        and not out[2].is_floating_point()
-    )
+@dataclass
+class Case:
+    """What one verdict is given: the point, the golden's and the candidate's outputs, the tolerance and
+    the candidate's dtype, then what some points need.
+
+    Attributes:
+        config: the model's config (DeepSeek's expert groups for the router's selection rule).
+        router: the router point whose routing a routed block (`Point.follows_router`) is judged by;
+            ``golden_router`` / ``candidate_router``: that router's outputs.
+        score_bias: the golden router's selection bias (sigmoid routers).
+        fixed: the dtype's limits apply; ``noise``: the reference's own error per tensor
+            (``noise_factor`` bounds the ratio); ``noise_tokens``: its squared error per token.
+        exclude: (tokens, number of tokens): tokens left out of every tensor with a row per token
+            (a chained run's earlier routing flips).
+        cache_write: (the golden's keys and values after a decode step, the candidate's CacheState or
+            None), compared too.
+    """
+
+    point: Point | Custom
+    golden: Any
+    candidate: Any
+    tol: Tolerance
+    dtype: torch.dtype
+    config: dict[str, Any] = field(default_factory=dict)
+    router: Point | None = None
+    golden_router: Any | None = None
+    candidate_router: Any | None = None
+    score_bias: torch.Tensor | None = None
+    fixed: bool = True
+    noise: dict[str, dict[str, float]] | None = None
+    exclude: tuple[list[int], int] | None = None
+    cache_write: tuple[tuple[torch.Tensor, torch.Tensor], Any] | None = None
+    noise_tokens: dict[str, torch.Tensor] | None = None
 
 
-def judge_point(
-    point: Point | Custom,
-    golden_out: Any,
-    candidate: Any,
-    tol: Tolerance,
-    candidate_dtype: torch.dtype,
-    *,
-    config: dict[str, Any] | None = None,
-    router: Point | None = None,
-    golden_router: Any | None = None,
-    candidate_router: Any | None = None,
-    score_bias: torch.Tensor | None = None,
-    fixed: bool = True,
-    noise: dict[str, dict[str, float]] | None = None,
-    exclude: tuple[list[int], int] | None = None,
-    cache_write: tuple[tuple[torch.Tensor, torch.Tensor], Any] | None = None,
-    noise_tokens: dict[str, torch.Tensor] | None = None,
-) -> PointResult:
+def judge_point(case: Case) -> PointResult:
     """The verdict of one point. Routers are judged on logits, weights by expert id and top-k sets;
     points that follow a router (`Point.follows_router`) over the tokens whose routing agrees, given
     the golden and candidate outputs of their `router`; the logits on next-token agreement too;
-    every other point tensor by tensor. `fixed`: the dtype's limits apply; `noise`: the reference's
-    own error per tensor (`noise_factor` bounds the ratio); `exclude`: (tokens, number of tokens),
-    tokens left out of every tensor with a row per token (a chained run's earlier routing flips);
-    `cache_write`: (the golden's keys and values after a decode step, the candidate's CacheState or
-    None), compared too."""
+    every other point tensor by tensor; then the cache write of a decode step, where given."""
+    point = case.point
     judge = Judge(
         point,
-        tol,
-        candidate_dtype,
-        config or {},
-        router,
-        fixed=fixed,
-        noise=noise,
-        exclude=exclude,
-        noise_tokens=noise_tokens,
+        case.tol,
+        case.dtype,
+        case.config,
+        case.router,
+        fixed=case.fixed,
+        noise=case.noise,
+        exclude=case.exclude,
+        noise_tokens=case.noise_tokens,
     )
+    golden_out, candidate, bias = case.golden, case.candidate, case.score_bias
     if point.component == ROUTER and router_triple(golden_out):
-        judge.judge_router(golden_out, candidate, score_bias)
+        judge.judge_router(golden_out, candidate, bias)
     elif isinstance(point, Point) and point.follows_router:
         # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
-        golden_router = golden_router if router_triple(golden_router) else None
-        if golden_router is None or candidate_router is None:
-            candidate_router = None
-        else:
-            candidate_router = judge.routing_of(candidate_router, golden_router, score_bias)
-        judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, score_bias)
+        golden_router = case.golden_router if router_triple(case.golden_router) else None
+        candidate_router = None
+        if golden_router is not None and case.candidate_router is not None:
+            candidate_router = judge.routing_of(case.candidate_router, golden_router, bias)
+        judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, bias)
     elif point.component == "logits" and isinstance(first_tensor(golden_out), torch.Tensor):
         judge.judge_logits(golden_out, candidate)
     else:
         judge.judge_generic(golden_out, candidate)
-    if cache_write is not None:
-        judge.judge_cache_write(*cache_write)
+    if case.cache_write is not None:
+        judge.judge_cache_write(*case.cache_write)
     return judge.finish()

@@ -1,2 +1,4 @@
-"""Recording the reference: where each capture point lives, the hooks that capture it,
-`moe-parity golden`, and tiny models."""
+"""Recording the reference: the hooks that capture every point's call, `moe-parity golden` (and
+its placement, memory and dispatch), tiny models, and the `audit` and `estimate` commands. What
+recording shares with replay (the lazy model, the architecture table, the checkpoint reader, the
+call and KV-cache helpers) lives in `model`."""

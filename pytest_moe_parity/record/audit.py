@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..dtypes import SAFETENSORS_FLOATS
-from ..errors import BadInput
+from ..errors import BadInput, CheckpointError
+from ..model.checkpoint import SIZES, Tensor, read_tensors
 
-SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-         "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
 NAMES = SAFETENSORS_FLOATS
 FLOATS = set(NAMES)
 CLASSES = ("embedding", "attention", "router", "experts", "shared_experts", "mlp", "norms", "lm_head", "other")
@@ -52,77 +50,12 @@ def tensor_class(name: str) -> str:
     return next((cls for cls, pattern in _CLASS_PATTERNS if pattern.search(n)), "other")
 
 
-@dataclass
-class Tensor:
-    name: str
-    dtype: str  # safetensors' spelling, e.g. BF16
-    shape: list[int]
-    file: str
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def bytes(self) -> int:
-        return self.numel * SIZES.get(self.dtype, 0)
-
-
-def read_header(path: Path) -> dict[str, Any]:
-    """A safetensors file's header (its first 8 + N bytes only), checked against the file's size."""
+def checkpoint_tensors(model_dir: Path) -> list[Tensor]:
+    """Every tensor of the checkpoint the user named, from its headers; BadInput when it cannot be read."""
     try:
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise BadInput(f"{path} is not a safetensors file (shorter than its header)")
-            (length,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
-            if length > size - 8:
-                raise BadInput(f"{path} is not a safetensors file (its header runs past the end)")
-            header = json.loads(fh.read(length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{path} cannot be read as safetensors ({exc})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + length + end > size:
-        raise BadInput(f"{path} is truncated: its header describes {8 + length + end} bytes, the file has {size}")
-    return header
-
-
-def safetensors_files(model_dir: Path, need: str = "the audit reads safetensors checkpoints") -> list[str]:
-    """The safetensors files of a checkpoint directory: every shard its index names (each checked
-    present), else every `.safetensors` file. BadInput when there is none, saying why one is needed."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise BadInput(f"--model {model_dir} is not a directory")
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BadInput(f"{index} is not a safetensors index ({exc})") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise BadInput(f"{index} names {missing[0]}, which is not in {model_dir}")
-        return files
-    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"{model_dir} holds no .safetensors files; {need}")
-    return files
-
-
-def read_tensors(model_dir: Path) -> list[Tensor]:
-    """Every tensor of a checkpoint directory (single file or sharded with an index), from headers."""
-    model_dir = Path(model_dir)
-    tensors = []
-    for file in safetensors_files(model_dir):
-        for name, entry in read_header(model_dir / file).items():
-            if name != "__metadata__":
-                tensors.append(Tensor(name, entry["dtype"], list(entry["shape"]), file))
-    return tensors
+        return read_tensors(model_dir)
+    except CheckpointError as exc:
+        raise BadInput(str(exc)) from None
 
 
 @dataclass
@@ -160,7 +93,7 @@ def _spelling(dtype: str) -> str:
 
 def audit(model_dir: Path | str, expect_dtype: str | None = None) -> Audit:
     model_dir = Path(model_dir)
-    tensors = read_tensors(model_dir)
+    tensors = checkpoint_tensors(model_dir)
     floats = [t for t in tensors if t.dtype in FLOATS]
     if expect_dtype is not None:
         expected, source = _spelling(expect_dtype), "--expect-dtype"
@@ -376,7 +309,7 @@ def check_context(context: Any, tokens: int, decode_steps: int = 0) -> None:
 
 def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory: str | None) -> dict[str, Any]:
     model_dir = Path(model_dir)
-    tensors = read_tensors(model_dir)
+    tensors = checkpoint_tensors(model_dir)
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise BadInput(f"{model_dir} has no config.json: the estimate needs the model's shape")

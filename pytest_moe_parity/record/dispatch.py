@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
-from .lazy_model import LazyModel, malloc_trim
+from ..model.lazy_model import LazyModel, malloc_trim
 from .memory import device_name
 
 

@@ -23,12 +23,14 @@ from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
+from ..model.archs import plan_points
+from ..model.calls import cache_kwarg
+from ..model.checkpoint import quantization, safetensors_files
+from ..model.lazy_model import LazyModel, malloc_trim, own_memory
 from ..points import Point, describe_layers, parse_layers
-from .archs import plan_points
-from .audit import check_context, gib, parse_memory, safetensors_files
-from .capture import Recorder, SliceDone, cache_kwarg
+from .audit import check_context, gib, parse_memory
+from .capture import Recorder, SliceDone
 from .dispatch import dispatch_by_unit, does_not_fit
-from .lazy_model import LazyModel, malloc_trim, own_memory, quantization
 from .memory import memory_line, peaks, placement, placement_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -493,7 +495,10 @@ def record_golden(
         raise BadInput("--out must not be the model directory")
     wanted_layers = layer_slice(layers, getattr(config, "num_hidden_layers", None))
     if not any(model_dir.glob("pytorch_model*.bin")):  # else transformers reads them (weights_only)
-        safetensors_files(model_dir, "point --model at a checkpoint with its weights")
+        try:
+            safetensors_files(model_dir, "point --model at a checkpoint with its weights")
+        except CheckpointError as exc:
+            raise BadInput(str(exc)) from None
     mm = parse_max_memory(max_memory)
     check_device_map(device_map)
     if stream and (device_map or mm or offload_folder is not None):

@@ -1,7 +1,7 @@
 """Chain mode: the candidate computes its own inputs, as in a real run, so a point's error is what
 it inherits from the points before it plus what it introduces.
 
-How depends on what the backend offers (`Backend.chain`):
+How depends on what the backend offers (`Backend.chain_kind`):
 
 - `"model"`: the candidate runs its own whole-model forward (its own masks, positions, routing) on
   the golden's input ids, once, and every point's output is captured (`Backend.run_model`).
@@ -33,9 +33,9 @@ from ..backends import Backend, CandidateOutput
 from ..errors import BackendFailure, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import Spec
-from ..judge.verdict import router_triple
+from ..judge.routing import router_triple
+from ..model.calls import output_tensors
 from ..points import ROUTER, Point
-from ..record.capture import output_tensors
 from ..tree import first_tensor, map_structure
 
 if TYPE_CHECKING:
@@ -324,5 +324,5 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def make_chain(runner: ParityRunner) -> Chain:
-    kind = runner.backend.chain
+    kind = runner.backend.chain_kind
     return {"model": ModelChain, "points": PointChain, "recorded": RecordedChain}[kind](runner)

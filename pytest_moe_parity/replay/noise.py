@@ -86,7 +86,7 @@ def record_noise(
                 prepared = None
             except BackendFailure as exc:
                 raise BadInput(f"the reference in {name} failed at {point.id}: {exc}") from None
-            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chain)) if prepared else ():
+            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chained)) if prepared else ():
                 if cand is not None:
                     _keep(figures, tokens, mode, point, runner.judge_output(point, prepared.golden, cand, mode, None))
             if prepared is not None and free._chained(point):

@@ -13,7 +13,7 @@ from ..backends import Backend, CandidateOutput
 from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
 from ..judge.tolerances import Override, Tolerance, resolve
-from ..judge.verdict import PointResult, judge_point
+from ..judge.verdict import Case, PointResult, judge_point
 from ..points import ROUTER, Point
 from ..tree import leaves
 from .inputs import candidate_inputs
@@ -24,12 +24,12 @@ MODES = ("isolated", "chain", "both")
 @dataclass
 class Prepared:
     """A point whose candidate output is ready to be judged: on the golden inputs (`candidate`,
-    None in chain mode) and on its own chained inputs (`chain`, in chain and both modes)."""
+    None in chain mode) and on its own chained inputs (`chained`, in chain and both modes)."""
 
     point: Point
     golden: GoldenRecord
     candidate: CandidateOutput | None
-    chain: CandidateOutput | None = None
+    chained: CandidateOutput | None = None
 
 
 class ParityRunner:
@@ -125,12 +125,12 @@ class ParityRunner:
         point, record = prepared.point, prepared.golden
         results = [
             self.judge_output(point, record, cand, mode, marker)
-            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chain))
+            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chained))
             if cand is not None
         ]
         result = results[0]
         if len(results) > 1:
-            result.add_chain(results[1])
+            result.add_chained(results[1])
         return result
 
     def judge_output(
@@ -153,7 +153,7 @@ class ParityRunner:
             bias = router_record.extras.get("score_bias")
         chained = mode == "chain" and self.chain is not None
         try:
-            result = judge_point(
+            case = Case(
                 point,
                 record.output,
                 cand.output,
@@ -170,6 +170,7 @@ class ParityRunner:
                 cache_write=_cache_write(record, cand),
                 noise_tokens=tokens,
             )
+            result = judge_point(case)
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
             raise BackendFailure(point.id, UnusableOutput(unusable(point, record.output, cand.output, exc))) from exc
         if mode == "isolated" and "cache_after.keys" in record.extras and cand.cache is None:

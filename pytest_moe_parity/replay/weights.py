@@ -12,8 +12,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..judge.weights import diagnose, dtype_finding
-from ..record.audit import read_tensors
-from ..record.lazy_model import LazyModel
+from ..model.checkpoint import read_tensors
+from ..model.lazy_model import LazyModel
 
 
 class WeightCheck:

@@ -7,59 +7,66 @@ from pathlib import Path
 from typing import Any
 
 from ..golden.writer import atomic_write_text
-from .text import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
+from .rows import Row
+from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
 REPORT_SCHEMA_VERSION = 1
 REPORT_FILE = "comparison_report.json"
 SUMMARY_FILE = "comparison_summary.json"
 
 
-def summary(rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
     first = first_divergence(rows)
     error = first_error(rows)
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "total": len(rows),
         **counts(rows),
-        "first_divergence": first["id"] if first else None,
-        "first_divergence_layer": first["layer"] if first else None,
-        "first_divergence_component": first["component"] if first else None,
-        "hint": first.get("hint") if first else None,
-        "remedy": first.get("remedy") if first else None,
-        **{
-            f"first_{m}_divergence": (found["id"] if (found := first_divergence(rows, m)) else None)
-            for m in modes(rows)
-        },
-        "first_decode_step_differing": decode[0]["step"] if (decode := first_decode_difference(rows)) else None,
-        "first_error": error["id"] if error else None,
-        "first_error_message": error.get("error") if error else None,
+        "first_divergence": first.id if first else None,
+        "first_divergence_layer": first.layer if first else None,
+        "first_divergence_component": first.component if first else None,
+        "hint": _said(first, "hint"),
+        "remedy": _said(first, "remedy"),
+        **{f"first_{m}_divergence": (found.id if (found := first_divergence(rows, m)) else None) for m in modes(rows)},
+        "first_decode_step_differing": decode[0].step if (decode := first_decode_difference(rows)) else None,
+        "first_error": error.id if error else None,
+        "first_error_message": _said(error, "error"),
         "graphs": graph_summary(rows),
         "complete": not interrupted,
         **meta,
     }
 
 
+def _said(row: Row | None, name: str) -> Any:
+    """A row's hint, remedy or error as the summary holds it: None where there is no such row, or
+    where that kind of row does not say it."""
+    if row is None or name not in row.to_json():
+        return None
+    return getattr(row, name)
+
+
 def write_reports(
-    directory: Path, rows: list[dict[str, Any]], *, meta: dict[str, Any], interrupted: bool, plots: bool = True
+    directory: Path, rows: list[Row], *, meta: dict[str, Any], interrupted: bool, plots: bool = True
 ) -> list[str]:
     """The two JSON reports, then the pictures (unless `plots` is off); returns the line that says what
     was drawn."""
     directory.mkdir(parents=True, exist_ok=True)
-    ordered = sorted(rows, key=lambda r: r["order"])
-    report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": ordered}
+    ordered = sorted(rows, key=lambda r: r.order)
+    points = [r.to_json() for r in ordered]
+    report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": points}
     atomic_write_text(directory / REPORT_FILE, json.dumps(report, indent=1) + "\n")
     atomic_write_text(
         directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
     )
-    return [draw(report, directory) if plots else "plots: off (the JSON reports are written)"]
+    return [draw(ordered, directory) if plots else "plots: off (the JSON reports are written)"]
 
 
-def draw(report: dict[str, Any], directory: Path) -> str:
-    """Draw the report's pictures; one line saying which, or why none (the JSON stands either way)."""
+def draw(rows: list[Row], directory: Path) -> str:
+    """Draw the rows' pictures; one line saying which, or why none (the JSON stands either way)."""
     from .plots import PlotsUnavailable, render_plots
 
     try:
-        written = render_plots(report, directory)
+        written = render_plots(rows, directory)
     except PlotsUnavailable as exc:
         return f"{exc} (the JSON reports are written)"
     except Exception as exc:  # a picture must never cost the reports
@@ -78,6 +85,11 @@ def plots_line(written: list[Path], directory: Path) -> str:
     if tokens:
         named.append(f"{tokens} per-token plot{'s' if tokens > 1 else ''} of failed points")
     return f"plots in {directory}: {', '.join(named)}" if named else "plots: no point to draw"
+
+
+def report_rows(report: dict[str, Any]) -> list[Row]:
+    """The rows of a report read by :func:`read_report`."""
+    return [Row.from_json(point) for point in report["points"]]
 
 
 def read_report(path: Path) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .text import by_mode, figure
+from .rows import Row
+from .summary import figure
 
 # figures a regression is judged on, with the value under which a growth does not count: rel_l2 below
 # `min_error` is rounding whatever its growth; a noise ratio under 1 is within the reference's own error
@@ -83,8 +84,8 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
     """Point by point and mode by mode: a status that went from passed to failed or error, and a
     figure that grew beyond `factor` (rel_l2 ending above `min_error`, a noise ratio above 1)."""
     floors = {"rel_l2": min_error, "noise_ratio": 1.0}
-    old_rows = {r["id"]: r for r in old["points"]}
-    new_rows = {r["id"]: r for r in new["points"]}
+    old_rows = {r.id: r for r in map(Row.from_json, old["points"])}
+    new_rows = {r.id: r for r in map(Row.from_json, new["points"])}
     diff = Diff(old, new)
     diff.only_old = [pid for pid in old_rows if pid not in new_rows]
     diff.only_new = [pid for pid in new_rows if pid not in old_rows]
@@ -93,12 +94,12 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
         if o_row is None:
             continue
         diff.common += 1
-        if "skipped" in (o_row["status"], n_row["status"]):
+        if "skipped" in (o_row.status, n_row.status):
             continue
-        o_modes, n_modes = by_mode(o_row), by_mode(n_row)
+        o_modes, n_modes = o_row.by_mode(), n_row.by_mode()
         for mode in (m for m in n_modes if m in o_modes):
-            o_status = "error" if o_row["status"] == "error" else (o_row.get("verdicts") or {}).get(mode)
-            n_status = "error" if n_row["status"] == "error" else (n_row.get("verdicts") or {}).get(mode)
+            o_status = "error" if o_row.status == "error" else o_row.verdict(mode)
+            n_status = "error" if n_row.status == "error" else n_row.verdict(mode)
             worse, better = Change(pid, mode), Change(pid, mode)
             if o_status == "passed" and n_status in ("failed", "error"):
                 worse.status = (o_status, n_status)

@@ -20,7 +20,8 @@ from typing import Any
 
 from ..judge.tolerances import TOKEN_LIMIT
 from ..points import COMPONENTS
-from .text import by_mode, figure, number
+from .rows import Row, number
+from .summary import figure
 
 HEATMAP = "heatmap.png"
 LAYERS = "layers.png"
@@ -59,57 +60,54 @@ def _safe_name(pid: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in pid)
 
 
-def render_plots(report: dict[str, Any], directory: Path) -> list[Path]:
-    """Draw every picture of `report` (the parsed comparison_report.json) into `directory`; returns the
-    paths written. Raises PlotsUnavailable without matplotlib. Old pictures of failed points that no
-    longer fail are removed, so the directory shows one run."""
+def render_plots(rows: list[Row], directory: Path) -> list[Path]:
+    """Draw every picture of a run's rows into `directory`; returns the paths written. Raises
+    PlotsUnavailable without matplotlib. Old pictures of failed points that no longer fail are removed,
+    so the directory shows one run."""
     new = _canvas()
-    rows = [r for r in report.get("points", []) if isinstance(r, dict) and "id" in r]
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{TOKENS_PREFIX}*.png"):
         stale.unlink()
     for stale in (*directory.glob("heatmap.step_*.png"), *directory.glob("layers.step_*.png")):
         stale.unlink()
     written = []
-    steps = sorted({r.get("step") for r in rows}, key=lambda s: -1 if s is None else s)
+    steps = sorted({r.step for r in rows}, key=lambda s: -1 if s is None else s)
     for step in steps:  # the prefill, then each decode step apart: one step's colours never hide another's
-        these = [r for r in rows if r.get("step") == step]
+        these = [r for r in rows if r.step == step]
         suffix = "" if step is None else f".step_{step}"
         written.append(_save(heatmap(these, new), directory / HEATMAP.replace(".png", f"{suffix}.png")))
-        if any(r.get("layer") is not None for r in these):
+        if any(r.layer is not None for r in these):
             written.append(_save(layer_errors(these, new), directory / LAYERS.replace(".png", f"{suffix}.png")))
     failed = [
         (mode, r)
         for row in rows
-        for mode, r in by_mode(row).items()
-        if r.get("status", row.get("status")) != "skipped"
-        and (row.get("verdicts") or {}).get(mode) == "failed"
-        and r.get("token_errors")
+        for mode, r in row.by_mode().items()
+        if r.status != "skipped" and row.verdict(mode) == "failed" and r.token_errors
     ]
     for mode, r in failed[:MAX_TOKEN_PLOTS]:
         suffix = "" if mode == "isolated" else f".{mode}"
-        path = directory / f"{TOKENS_PREFIX}{_safe_name(r['id'])}{suffix}.png"
+        path = directory / f"{TOKENS_PREFIX}{_safe_name(r.id)}{suffix}.png"
         written.append(_save(token_errors(r, mode, new), path))
     return written
 
 
-def heatmap(rows: list[dict[str, Any]], new) -> Any:
+def heatmap(rows: list[Row], new) -> Any:
     """Layer x component; one panel per mode."""
     import numpy as np
     from matplotlib.colors import LogNorm
 
-    rows = [r for r in rows if r["component"] in COMPONENTS]  # weight items have no activation figures
-    modes = sorted({m for r in rows for m in by_mode(r)}, key=("isolated", "chain").index)
-    present = {r["component"] for r in rows}
+    rows = [r for r in rows if r.component in COMPONENTS]  # weight items have no activation figures
+    modes = sorted({m for r in rows for m in r.by_mode()}, key=("isolated", "chain").index)
+    present = {r.component for r in rows}
     columns = [c for c in COMPONENTS if c in present]
-    layers = sorted({r["layer"] for r in rows if r.get("layer") is not None})
+    layers = sorted({r.layer for r in rows if r.layer is not None})
     labels = (
         ["model", *(f"layer {i}" for i in layers)]
-        if any(r.get("layer") is None for r in rows)
+        if any(r.layer is None for r in rows)
         else [f"layer {i}" for i in layers]
     )
     row_of = {None: 0, **{layer: labels.index(f"layer {layer}") for layer in layers}}
-    noise = any(figure(m, "noise_ratio") is not None for r in rows for m in by_mode(r).values())
+    noise = any(figure(m, "noise_ratio") is not None for r in rows for m in r.by_mode().values())
     shown = "noise_ratio" if noise else "rel_l2"
     label = "noise ratio" if noise else "rel_l2"
     fig = new(1.6 + 0.75 * len(columns) * len(modes), 1.4 + 0.28 * len(labels))
@@ -117,13 +115,13 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
     for ax, mode in zip(axes, modes, strict=True):
         grid = np.full((len(labels), len(columns)), np.nan)
         for r in rows:
-            m = by_mode(r).get(mode)
+            m = r.by_mode().get(mode)
             if m is None:
                 continue
-            y, x = row_of[r.get("layer")], columns.index(r["component"])
+            y, x = row_of[r.layer], columns.index(r.component)
             value = figure(m, shown)
-            verdict = (r.get("verdicts") or {}).get(mode)
-            status = r.get("status")
+            verdict = r.verdict(mode)
+            status = r.status
             if value is not None and math.isfinite(value):
                 grid[y, x] = max(value, 1e-9)
             if status in ("error", "skipped"):
@@ -141,29 +139,30 @@ def heatmap(rows: list[dict[str, Any]], new) -> Any:
     return fig
 
 
-def layer_errors(rows: list[dict[str, Any]], new) -> Any:
+def layer_errors(rows: list[Row], new) -> Any:
     """The error of each layer's `output` point (its last point where it has none), isolated and
     chained, with the band of the reference's own error up to noise_factor times it."""
-    last: dict[int, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r.get("order", 0)):
-        judged = r.get("layer") is not None and r.get("status") in ("passed", "failed")
-        if judged and (r["component"] == "output" or last.get(r["layer"], {}).get("component") != "output"):
-            last[r["layer"]] = r
+    last: dict[int, Row] = {}
+    for r in sorted(rows, key=lambda r: r.order):
+        if r.layer is None or r.status not in ("passed", "failed"):
+            continue
+        if r.component == "output" or r.layer not in last or last[r.layer].component != "output":
+            last[r.layer] = r
     layers = sorted(last)
     fig = new(7, 4)
     ax = fig.subplots()
     styles = {"isolated": ("tab:blue", "o"), "chain": ("tab:red", "s")}
     for mode, (colour, marker) in styles.items():
-        points = [(i, by_mode(last[i]).get(mode)) for i in layers]
+        points = [(i, last[i].by_mode().get(mode)) for i in layers]
         points = [(i, m) for i, m in points if m is not None and figure(m, "rel_l2") is not None]
         if not points:
             continue
         xs = [i for i, _ in points]
         ax.plot(xs, [max(figure(m, "rel_l2"), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
-        band = [(i, m) for i, m in points if (m.get("noise") or {}).get("targets")]
+        band = [(i, m) for i, m in points if (m.noise or {}).get("targets")]
         if band:
             ref = [_reference(m) for _, m in band]
-            factor = [number((m.get("limits") or {}).get("noise_factor")) or 1.0 for _, m in band]
+            factor = [number(m.limits.get("noise_factor")) or 1.0 for _, m in band]
             ax.fill_between(
                 [i for i, _ in band],
                 ref,
@@ -172,7 +171,7 @@ def layer_errors(rows: list[dict[str, Any]], new) -> Any:
                 alpha=0.15,
                 label=f"{mode}: the reference's own error .. x noise_factor",
             )
-        failed = [(i, m) for i, m in points if (last[i].get("verdicts") or {}).get(mode) == "failed"]
+        failed = [(i, m) for i, m in points if last[i].verdict(mode) == "failed"]
         if failed:
             ax.plot(
                 [i for i, _ in failed],
@@ -191,15 +190,15 @@ def layer_errors(rows: list[dict[str, Any]], new) -> Any:
     return fig
 
 
-def _reference(row: dict[str, Any]) -> float:
-    targets = row["noise"]["targets"]
+def _reference(row: Row) -> float:
+    targets = (row.noise or {})["targets"]
     first = next(iter(targets.values()))
     return max(number(first.get("reference_rel_l2")) or 0.0, 1e-12)
 
 
-def token_errors(row: dict[str, Any], mode: str, new) -> Any:
+def token_errors(row: Row, mode: str, new) -> Any:
     """Each token's error of a failed point, the token limit as a line, left-out tokens in grey."""
-    values = row["token_errors"]
+    values = row.token_errors or []
     fig = new(max(5.0, min(14.0, 0.12 * len(values) + 2)), 3.2)
     ax = fig.subplots()
     kept = [(t, number(v)) for t, v in enumerate(values) if v is not None]
@@ -211,12 +210,11 @@ def token_errors(row: dict[str, Any], mode: str, new) -> Any:
     if left_out:
         ax.bar(left_out, [top] * len(left_out), color="lightgrey", width=0.8, label="left out (routed elsewhere)")
     # the token limit where it was judged (a chained point under the noise verdict has none)
-    checks = row.get("checks", [])
-    limit = next((number(c.get("limit")) for c in checks if c.get("name") == TOKEN_LIMIT.check_name), None)
+    limit = next((number(c.get("limit")) for c in row.checks if c.get("name") == TOKEN_LIMIT.check_name), None)
     if limit is not None:
         ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"token_rel_l2 limit {limit:g}")
     ax.set_xlabel("token")
     ax.set_ylabel("rel_l2 of the token")
-    ax.set_title(f"{row['id']} ({mode})", fontsize=10)
+    ax.set_title(f"{row.id} ({mode})", fontsize=10)
     ax.legend(fontsize=8)
     return fig

@@ -1,6 +1,6 @@
 """Decode steps: the KV cache a recorded call carries as a `CacheState` (tensors only) becomes a cache
 object of the candidate's own kind for the call (what the module wrote into it is read back with
-`record.capture.cache_state`, as the recorder reads the reference's)."""
+`model.calls.cache_state`, as the recorder reads the reference's)."""
 
 from __future__ import annotations
 

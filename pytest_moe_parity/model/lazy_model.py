@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import os
 import re
 import threading
@@ -25,9 +24,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..points import layer_group
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from .checkpoint import SIZES, quantization, weight_map
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
@@ -43,40 +40,6 @@ class ReadStats:
     keys: list[str] = field(default_factory=list)
     files: set[str] = field(default_factory=set)
     bytes: int = 0
-
-
-def weight_map(model_dir: Path) -> dict[str, str]:
-    """Checkpoint key -> shard file name, from the index or the single safetensors file."""
-    from safetensors import SafetensorError, safe_open
-
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
-        return dict(mapping)
-    single = model_dir / SINGLE_FILE
-    if single.is_file():
-        try:
-            with safe_open(str(single), framework="pt") as fh:
-                return dict.fromkeys(fh.keys(), SINGLE_FILE)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{single} cannot be read as safetensors ({exc})") from None
-    raise CheckpointError(
-        f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; "
-        "only safetensors checkpoints can be read one layer at a time"
-    )
-
-
-def quantization(config: Any) -> str | None:
-    """The quantization method a checkpoint's config declares (fp8, gptq, ...), or None. Its weights
-    need transformers' quantizer, which only `from_pretrained` applies."""
-    q = getattr(config, "quantization_config", None)
-    if not q:
-        return None
-    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
-    return str(getattr(method, "value", method) or "quantized")
 
 
 def own_memory(module: nn.Module) -> None:
@@ -433,7 +396,7 @@ class LazyModel:
                     sl = handle.get_slice(key)
                     state[key] = sl
                     self.stats.keys.append(key)
-                    self.stats.bytes += _numel(sl.get_shape()) * _dtype_size(sl.get_dtype())
+                    self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
             if self._conversion is None:  # built once: it costs ~10 ms a call, and is only read
                 self._conversion = get_model_conversion_mapping(self.model)
             config = LoadStateDictConfig(
@@ -495,10 +458,3 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def _dtype_size(name: str) -> int:
-    return _DTYPE_SIZES.get(name, 1)

@@ -1,0 +1,80 @@
+"""Logits judged on what they decide: next-token (top-1) agreement with ties told from flips, top-k
+overlap and the KL divergence per token."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..dtypes import json_safe
+from .arrays import F64, INF, as_token_matrix, check_tensor
+from .routing import RoutingMetrics, compare_routing, tie_tolerance
+from .tokens import worst_tokens
+
+__all__ = ["LogitsMetrics", "compare_logits"]
+
+
+@dataclass
+class LogitsMetrics:
+    """How well candidate logits predict the same next tokens (see :func:`compare_logits`)."""
+
+    num_tokens: int
+    top1_agreement: float  # share of tokens whose argmax agrees
+    top1: RoutingMetrics  # the argmax as a top-1 "routing": real flips and ties (golden gap within rounding)
+    top_k: int  # the k of the overlap below
+    top_k_overlap: float  # mean over tokens of |top-k(golden) & top-k(candidate)| / k
+    kl_mean: float  # KL(p_golden || p_candidate) per token, in nats: mean and max
+    kl_max: float
+    kl_worst: list[tuple[int, float]]  # the tokens with the largest KL
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["top1"] = self.top1.to_dict()
+        return json_safe(data)
+
+
+def compare_logits(
+    golden: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype, *, tie_factor: float = 8.0, top_k: int = 5
+) -> LogitsMetrics:
+    """Top-1 agreement (a disagreement is a tie when the golden's gap between its top-1 and the
+    candidate's choice is within :func:`tie_tolerance` of ``dtype``), top-k overlap and the KL divergence
+    of the candidate's next-token distribution from the golden's, per token. ``[..., V]``; leading dims
+    are tokens. Computed in float64, in blocks of tokens."""
+    g_all = as_token_matrix(check_tensor(golden, "golden"), "golden")
+    c_all = as_token_matrix(check_tensor(candidate, "candidate"), "candidate")
+    if g_all.shape != c_all.shape:
+        raise ValueError(f"shape mismatch: golden {tuple(golden.shape)} vs candidate {tuple(candidate.shape)}")
+    num_tokens, vocab = g_all.shape
+    k = max(1, min(top_k, vocab))
+    g_top1 = torch.empty(num_tokens, 1, dtype=torch.int64)
+    c_top1 = torch.empty(num_tokens, 1, dtype=torch.int64)
+    overlap = torch.zeros(num_tokens, dtype=F64)
+    kl = torch.zeros(num_tokens, dtype=F64)
+    rows = max(1, (1 << 20) // max(vocab, 1))
+    for start in range(0, num_tokens, rows):
+        stop = min(start + rows, num_tokens)
+        g = g_all[start:stop].to(F64)
+        c = c_all[start:stop].to(F64)
+        g_top1[start:stop, 0] = g.argmax(dim=1).cpu()
+        c_top1[start:stop, 0] = c.argmax(dim=1).cpu()
+        g_k = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(k, dim=1).indices, True)
+        c_k = torch.zeros_like(c, dtype=torch.bool).scatter_(1, c.topk(k, dim=1).indices, True)
+        overlap[start:stop] = ((g_k & c_k).sum(dim=1).to(F64) / k).cpu()
+        log_pg, log_pc = torch.log_softmax(g, dim=1), torch.log_softmax(c, dim=1)
+        terms = torch.where(log_pg == -INF, 0.0, log_pg.exp() * (log_pg - log_pc))
+        kl[start:stop] = terms.sum(dim=1).clamp(min=0.0).cpu()  # rounding may give -1e-17
+    kl = torch.where(torch.isnan(kl), INF, kl)
+    scores = g_all  # the golden logits are the selection scores of the argmax
+    top1 = compare_routing(scores, g_top1, c_top1, tolerance=tie_tolerance(scores, dtype, tie_factor))
+    return LogitsMetrics(
+        num_tokens=num_tokens,
+        top1_agreement=float((g_top1 == c_top1).to(F64).mean()) if num_tokens else 1.0,
+        top1=top1,
+        top_k=k,
+        top_k_overlap=float(overlap.mean()) if num_tokens else 1.0,
+        kl_mean=float(kl.mean()) if num_tokens else 0.0,
+        kl_max=float(kl.max()) if num_tokens else 0.0,
+        kl_worst=worst_tokens(kl, 5),
+    )

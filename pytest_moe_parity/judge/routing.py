@@ -1,0 +1,262 @@
+"""Top-k expert routing compared: the experts each token was sent to by the golden and by the
+candidate, flips told from ties within the dtype's rounding of the golden's scores."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..dtypes import json_safe
+from .arrays import F64, INF, as_index_matrix, as_token_matrix, check_tensor
+
+__all__ = [
+    "RoutingFlip",
+    "RoutingMetrics",
+    "SelectionRule",
+    "compare_routing",
+    "router_triple",
+    "scatter_topk",
+    "tie_tolerance",
+    "topk_of_affinities",
+]
+
+
+@dataclass
+class RoutingFlip:
+    """A token whose candidate top-k expert set differs from the golden one."""
+
+    token: int
+    golden_experts: list[int]
+    candidate_experts: list[int]
+    gap: float
+    is_tie: bool
+
+
+@dataclass
+class RoutingMetrics:
+    """Top-k routing agreement between golden and candidate (see :func:`compare_routing`)."""
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    set_agreement: float
+    flips: list[RoutingFlip]
+    ties: list[RoutingFlip]
+    tie_tolerance: float
+
+    @property
+    def flipped_tokens(self) -> list[int]:
+        """Tokens with a real flip (not explained by a near-tie of golden scores)."""
+        return [flip.token for flip in self.flips]
+
+    @property
+    def disagreeing_tokens(self) -> list[int]:
+        """All tokens whose top-k sets differ (real flips and ties), ascending."""
+        return sorted(flip.token for flip in [*self.flips, *self.ties])
+
+    @property
+    def flip_share(self) -> float:
+        """Share of tokens with a real flip."""
+        return len(self.flips) / self.num_tokens if self.num_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict including the derived properties."""
+        data = asdict(self)
+        data["flip_share"] = self.flip_share
+        data["flipped_tokens"] = self.flipped_tokens
+        data["disagreeing_tokens"] = self.disagreeing_tokens
+        return json_safe(data)
+
+
+def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0) -> torch.Tensor:
+    """Per-token absolute tolerance ``[T]`` for calling a routing disagreement a tie.
+
+    ``factor * eps(dtype) * rms_e(scores[t, e]) + factor * eps(dtype) * 1e-6``, computed in float64 with
+    ``eps = torch.finfo(dtype).eps`` (``dtype`` is the precision the candidate computes its router scores
+    in). The RMS is taken over the token's finite scores only, so masked (``-inf``) experts do not inflate
+    it. Leading dims of ``scores [..., E]`` are flattened to T. Raises ValueError for non-float dtypes.
+    """
+    scores = check_tensor(scores, "scores")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"tie_tolerance needs a floating-point dtype, got {dtype!r}")
+    if not factor >= 0.0:
+        raise ValueError(f"factor must be >= 0, got {factor}")
+    eps = torch.finfo(dtype).eps
+    s = as_token_matrix(scores, "scores").to(F64)
+    finite = torch.isfinite(s)
+    sq_sum = torch.where(finite, s, 0.0).square_().sum(dim=1)
+    rms = torch.sqrt(sq_sum / finite.sum(dim=1).clamp(min=1))
+    return factor * eps * rms + factor * eps * 1e-6
+
+
+def compare_routing(
+    golden_scores: torch.Tensor,
+    golden_topk: torch.Tensor,
+    candidate_topk: torch.Tensor,
+    *,
+    tolerance: torch.Tensor | float,
+) -> RoutingMetrics:
+    """Compare golden and candidate top-k expert *sets* per token (order within top-k is ignored).
+
+    ``golden_scores [..., E]`` are the golden selection scores (what top-k was taken over);
+    ``golden_topk`` / ``candidate_topk [..., k]`` integer expert ids; leading dims are flattened to T.
+    For a token whose sets differ, ``gap = min(golden_scores[t, G \\ C]) - max(golden_scores[t, C \\ G])``
+    is the golden margin by which the candidate's choice lost; the disagreement is a tie when
+    ``gap <= tolerance[t]`` (``tolerance`` a scalar or a per-token tensor, e.g. :func:`tie_tolerance`),
+    otherwise a real flip. A gap that is NaN (NaN scores) is a real flip; a gap <= 0 (golden top-k not
+    the best by ``golden_scores``) is a tie.
+    """
+    scores = check_tensor(golden_scores, "golden_scores")
+    s = as_token_matrix(scores, "golden_scores").to(F64)
+    num_tokens, num_experts = s.shape
+    g_ids = as_index_matrix(golden_topk, "golden_topk", num_experts)
+    c_ids = as_index_matrix(candidate_topk, "candidate_topk", num_experts)
+    if g_ids.shape[0] != num_tokens:
+        raise ValueError(f"golden_topk has {g_ids.shape[0]} tokens, golden_scores has {num_tokens}")
+    if c_ids.shape != g_ids.shape:
+        raise ValueError(f"candidate_topk shape {tuple(c_ids.shape)} != golden_topk {tuple(g_ids.shape)}")
+    top_k = g_ids.shape[1]
+
+    if isinstance(tolerance, torch.Tensor):
+        tol = tolerance.detach().to(device=s.device, dtype=F64).reshape(-1)
+        if tol.numel() == 1:
+            tol = tol.expand(num_tokens)
+        elif tol.numel() != num_tokens:
+            raise ValueError(f"tolerance has {tol.numel()} entries, expected 1 or {num_tokens}")
+        max_tol = float(tol.max()) if num_tokens else 0.0
+    else:
+        tol = torch.full((num_tokens,), float(tolerance), dtype=F64, device=s.device)
+        max_tol = float(tolerance)
+
+    g_ids, c_ids = g_ids.to(s.device), c_ids.to(s.device)
+    g_mask = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=s.device).scatter_(1, g_ids, True)
+    c_mask = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=s.device).scatter_(1, c_ids, True)
+    disagree = (g_mask != c_mask).any(dim=1).nonzero().flatten()
+    flips: list[RoutingFlip] = []
+    ties: list[RoutingFlip] = []
+    if disagree.numel():
+        g_sel, c_sel, s_sel = g_mask[disagree], c_mask[disagree], s[disagree]
+        lost = torch.where(g_sel & ~c_sel, s_sel, INF).amin(dim=1)
+        gained = torch.where(c_sel & ~g_sel, s_sel, -INF).amax(dim=1)
+        gaps = lost - gained
+        is_tie = gaps <= tol[disagree]
+        g_sorted = torch.sort(g_ids[disagree], dim=1).values.tolist()
+        c_sorted = torch.sort(c_ids[disagree], dim=1).values.tolist()
+        for row, token in enumerate(disagree.tolist()):
+            tie = bool(is_tie[row])
+            flip = RoutingFlip(token, g_sorted[row], c_sorted[row], float(gaps[row]), tie)
+            (ties if tie else flips).append(flip)
+    set_agreement = 1.0 - disagree.numel() / num_tokens if num_tokens else 1.0
+    return RoutingMetrics(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        set_agreement=set_agreement,
+        flips=flips,
+        ties=ties,
+        tie_tolerance=max_tol,
+    )
+
+
+def scatter_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Dense ``[T, E]`` matrix with each top-k weight placed at its expert id (0 elsewhere).
+
+    Lets routing weights be compared aligned by expert id instead of by top-k position. Leading dims are
+    flattened to T; duplicate ids are summed, so rows sum to the weights' row sums. Floating weights keep
+    their dtype, others become float32.
+    """
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    ids = as_index_matrix(top_k_index, "top_k_index", num_experts)
+    weights = as_token_matrix(check_tensor(top_k_weights, "top_k_weights"), "top_k_weights")
+    if weights.shape != ids.shape:
+        raise ValueError(f"top_k_weights shape {tuple(weights.shape)} != top_k_index {tuple(ids.shape)}")
+    dtype = weights.dtype if weights.is_floating_point() else torch.float32
+    dense = torch.zeros(ids.shape[0], num_experts, dtype=dtype, device=weights.device)
+    return dense.scatter_add_(1, ids.to(weights.device), weights.to(dtype))
+
+
+# --------------------------------------------------------------------------------------------------------
+# how routers select: the rules a verdict reads the golden's scores by
+# --------------------------------------------------------------------------------------------------------
+
+
+def router_triple(out: Any) -> bool:
+    """(router_logits, top_k_weights, top_k_index), as every transformers MoE router returns."""
+    return (
+        isinstance(out, tuple | list)
+        and len(out) >= 3
+        and all(isinstance(t, torch.Tensor) for t in out[:3])
+        and not out[2].is_floating_point()
+    )
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """How a router picks its top-k experts from its logits, and the tie tolerance of its scores in the
+    candidate's dtype: ``softmax`` (Mixtral, Qwen3-MoE, ...: the logits' order), ``sigmoid_bias`` (the
+    sigmoid plus a selection bias: MiniMax-M2, GLM-4.5) and ``grouped_sigmoid_bias`` (DeepSeek-V3: the
+    same, expert groups picked first)."""
+
+    kind: str
+    dtype: torch.dtype
+    tie_factor: float
+    n_group: int = 1
+    topk_group: int = 1
+
+    @classmethod
+    def of(cls, router: Any, dtype: torch.dtype, tie_factor: float, config: dict[str, Any]) -> SelectionRule:
+        """The rule of `router` (a Point with a `router_kind`, or None: softmax); `config` gives
+        DeepSeek's expert groups."""
+        kind = (getattr(router, "router_kind", None) if router is not None else None) or "softmax"
+        n_group = int(config.get("n_group") or 1)
+        return cls(kind, dtype, tie_factor, n_group, int(config.get("topk_group") or n_group))
+
+    def scores(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Golden selection scores [T, E] and the per-token tie tolerance [T]."""
+        logits = logits.reshape(-1, logits.shape[-1]).to(torch.float64)
+        base_tol = tie_tolerance(logits, self.dtype, self.tie_factor)
+        if self.kind not in ("sigmoid_bias", "grouped_sigmoid_bias"):
+            return logits, base_tol
+        scores = torch.sigmoid(logits)
+        tol = 0.25 * base_tol
+        if bias is not None:
+            bias = bias.to(torch.float64)
+            scores = scores + bias
+            tol = tol + self.tie_factor * torch.finfo(self.dtype).eps * float(bias.abs().max())
+        if self.kind == "grouped_sigmoid_bias":
+            scores = self._group_penalty(scores)
+        return scores, tol
+
+    def pick(self, logits: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """The top-k expert ids [T, k] this rule selects from `logits`."""
+        scores, _ = self.scores(logits, bias)
+        return scores.topk(k, dim=-1).indices
+
+    def _group_penalty(self, scores: torch.Tensor) -> torch.Tensor:
+        """DeepSeek picks expert groups first: an expert of an unpicked group is as far from being
+        chosen as its own gap plus its group's gap, so subtract the group's deficit."""
+        T, E = scores.shape
+        if self.n_group <= 1 or E % self.n_group:
+            return scores
+        grouped = scores.view(T, self.n_group, E // self.n_group)
+        group_scores = grouped.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)
+        kth = group_scores.topk(self.topk_group, dim=-1).values[:, -1:]
+        deficit = (kth - group_scores).clamp(min=0)
+        return (grouped - deficit.unsqueeze(-1)).reshape(T, E)
+
+
+def topk_of_affinities(
+    affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """A router that returns every expert's affinity [T, E] with its top-k ids (NxDI's RouterTopK: the
+    full softmax; the experts renormalise the top k): the top-k weights, renormalised when the golden's
+    top-k weights are (rows summing to 1); and whether they were."""
+    picked = affinities.reshape(-1, affinities.shape[-1]).gather(1, index.reshape(-1, index.shape[-1]).long())
+    sums = golden_w.reshape(-1, golden_w.shape[-1]).to(torch.float64).sum(-1)
+    renormalised = bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-2))
+    if renormalised:
+        picked = picked / picked.sum(-1, keepdim=True)
+    return picked, renormalised

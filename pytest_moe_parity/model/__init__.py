@@ -1,0 +1,5 @@
+"""What recording and replay share about a transformers model: where each capture point lives
+(`archs`), a safetensors checkpoint read without its tensor data (`checkpoint`: index, headers,
+quantization), the model loaded one unit at a time (`lazy_model`), module calls as hooks see them
+(`calls`: the KV cache a call takes and by which keyword, a point's output tensors, whole-model
+output capture) and a golden's cache made live for a candidate's call (`cache`)."""

@@ -1,0 +1,126 @@
+"""Module calls as forward hooks see them on a live transformers model: the KV cache a call
+receives (read as one layer's `CacheState`) and the keyword it takes it by, the tensors of a point's
+output, and hooks that keep the first output of every point during one whole-model run (a
+candidate's own forward, or the reference in another dtype), optionally steering the run."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RecordError
+from ..points import Point
+from ..tree import CacheState, leaves, map_structure
+
+# A whole-model run's hook on each point's output: (point, output, outputs so far) -> the output to go on with.
+Steer = Callable[[Point, Any, dict[str, Any]], Any]
+
+
+def is_cache(obj: Any) -> bool:
+    """A transformers KV cache object (duck-typed: its per-layer list and `update`)."""
+    return hasattr(obj, "layers") and callable(getattr(obj, "update", None)) and not isinstance(obj, nn.Module)
+
+
+# The names a transformers call takes its KV cache by: `cache` from transformers 5.24 on (where
+# `past_key_values` is deprecated), `past_key_values` before.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+@functools.cache
+def _cache_kwarg_of(forward: Callable) -> str:
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return CACHE_KWARGS[1]
+    return CACHE_KWARGS[0] if CACHE_KWARGS[0] in params else CACHE_KWARGS[1]
+
+
+def cache_kwarg(module: nn.Module) -> str:
+    """The name `module` takes a KV cache by (`cache`, else `past_key_values`)."""
+    return _cache_kwarg_of(type(module).forward)
+
+
+def with_cache_kwarg(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a KV cache recorded under one transformers version's name passed by the name
+    `module` takes (a golden of transformers 5.23 replayed on 5.24, or the other way round)."""
+    name = cache_kwarg(module)
+    other = next((k for k in CACHE_KWARGS if k != name and k in kwargs), None)
+    if other is None or name in kwargs:
+        return kwargs
+    return {(name if k == other else k): v for k, v in kwargs.items()}
+
+
+def cache_state(cache: Any, layer: int) -> CacheState:
+    """What `layer` of a live cache holds now: its keys and values (and a sliding window's size and
+    positions seen), as tensors to record."""
+    entry = cache.layers[layer]
+    keys = getattr(entry, "keys", None)
+    if keys is None or not getattr(entry, "is_initialized", True):
+        raise RecordError(f"layer {layer} of the KV cache is empty at a decode step; cannot record it")
+    window = getattr(entry, "sliding_window", None)
+    seen = getattr(entry, "cumulative_length", None)
+    return CacheState(
+        layer,
+        keys,
+        entry.values,
+        window=int(window) if window is not None else None,
+        seen=int(seen) if window is not None and seen is not None else None,
+    )
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a point's output, in order: what an origin's `leaf` indexes."""
+    return [t for t in leaves(output) if isinstance(t, torch.Tensor)]
+
+
+def _kept(point: Point, output: Any) -> Any:
+    """A point's output as a whole-model run keeps it: detached on the CPU, attention weights
+    dropped (the golden omits them too)."""
+    if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
+        output = (output[0], *(None for _ in output[1:]))
+    # a copy: the model may change a tensor in place after returning it
+    return map_structure(output, lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t)
+
+
+class OutputCapture:
+    """Forward hooks that keep the first output of every point during one whole-model run (the
+    candidate's own forward in chain mode, or the reference in another dtype): `outputs[pid]`.
+    `steer(point, output, outputs_so_far)` may return a replacement for a point's output, which the
+    run then goes on with (see `replay.chain`)."""
+
+    def __init__(self, model: nn.Module, points: list[Point], steer: Steer | None = None):
+        self.model = model
+        self.points = points
+        self.steer = steer
+        self.outputs: dict[str, Any] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> OutputCapture:
+        for p in self.points:
+            module = self.model.get_submodule(p.module)
+            self._handles.append(module.register_forward_hook(self._hook(p)))
+        return self
+
+    def _hook(self, point: Point):
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if point.id in self.outputs:
+                return None
+            if self.steer is not None:
+                steered = self.steer(point, output, self.outputs)
+                if steered is not output:
+                    self.outputs[point.id] = _kept(point, steered)
+                    return steered
+            self.outputs[point.id] = _kept(point, output)
+            return None
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,241 @@
+"""The report's rows: one :class:`Row` per item of a run, in three kinds, each with its one builder.
+
+- a judged point (:func:`point_row`, from the judge's `PointResult`), with its chained twin under
+  ``--parity-mode both``;
+- a point or weight item that was not judged (:func:`unjudged_row`): ``skipped`` with a reason, or an
+  ``error`` with the backend's message;
+- a weight item (:func:`weights_row`): ``layer_N.weights`` / ``weights``, failed with its findings.
+
+The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
+to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
+back by :meth:`Row.from_json`, so a report on disk redraws and diffs as the live rows do. The figures
+inside (``metrics``, ``routing``, ``noise``, ``logits``, ``checks``) stay the JSON of the judge's types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from ..dtypes import json_safe
+from ..judge.verdict import PointResult
+from ..points import Point
+
+__all__ = ["Row", "number", "point_row", "unjudged_row", "weights_row"]
+
+Kind = Literal["point", "unjudged", "weights"]
+JsonDict = dict[str, Any]
+
+
+def number(x: Any) -> float | None:
+    """A JSON figure as a float ("inf"/"nan" strings included); None when absent."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class Row:
+    """One item of a run as the reports show it. Fields a kind of row does not have stay at their
+    defaults and are not written (see :meth:`to_json`)."""
+
+    id: str
+    order: float
+    layer: int | None
+    step: int | None
+    component: str
+    status: str  # passed, failed, error or skipped
+    kind: Kind = "point"
+    # a judged point
+    mode: str = "isolated"  # the verdict's inputs: "isolated" (the golden's) or "chain" (its own)
+    verdicts: dict[str, str] = field(default_factory=dict)  # each mode's own verdict
+    noise: JsonDict | None = None  # {"ratio": R, "targets": {...}} against the reference's own error
+    metrics: dict[str, JsonDict] = field(default_factory=dict)  # per tensor, TensorMetrics.to_dict()
+    checks: list[JsonDict] = field(default_factory=list)  # Check.to_dict(), in the judge's order
+    limits: JsonDict = field(default_factory=dict)
+    tolerance_sources: list[str] = field(default_factory=list)
+    routing: JsonDict | None = None
+    excluded_tokens: list[int] = field(default_factory=list)
+    worst_tokens: list[list[Any]] = field(default_factory=list)  # [token, rel error]
+    token_errors: list[float | None] | None = None  # a failed point's per-token errors, for its plot
+    worst_experts: list[list[Any]] = field(default_factory=list)  # [expert, tokens, rel error]
+    logits: JsonDict | None = None
+    worst_elements: dict[str, list[list[Any]]] = field(default_factory=dict)  # [index, golden, candidate, diff]
+    notes: list[str] = field(default_factory=list)
+    hint: str = ""
+    remedy: str | None = None  # the --parity-tol that would accept a failure
+    candidate_dtype: str = ""
+    golden_dtype: str = ""
+    seconds: float = 0.0
+    backend: JsonDict = field(default_factory=dict)  # what the backend said (graph, origin, ...)
+    chained: Row | None = None  # --parity-mode both: the chained verdict of the same point
+    # an item that was not judged
+    error: str | None = None
+    reason: str | None = None
+    # a weight item
+    findings: list[str] = field(default_factory=list)
+
+    @property
+    def main_metrics(self) -> JsonDict | None:
+        """The figures of the main tensor: its output (or the logits), else its first tensor."""
+        metrics = self.metrics
+        return metrics.get("out") or metrics.get("logits") or next(iter(metrics.values()), None)
+
+    @property
+    def noise_ratio(self) -> Any:
+        return self.noise.get("ratio") if self.noise else None
+
+    def by_mode(self) -> dict[str, Row]:
+        """The row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
+        out = {self.mode: self}
+        if self.chained is not None:
+            out[self.chained.mode] = self.chained
+        return out
+
+    def verdict(self, mode: str) -> str | None:
+        return self.verdicts.get(mode)
+
+    # -- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> JsonDict:
+        """The row as comparison_report.json holds it (report schema 1)."""
+        head: JsonDict = {
+            "id": self.id,
+            "order": self.order,
+            "layer": self.layer,
+            "step": self.step,
+            "component": self.component,
+            "status": self.status,
+        }
+        if self.kind == "point":
+            return {**head, **self._judged_json()}
+        if self.kind == "unjudged":
+            return {**head, **self._message_json(), "metrics": {}, "checks": []}
+        weights = {**head, "metrics": {}, "checks": [], "findings": self.findings}
+        if self.findings:
+            weights["hint"] = self.hint
+        return {**weights, **self._message_json()}
+
+    def _message_json(self) -> JsonDict:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"reason": self.reason} if self.reason is not None else {}
+
+    def _judged_json(self) -> JsonDict:
+        return {
+            "mode": self.mode,
+            "verdicts": self.verdicts,
+            "noise": self.noise,
+            "metrics": self.metrics,
+            "checks": self.checks,
+            "limits": self.limits,
+            "tolerance_sources": self.tolerance_sources,
+            "routing": self.routing,
+            "excluded_tokens": self.excluded_tokens,
+            "worst_tokens": self.worst_tokens,
+            "token_errors": self.token_errors,
+            "worst_experts": self.worst_experts,
+            "logits": self.logits,
+            "worst_elements": self.worst_elements,
+            "notes": self.notes,
+            "hint": self.hint,
+            "remedy": self.remedy,
+            "candidate_dtype": self.candidate_dtype,
+            "golden_dtype": self.golden_dtype,
+            "seconds": self.seconds,
+            "backend": self.backend,
+            "chain": self.chained.to_json() if self.chained is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: JsonDict) -> Row:
+        """A row of a comparison_report.json (what :meth:`to_json` wrote; absent keys take defaults)."""
+        kind: Kind = "point" if "verdicts" in data else ("weights" if "findings" in data else "unjudged")
+        known = {name for name in cls.__dataclass_fields__ if name not in ("kind", "chained")}
+        values = {k: v for k, v in data.items() if k in known and v is not None}
+        chain = data.get("chain")
+        return cls(
+            id=data["id"],
+            order=data.get("order", 0),
+            layer=data.get("layer"),
+            step=data.get("step"),
+            component=data.get("component", ""),
+            status=data.get("status", ""),
+            kind=kind,
+            **{k: v for k, v in values.items() if k not in ("id", "order", "layer", "step", "component", "status")},
+            chained=cls.from_json(chain) if isinstance(chain, dict) else None,
+        )
+
+
+def point_row(result: PointResult) -> Row:
+    """The row of a judged point (and of its chained verdict under --parity-mode both)."""
+    failed = not result.passed
+    return Row(
+        id=result.id,
+        order=result.order,
+        layer=result.layer,
+        step=result.step,
+        component=result.component,
+        status=result.status,
+        mode=result.mode,
+        verdicts=result.verdicts,
+        noise=result.noise,
+        metrics={k: m.to_dict() for k, m in result.metrics.items()},
+        checks=[c.to_dict() for c in result.checks],
+        limits={k: json_safe(v) for k, v in result.tolerance.items()},
+        tolerance_sources=result.tolerance_sources,
+        routing=result.routing,
+        excluded_tokens=result.excluded_tokens,
+        worst_tokens=[[t, json_safe(e)] for t, e in result.worst],
+        token_errors=result.token_errors if result.verdicts[result.mode] == "failed" else None,
+        worst_experts=[[e, n, json_safe(err)] for e, n, err in result.worst_experts],
+        logits=result.logits.to_dict() if result.logits is not None else None,
+        worst_elements={
+            k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
+            for k, rows in result.worst_elements.items()
+        },
+        notes=result.notes,
+        hint=result.hint if failed else "",
+        remedy=result.remedy() if failed else None,
+        candidate_dtype=result.candidate_dtype,
+        golden_dtype=result.golden_dtype,
+        seconds=round(result.seconds, 6),
+        backend=result.backend,
+        chained=point_row(result.chained) if result.chained is not None else None,
+    )
+
+
+def weights_row(name: str, layer: int | None, order: float, findings: list[str]) -> Row:
+    """The row of a weight item (`layer_N.weights`, `weights`): ordered just before its unit's first
+    point, failed with the findings in words."""
+    return Row(
+        id=name,
+        order=order,
+        layer=layer,
+        step=None,
+        component="weights",
+        status="failed" if findings else "passed",
+        kind="weights",
+        findings=findings,
+        hint=findings[0] if findings else "",
+    )
+
+
+def unjudged_row(entry: Point | Row, status: str, message: str) -> Row:
+    """The row of an item that was not judged: `skipped` (with a reason) or `error` (the message).
+    `entry` is the point, or the weight item's own row."""
+    said = {"error": message} if status == "error" else {"reason": message}
+    if isinstance(entry, Row):
+        return replace(entry, status=status, **said)
+    return Row(
+        id=entry.id,
+        order=entry.order,
+        layer=entry.layer,
+        step=entry.step,
+        component=entry.component,
+        status=status,
+        kind="unjudged",
+        **said,
+    )

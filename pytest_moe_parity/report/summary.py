@@ -1,0 +1,224 @@
+"""What a run prints after its items: the summary table and the closing lines (the counts, the first
+divergence in each mode, the first decode step whose next token differs, the first backend error,
+the graphs a compiled backend used). The plugin and `moe-parity compare` print the same lines; the
+JSON summary reads the same figures. No pytest here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import Row, number
+from .text import fmt
+
+STATUSES = ("passed", "failed", "error", "skipped")
+
+
+def figure(row: Row, name: str) -> float | None:
+    """`rel_l2` (or another figure) of a row's main tensor, or its `noise_ratio`; None when absent."""
+    if name == "noise_ratio":
+        return number(row.noise_ratio)
+    main = row.main_metrics
+    return number(main.get(name)) if main else None
+
+
+def short_metrics(row: Row) -> tuple[str, str, str]:
+    """cosine, rel_l2 and max_abs of a row's main tensor, as the table shows them."""
+    main = row.main_metrics
+    if not main:
+        return "-", "-", "-"
+    cos, rel, mx = main.get("cosine"), main.get("rel_l2"), main.get("max_abs")
+    return (
+        fmt(cos, 6) if isinstance(cos, float) else str(cos),
+        fmt(rel) if isinstance(rel, float) else str(rel),
+        fmt(mx) if isinstance(mx, float) else str(mx),
+    )
+
+
+def row_note(row: Row) -> str:
+    parts = []
+    routing = row.routing
+    if routing and (routing.get("flips") or routing.get("ties")):
+        parts.append(f"flips {len(routing['flips'])} ties {len(routing['ties'])}")
+    if row.excluded_tokens:
+        parts.append(f"{len(row.excluded_tokens)} tok excluded")
+    if row.status != "passed":
+        failed = [f"{c['target']}.{c['name']}" for c in row.checks if not c.get("passed")]
+        if failed:
+            parts.append("failed " + ", ".join(failed))
+        if row.error:
+            parts.append(row.error[:60])
+        if row.reason:
+            parts.append(row.reason[:60])
+        if row.findings:  # a weight item: the first tensor found wrong
+            more = len(row.findings) - 1
+            parts.append(row.findings[0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
+    return "; ".join(parts)
+
+
+def first_divergence(rows: list[Row], mode: str | None = None) -> Row | None:
+    """The first failed point in forward order (with `mode`, the first whose verdict in that mode
+    failed). Errors are the backend's, not divergences."""
+    if mode is None:
+        bad = [r for r in rows if r.status == "failed"]
+    else:
+        bad = [r for r in rows if r.verdict(mode) == "failed"]
+    return min(bad, key=lambda r: r.order) if bad else None
+
+
+def modes(rows: list[Row]) -> list[str]:
+    """The modes the rows were judged in, isolated first."""
+    seen = {m for r in rows for m in r.verdicts}
+    return [m for m in ("isolated", "chain") if m in seen]
+
+
+def _decode_logits(rows: list[Row]) -> list[Row]:
+    """The logits rows of the decode steps, by step."""
+    steps = (r for r in rows if r.component == "logits" and r.step and r.logits)
+    return sorted(steps, key=lambda r: r.step or 0)
+
+
+def first_decode_difference(rows: list[Row]) -> tuple[Row, dict[str, Any]] | None:
+    """The first decode step whose next token (the logits' top-1) differs, with its flip or tie."""
+    for r in _decode_logits(rows):
+        top1 = (r.logits or {})["top1"]
+        differing = sorted([*top1["flips"], *top1["ties"]], key=lambda f: f["token"])
+        if differing:
+            return r, differing[0]
+    return None
+
+
+def decode_line(rows: list[Row]) -> tuple[str, str | None] | None:
+    """Over the decode steps: the first step whose next token differs, and whether the golden's
+    logit gap there is within the dtype's rounding (a tie: reported, not failed)."""
+    steps = _decode_logits(rows)
+    if not steps:
+        return None
+    found = first_decode_difference(rows)
+    if found is None:
+        return (f"decode: the next token agrees with the golden at every step judged ({len(steps)})", "green")
+    row, flip = found
+    what = (
+        f"golden {flip['golden_experts'][0]}, candidate {flip['candidate_experts'][0]}, "
+        f"golden logit gap {fmt(flip['gap'], 3)}"
+    )
+    if flip["is_tie"]:
+        return (f"decode: the next token first differs at step_{row.step} ({what}): a tie within "
+                f"{row.candidate_dtype} rounding, not a failure", None)  # fmt: skip
+    return (f"decode: the next token first differs at step_{row.step} ({what})", "red")
+
+
+def first_error(rows: list[Row]) -> Row | None:
+    bad = [r for r in rows if r.status == "error"]
+    return min(bad, key=lambda r: r.order) if bad else None
+
+
+def counts(rows: list[Row]) -> dict[str, int]:
+    """How many rows have each status."""
+    return {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
+
+
+def graph_summary(rows: list[Row]) -> dict[str, Any] | None:
+    """For compiled backends: how many graphs served the points, how many were compiled or loaded
+    from the cache, and the graphs of the decoder layers (the kinds of layer: DeepSeek-V3 has two)."""
+    info = [(r, r.backend) for r in rows if r.backend.get("graph")]
+    if not info:
+        return None
+    compiled = [b for _, b in info if b.get("origin") == "compiled"]
+    return {
+        "graphs": len({b["graph"] for _, b in info}),
+        "points": len(info),
+        "compiled": len(compiled),
+        "from_cache": sum(b.get("origin") == "cache" for _, b in info),
+        "compile_seconds": round(sum(b.get("compile_s", 0.0) for b in compiled), 3),
+        "layers": len({r.layer for r, _ in info if r.layer is not None}),
+        "layer_graphs": len({b["graph"] for r, b in info if r.component == "output"}),
+    }
+
+
+def summary_lines(rows: list[Row], *, report_dir: Any = None) -> list[tuple[str, str | None]]:
+    """The closing lines of a run, as (text, colour): counts, the first divergence, the first
+    backend error. The plugin and `moe-parity compare` print the same lines."""
+    n = counts(rows)
+    lines: list[tuple[str, str | None]] = [
+        (
+            f"{len(rows)} points: {n['passed']} passed, {n['failed']} failed, {n['error']} errors"
+            + (f", {n['skipped']} skipped" if n["skipped"] else "")
+            + (f"; reports in {report_dir}" if report_dir else ""),
+            None,
+        )
+    ]
+    first = first_divergence(rows)
+    if first is None:
+        lines.append(("first divergence: none", "green"))
+    else:
+        hint = f"  ({first.hint})" if first.hint else ""
+        lines.append((f"first divergence: {first.id}{hint}", "red"))
+    if len(modes(rows)) > 1:  # both modes: where the error is introduced, and where it shows chained
+        for mode in modes(rows):
+            found = first_divergence(rows, mode)
+            lines.append((f"first {mode} divergence: {found.id if found else 'none'}", "red" if found else None))
+    decode = decode_line(rows)
+    if decode is not None:
+        lines.append(decode)
+    error = first_error(rows)
+    if error is not None:
+        lines.append((f"backend errors: {n['error']}, first at {error.id}: {error.error or ''}", "red"))
+    graphs = graph_summary(rows)
+    if graphs is not None:
+        lines.append(
+            (
+                f"{graphs['graphs']} graphs for {graphs['points']} points ({graphs['layer_graphs']} for the "
+                f"decoder layers of {graphs['layers']} layers); compiled {graphs['compiled']} in "
+                f"{graphs['compile_seconds']:.1f} s, {graphs['from_cache']} from the cache",
+                None,
+            )
+        )
+    return lines
+
+
+def _ratio(row: Row | None) -> str:
+    ratio = row.noise_ratio if row is not None else None
+    return fmt(ratio, 3) if ratio is not None else "-"
+
+
+def _extra_columns(rows: list[Row]) -> list[tuple[str, int, Any]]:
+    """Columns shown when some row has them: the noise ratio, the chained error (both modes)."""
+    columns: list[tuple[str, int, Any]] = []
+    if any(r.noise for r in rows):
+        columns.append(("noise R", 9, _ratio))
+    if any(r.chained for r in rows):
+        columns.append(("chain rel", 11, lambda r: short_metrics(r.chained)[1] if r.chained else "-"))
+        if any(r.chained is not None and r.chained.noise for r in rows):
+            columns.append(("chain R", 9, lambda r: _ratio(r.chained)))
+    return columns
+
+
+def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -> list[str]:
+    """Every row for small runs; for big ones the failures with `context` rows around them."""
+    ordered = sorted(rows, key=lambda r: r.order)
+    if len(ordered) <= full_limit:
+        shown = set(range(len(ordered)))
+    else:
+        shown = set()
+        for i, r in enumerate(ordered):
+            if r.status in ("failed", "error"):
+                shown.update(range(max(0, i - context), min(len(ordered), i + context + 1)))
+    width = max([26, *(len(r.id) + 2 for r in ordered)])
+    extra = _extra_columns(ordered)
+    head = "".join(f"{name:>{w}}" for name, w, _ in extra)
+    lines = [f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{head}{'max_abs':>11}  notes"]
+    last = -1
+    for i, r in enumerate(ordered):
+        if i not in shown:
+            continue
+        if i != last + 1:
+            lines.append(f"{'...':<{width}}({i - last - 1} passing points)")
+        cos, rel, mx = short_metrics(r)
+        cells = "".join(f"{value(r):>{w}}" for _, w, value in extra)
+        lines.append(f"{r.id:<{width}}{r.status:<8}{cos:>12}{rel:>11}{cells}{mx:>11}  {row_note(r)}")
+        last = i
+    if not shown:
+        lines.append(f"(all {len(ordered)} points passed)")
+    elif last != len(ordered) - 1:
+        lines.append(f"{'...':<{width}}({len(ordered) - 1 - last} passing points)")
+    return lines
