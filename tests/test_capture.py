@@ -14,8 +14,8 @@ import torch
 from helpers import cli, read_json, run_parity, session, usage_error
 from safetensors.torch import save_file
 
-from pytest_moe_parity.backends.dump import DumpDir, DumpError, fit
-from pytest_moe_parity.backends.nxdi_capture import load_table
+from pytest_moe_parity.dump.nxdi_capture import load_table
+from pytest_moe_parity.dump.reader import DumpDir, DumpError, fit
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE
 

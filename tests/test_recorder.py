@@ -14,8 +14,8 @@ from helpers import cli, read_json, run_parity
 from port_qwen3 import POINTS, Bugs, load_port
 from safetensors import safe_open
 
-from pytest_moe_parity import dump
 from pytest_moe_parity.dump import record
+from pytest_moe_parity.dump import writer as dump
 from pytest_moe_parity.errors import BadInput
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import SUMMARY_FILE

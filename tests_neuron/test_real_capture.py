@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pytest_moe_parity.backends import nxdi
-from pytest_moe_parity.backends.nxdi_capture import MAPS_DIR
+from pytest_moe_parity.dump.nxdi_capture import MAPS_DIR
 from pytest_moe_parity.golden import GoldenStore
 
 

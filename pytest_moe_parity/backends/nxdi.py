@@ -42,6 +42,7 @@ from torch import nn
 
 from .. import compat
 from ..compat import legacy_rope, load_config
+from ..dump.nxdi_capture import read_table, table_names
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
 from ..model.cache import cache_states
@@ -49,7 +50,6 @@ from ..model.checkpoint import weight_map
 from ..points import Point
 from ..tree import CacheState
 from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
-from .nxdi_capture import read_table, table_names
 
 INSTALL = (
     'pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "pytest-moe-parity[nxdi]" '

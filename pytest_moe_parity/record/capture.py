@@ -125,11 +125,11 @@ class ParamNames:
 
 
 class SliceDone(Exception):
-    """Raised by the hook that closes the last group a recording needs (`Recorder(stop_after=...)`):
+    """Raised by the hook that closes the last group a recording needs (`GoldenRecorder(stop_after=...)`):
     the rest of the forward would record nothing."""
 
 
-class Recorder:
+class GoldenRecorder:
     """Forward hooks on every capture point. `on_group` receives a finished group (one layer, or one
     model-level point) as soon as its last point returns, so memory holds one layer at a time. With
     `stop_after`, closing that group raises SliceDone out of the forward."""
@@ -156,7 +156,7 @@ class Recorder:
         for p in points:  # the last point of a group closes it (a layer's `output`)
             self._closing[p.group] = p.id
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> GoldenRecorder:
         for p in self.points:
             module = self.model.get_submodule(p.module)
             self._handles.append(module.register_forward_pre_hook(self._pre(p), with_kwargs=True))

@@ -29,7 +29,7 @@ from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, malloc_trim, own_memory
 from ..points import Point, describe_layers, parse_layers
 from .audit import check_context, gib, parse_memory
-from .capture import Recorder, SliceDone
+from .capture import GoldenRecorder, SliceDone
 from .dispatch import dispatch_by_unit, does_not_fit
 from .memory import memory_line, peaks, placement, placement_line
 
@@ -338,7 +338,7 @@ def record_decode(
         tokens.append(token)
         step_points = [replace(p, step=step, order=order + i) for i, p in enumerate(points)]
         order += len(points)
-        with Recorder(model, step_points, on_group) as rec:
+        with GoldenRecorder(model, step_points, on_group) as rec:
             out = model(
                 input_ids=torch.tensor([[token]], dtype=torch.long, device=ids.device),
                 use_cache=True,
@@ -572,7 +572,7 @@ def record_golden(
             else None
         )
         with ref.running(), torch.no_grad():
-            with Recorder(model, points, on_group, stop_after=stop_after) as rec:
+            with GoldenRecorder(model, points, on_group, stop_after=stop_after) as rec:
                 try:
                     model(input_ids=ids_tensor, use_cache=False)
                 except SliceDone:

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import BadInput
-from .points import TEMPLATE_EXAMPLES, is_point_template
-from .tree import leaves
+from ..errors import BadInput
+from ..points import TEMPLATE_EXAMPLES, in_step, is_point_template
+from ..tree import leaves
 
 __all__ = ["Recorder", "record"]
 
@@ -96,7 +96,7 @@ class Recorder:
         self._handles: list[Any] = []
 
     def _name(self, point: str) -> str:
-        return point if self.step is None else f"step_{self.step}.{point}"
+        return in_step(point, self.step)
 
     def _keep(self, point: str, output: Any) -> None:
         kept = self.outputs.setdefault(self.step, {})

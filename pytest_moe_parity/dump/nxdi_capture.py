@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendError
+from ..points import in_step
 
 METADATA_FILE = "capture_metadata.json"
 CAPTURE_RE = re.compile(
@@ -124,7 +125,7 @@ def read_capture(root: Path) -> Capture:
                 f"{path.name}: NxDI writes the context encoding as step 1 and token generation after it; "
                 "was this capture made with capture_indices, or renamed?"
             )
-        name = module if step == 1 else f"step_{step - 1}.{module}"
+        name = in_step(module, None if step == 1 else step - 1)  # NxDI's step 1 is the prefill
         files[name] = path
         modules.add(module)
         if "tensor_dtype" in metadata.get(path.name, {}):
