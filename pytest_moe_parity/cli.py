@@ -248,14 +248,14 @@ def _noise_dtype(text: str | None, golden_dtype: str) -> str | None:
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
-    from .record.run import BadInput, record_golden
+    from .record.run import BadInput, GoldenRequest
     from .replay.noise import record_noise
 
     _quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     try:
         noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
-        result = record_golden(
+        request = GoldenRequest(
             args.model,
             args.out,
             prompt=args.prompt,
@@ -271,8 +271,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             trust_remote_code=args.trust_remote_code,
             decode_steps=args.decode_steps or 0,
-            progress=say,
         )
+        result = request.record(progress=say)
         seconds = result.seconds
         if noise_dtype is not None:
             device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")

@@ -452,167 +452,232 @@ def sliced(points: list[Point], layers: list[int] | None) -> list[Point]:
     return [p for p in points if kept(p)]
 
 
-def record_golden(
-    model_dir: Path | str,
-    out: Path | str,
-    *,
-    prompt: str | None = None,
-    input_ids: Sequence[int] | None = None,
-    seq_len: int | None = None,
-    dtype: str = "float32",
-    device: str | None = "cpu",
-    device_map: str | None = None,
-    max_memory: str | None = None,
-    offload_folder: Path | str | None = None,
-    layers: str | None = None,
-    stream: bool = False,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    decode_steps: int = 0,
-    progress: Callable[[str], None] | None = None,
-) -> RecordResult:
-    """Record a golden directory (with `decode_steps`, also that many greedy decode steps with a KV
-    cache after the prefill). Raises BadInput for anything the user must fix."""
-    started = time.perf_counter()
-    say = progress or (lambda msg: None)
-    model_dir = Path(model_dir)
-    out = Path(out)
-    try:
-        torch_dtype = parse_dtype(dtype)
-    except ValueError:
-        raise BadInput(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
-    config = load_config(model_dir, trust_remote_code=trust_remote_code)
-    ids = resolve_input_ids(
-        model_dir,
-        config,
-        prompt=prompt,
-        input_ids=input_ids,
-        seq_len=seq_len,
-        trust_remote_code=trust_remote_code,
-    )
-    check_context(getattr(config, "max_position_embeddings", None), len(ids), decode_steps)
-    if out.resolve() == model_dir.resolve():
-        raise BadInput("--out must not be the model directory")
-    wanted_layers = layer_slice(layers, getattr(config, "num_hidden_layers", None))
-    if not any(model_dir.glob("pytorch_model*.bin")):  # else transformers reads them (weights_only)
+@dataclass
+class GoldenRequest:
+    """A golden to record, as `moe-parity golden` is asked for it (with `decode_steps`, also that many
+    greedy decode steps with a KV cache after the prefill). `check()` says in one sentence what the
+    user must fix (BadInput) before anything is loaded; `record()` writes the golden."""
+
+    model_dir: Path
+    out: Path
+    prompt: str | None = None
+    input_ids: Sequence[int] | None = None
+    seq_len: int | None = None
+    dtype: str = "float32"
+    device: str | None = "cpu"
+    device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: Path | str | None = None
+    layers: str | None = None
+    stream: bool = False
+    overwrite: bool = False
+    trust_remote_code: bool = False
+    decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.model_dir, self.out = Path(self.model_dir), Path(self.out)
+
+    def check(self) -> CheckedRequest:
+        """What the request means, checked: BadInput for anything the user must fix."""
+        model_dir = self.model_dir
         try:
-            safetensors_files(model_dir, "point --model at a checkpoint with its weights")
-        except CheckpointError as exc:
-            raise BadInput(str(exc)) from None
-    mm = parse_max_memory(max_memory)
-    check_device_map(device_map)
-    if stream and (device_map or mm or offload_folder is not None):
-        raise BadInput(
-            "--stream loads one decoder layer at a time on one --device; it does not combine with "
-            "--device-map, --max-memory or --offload-folder"
-        )
-    if stream and any(model_dir.glob("pytorch_model*.bin")) and not any(model_dir.glob("*.safetensors")):
-        raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-    with offload_dir(offload_folder, out, model_dir) as offload, golden_writer(out, overwrite) as writer:
-        if (mm or offload) and not device_map:
-            device_map = "auto"  # a memory cap or an offload folder only means something to accelerate's placement
-        load_started = time.perf_counter()
-        ref = load_reference(
+            torch_dtype = parse_dtype(self.dtype)
+        except ValueError:
+            raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
+        config = load_config(model_dir, trust_remote_code=self.trust_remote_code)
+        ids = resolve_input_ids(
             model_dir,
             config,
-            dtype=torch_dtype,
-            device=device,
-            device_map=device_map,
-            max_memory=mm,
-            offload_folder=offload,
-            stream=stream,
-            trust_remote_code=trust_remote_code,
+            prompt=self.prompt,
+            input_ids=self.input_ids,
+            seq_len=self.seq_len,
+            trust_remote_code=self.trust_remote_code,
         )
-        model = ref.model
-        try:
-            plan = plan_points(model)
-        except ArchError as exc:
-            raise BadInput(str(exc)) from None
-        if decode_steps:
-            decode_cache(model)  # before anything is written
-        for note in plan.notes:
-            say(f"note: {note}")
-        points = sliced(plan.points, wanted_layers)
+        check_context(getattr(config, "max_position_embeddings", None), len(ids), self.decode_steps)
+        if self.out.resolve() == model_dir.resolve():
+            raise BadInput("--out must not be the model directory")
+        wanted_layers = layer_slice(self.layers, getattr(config, "num_hidden_layers", None))
+        if not any(model_dir.glob("pytorch_model*.bin")):  # else transformers reads them (weights_only)
+            try:
+                safetensors_files(model_dir, "point --model at a checkpoint with its weights")
+            except CheckpointError as exc:
+                raise BadInput(str(exc)) from None
+        max_memory = parse_max_memory(self.max_memory)
+        check_device_map(self.device_map)
+        if self.stream and (self.device_map or max_memory or self.offload_folder is not None):
+            raise BadInput(
+                "--stream loads one decoder layer at a time on one --device; it does not combine with "
+                "--device-map, --max-memory or --offload-folder"
+            )
+        bin_only = any(model_dir.glob("pytorch_model*.bin")) and not any(model_dir.glob("*.safetensors"))
+        if self.stream and bin_only:
+            raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
+        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory)
+
+    def record(self, progress: Callable[[str], None] | None = None) -> RecordResult:
+        """Record the golden directory; `progress` is told each step in one line."""
+        return _GoldenRun(self.check(), progress or (lambda msg: None)).run()
+
+
+@dataclass
+class CheckedRequest:
+    """A request with its inputs resolved: the dtype, the model's config, the prompt's token ids, the
+    layers of a slice (None: every layer) and the memory cap per device."""
+
+    request: GoldenRequest
+    dtype: torch.dtype
+    config: Any
+    ids: list[int]
+    layers: list[int] | None
+    max_memory: dict[Any, int] | None
+
+
+class _GoldenRun:
+    """One recording: the reference loaded, the prefill's points and the decode steps written group by
+    group, then the manifest (written last, so a golden without one is known to be incomplete)."""
+
+    def __init__(self, checked: CheckedRequest, say: Callable[[str], None]) -> None:
+        self.checked = checked
+        self.request = checked.request
+        self.say = say
+        self.started = time.perf_counter()
+        self.layers_done = 0
+
+    def run(self) -> RecordResult:
+        req, checked = self.request, self.checked
+        with (
+            offload_dir(req.offload_folder, req.out, req.model_dir) as offload,
+            golden_writer(req.out, req.overwrite) as writer,
+        ):
+            self.writer = writer
+            device_map = req.device_map
+            if (checked.max_memory or offload) and not device_map:
+                device_map = "auto"  # a memory cap or an offload folder only means something to accelerate's placement
+            load_started = time.perf_counter()
+            ref = load_reference(
+                req.model_dir,
+                checked.config,
+                dtype=checked.dtype,
+                device=req.device,
+                device_map=device_map,
+                max_memory=checked.max_memory,
+                offload_folder=offload,
+                stream=req.stream,
+                trust_remote_code=req.trust_remote_code,
+            )
+            try:
+                plan = plan_points(ref.model)
+            except ArchError as exc:
+                raise BadInput(str(exc)) from None
+            if req.decode_steps:
+                decode_cache(ref.model)  # before anything is written
+            for note in plan.notes:
+                self.say(f"note: {note}")
+            points = sliced(plan.points, checked.layers)
+            self.slice_layers = sorted({p.layer for p in points if p.layer is not None})
+            self.say(self._opening_line(plan, points))
+            placed = ref.placement()
+            self.say(ref.placement_line(placed))
+            load_seconds = time.perf_counter() - load_started
+            forward_started = time.perf_counter()
+            skipped, decode = self._forward(ref, points)
+            peak = peaks(placed)
+            self.say(memory_line(peak))
+            stats = {
+                "seconds": round(time.perf_counter() - self.started, 3),
+                "load_seconds": round(load_seconds, 3),
+                "record_seconds": round(time.perf_counter() - forward_started, 3),
+                "bytes": writer.bytes_written,
+                "peak_memory_bytes": peak,
+                "host_weight_bytes": ref.host_weight_bytes(placed),
+            }
+            where = {"device_map": device_map, "offload": offload, "placed": placed, "loading": ref.loading}
+            writer.finish(self._manifest(ref.model, plan, decode, skipped, where, stats))
+            seconds = time.perf_counter() - self.started
+            return RecordResult(req.out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)
+
+    def _opening_line(self, plan: Any, points: list[Point]) -> str:
+        req, checked = self.request, self.checked
         n_layers = len({p.layer for p in plan.points if p.layer is not None})
-        slice_layers = sorted({p.layer for p in points if p.layer is not None})
         what = (
-            f"{n_layers} layers" if wanted_layers is None else f"layers {describe_layers(slice_layers)} of {n_layers}"
+            f"{n_layers} layers"
+            if checked.layers is None
+            else f"layers {describe_layers(self.slice_layers)} of {n_layers}"
         )
-        steps = f", then {decode_steps} decode step{'s' if decode_steps > 1 else ''} of {len(points)} points each"
-        steps = steps if decode_steps else ""
-        say(
-            f"recording {model_dir} ({plan.model_type}, {what}, {len(points)} points, "
-            f"{len(ids)} tokens, {dtype_name(torch_dtype)}{steps}) -> {out}"
+        steps = req.decode_steps
+        then = f", then {steps} decode step{'s' if steps > 1 else ''} of {len(points)} points each" if steps else ""
+        return (
+            f"recording {req.model_dir} ({plan.model_type}, {what}, {len(points)} points, "
+            f"{len(checked.ids)} tokens, {dtype_name(checked.dtype)}{then}) -> {req.out}"
         )
-        placed = ref.placement()
-        say(ref.placement_line(placed))
 
-        layers_done = 0
+    def _on_group(self, group: str, records: list[Recorded]) -> None:
+        """Write a finished group (a layer's points, or a model-level point) and say so."""
+        writer = self.writer
+        size = writer.write_group(group, records)
+        malloc_trim()  # the group's captures and the layer's temporaries go back to the OS, not to a growing heap
+        if records[0].point.layer is not None and records[0].point.step is None:
+            self.layers_done += 1
+            self.say(
+                f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
+                f"[{self.layers_done}/{len(self.slice_layers)} layers, {writer.bytes_written / 1e6:.1f} MB written, "
+                f"{time.perf_counter() - self.started:.1f}s]"
+            )
 
-        def on_group(group: str, records: list[Recorded]) -> None:
-            nonlocal layers_done
-            size = writer.write_group(group, records)
-            malloc_trim()  # the group's captures and the layer's temporaries go back to the OS, not to a growing heap
-            if records[0].point.layer is not None and records[0].point.step is None:
-                layers_done += 1
-                say(
-                    f"  {group}: {len(records)} points, {size / 1e6:.2f} MB "
-                    f"[{layers_done}/{len(slice_layers)} layers, {writer.bytes_written / 1e6:.1f} MB written, "
-                    f"{time.perf_counter() - started:.1f}s]"
-                )
-
-        load_seconds = time.perf_counter() - load_started
-        forward_started = time.perf_counter()
-        ids_tensor = torch.tensor([ids], dtype=torch.long, device=ref.input_device)
+    def _forward(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
+        """The prefill with every point hooked, then the decode steps: (points never called, the
+        decode steps' record or None)."""
+        req, model = self.request, ref.model
+        ids_tensor = torch.tensor([self.checked.ids], dtype=torch.long, device=ref.input_device)
         # A slice that ends before the model's last layer needs no more of the forward (a decode step
         # needs the logits).
-        stop_after = (
-            points[-1].group
-            if wanted_layers is not None and not decode_steps and points[-1].layer is not None
-            else None
-        )
+        sliced_prefill = self.checked.layers is not None and not req.decode_steps and points[-1].layer is not None
+        stop_after = points[-1].group if sliced_prefill else None
         with ref.running(), torch.no_grad():
-            with GoldenRecorder(model, points, on_group, stop_after=stop_after) as rec:
+            with GoldenRecorder(model, points, self._on_group, stop_after=stop_after) as rec:
                 try:
                     model(input_ids=ids_tensor, use_cache=False)
                 except SliceDone:
-                    say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
+                    self.say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
                 skipped = rec.finish()
             for pid in skipped:
-                say(f"note: point {pid} was never called by the forward pass; not recorded")
-            decode = (
-                record_decode(model, points, ids_tensor, decode_steps, on_group, say, lambda: writer.bytes_written)
-                if decode_steps
-                else None
-            )
-        peak = peaks(placed)
-        say(memory_line(peak))
+                self.say(f"note: point {pid} was never called by the forward pass; not recorded")
+            if not req.decode_steps:
+                return skipped, None
+            written = lambda: self.writer.bytes_written  # noqa: E731
+            decode = record_decode(model, points, ids_tensor, req.decode_steps, self._on_group, self.say, written)
+            return skipped, decode
 
-        devices = sorted(placed)
-        manifest = {
+    def _manifest(
+        self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict
+    ) -> dict[str, Any]:
+        req, checked = self.request, self.checked
+        model_dir, out = req.model_dir.resolve(), req.out.resolve()
+        offload = where["offload"]
+        return {
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "model": {
-                "path": str(model_dir.resolve()),
+                "path": str(model_dir),
                 # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
-                "path_relative": os.path.relpath(model_dir.resolve(), out.resolve()),
+                "path_relative": os.path.relpath(model_dir, out),
                 "model_type": plan.model_type,
-                "architectures": list(getattr(config, "architectures", None) or []),
+                "architectures": list(getattr(checked.config, "architectures", None) or []),
                 "config_hash": config_hash(model.config),
                 "config": json.loads(json.dumps(config_dict(model.config), default=str)),
-                "num_hidden_layers": n_layers,
+                "num_hidden_layers": len({p.layer for p in plan.points if p.layer is not None}),
             },
-            "inputs": {"input_ids": [ids], "prompt": prompt, "seq_len": len(ids)},
+            "inputs": {"input_ids": [checked.ids], "prompt": req.prompt, "seq_len": len(checked.ids)},
             **({"decode": decode} if decode else {}),
             "record": {
-                "dtype": dtype_name(torch_dtype),
-                "device": device if not device_map else None,
-                "device_map": device_map,
-                "max_memory": max_memory,
+                "dtype": dtype_name(checked.dtype),
+                "device": req.device if not where["device_map"] else None,
+                "device_map": where["device_map"],
+                "max_memory": req.max_memory,
                 "offload_folder": str(offload) if offload is not None else None,
-                "devices": devices,
-                "placement": placed,
-                "loading": ref.loading,
-                **({"layers": slice_layers} if wanted_layers is not None else {}),
+                "devices": sorted(where["placed"]),
+                "placement": where["placed"],
+                "loading": where["loading"],
+                **({"layers": self.slice_layers} if checked.layers is not None else {}),
                 "attn_implementation": "eager",
                 "experts_implementation": "eager",
                 "use_cache": False,
@@ -620,15 +685,12 @@ def record_golden(
             },
             "arch": {"source": plan.source, "skipped_points": skipped, "notes": plan.notes},
             "versions": versions(),
-            "stats": {
-                "seconds": round(time.perf_counter() - started, 3),
-                "load_seconds": round(load_seconds, 3),
-                "record_seconds": round(time.perf_counter() - forward_started, 3),
-                "bytes": writer.bytes_written,
-                "peak_memory_bytes": peak,
-                "host_weight_bytes": ref.host_weight_bytes(placed),
-            },
+            "stats": stats,
         }
-        writer.finish(manifest)
-        seconds = time.perf_counter() - started
-        return RecordResult(out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)
+
+
+def record_golden(
+    model_dir: Path | str, out: Path | str, *, progress: Callable[[str], None] | None = None, **options: Any
+) -> RecordResult:
+    """Record a golden directory: `GoldenRequest(model_dir, out, **options).record(progress)`."""
+    return GoldenRequest(Path(model_dir), Path(out), **options).record(progress)
