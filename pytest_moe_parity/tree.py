@@ -15,7 +15,7 @@ class CacheState:
     """What one decoder layer's KV cache holds when a decode step calls a module: its keys and values
     ([batch, heads, positions, head_dim]), and for a sliding-window layer its window and how many
     positions it has seen. A recorded call carries this instead of a cache object (which is never
-    pickled); a backend turns it into a cache of the candidate's own kind (`model.cache`)."""
+    pickled); a backend turns it into a cache of the candidate's own kind (`model.calls`)."""
 
     layer: int
     keys: Any

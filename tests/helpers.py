@@ -85,8 +85,7 @@ def assert_replays_bitwise(golden: Path, model) -> None:
     """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
     from pytest_moe_parity.golden import GoldenStore
     from pytest_moe_parity.golden.spec import resolve_params
-    from pytest_moe_parity.model.cache import with_live_caches
-    from pytest_moe_parity.model.calls import cache_state
+    from pytest_moe_parity.model.calls import cache_state, with_live_caches
 
     store = GoldenStore(golden)
     for point in store.points:

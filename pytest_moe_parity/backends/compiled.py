@@ -44,8 +44,7 @@ from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
 from ..golden.writer import atomic_write_text
-from ..model.cache import cache_states
-from ..model.calls import with_cache_kwarg
+from ..model.calls import cache_states, with_cache_kwarg
 from ..points import Point
 from ..tree import flatten, unflatten
 from . import BackendSetup, CandidateOutput, HwOption

@@ -45,7 +45,7 @@ from ..compat import legacy_rope, load_config
 from ..dump.nxdi_capture import read_table, table_names
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
-from ..model.cache import cache_states
+from ..model.calls import cache_states
 from ..model.checkpoint import weight_map
 from ..points import Point
 from ..tree import CacheState

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..dtypes import json_safe
-from .arrays import F64, INF, as_token_matrix, check_tensor
 from .routing import RoutingMetrics, compare_routing, tie_tolerance
+from .tensors import F64, INF, as_token_matrix, check_tensor
 from .tokens import worst_tokens
 
 __all__ = ["LogitsMetrics", "compare_logits"]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..dtypes import json_safe
-from .arrays import F64, INF, as_index_matrix, as_token_matrix, check_tensor
+from .tensors import F64, INF, as_index_matrix, as_token_matrix, check_tensor
 
 __all__ = [
     "RoutingFlip",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arrays import F64, INF, check_tensor
+from .tensors import F64, INF, check_tensor
 
 __all__ = ["RowSums", "per_token_error", "row_sums", "worst_tokens"]
 

@@ -1,0 +1,139 @@
+"""How far a reader travels: the package's modules one item's life and one `--hw-option` pass through.
+
+Two walks, traced (every call from one of the package's modules into another, by `sys.setprofile`):
+
+- **a point id**: `pytest --golden-dir G --hw cpu --dtype bfloat16 -k layer_0.experts` on a candidate
+  whose layer-0 expert is broken, from collection to the failure text;
+- **`--hw-option threads=1`**: from the command line to where it acts (torch's threads set).
+
+For each: the modules visited, the distinct module-to-module calls (steps), and those that go back
+*up* the package's layers (a lower layer's module calling a higher one's, through an object it was
+handed: the walk a reader has to climb back up). The layers are those of `tests/test_layers.py` in
+the tree measured, so an older checkout is measured by its own rule:
+
+    python benchmarks/walks.py                      # this checkout
+    python benchmarks/walks.py --tree /tmp/before   # another checkout (e.g. a `git worktree`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_TRACE = r"""
+import json, sys, os
+from pathlib import Path
+package = Path(sys.argv[1]).resolve() / "pytest_moe_parity"
+calls = set()
+threads_set = []
+
+def module_of(frame):
+    path = frame.f_code.co_filename
+    if not path.startswith(str(package)):
+        return None
+    rel = Path(path).resolve().relative_to(package).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts) or "__init__"
+
+def profile(frame, event, arg):
+    if event != "call":
+        return
+    callee = module_of(frame)
+    caller = module_of(frame.f_back) if frame.f_back is not None else None
+    if callee and caller and callee != caller:
+        calls.add((caller, callee))
+
+import torch
+real = torch.set_num_threads
+def noted(n):
+    f = sys._getframe(1)
+    threads_set.append(module_of(f))
+    return real(n)
+torch.set_num_threads = noted
+
+import pytest
+args = sys.argv[3:]
+sys.setprofile(profile)
+try:
+    pytest.main(args)
+finally:
+    sys.setprofile(None)
+json.dump({"calls": sorted(calls), "threads_set_in": threads_set}, open(sys.argv[2], "w"))
+"""
+
+
+def layers_of(tree: Path) -> dict[str, int]:
+    """The top-level name of each module -> its layer, from the tree's own layering test."""
+    table = runpy.run_path(str(tree / "tests" / "test_layers.py"))["LAYERS"]
+    return {name: rank for rank, names in enumerate(table) for name in names}
+
+
+def trace(tree: Path, args: list[str], workdir: Path) -> dict:
+    out = workdir / "trace.json"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-c", _TRACE, str(tree), str(out), *args, "-p", "no:cacheprovider", "-q"]
+    subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def figures(data: dict, rank: dict[str, int]) -> dict[str, int]:
+    calls = [tuple(c) for c in data["calls"]]
+    modules = {m for c in calls for m in c}
+
+    def layer(module: str) -> int:
+        return rank.get(module.split(".")[0], -1)
+
+    up = [(a, b) for a, b in calls if layer(b) > layer(a) >= 0]
+    return {"modules": len(modules), "steps": len(calls), "back up": len(up), "up": up, "names": sorted(modules)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1], help="the checkout measured")
+    ap.add_argument("--verbose", action="store_true", help="list the modules and the calls back up")
+    args = ap.parse_args()
+    tree = args.tree.resolve()
+    rank = layers_of(tree)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory(prefix="walks-") as tmp:
+        work = Path(tmp)
+        cli = [sys.executable, "-m", "pytest_moe_parity.cli"]
+        subprocess.run([*cli, "tiny-model", "--arch", "qwen3_moe", "--out", str(work / "m")], env=env, check=True,
+                       capture_output=True)  # fmt: skip
+        subprocess.run([*cli, "golden", "--model", str(work / "m"), "--out", str(work / "g"), "--quiet"], env=env,
+                       check=True, capture_output=True)  # fmt: skip
+        broken = work / "broken"
+        subprocess.run(["cp", "-r", str(work / "m"), str(broken)], check=True)
+        from safetensors.torch import load_file, save_file
+
+        index = json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"]
+        key = next(k for k in sorted(index) if "layers.0.mlp.experts" in k)
+        shard = str(broken / index[key])
+        weights = load_file(shard)
+        weights[key] = weights[key] * 0  # the layer's experts broken
+        save_file(weights, shard, metadata={"format": "pt"})
+        base = ["--golden-dir", str(work / "g"), "--model", str(broken), "--hw", "cpu", "--dtype", "bfloat16"]
+        walks = {
+            "a point id (-k layer_0.experts, failing)": [*base, "-k", "layer_0.experts", "--no-parity-weights"],
+            "--hw-option threads=1": [*base, "-k", "layer_0.input_norm", "--hw-option", "threads=1"],
+        }
+        print(f"tree {tree}")
+        for name, walk in walks.items():
+            data = trace(tree, walk, work)
+            f = figures(data, rank)
+            print(f"  {name}: {f['modules']} modules, {f['steps']} module-to-module calls, {f['back up']} back up")
+            if args.verbose:
+                print(f"    modules: {', '.join(f['names'])}")
+                print(f"    back up: {', '.join(f'{a} -> {b}' for a, b in f['up'])}")
+            if "threads" in name:
+                print(f"    torch.set_num_threads called from: {sorted(set(filter(None, data['threads_set_in'])))}")
+
+
+if __name__ == "__main__":
+    main()
