@@ -4,6 +4,7 @@ judged against the reference's own error in the candidate's dtype (`moe-parity g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import faults
@@ -282,28 +283,11 @@ def test_the_noise_ratio_gives_the_worst_token_a_slack(rel_ratio, token_ratio, r
     golden = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     candidate = golden.clone()
     candidate[0, 3] += 5e-2 * golden[0, 3].norm() / 4**0.5  # one token off by 5e-2 of its norm (above the floor)
-    res = judge_point(
-        Case(
-            Point.parse("layer_0.attention"),
-            golden,
-            candidate,
-            default_tolerance("bfloat16", "attention"),
-            torch.bfloat16,
-        )
-    )
-    m = res.main
+    case = Case(Point.parse("layer_0.attention"), golden, candidate, default_tolerance("bfloat16", "attention"),
+                torch.bfloat16)  # fmt: skip
+    m = judge_point(case).main
     noise = {"out": {"rel_l2": m.rel_l2 / rel_ratio, "max_token_rel_l2": m.max_token_rel_l2 / token_ratio}}
-    res = judge_point(
-        Case(
-            Point.parse("layer_0.attention"),
-            golden,
-            candidate,
-            default_tolerance("bfloat16", "attention"),
-            torch.bfloat16,
-            noise=noise,
-            fixed=False,
-        )
-    )
+    res = judge_point(dataclasses.replace(case, noise=noise, fixed=False))
     target = res.noise["targets"]["out"]
     assert target["rel_l2_ratio"] == pytest.approx(rel_ratio)
     assert target["token_ratio"] == pytest.approx(token_ratio)

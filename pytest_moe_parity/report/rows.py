@@ -169,15 +169,16 @@ class Row:
         )
 
 
+def _place(entry: Point | PointResult) -> JsonDict:
+    """Where a row stands: its point id, forward order, layer, decode step and component."""
+    return {name: getattr(entry, name) for name in ("id", "order", "layer", "step", "component")}
+
+
 def point_row(result: PointResult) -> Row:
     """The row of a judged point (and of its chained verdict under --parity-mode both)."""
     failed = not result.passed
     return Row(
-        id=result.id,
-        order=result.order,
-        layer=result.layer,
-        step=result.step,
-        component=result.component,
+        **_place(result),
         status=result.status,
         mode=result.mode,
         verdicts=result.verdicts,
@@ -229,13 +230,4 @@ def unjudged_row(entry: Point | Row, status: str, message: str) -> Row:
     said = {"error": message} if status == "error" else {"reason": message}
     if isinstance(entry, Row):
         return replace(entry, status=status, **said)
-    return Row(
-        id=entry.id,
-        order=entry.order,
-        layer=entry.layer,
-        step=entry.step,
-        component=entry.component,
-        status=status,
-        kind="unjudged",
-        **said,
-    )
+    return Row(**_place(entry), status=status, kind="unjudged", **said)
