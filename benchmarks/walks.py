@@ -6,6 +6,9 @@ Two walks, traced (every call from one of the package's modules into another, by
   whose layer-0 expert is broken, from collection to the failure text;
 - **`--hw-option threads=1`**: from the command line to where it acts (torch's threads set).
 
+Each is counted over the whole session and over the item's own run alone (its setup, call, report
+and failure text: `pytest_runtest_protocol`), which leaves out the session's start (golden, backend).
+
 For each: the modules visited, the distinct module-to-module calls (steps), and those that go back
 *up* the package's layers (a lower layer's module calling a higher one's, through an object it was
 handed: the walk a reader has to climb back up). The layers are those of `tests/test_layers.py` in
@@ -25,13 +28,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 _TRACE = r"""
 import json, sys, os
 from pathlib import Path
 package = Path(sys.argv[1]).resolve() / "pytest_moe_parity"
 calls = set()
+leg = set()  # the calls inside the item's own run (setup, call, its report and failure text)
 threads_set = []
+state = {"item": False}
 
 def module_of(frame):
     path = frame.f_code.co_filename
@@ -48,6 +54,8 @@ def profile(frame, event, arg):
     caller = module_of(frame.f_back) if frame.f_back is not None else None
     if callee and caller and callee != caller:
         calls.add((caller, callee))
+        if state["item"]:
+            leg.add((caller, callee))
 
 import torch
 real = torch.set_num_threads
@@ -58,13 +66,23 @@ def noted(n):
 torch.set_num_threads = noted
 
 import pytest
+
+
+class Leg:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        state["item"] = True
+        yield
+        state["item"] = False
+
+
 args = sys.argv[3:]
 sys.setprofile(profile)
 try:
-    pytest.main(args)
+    pytest.main(args, plugins=[Leg()])
 finally:
     sys.setprofile(None)
-json.dump({"calls": sorted(calls), "threads_set_in": threads_set}, open(sys.argv[2], "w"))
+json.dump({"calls": sorted(calls), "leg": sorted(leg), "threads_set_in": threads_set}, open(sys.argv[2], "w"))
 """
 
 
@@ -82,8 +100,8 @@ def trace(tree: Path, args: list[str], workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def figures(data: dict, rank: dict[str, int]) -> dict[str, int]:
-    calls = [tuple(c) for c in data["calls"]]
+def figures(data: dict, rank: dict[str, int], key: str = "calls") -> dict[str, Any]:
+    calls = [tuple(c) for c in data[key]]
     modules = {m for c in calls for m in c}
 
     def layer(module: str) -> int:
@@ -128,6 +146,10 @@ def main() -> None:
             data = trace(tree, walk, work)
             f = figures(data, rank)
             print(f"  {name}: {f['modules']} modules, {f['steps']} module-to-module calls, {f['back up']} back up")
+            own = figures(data, rank, "leg")
+            print(f"    the item's own run: {own['modules']} modules, {own['steps']} calls, {own['back up']} back up")
+            if args.verbose:
+                print(f"    its modules: {', '.join(own['names'])}")
             if args.verbose:
                 print(f"    modules: {', '.join(f['names'])}")
                 print(f"    back up: {', '.join(f'{a} -> {b}' for a, b in f['up'])}")

@@ -495,7 +495,7 @@ class ParitySession:
             "candidate_model": str(self.candidate_dir),
             "candidate_source": self.candidate_source,
             "hw": self.hw,
-            "hw_options": dict(parse_hw_options(self.options.hw_options)),
+            "hw_options": dict(self.backend.setup.options),  # as given (KEY: VALUE), parsed once at setup
             "dtype": dtype_name(self.dtype),
             "layers": self.layers,
             "mode": self.mode,

@@ -14,7 +14,7 @@ import torch
 from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.record.tiny import available_archs
-from pytest_moe_parity.replay.inputs import cast_inputs
+from pytest_moe_parity.replay.runner import cast_inputs
 
 
 @pytest.mark.parametrize("arch", ["minimax_m2", "gpt_oss", "deepseek_v3", "qwen2_moe"])
