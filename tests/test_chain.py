@@ -263,7 +263,7 @@ def test_tokens_routed_elsewhere_are_left_out_and_steered_back(golden_dir, tiny_
     chain._taint["layer_1.router"] = [9, 3]
     assert chain.tainted(store.point("layer_1.attention")) == []  # same layer: before the router
     assert chain.tainted(store.point("layer_2.attention")) == [3, 9]
-    recorded = RecordedChain(run.runner)
+    recorded = RecordedChain(run.runner.chain_setup())
     recorded._taint = dict(chain._taint)
     assert not recorded.steered and recorded.tainted(store.point("logits")) == list(range(3, 16))
 

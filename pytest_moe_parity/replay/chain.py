@@ -25,7 +25,9 @@ the tokens both runs kept."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,8 +40,18 @@ from ..model.calls import output_tensors
 from ..points import ROUTER, Point
 from ..tree import first_tensor, map_structure
 
-if TYPE_CHECKING:
-    from .runner import ParityRunner
+
+@dataclass(frozen=True)
+class ChainSetup:
+    """What a chain is given by the runner that owns it: the golden, the backend, whether a chain that
+    can be steered is (the noise floor's free run: not), and the runner's two calls it needs: start
+    the backend (once), and one point's candidate output on a golden record."""
+
+    golden: GoldenStore
+    backend: Backend
+    start: Callable[[Point], None]
+    call: Callable[[Point, GoldenRecord], CandidateOutput]
+    steer: bool = True
 
 
 class Chain:
@@ -48,10 +60,10 @@ class Chain:
     steered = False  # whether near-tie tokens are put back to the golden's after their layer
     decodes = False  # whether the chain runs the decode steps too (else they are judged isolated)
 
-    def __init__(self, runner: ParityRunner):
-        self.runner = runner
-        self.golden: GoldenStore = runner.golden
-        self.backend: Backend = runner.backend
+    def __init__(self, setup: ChainSetup):
+        self.setup = setup
+        self.golden: GoldenStore = setup.golden
+        self.backend: Backend = setup.backend
         self._taint: dict[str, list[int]] = {}  # routing point id -> tokens routed unlike the golden there
         ids = self.golden.manifest["inputs"]["input_ids"]
         self._sequences = len(ids)
@@ -152,9 +164,9 @@ class ModelChain(Chain):
     """One whole-model forward of the candidate, every point captured (steered where the backend
     accepts it, `Backend.steers_chain`, and the runner does not ask for the free run)."""
 
-    def __init__(self, runner: ParityRunner):
-        super().__init__(runner)
-        self.steered = bool(getattr(self.backend, "steers_chain", False)) and runner.steer
+    def __init__(self, setup: ChainSetup):
+        super().__init__(setup)
+        self.steered = bool(getattr(self.backend, "steers_chain", False)) and setup.steer
         self.decodes = bool(getattr(self.backend, "chains_decode", False)) and self.golden.decode_steps > 0
         self._outputs: dict[str, Any] | None = None
         self.seconds = 0.0
@@ -166,7 +178,7 @@ class ModelChain(Chain):
     def _run(self) -> dict[str, Any]:
         if self._outputs is None:
             ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
-            self.runner.start(self.golden.points[0])
+            self.setup.start(self.golden.points[0])
             started = time.perf_counter()
             decode = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
             points = [p for p in self.golden.points if p.step is None or self.decodes]
@@ -199,8 +211,8 @@ class PointChain(Chain):
 
     steered = True
 
-    def __init__(self, runner: ParityRunner):
-        super().__init__(runner)
+    def __init__(self, setup: ChainSetup):
+        super().__init__(setup)
         self._done: dict[str, CandidateOutput | PointUnavailable | BackendFailure] = {}
         self._next = 0  # the index of the first point (in forward order) not computed yet
         self._layers: list[int] = []
@@ -248,7 +260,7 @@ class PointChain(Chain):
         self.calls += 1
         record = self.golden.load(point, chained=self._chained(point))
         try:
-            out = self.runner.call(point, record)
+            out = self.setup.call(point, record)
         except (PointUnavailable, BackendFailure) as exc:  # raised again for this point, golden for later ones
             self._done[point.id] = exc
             out = None
@@ -285,12 +297,12 @@ class RecordedChain(Chain):
     """The backend's outputs are the candidate's own run already (a dump of it): its decode steps too,
     each on the cache its own prefill and earlier steps wrote."""
 
-    def __init__(self, runner: ParityRunner):
-        super().__init__(runner)
+    def __init__(self, setup: ChainSetup):
+        super().__init__(setup)
         self.decodes = self.golden.decode_steps > 0
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
-        out = self.runner.call(point, record)
+        out = self.setup.call(point, record)
         out.info = {**out.info, "chain": "recorded"}
         return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, out.info, cache=out.cache)
 
@@ -323,6 +335,6 @@ def _to_cpu(obj: Any) -> Any:
     return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
 
 
-def make_chain(runner: ParityRunner) -> Chain:
-    kind = runner.backend.chain_kind
-    return {"model": ModelChain, "points": PointChain, "recorded": RecordedChain}[kind](runner)
+def make_chain(setup: ChainSetup) -> Chain:
+    kind = setup.backend.chain_kind
+    return {"model": ModelChain, "points": PointChain, "recorded": RecordedChain}[kind](setup)

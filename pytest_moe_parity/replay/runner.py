@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
 from ..points import ROUTER, Point
 from ..tree import leaves, map_structure
+
+if TYPE_CHECKING:
+    from .chain import ChainSetup
 
 MODES = ("isolated", "chain", "both")
 
@@ -90,7 +93,13 @@ class ParityRunner:
         if mode != "isolated":
             from .chain import make_chain
 
-            self.chain = make_chain(self)
+            self.chain = make_chain(self.chain_setup())
+
+    def chain_setup(self) -> ChainSetup:
+        """What this runner's chain is given (the chain never holds the runner itself)."""
+        from .chain import ChainSetup
+
+        return ChainSetup(self.golden, self.backend, self.start, self.call, self.steer)
 
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = self.golden.point(pid)
