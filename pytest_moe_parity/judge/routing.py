@@ -3,23 +3,28 @@ candidate, flips told from ties within the dtype's rounding of the golden's scor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from ..dtypes import json_safe
+from ..tree import leaves
 from .tensors import F64, INF, as_index_matrix, as_token_matrix, check_tensor
+from .tokens import RowSums
 
 __all__ = [
     "RoutingFlip",
     "RoutingMetrics",
     "SelectionRule",
+    "candidate_routing",
     "compare_routing",
     "router_triple",
     "scatter_topk",
     "tie_tolerance",
+    "topk_agreement",
     "topk_of_affinities",
+    "worst_experts",
 ]
 
 
@@ -260,3 +265,66 @@ def topk_of_affinities(
     if renormalised:
         picked = picked / picked.sum(-1, keepdim=True)
     return picked, renormalised
+
+
+def topk_agreement(
+    rule: SelectionRule,
+    golden_router_out: Any,
+    candidate_router_out: Any,
+    bias: torch.Tensor | None,
+    exclude: tuple[list[int], int] | None = None,
+) -> RoutingMetrics:
+    """The candidate router's top-k sets against the golden's, read by the golden's selection rule. In
+    a chained verdict, `exclude` (tokens, number of tokens) leaves out the tokens already routed unlike
+    the golden before this layer (following other experts since): their flips are where they first
+    happened. Flips and ties keep the tokens' own positions."""
+    g_logits, _, g_idx = golden_router_out[:3]
+    c_idx = candidate_router_out[2].detach().to("cpu")
+    scores, tol = rule.scores(g_logits, bias)
+    rows = scores.shape[0]
+    if exclude is None or rows != exclude[1] or g_idx.numel() != c_idx.numel():
+        return compare_routing(scores, g_idx, c_idx, tolerance=tol)
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[exclude[0]] = False
+    positions = keep.nonzero().flatten().tolist()
+    g_idx, c_idx = g_idx.reshape(rows, -1)[keep], c_idx.reshape(rows, -1)[keep]
+    scores, tol = scores[keep], (tol[keep] if isinstance(tol, torch.Tensor) and tol.dim() else tol)
+    rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+    rm.flips = [replace(f, token=positions[f.token]) for f in rm.flips]
+    rm.ties = [replace(f, token=positions[f.token]) for f in rm.ties]
+    return rm
+
+
+def candidate_routing(rule: SelectionRule, cand_out: Any, golden_out: Any, bias: torch.Tensor | None) -> tuple | None:
+    """The candidate router's (logits, top-k weights or None, top-k ids): as it returned them, or, from
+    its logits alone (what a capture of one tensor per module holds), the ids that the golden's
+    selection rule picks from them (the weights unknown). None when neither can be read."""
+    if router_triple(cand_out):
+        return tuple(cand_out)
+    kept = [x for x in leaves(cand_out) if x is None or isinstance(x, torch.Tensor)]
+    g_logits, _, g_idx = golden_out[:3]
+    if len(kept) != 1 or kept[0] is None or kept[0].shape[-1] != g_logits.shape[-1]:
+        return None
+    logits = kept[0]
+    ids = rule.pick(logits.detach().to("cpu"), g_idx.shape[-1], bias).reshape(g_idx.shape)
+    return logits, None, ids
+
+
+def worst_experts(
+    sums: RowSums, keep_rows: torch.Tensor | None, golden_router: Any, n: int
+) -> list[tuple[int, int, float]]:
+    """The `n` experts whose (golden-routed) tokens have the largest error, as (expert, tokens, rel_l2):
+    one broken expert of many, used by a few tokens, is named where its damage is diluted in the whole
+    tensor. Empty where the rows are not the router's tokens (an unusual layout)."""
+    g_logits, _, g_idx = golden_router[:3]
+    idx = g_idx.reshape(-1, g_idx.shape[-1])
+    if idx.shape[0] != (keep_rows.shape[0] if keep_rows is not None else sums.d2.shape[0]):
+        return []
+    if keep_rows is not None:
+        idx = idx[keep_rows]
+    errors, counts = sums.group_errors(idx, g_logits.shape[-1])
+    used = torch.nonzero(counts > 0).flatten()
+    if not used.numel():
+        return []
+    order = torch.sort(torch.where(torch.isnan(errors[used]), -1.0, errors[used]), descending=True, stable=True)
+    return [(int(used[i]), int(counts[used[i]]), float(errors[used[i]])) for i in order.indices[:n]]

@@ -4,7 +4,7 @@ the numbers and the one-line hint that make a failure a diagnosis. Knows nothing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,7 +13,15 @@ from ..dtypes import dtype_name, json_safe
 from ..points import EXPERTS, ROUTER, Point
 from ..tree import first_tensor, leaves
 from .logits import LogitsMetrics, compare_logits
-from .routing import SelectionRule, compare_routing, router_triple, scatter_topk, topk_of_affinities
+from .routing import (
+    SelectionRule,
+    candidate_routing,
+    router_triple,
+    scatter_topk,
+    topk_agreement,
+    topk_of_affinities,
+    worst_experts,
+)
 from .tensors import TensorMetrics, compare_tensors, worst_elements
 from .tokens import RowSums, row_sums, worst_tokens
 from .tolerances import (
@@ -401,21 +409,7 @@ class Judge:
         """Compare top-k sets; returns the tokens whose routing differs (flips and ties). In a chained
         verdict, the tokens already left out (routed unlike the golden before this layer, so following
         other experts since) are not judged again here: their flips are where they first happened."""
-        g_logits, _, g_idx = golden_router_out[:3]
-        c_idx = candidate_router_out[2].detach().to("cpu")
-        scores, tol = self.rule.scores(g_logits, bias)
-        rows = scores.shape[0]
-        if self.exclude is not None and rows == self.exclude[1] and g_idx.numel() == c_idx.numel():
-            keep = torch.ones(rows, dtype=torch.bool)
-            keep[self.exclude[0]] = False
-            positions = keep.nonzero().flatten().tolist()
-            g_idx, c_idx = g_idx.reshape(rows, -1)[keep], c_idx.reshape(rows, -1)[keep]
-            scores, tol = scores[keep], (tol[keep] if isinstance(tol, torch.Tensor) and tol.dim() else tol)
-            rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
-            rm.flips = [replace(f, token=positions[f.token]) for f in rm.flips]
-            rm.ties = [replace(f, token=positions[f.token]) for f in rm.ties]
-        else:
-            rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+        rm = topk_agreement(self.rule, golden_router_out, candidate_router_out, bias, self.exclude)
         r = self.result
         r.routing = rm.to_dict()
         if judge_flips:
@@ -430,14 +424,7 @@ class Judge:
         """The candidate router's (logits, top-k weights or None, top-k ids): as it returned them, or,
         from its logits alone (what a capture of one tensor per module holds), the ids that the
         golden's selection rule picks from them (the weights unknown)."""
-        if router_triple(cand_out):
-            return tuple(cand_out)
-        logits = first_tensor(cand_out)
-        g_logits, _, g_idx = golden_out[:3]
-        if logits is None or len(_tensor_leaves(cand_out)) != 1 or logits.shape[-1] != g_logits.shape[-1]:
-            return None
-        ids = self.rule.pick(logits.detach().to("cpu"), g_idx.shape[-1], bias).reshape(g_idx.shape)
-        return logits, None, ids
+        return candidate_routing(self.rule, cand_out, golden_out, bias)
 
     def judge_router(self, golden_out: Any, cand_out: Any, bias: torch.Tensor | None) -> None:
         g_logits, g_w, g_idx = golden_out[:3]
@@ -509,20 +496,7 @@ class Judge:
         if target not in self.row_sums:
             return
         sums, keep_rows = self.row_sums[target]
-        g_logits, _, g_idx = golden_router[:3]
-        idx = g_idx.reshape(-1, g_idx.shape[-1])
-        if idx.shape[0] != (keep_rows.shape[0] if keep_rows is not None else sums.d2.shape[0]):
-            return  # the output's rows are not the router's tokens (an unusual layout): no breakdown
-        if keep_rows is not None:
-            idx = idx[keep_rows]
-        errors, counts = sums.group_errors(idx, g_logits.shape[-1])
-        used = torch.nonzero(counts > 0).flatten()
-        if not used.numel():
-            return
-        order = torch.sort(torch.where(torch.isnan(errors[used]), -1.0, errors[used]), descending=True, stable=True)
-        self.result.worst_experts = [
-            (int(used[i]), int(counts[used[i]]), float(errors[used[i]])) for i in order.indices[:WORST_EXPERTS]
-        ]
+        self.result.worst_experts = worst_experts(sums, keep_rows, golden_router, WORST_EXPERTS)
 
     def judge_logits(self, golden_out: Any, cand_out: Any) -> None:
         """The logits point: the tensor checks, then next-token agreement: top-1 (a real flip fails,
