@@ -7,7 +7,9 @@ Two walks, traced (every call from one of the package's modules into another, by
 - **`--hw-option threads=1`**: from the command line to where it acts (torch's threads set).
 
 Each is counted over the whole session and over the item's own run alone (its setup, call, report
-and failure text: `pytest_runtest_protocol`), which leaves out the session's start (golden, backend).
+and failure text: `pytest_runtest_protocol`), which leaves out the session's start (golden, backend);
+and the item's run as a reader follows it, on calls and returns: its stays (each change of module)
+and its climbs (a move to a higher layer that is not a return to the caller).
 
 For each: the modules visited, the distinct module-to-module calls (steps), and those that go back
 *up* the package's layers (a lower layer's module calling a higher one's, through an object it was
@@ -21,6 +23,7 @@ the tree measured, so an older checkout is measured by its own rule:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import runpy
@@ -38,6 +41,7 @@ calls = set()
 leg = set()  # the calls inside the item's own run (setup, call, its report and failure text)
 threads_set = []
 state = {"item": False}
+sequence = []  # the item's run as a reader follows it: each change of module, on calls and on returns
 
 def module_of(frame):
     path = frame.f_code.co_filename
@@ -48,9 +52,15 @@ def module_of(frame):
     return ".".join(parts) or "__init__"
 
 def profile(frame, event, arg):
+    if event == "return" and state["item"]:
+        back = module_of(frame.f_back) if frame.f_back is not None else None
+        if back and module_of(frame) and (not sequence or sequence[-1] != back):
+            sequence.append(back)
     if event != "call":
         return
     callee = module_of(frame)
+    if state["item"] and callee and (not sequence or sequence[-1] != callee):
+        sequence.append(callee)
     caller = module_of(frame.f_back) if frame.f_back is not None else None
     if callee and caller and callee != caller:
         calls.add((caller, callee))
@@ -82,7 +92,8 @@ try:
     pytest.main(args, plugins=[Leg()])
 finally:
     sys.setprofile(None)
-json.dump({"calls": sorted(calls), "leg": sorted(leg), "threads_set_in": threads_set}, open(sys.argv[2], "w"))
+json.dump({"calls": sorted(calls), "leg": sorted(leg), "sequence": sequence, "threads_set_in": threads_set},
+          open(sys.argv[2], "w"))
 """
 
 
@@ -109,6 +120,22 @@ def figures(data: dict, rank: dict[str, int], key: str = "calls") -> dict[str, A
 
     up = [(a, b) for a, b in calls if layer(b) > layer(a) >= 0]
     return {"modules": len(modules), "steps": len(calls), "back up": len(up), "up": up, "names": sorted(modules)}
+
+
+def stays_and_climbs(sequence: list[str], rank: dict[str, int]) -> tuple[int, int]:
+    """The item's run as a sequence of modules (a stay per change of module, on calls and returns)
+    and how many of its moves go to a higher layer other than by returning to the module that called
+    (a lower module calling up through an object it holds, or a trip out and back)."""
+    stack: list[str] = []
+    climbs = 0
+    layer = lambda m: rank.get(m.split(".")[0], -1)  # noqa: E731
+    for prev, cur in itertools.pairwise(sequence):
+        if stack and stack[-1] == cur:  # a return to the caller
+            stack.pop()
+            continue
+        stack.append(prev)
+        climbs += layer(cur) > layer(prev) >= 0
+    return len(sequence), climbs
 
 
 def main() -> None:
@@ -148,6 +175,8 @@ def main() -> None:
             print(f"  {name}: {f['modules']} modules, {f['steps']} module-to-module calls, {f['back up']} back up")
             own = figures(data, rank, "leg")
             print(f"    the item's own run: {own['modules']} modules, {own['steps']} calls, {own['back up']} back up")
+            stays, climbs = stays_and_climbs(data["sequence"], rank)
+            print(f"    followed as a reader does (calls and returns): {stays} stays, {climbs} climbs up the layers")
             if args.verbose:
                 print(f"    its modules: {', '.join(own['names'])}")
             if args.verbose:
