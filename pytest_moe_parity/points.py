@@ -29,8 +29,12 @@ MODEL_HEAD = ("embedding", "rotary")
 MODEL_TAIL = ("final_norm", "logits")
 COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
 
+ATTENTION = "attention"
 ROUTER = "router"
 EXPERTS = "experts"
+OUTPUT = "output"  # a decoder layer's output: its last point
+LOGITS = "logits"
+WEIGHTS = "weights"  # the weight items: `layer_N.weights`, and `weights` for the model-level modules
 # Points that contain a router: judged over the tokens whose top-k routing agrees between golden
 # and candidate (a near-tie flip changes a token's output by design), so replaying them needs the
 # golden router's output and, from the backend, the candidate's own routing.
@@ -46,6 +50,11 @@ _ID_RE = re.compile(r"^(?:step_(\d+)\.)?(?:layer_(\d+)\.)?([a-z_]+)$")
 def point_id(component: str, layer: int | None = None, step: int | None = None) -> str:
     """`layer_17.attention`, `embedding`, `step_3.layer_17.attention`."""
     return in_step(component if layer is None else f"{layer_group(layer)}.{component}", step)
+
+
+def weights_id(layer: int | None) -> str:
+    """The weight item of a decoder layer (`layer_17.weights`), or of the model-level modules (None)."""
+    return point_id(WEIGHTS, layer)
 
 
 def step_prefix(step: int | None) -> str:

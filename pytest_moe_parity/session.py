@@ -21,7 +21,7 @@ from .errors import BackendError, BackendFailure, GoldenError, ParityError, Poin
 from .golden import GoldenStore
 from .judge.tolerances import NOISE_FACTOR, Override, resolve
 from .judge.verdict import Case, Custom, PointResult, judge_point
-from .points import Point, describe_layers, layer_group, parse_layers
+from .points import Point, describe_layers, layer_group, parse_layers, weights_id
 from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row, weights_row
@@ -110,7 +110,7 @@ class WeightUnit:
 
     @property
     def id(self) -> str:
-        return "weights" if self.layer is None else f"{layer_group(self.layer)}.weights"
+        return weights_id(self.layer)
 
     @property
     def group(self) -> str | None:

@@ -15,7 +15,7 @@ from ..golden.spec import resolve_params
 from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
-from ..points import Point
+from ..points import ATTENTION, Point
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
 
 
@@ -99,7 +99,7 @@ class TorchBackend(Backend):
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         cache = None
-        if caches and point.component == "attention":  # a decode step: what the attention wrote
+        if caches and point.component == ATTENTION:  # a decode step: what the attention wrote
             state, live = caches[0]
             cache = cache_state(live, state.layer)
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, json_safe
-from ..points import EXPERTS, ROUTER, Point
+from ..points import ATTENTION, EXPERTS, LOGITS, ROUTER, Point
 from ..tree import first_tensor, leaves
 from .logits import LogitsMetrics, compare_logits
 from .routing import (
@@ -650,7 +650,7 @@ class Judge:
         routing = self.result.routing or {}
         if comp == ROUTER and routing.get("set_agreement", 1.0) < 0.5:
             return HINTS["router_layout"]
-        if comp == "attention" and self.point.layer == 0:
+        if comp == ATTENTION and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"
         return HINTS.get(comp, "")
 
@@ -722,7 +722,7 @@ def judge_point(case: Case) -> PointResult:
         if golden_router is not None and case.candidate_router is not None:
             candidate_router = judge.routing_of(case.candidate_router, golden_router, bias)
         judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, bias)
-    elif point.component == "logits" and isinstance(first_tensor(golden_out), torch.Tensor):
+    elif point.component == LOGITS and isinstance(first_tensor(golden_out), torch.Tensor):
         judge.judge_logits(golden_out, candidate)
     else:
         judge.judge_generic(golden_out, candidate)

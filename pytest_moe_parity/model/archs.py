@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import ArchError
-from ..points import LAYER_COMPONENTS, MODEL_HEAD, MODEL_TAIL, Point
+from ..points import EXPERTS, LAYER_COMPONENTS, MODEL_HEAD, MODEL_TAIL, Point
 
 # How a router picks its experts, so that a top-k disagreement can be judged against the golden
 # selection scores: softmax and top-k-then-softmax rank by the raw logits; sigmoid routers rank by
@@ -131,7 +131,7 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
             add(component, i, paths.get(component), **extras.get(component, {}))
     for component in MODEL_TAIL:
         add(component, None, getattr(spec, component))
-    if not any(p.component == "experts" for p in plan.points):
+    if not any(p.component == EXPERTS for p in plan.points):
         plan.notes.append(f"{model_type}: no experts found; recording a dense model")
     return plan
 

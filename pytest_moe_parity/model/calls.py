@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import RecordError
-from ..points import Point
+from ..points import ATTENTION, Point
 from ..tree import CacheState, leaves, map_structure
 
 # A whole-model run's hook on each point's output: (point, output, outputs so far) -> the output to go on with.
@@ -81,7 +81,7 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
 def _kept(point: Point, output: Any) -> Any:
     """A point's output as a whole-model run keeps it: detached on the CPU, attention weights
     dropped (the golden omits them too)."""
-    if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
+    if point.component == ATTENTION and isinstance(output, tuple) and len(output) > 1:
         output = (output[0], *(None for _ in output[1:]))
     # a copy: the model may change a tensor in place after returning it
     return map_structure(output, lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t)

@@ -16,7 +16,7 @@ from ..errors import RecordError
 from ..golden.spec import Flattener, Spec, named_tensor, spec_tensor_keys
 from ..golden.writer import Recorded
 from ..model.calls import cache_state, is_cache, output_tensors
-from ..points import Point
+from ..points import ATTENTION, Point
 
 # How many of the most recent point outputs a residual sum is looked for among.
 _SUM_CANDIDATES = 12
@@ -211,7 +211,7 @@ class GoldenRecorder:
             arg_specs, kw_specs, fl, started = pending
             fl = self._outputs_flattener(point.group)
             self.param_names.enter(point.module)
-            if point.component == "attention" and isinstance(output, tuple) and len(output) > 1:
+            if point.component == ATTENTION and isinstance(output, tuple) and len(output) > 1:
                 # (out, attn_weights): the weights are O(heads·T²) and never compared.
                 out_spec = {
                     "t": "tuple",
@@ -225,7 +225,7 @@ class GoldenRecorder:
                 fl.tensors[key] = fl.keep(held_tensor(self.model, point.score_bias))
                 rec.extras["score_bias"] = key
             caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
-            if point.component == "attention" and point.step is not None and caches:
+            if point.component == ATTENTION and point.step is not None and caches:
                 after = cache_state(caches[0], point.layer)  # what the attention wrote: compared too
                 for name in ("keys", "values"):
                     key = f"{point.id}/cache_after.{name}"

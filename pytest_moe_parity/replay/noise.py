@@ -21,6 +21,7 @@ from ..errors import BackendFailure, BadInput, PointUnavailable
 from ..golden import GoldenStore
 from ..golden.writer import update_manifest
 from ..judge.verdict import PointResult
+from ..points import ROUTER
 from .runner import ParityRunner
 
 FIGURES = ("rel_l2", "max_token_rel_l2")
@@ -38,7 +39,7 @@ def noise_figures(result: PointResult) -> dict[str, dict[str, float]]:
             continue
         if m.shape_match and all(v is None or math.isfinite(v) for v in values.values()):
             out[target] = {k: v for k, v in values.items() if v is not None}
-    if result.component == "router" and result.routing:  # real routing flips of the reference itself
+    if result.component == ROUTER and result.routing:  # real routing flips of the reference itself
         out["top_k"] = {"flip_share": result.routing["flip_share"]}
     if result.logits is not None:
         out["top1"] = {"flip_share": result.logits.top1.flip_share}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..judge.tolerances import TOKEN_LIMIT
-from ..points import COMPONENTS
+from ..points import COMPONENTS, OUTPUT
 from .rows import Row, number
 from .summary import figure
 
@@ -146,7 +146,7 @@ def layer_errors(rows: list[Row], new) -> Any:
     for r in sorted(rows, key=lambda r: r.order):
         if r.layer is None or r.status not in ("passed", "failed"):
             continue
-        if r.component == "output" or r.layer not in last or last[r.layer].component != "output":
+        if r.component == OUTPUT or r.layer not in last or last[r.layer].component != OUTPUT:
             last[r.layer] = r
     layers = sorted(last)
     fig = new(7, 4)

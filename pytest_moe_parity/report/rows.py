@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from ..dtypes import json_safe
 from ..judge.verdict import PointResult
-from ..points import Point
+from ..points import WEIGHTS, Point
 
 __all__ = ["Row", "number", "point_row", "unjudged_row", "weights_row"]
 
@@ -216,7 +216,7 @@ def weights_row(name: str, layer: int | None, order: float, findings: list[str])
         order=order,
         layer=layer,
         step=None,
-        component="weights",
+        component=WEIGHTS,
         status="failed" if findings else "passed",
         kind="weights",
         findings=findings,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..points import LOGITS, OUTPUT
 from .rows import Row, number
 from .text import fmt
 
@@ -73,7 +74,7 @@ def modes(rows: list[Row]) -> list[str]:
 
 def _decode_logits(rows: list[Row]) -> list[Row]:
     """The logits rows of the decode steps, by step."""
-    steps = (r for r in rows if r.component == "logits" and r.step and r.logits)
+    steps = (r for r in rows if r.component == LOGITS and r.step and r.logits)
     return sorted(steps, key=lambda r: r.step or 0)
 
 
@@ -131,7 +132,7 @@ def graph_summary(rows: list[Row]) -> dict[str, Any] | None:
         "from_cache": sum(b.get("origin") == "cache" for _, b in info),
         "compile_seconds": round(sum(b.get("compile_s", 0.0) for b in compiled), 3),
         "layers": len({r.layer for r, _ in info if r.layer is not None}),
-        "layer_graphs": len({b["graph"] for r, b in info if r.component == "output"}),
+        "layer_graphs": len({b["graph"] for r, b in info if r.component == OUTPUT}),
     }
 
 
