@@ -35,8 +35,8 @@ def _runnable_own() -> int:
                 stat = fh.read()
         except OSError:  # the thread ended meanwhile
             continue
-        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R":
-            count += 1
+        state = stat.rindex(b")") + 2  # the state follows the command name, which may hold spaces
+        count += stat[state : state + 1] == b"R"
     return count
 
 

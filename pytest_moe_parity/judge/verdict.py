@@ -236,39 +236,27 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class Judge:
-    """Applies one tolerance to one point. `router` is the router point whose routing a routed
-    block is judged by (the point itself for a router)."""
+    """Applies one tolerance to one point (see `Case`). The router whose routing a routed block is
+    judged by is the case's `router`, the point itself for a router."""
 
-    def __init__(
-        self,
-        point: Point | Custom,
-        tol: Tolerance,
-        candidate_dtype: torch.dtype,
-        config: dict[str, Any],
-        router: Point | None = None,
-        *,
-        fixed: bool = True,
-        noise: dict[str, dict[str, float]] | None = None,
-        exclude: tuple[list[int], int] | None = None,
-        noise_tokens: dict[str, torch.Tensor] | None = None,
-    ):
+    def __init__(self, case: Case):
+        point, tol = case.point, case.tol
         self.point = point
         self.tol = tol
         # fixed: the dtype's limits apply (isolated runs, chained runs without noise figures);
         # noise: the reference's own error per compared tensor, for the noise ratio
-        self.fixed = fixed
-        self.noise = noise
+        self.fixed = case.fixed
+        self.noise = case.noise
         # the reference's own squared error per token and tensor (NaN: a token it left out): its figures
         # are then taken over the very tokens the candidate is judged on
-        self.noise_tokens = noise_tokens or {}
+        self.noise_tokens = case.noise_tokens or {}
         self._fixed_targets: set[str] = set()  # tensors judged by the dtype's limits: no token both runs kept
         self._kept: dict[str, torch.Tensor] = {}  # per tensor with a row per token: the rows judged
         # chained runs: (tokens left out everywhere, the number of tokens), see _keep
-        self.exclude = exclude if exclude and exclude[0] else None
-        self.dtype = candidate_dtype
-        self.config = config
-        self.router = router if router is not None else (point if point.component == ROUTER else None)
-        self.rule = SelectionRule.of(self.router, candidate_dtype, tol.tie_factor, config)
+        self.exclude = case.exclude if case.exclude and case.exclude[0] else None
+        self.dtype = case.dtype
+        router = case.router if case.router is not None else (point if point.component == ROUTER else None)
+        self.rule = SelectionRule.of(router, case.dtype, tol.tie_factor, case.config)
         # per compared target: its token rows' sums and which tokens they are (see _token_check)
         self.row_sums: dict[str, tuple[RowSums, torch.Tensor | None]] = {}
         self.result = PointResult(
@@ -279,7 +267,7 @@ class Judge:
             order=point.order,
             step=point.step,
             tolerance=tol.to_dict(),
-            candidate_dtype=dtype_name(candidate_dtype),
+            candidate_dtype=dtype_name(case.dtype),
         )
 
     # -- generic tensor comparison --------------------------------------------------------------
@@ -701,17 +689,7 @@ def judge_point(case: Case) -> PointResult:
     the golden and candidate outputs of their `router`; the logits on next-token agreement too;
     every other point tensor by tensor; then the cache write of a decode step, where given."""
     point = case.point
-    judge = Judge(
-        point,
-        case.tol,
-        case.dtype,
-        case.config,
-        case.router,
-        fixed=case.fixed,
-        noise=case.noise,
-        exclude=case.exclude,
-        noise_tokens=case.noise_tokens,
-    )
+    judge = Judge(case)
     golden_out, candidate, bias = case.golden, case.candidate, case.score_bias
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, bias)

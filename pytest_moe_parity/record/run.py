@@ -497,7 +497,8 @@ class GoldenRequest:
         if self.out.resolve() == model_dir.resolve():
             raise BadInput("--out must not be the model directory")
         wanted_layers = layer_slice(self.layers, getattr(config, "num_hidden_layers", None))
-        if not any(model_dir.glob("pytorch_model*.bin")):  # else transformers reads them (weights_only)
+        has_bin = any(model_dir.glob("pytorch_model*.bin"))
+        if not has_bin:  # else transformers reads them (weights_only)
             try:
                 safetensors_files(model_dir, "point --model at a checkpoint with its weights")
             except CheckpointError as exc:
@@ -509,8 +510,7 @@ class GoldenRequest:
                 "--stream loads one decoder layer at a time on one --device; it does not combine with "
                 "--device-map, --max-memory or --offload-folder"
             )
-        bin_only = any(model_dir.glob("pytorch_model*.bin")) and not any(model_dir.glob("*.safetensors"))
-        if self.stream and bin_only:
+        if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
         return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory)
 
@@ -574,6 +574,7 @@ class _GoldenRun:
             for note in plan.notes:
                 self.say(f"note: {note}")
             points = sliced(plan.points, checked.layers)
+            self.n_layers = len({p.layer for p in plan.points if p.layer is not None})
             self.slice_layers = sorted({p.layer for p in points if p.layer is not None})
             self.say(self._opening_line(plan, points))
             placed = ref.placement()
@@ -598,7 +599,7 @@ class _GoldenRun:
 
     def _opening_line(self, plan: Any, points: list[Point]) -> str:
         req, checked = self.request, self.checked
-        n_layers = len({p.layer for p in plan.points if p.layer is not None})
+        n_layers = self.n_layers
         what = (
             f"{n_layers} layers"
             if checked.layers is None
@@ -664,7 +665,7 @@ class _GoldenRun:
                 "architectures": list(getattr(checked.config, "architectures", None) or []),
                 "config_hash": config_hash(model.config),
                 "config": json.loads(json.dumps(config_dict(model.config), default=str)),
-                "num_hidden_layers": len({p.layer for p in plan.points if p.layer is not None}),
+                "num_hidden_layers": self.n_layers,
             },
             "inputs": {"input_ids": [checked.ids], "prompt": req.prompt, "seq_len": len(checked.ids)},
             **({"decode": decode} if decode else {}),

@@ -25,24 +25,16 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "first_divergence": first.id if first else None,
         "first_divergence_layer": first.layer if first else None,
         "first_divergence_component": first.component if first else None,
-        "hint": _said(first, "hint"),
-        "remedy": _said(first, "remedy"),
+        "hint": first.hint if first else None,
+        "remedy": first.remedy if first else None,
         **{f"first_{m}_divergence": (found.id if (found := first_divergence(rows, m)) else None) for m in modes(rows)},
         "first_decode_step_differing": decode[0].step if (decode := first_decode_difference(rows)) else None,
         "first_error": error.id if error else None,
-        "first_error_message": _said(error, "error"),
+        "first_error_message": error.error if error else None,
         "graphs": graph_summary(rows),
         "complete": not interrupted,
         **meta,
     }
-
-
-def _said(row: Row | None, name: str) -> Any:
-    """A row's hint, remedy or error as the summary holds it: None where there is no such row, or
-    where that kind of row does not say it."""
-    if row is None or name not in row.to_json():
-        return None
-    return getattr(row, name)
 
 
 def write_reports(
