@@ -2,7 +2,7 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- backends <- replay <- report <- session <- plugin, cli
+points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- backends <- replay <- drill <- report <- session <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
   call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config
@@ -13,6 +13,8 @@ points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- 
 - record: capturing the reference (`moe-parity golden`), tiny models, `moe-parity audit` and
   `estimate`; dump: a recorder that any framework's candidate calls, writing what `--hw dump` reads;
   backends: candidates (`--hw`); replay: one point run on a backend and judged
+- drill: below a point, op by op (`--parity-drill`): both sides' ops captured and matched, the op that
+  introduced the divergence, golden substitution, repro files
 - report: failure text, summary and JSON reports; session: a whole parity run without pytest
 - plugin: the pytest glue; cli: the `moe-parity` command
 """

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .points import Point
     from .replay.runner import Prepared
     from .report.rows import Row
-    from .session import Candidate, ParitySession, WeightUnit
+    from .session import Candidate, DrillEntry, ParitySession, WeightUnit
 
 COLLECTOR_NAME = "parity"
 SESSION_KEY = pytest.StashKey["ParitySession"]()
@@ -68,6 +68,12 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-threads", "parity_threads", {"type": int, "metavar": "N"},
      "intra-op threads of each process running points (default: the cores / the xdist workers under -n, "
      "else torch's; ini: parity_threads)"),
+    ("--parity-drill", "parity_drill", {"action": "append", "default": [], "metavar": "auto|POINTS"},
+     "drill below these points (ids or globs, comma-separated, repeatable, e.g. 'layer_17.attention,layer_*.router'): "
+     "an item per op of each, in forward order (POINT::OP), and POINT::drill with the op table and the culprit; "
+     "auto: the op table of the run's first failing component in its failure text"),
+    ("--parity-repro", "parity_repro", {"metavar": "DIR"},
+     "with --parity-drill: write each culprit op's standalone repro (test_*.py + .safetensors) to DIR"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -145,6 +151,10 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 weights=config.getoption("parity_weights"),
                 freeze_gc=True,
+                drill=config.getoption("parity_drill"),
+                repro_dir=Path(config.getoption("parity_repro")).expanduser().resolve()
+                if config.getoption("parity_repro")
+                else None,
                 **_xdist_role(config),
             )
         )
@@ -171,6 +181,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
+    config.addinivalue_line("markers", "drill: moe-parity items of a drill (POINT::OP, --parity-drill)")
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")
@@ -267,7 +278,7 @@ class ParityPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield
-        if isinstance(item, ParityItem | WeightItem) and report.when in ("setup", "call"):
+        if isinstance(item, ParityItem | WeightItem | DrillItem) and report.when in ("setup", "call"):
             # the row's JSON: xdist ships it from the worker with the report
             if report.when == "call" and item.row is not None:
                 report.parity_row = item.row.to_json()
@@ -330,7 +341,7 @@ class ParityFailure(AssertionError):
 
 class ParityCollector(pytest.Collector):
     def collect(self):
-        from .session import WeightUnit
+        from .session import DrillEntry, WeightUnit
 
         session = _session(self.config)
         assert session is not None
@@ -338,6 +349,9 @@ class ParityCollector(pytest.Collector):
         for entry in session.schedule():
             if isinstance(entry, WeightUnit):
                 item = WeightItem.from_parent(self, name=entry.id, entry=entry)
+            elif isinstance(entry, DrillEntry):
+                item = DrillItem.from_parent(self, name=entry.id, entry=entry)
+                item.add_marker(pytest.mark.drill)
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
                 item.add_marker(getattr(pytest.mark, entry.component))
@@ -366,6 +380,31 @@ class WeightItem(pytest.Item):
         return self.path, 0, f"parity {self.name}"
 
 
+class DrillItem(pytest.Item):
+    """One op of a drilled point (`POINT::OP`): failed where it introduced or inherited the
+    divergence, or has no counterpart; `POINT::drill` fails with the whole op table."""
+
+    def __init__(self, *, entry: DrillEntry, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.row: Row | None = None
+
+    def runtest(self) -> None:
+        from .errors import PointUnavailable
+
+        session = _session(self.config)
+        assert session is not None
+        try:
+            self.row, failure = session.check_drill(self.entry)
+        except PointUnavailable as exc:
+            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
+        if failure:
+            pytest.fail(failure, pytrace=False)
+
+    def reportinfo(self):
+        return self.path, 0, f"parity {self.name}"
+
+
 class ParityItem(pytest.Item):
     """One point: setup runs the candidate (its failures are errors of the backend, a point it
     lacks is skipped), the call judges it (a divergence fails)."""
@@ -376,6 +415,7 @@ class ParityItem(pytest.Item):
         self.prepared: Prepared | None = None
         self.result: PointResult | None = None
         self.row: Row | None = None
+        self.drill_text = ""  # --parity-drill auto: the op table of the run's first failing component
 
     def setup(self) -> None:
         from .errors import BackendFailure, BackendStartFailure, GoldenError, PointUnavailable
@@ -413,6 +453,7 @@ class ParityItem(pytest.Item):
         self.row = point_row(self.result)
         self.user_properties.extend(self.result.junit_properties())
         if not self.result.passed:
+            self.row.drill, self.drill_text = session.auto_drill(self.point)
             raise ParityFailure(self.result)
 
     def teardown(self) -> None:
@@ -422,7 +463,8 @@ class ParityItem(pytest.Item):
         from .report.text import failure_text
 
         if isinstance(excinfo.value, ParityFailure):
-            return failure_text(excinfo.value.result)
+            text = failure_text(excinfo.value.result)
+            return f"{text}\n{self.drill_text}" if self.drill_text else text
         return f"{self.name}: {excinfo.exconly()}\n" + str(super().repr_failure(excinfo, style=style or "short"))
 
     def reportinfo(self):

@@ -5,10 +5,11 @@ defaults and print the same lines."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import torch
 
 from . import compat
 from .backends import CHAIN_KINDS, Backend, BackendSetup, backend_class, parse_hw_options, registry
+from .drill import AUTO, Driller, drill_patterns, selects
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
@@ -24,8 +26,8 @@ from .judge.verdict import Case, Custom, PointResult, judge_point
 from .points import Point, describe_layers, layer_group, parse_layers, weights_id
 from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
-from .report.rows import Row, point_row, unjudged_row, weights_row
-from .report.summary import summary_lines, summary_table
+from .report.rows import Row, drill_row, point_row, unjudged_row, weights_row
+from .report.summary import drill_line, summary_lines, summary_table
 
 if TYPE_CHECKING:
     from .replay.weights import WeightCheck
@@ -88,6 +90,8 @@ class RunOptions:
     # keep what is alive once the backend has started from the garbage collector until `close()`
     # (see `freeze_long_lived`): for front ends that always close the session (the plugin, the CLI)
     freeze_gc: bool = False
+    drill: Sequence[str] = ()  # --parity-drill: point ids or globs to drill into, or "auto"
+    repro_dir: Path | None = None  # --parity-repro: where a drill's culprit gets its repro file
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -96,8 +100,36 @@ class RunOptions:
             "hw": "--hw",
             "layers": "--parity-layers",
             "mode": "--parity-mode",
+            "drill": "--parity-drill",
+            "repro": "--parity-repro",
         }
     )
+
+
+@dataclass(frozen=True)
+class DrillEntry:
+    """One op of a drilled point (`layer_17.attention::q_norm.add`), or the drill's own summary
+    (`::drill`: the op table, the culprit, the candidate's unmatched ops), right after the point."""
+
+    point: Point
+    op: str
+    order: float
+
+    @property
+    def id(self) -> str:
+        return f"{self.point.id}::{self.op}"
+
+    @property
+    def layer(self) -> int | None:
+        return self.point.layer
+
+    @property
+    def group(self) -> str:
+        return self.point.group
+
+    @property
+    def component(self) -> str:
+        return self.point.component
 
 
 @dataclass(frozen=True)
@@ -195,8 +227,39 @@ class ParitySession:
         self.rows: dict[str, Row] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
+        self.drill_patterns = drill_patterns(list(options.drill))
+        self.driller: Driller | None = None
+        self.auto_drilled = False  # --parity-drill auto drills the first failing component only
+        if self.drill_patterns or options.repro_dir is not None:
+            self.driller = self._driller(cls)
 
     # -- setup ----------------------------------------------------------------------------------
+    def _driller(self, cls: type) -> Driller:
+        flags, patterns = self.options.flags, self.drill_patterns
+        if not patterns:
+            raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} POINTS")
+        if cls.drill_call is Backend.drill_call:
+            raise SetupError(
+                f"{flags['drill']}: the {self.hw} backend gives no torch modules to drill into; drill with --hw cpu, "
+                f"trace or compile (or a backend that implements drill_call)"
+            )
+        found = self._golden_model()
+        if found is None:
+            raise SetupError(
+                f"{flags['drill']} runs the reference op by op and needs the golden's model on this machine "
+                f"({self.golden.manifest['model'].get('path')} is not here): copy the checkpoint there"
+            )
+        for pattern in patterns:
+            if pattern != AUTO and not any(fnmatch.fnmatchcase(p.id, pattern) for p in self.points if p.step is None):
+                raise SetupError(
+                    f"{flags['drill']} {pattern!r} matches no point of this golden's prefill "
+                    f"(e.g. layer_0.attention, 'layer_*.router', or auto)"
+                )
+        return Driller(
+            self.golden, found[0], self.backend, lambda point: self.runner.tolerance(point)[0].noise_factor,
+            trust_remote_code=self.options.trust_remote_code,
+        )  # fmt: skip
+
     def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
         """The candidate's location and why it was taken."""
         flags, option = self.options.flags, self.options.model
@@ -343,15 +406,76 @@ class ParitySession:
         layer = point.layer if isinstance(point, Point) else point
         return self.layers is None or layer in self.layers
 
-    def schedule(self) -> Iterator[Point | WeightUnit]:
+    def schedule(self) -> Iterator[Point | WeightUnit | DrillEntry]:
         """The run's items in forward order: where weights are checked, a unit's weight check
-        before its first point (of the prefill: decode steps reuse the same weights)."""
+        before its first point (of the prefill: decode steps reuse the same weights); after a
+        drilled point, its ops and the drill's summary."""
         checked: set[int | None] = set()
         for point in self.points:
             if self.weights is not None and point.step is None and point.layer not in checked:
                 checked.add(point.layer)
                 yield WeightUnit(point.layer, point.order - 0.5)
             yield point
+            if self.driller is not None and point.step is None and selects(self.drill_patterns, point.id):
+                yield from self._drill_entries(point)
+
+    def _drill_entries(self, point: Point) -> Iterator[DrillEntry]:
+        assert self.driller is not None
+        try:
+            names = self.driller.op_names(point) if self.selected(point) else []
+        except Exception:  # said by the summary item, which runs the drill
+            names = []
+        for i, name in enumerate(names, 1):
+            yield DrillEntry(point, name, point.order + i / (len(names) + 2))
+        yield DrillEntry(point, "drill", point.order + (len(names) + 1) / (len(names) + 2))
+
+    def check_drill(self, entry: DrillEntry) -> tuple[Row, str | None]:
+        """The row of a drill item and its failure text (None: it passed). The drill of a point
+        runs once, at its first item."""
+        from .report.text import drill_op_text, drill_text
+
+        assert self.driller is not None
+        drill = self.driller.drill(entry.point)
+        self._repro(drill)
+        if entry.op == "drill":
+            failed = drill.failed
+            row = drill_row(entry, "failed" if failed else "passed", None, drill.to_json())
+            return row, drill_text(drill) if failed else None
+        op = drill.row(entry.op)
+        if op is None:
+            row = drill_row(entry, "failed", None, None)
+            return row, f"{entry.id}: the reference ran no op {entry.op!r} this time (its ops: see ::drill)"
+        row = drill_row(entry, "failed" if op.failed else "passed", asdict(op), None)
+        return row, drill_op_text(entry.point.id, op, drill) if op.failed else None
+
+    def _repro(self, drill: Any) -> None:
+        """--parity-repro: the culprit's repro file, written once; why not, where it cannot be."""
+        if self.options.repro_dir is None or not drill.culprit or drill.repro is not None:
+            return
+        assert self.driller is not None
+        try:
+            written = self.driller.write_repro(drill, self.options.repro_dir)
+        except Exception as exc:  # the drill's verdicts stand without it
+            drill.repro = f"not written ({type(exc).__name__}: {exc})"
+            return
+        if written is None:
+            drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
+
+    def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+        """`--parity-drill auto`: the first failing component drilled, its op table for the failure
+        text and its row; else (None, "")."""
+        from .report.text import drill_text
+
+        if self.driller is None or AUTO not in self.drill_patterns or self.auto_drilled or point.step is not None:
+            return None, ""
+        self.auto_drilled = True
+        try:
+            drill = self.driller.drill(point)
+        except Exception as exc:  # the point's own verdict stands; say why there is no table
+            return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
+        self._repro(drill)
+        collect = f"collect these ops as items: pytest ... --parity-drill {point.id}"
+        return drill.to_json(), f"{drill_text(drill)}\n{collect}"
 
     def check_weights(self, unit: WeightUnit) -> tuple[Row, str | None]:
         """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
@@ -363,10 +487,12 @@ class ParitySession:
         return row, "\n".join([f"{unit.id}: the candidate's weights differ from the reference's:", *findings])
 
     @staticmethod
-    def unjudged_row(entry: Point | WeightUnit, status: str, message: str) -> Row:
+    def unjudged_row(entry: Point | WeightUnit | DrillEntry, status: str, message: str) -> Row:
         """The row of an item that was not judged: `skipped` (with a reason) or `error`."""
         if isinstance(entry, Point):
             return unjudged_row(entry, status, message)
+        if isinstance(entry, DrillEntry):
+            return unjudged_row(drill_row(entry, status, None, None), status, message)
         return unjudged_row(weights_row(entry.id, entry.layer, entry.order, []), status, message)
 
     def missing_steps(self, keyword: str) -> str | None:
@@ -438,16 +564,18 @@ class ParitySession:
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""
-        rows = list(self.rows.values())
-        if not rows:
+        rows = [r for r in self.rows.values() if r.kind != "op"]
+        drills = [r for r in self.rows.values() if r.kind == "op" and r.drill is not None]
+        if not rows and not drills:
             return [("no parity items ran", None)]
-        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
+        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)] if rows else []
         reports = [(line, None) for line in self.report_lines]
         backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in rows])]
         nothing = self.nothing_compared()
         warning = [(nothing, "red")] if nothing else []
         mode = [(hint, "yellow")] if (hint := self.mode_hint(rows)) else []
-        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
+        closing = summary_lines(rows, report_dir=self.options.report_dir) if rows else []
+        return table + closing + [drill_line(r.drill) for r in drills] + backend + mode + warning + reports
 
     def mode_hint(self, rows: list[Row]) -> str | None:
         """A candidate that holds its own run (a dump) judged isolated, against the reference's
@@ -525,6 +653,8 @@ class ParitySession:
             self.runner.close()
             if self.weights is not None:
                 self.weights.close()
+            if self.driller is not None:
+                self.driller.close()
         finally:
             if self._threads_before is not None:
                 torch.set_num_threads(self._threads_before)

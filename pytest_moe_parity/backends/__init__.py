@@ -21,6 +21,7 @@ Lifecycle, once per session (per xdist worker):
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -207,6 +208,25 @@ class Backend(ABC):
     def module(self, path: str) -> nn.Module:
         """The candidate's torch module at a point's module path (for custom tests)."""
         raise BackendError(f"the {self.name} backend has no torch modules; use candidate.call(record)")
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
+        """`--parity-drill`: the candidate's torch module at `point`, the arguments it takes for the
+        golden call in `golden` (as `run` receives it), and whether it runs the reference's own code
+        (True: its ops carry the reference's module paths; False: a port's own modules, matched to
+        the reference's ops by value). Its ops are captured eagerly on the backend's device."""
+        raise NotImplementedError(
+            f"the {self.name} backend gives no torch modules to drill into (it implements no drill_call)"
+        )
+
+    def drilling(self) -> contextlib.AbstractContextManager:
+        """`--parity-drill`: the context the candidate's module is captured in (default: none)."""
+        return contextlib.nullcontext()
+
+    def op_runner(self) -> Callable[[Any, list, dict], Any] | None:
+        """`--parity-drill`: how this backend runs one captured op (`runner(node, args, kwargs)`,
+        `node.func` an ATen op), where it runs ops otherwise than eagerly on its device (a
+        compiler); None: the ops as captured are the candidate's."""
+        return None
 
     def plan(self, points: list[Point]) -> None:  # noqa: B027 - optional hook
         """The points the run will ask for, in the order it asks (a backend may read ahead)."""

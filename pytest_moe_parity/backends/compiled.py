@@ -24,6 +24,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -128,6 +129,47 @@ class PointModule(nn.Module):
 
 # Attributes that number a layer and change nothing a graph computes (checked by the twins' tests).
 _LAYER_NUMBER = re.compile(r"(^|_)layer_(idx|id|index|number)$")
+
+
+class OpModule(nn.Module):
+    """One ATen op of a drill as a module of positional tensors (its other arguments fixed): what a
+    compiler is given to run the op alone."""
+
+    def __init__(self, func: Any, args: list, kwargs: dict):
+        super().__init__()
+        from torch.utils._pytree import tree_flatten
+
+        self.func = func
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.tensor_at = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
+
+    def inputs(self, args: list, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        from torch.utils._pytree import tree_flatten
+
+        leaves, _ = tree_flatten((args, kwargs))
+        return tuple(leaves[i] for i in self.tensor_at)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        out, _ = tree_flatten(self.func(*args, **kwargs))
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else torch.tensor(t) for t in out)
+
+
+def op_key(func: Any, args: list, kwargs: dict, settings: dict[str, Any]) -> str:
+    """What a compiled op depends on: the op, its tensors' shapes and dtypes, its other arguments."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten((args, kwargs))
+    made = [str(func), settings] + [
+        [list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in leaves
+    ]
+    return hashlib.sha256(json.dumps(made, sort_keys=True, default=repr).encode()).hexdigest()[:24]
 
 
 def _plain(value: Any) -> bool:
@@ -312,6 +354,52 @@ class CompiledBackend(TorchBackend):
             "config": self._config_hash,
         }
 
+    # -- the drill: one op at a time through the compiler ------------------------------------------
+    def op_runner(self) -> Callable[[Any, list, dict], Any]:
+        """Each computing op compiled alone (once per op, shapes and arguments: `op_key`), views and
+        factories run eagerly; the compiled ops are kept for the session (and on disk where this
+        backend's traces are)."""
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        compiled: dict[str, Any] = self.__dict__.setdefault("_ops", {})
+        settings = self.settings()
+
+        def run(node: Any, args: list, kwargs: dict) -> Any:
+            eager = node.func(*args, **kwargs)
+            if node.layout:
+                return eager
+            key = "op-" + op_key(node.func, args, kwargs, settings)
+            module = OpModule(node.func, args, kwargs)
+            inputs = module.inputs(args, kwargs)
+            if key not in compiled:
+                cached = self.cache.load(key, {"op": str(node.func)}, self._load) if self.cacheable else None
+                if cached is not None:
+                    compiled[key] = cached[0]
+                else:
+                    with torch.no_grad():
+                        compiled[key] = self._compile(module.eval(), inputs, key)
+                    if self.cacheable:
+                        handle = compiled[key]
+                        self.cache.save(key, {"op": str(node.func)}, lambda path: self._save(handle, path), {})
+            with torch.no_grad():
+                out = compiled[key](*inputs)
+            flat, spec = tree_flatten(eager)
+            outs = iter(out if isinstance(out, tuple | list) else (out,))
+            return tree_unflatten([next(outs) if isinstance(x, torch.Tensor) else x for x in flat], spec)
+
+        return run
+
+    @contextlib.contextmanager
+    def drilling(self):
+        """The drill captures the module as the reference runs it (eager experts, not the dense ones
+        compiled for the points); each of its ops then goes through this backend's compiler."""
+        config = self._model().model.config
+        config._experts_implementation = "eager"
+        try:
+            yield
+        finally:
+            config._experts_implementation = self.experts
+
     # -- the run --------------------------------------------------------------------------------
     def start(self) -> None:
         super().start()
@@ -442,6 +530,30 @@ class CompileBackend(CompiledBackend):
 
     name = "compile"
     cacheable = False
+    options = (
+        *CompiledBackend.options,
+        HwOption(
+            "compiler",
+            "the torch.compile backend: a registered name (inductor, aot_eager, ...) or module:function "
+            "(default: inductor)",
+        ),
+    )
+
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        self.compiler: Any = self.hw_options["compiler"] or "inductor"
+        if ":" in self.compiler:
+            module, _, attr = self.compiler.partition(":")
+            try:
+                self.compiler = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as exc:
+                raise BackendError(
+                    f"--hw-option compiler={self.hw_options['compiler']}: cannot import it ({exc}); "
+                    "give a registered torch.compile backend or module:function importable from here"
+                ) from None
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "compiler": self.hw_options["compiler"] or "inductor"}
 
     def start(self) -> None:
         import torch._dynamo.config as dynamo
@@ -454,7 +566,7 @@ class CompileBackend(CompiledBackend):
         super().start()
 
     def _compile(self, wrapper: PointModule, inputs: tuple[torch.Tensor, ...], key: str) -> Any:
-        compiled = torch.compile(wrapper, dynamic=False)
+        compiled = torch.compile(wrapper, dynamic=False, backend=self.compiler)
         compiled(*inputs)  # torch.compile compiles on the first call
         return _Compiled(compiled, wrapper)
 

@@ -12,7 +12,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
-from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
+from ..model.calls import cache_kwarg, cache_state, cache_states, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
@@ -130,6 +130,17 @@ class TorchBackend(Backend):
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
+        if cache_states(golden.args) or cache_states(golden.kwargs):
+            from ..errors import PointUnavailable
+
+            raise PointUnavailable(f"{point.id} reads the KV cache: drilling into decode steps is not built yet")
+        lazy = self._model()
+        module = lazy.module(point.module)
+        args = resolve_params(golden.args, lazy.model)
+        kwargs = with_cache_kwarg(module, resolve_params(golden.kwargs, lazy.model))
+        return module, list(args), kwargs, True
 
     def plan(self, points: list[Point]) -> None:
         self._plan = [p.module for p in points]

@@ -16,6 +16,7 @@ SUMMARY_FILE = "comparison_summary.json"
 
 
 def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
+    rows, ops = [r for r in rows if r.kind != "op"], [r for r in rows if r.kind == "op"]
     first = first_divergence(rows)
     error = first_error(rows)
     return {
@@ -33,8 +34,27 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "first_error_message": error.error if error else None,
         "graphs": graph_summary(rows),
         "complete": not interrupted,
+        "drills": drills(ops),
         **meta,
     }
+
+
+def drills(ops: list[Row]) -> dict[str, Any]:
+    """Each drilled point's culprit, recovery and op counts (from its `POINT::drill` row)."""
+    out: dict[str, Any] = {}
+    for row in ops:
+        if row.drill is None:
+            continue
+        d = row.drill
+        out[d["point"]] = {
+            "culprit": d["culprit"],
+            "recovery": d["recovery"],
+            "recovery_introduced": d.get("recovery_introduced"),
+            "ops": len(d["rows"]),
+            "failed_ops": sum(r["verdict"] != "ok" for r in d["rows"]),
+            "repro": d.get("repro"),
+        }
+    return out
 
 
 def write_reports(

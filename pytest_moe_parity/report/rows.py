@@ -21,9 +21,9 @@ from ..dtypes import json_safe
 from ..judge.verdict import PointResult
 from ..points import WEIGHTS, Point
 
-__all__ = ["Row", "number", "point_row", "unjudged_row", "weights_row"]
+__all__ = ["Row", "drill_row", "number", "point_row", "unjudged_row", "weights_row"]
 
-Kind = Literal["point", "unjudged", "weights"]
+Kind = Literal["point", "unjudged", "weights", "op"]
 JsonDict = dict[str, Any]
 
 
@@ -77,6 +77,10 @@ class Row:
     reason: str | None = None
     # a weight item
     findings: list[str] = field(default_factory=list)
+    # a drill item (`POINT::OP`: the op's figures; `POINT::drill`: the whole drill), or a failed
+    # point drilled by --parity-drill auto (`drill`)
+    op: JsonDict | None = None
+    drill: JsonDict | None = None
 
     @property
     def main_metrics(self) -> JsonDict | None:
@@ -110,7 +114,10 @@ class Row:
             "status": self.status,
         }
         if self.kind == "point":
-            return {**head, **self._judged_json()}
+            judged = {**head, **self._judged_json()}
+            return {**judged, "drill": self.drill} if self.drill is not None else judged
+        if self.kind == "op":
+            return {**head, "metrics": {}, "checks": [], "op": self.op, "drill": self.drill, **self._message_json()}
         if self.kind == "unjudged":
             return {**head, **self._message_json(), "metrics": {}, "checks": []}
         weights = {**head, "metrics": {}, "checks": [], "findings": self.findings}
@@ -152,7 +159,9 @@ class Row:
     @classmethod
     def from_json(cls, data: JsonDict) -> Row:
         """A row of a comparison_report.json (what :meth:`to_json` wrote; absent keys take defaults)."""
-        kind: Kind = "point" if "verdicts" in data else ("weights" if "findings" in data else "unjudged")
+        kind: Kind = (
+            "point" if "verdicts" in data else "op" if "op" in data else "weights" if "findings" in data else "unjudged"
+        )
         known = {name for name in cls.__dataclass_fields__ if name not in ("kind", "chained")}
         values = {k: v for k, v in data.items() if k in known and v is not None}
         chain = data.get("chain")
@@ -222,6 +231,15 @@ def weights_row(name: str, layer: int | None, order: float, findings: list[str])
         findings=findings,
         hint=findings[0] if findings else "",
     )
+
+
+def drill_row(entry: Any, status: str, op: JsonDict | None, drill: JsonDict | None) -> Row:
+    """The row of a drill item (`entry`: the session's DrillEntry): one op's figures (`op`), or the
+    drill's summary (`drill`)."""
+    return Row(
+        id=entry.id, order=entry.order, layer=entry.layer, step=None, component=entry.component,
+        status=status, kind="op", op=op, drill=drill,
+    )  # fmt: skip
 
 
 def unjudged_row(entry: Point | Row, status: str, message: str) -> Row:

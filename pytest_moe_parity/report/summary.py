@@ -223,3 +223,18 @@ def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) ->
     elif last != len(ordered) - 1:
         lines.append(f"{'...':<{width}}({len(ordered) - 1 - last} passing points)")
     return lines
+
+
+def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:
+    """A drilled point's closing line: its culprit and what substituting it recovers."""
+    rows = drill["rows"]
+    failed = sum(r["verdict"] != "ok" for r in rows)
+    head = f"drill {drill['point']}: {len(rows)} ops, {failed} failed"
+    if not drill["culprit"]:
+        return f"{head}; no culprit", "green" if not failed else "red"
+    recovery = drill["recovery"]
+    said = f", substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
+    both = drill.get("recovery_introduced")
+    if both is not None and both != recovery:
+        said += f" ({100 * both:.0f}% with every op that introduced error)"
+    return f"{head}; culprit {drill['culprit']}{said}", "red"

@@ -183,3 +183,69 @@ def _logits_lines(lg: dict[str, Any]) -> list[str]:
             f"golden logit gap {fmt(f['gap'], 3)} ({'tie' if f['is_tie'] else 'flip'})"
         )
     return lines
+
+
+# -- drills -----------------------------------------------------------------------------------------
+
+
+def _pct(x: Any) -> str:
+    return "n/a" if x is None else f"{100 * float(x):.0f}%"
+
+
+def _op_line(op: Any) -> str:
+    figures = f"error {fmt(op.error, 3)}  ratio {fmt(op.ratio, 3)}"
+    if op.isolated_ratio is not None:
+        figures += f"  isolated ratio {fmt(op.isolated_ratio, 3)}"
+    how = f"  [{op.how}]" if op.how and op.how != "path and op" else ""
+    note = f"  ({op.note})" if op.note else ""
+    return f"  {op.verdict.upper() if op.failed else 'ok':10} {op.name:34} {figures}{how}{note}"
+
+
+def drill_text(drill: Any, limit: int = 40) -> str:
+    """A drill's op table: the culprit, its recovery, then the ops in forward order (the healthy
+    ones before the first failure folded into a count)."""
+    lines = [f"{drill.point}: drilled into {len(drill.rows)} ops ({drill.dtype}, noise factor {drill.factor:g})"]
+    if drill.culprit:
+        row = drill.row(drill.culprit)
+        what = "has no counterpart in the candidate" if row is not None and row.verdict == "missing" else (
+            "introduced the divergence")  # fmt: skip
+        lines.append(f"  culprit: {drill.culprit} {what}")
+        if drill.recovery is not None:
+            lines.append(
+                f"  substituting the reference's output of {drill.culprit} recovers {_pct(drill.recovery)} of "
+                f"{drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's own: "
+                f"{fmt(drill.component_noise, 3)})"
+            )
+        if drill.recovery_introduced is not None and drill.recovery_introduced != drill.recovery:
+            lines.append(f"  substituting every op that introduced error recovers {_pct(drill.recovery_introduced)}")
+    else:
+        lines.append("  no op introduced a divergence")
+    if drill.repro:
+        lines.append(f"  repro: {drill.repro}")
+    first = next((i for i, r in enumerate(drill.rows) if r.failed), len(drill.rows))
+    if first:
+        lines.append(f"  ok         {first} ops before the first failing one")
+    shown = drill.rows[first : first + limit]
+    lines.extend(_op_line(r) for r in shown)
+    if len(drill.rows) > first + limit:
+        lines.append(f"  ... {len(drill.rows) - first - limit} more ops in the report")
+    return "\n".join(lines)
+
+
+def drill_op_text(point: str, op: Any, drill: Any) -> str:
+    """One drill item's failure."""
+    head = {
+        "introduced": "introduced the divergence: fed the reference's inputs, it differs beyond the reference's "
+        "own rounding",
+        "inherited": "inherited the divergence: its inputs already differ",
+        "missing": "has no counterpart among the candidate's ops",
+        "extra": "is a candidate op that matches no reference op",
+    }[op.verdict]
+    lines = [f"{point}::{op.name} {head}", _op_line(op)]
+    if op.candidate:
+        lines.append(f"  computed by the candidate's {', '.join(op.candidate)}")
+    if op.recovery is not None:
+        lines.append(f"  substituting its golden output recovers {_pct(op.recovery)} of {point}'s error")
+    if drill.culprit and drill.culprit != op.name:
+        lines.append(f"  the drill's culprit: {drill.culprit}")
+    return "\n".join(lines)

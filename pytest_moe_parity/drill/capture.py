@@ -1,0 +1,326 @@
+"""A module's forward captured op by op: every ATen op it dispatches, in order, with where its
+tensors came from (the call's inputs, the module's parameters, earlier ops), the module path and
+Python function it ran in, and its outputs' values. The capture is a `TorchDispatchMode` over an
+eager run: it sees what the module really computes (data-dependent expert loops included) below
+autograd, after composite ops are decomposed (`linear` -> `t` + `mm`, `softmax` -> `_softmax`).
+
+`OpGraph.replay` runs the captured ops again with some values replaced (the reference's inputs of
+one op, the golden output of another) through any executor (eager, or each op compiled): the
+isolated, chained and substituted runs of the drill."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A value an op reads: Ref("op", node index, output index), Ref("input", position),
+    Ref("param", name), Ref("const", index into OpGraph.consts). Not a tuple: pytrees leave it whole."""
+
+    kind: str
+    at: Any
+    out: int = 0
+
+    def __getitem__(self, i: int) -> Any:
+        return (self.kind, self.at, self.out)[i]
+
+# Ops that move or reinterpret values without computing: no row of their own (an op's row says
+# what its inputs went through), but run like any other op.
+LAYOUT_OPS = frozenset(
+    "view _unsafe_view reshape t transpose permute expand unsqueeze squeeze slice select clone contiguous alias "
+    "detach lift_fresh lift split split_with_sizes chunk unbind as_strided _reshape_alias unflatten flatten "
+    "movedim narrow empty_like zeros_like new_zeros ones_like full_like zeros ones full arange empty "
+    "scalar_tensor _local_scalar_dense nonzero copy fill".split()
+)
+# Casts (`_to_copy`), joins (cat, stack) and gathers are rows: a cast in the wrong place, heads
+# joined in the wrong order or tokens gathered wrongly are port bugs of their own.
+FRIENDLY = {"_softmax": "softmax", "_log_softmax": "log_softmax", "addmm": "mm", "_safe_softmax": "softmax"}
+_SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+_SKIP_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context"}
+
+
+def op_kind(func: Any) -> str:
+    """`aten.mm.default` -> `mm`; in-place `index_add_` -> `index_add`."""
+    name = getattr(func, "_opname", None) or str(func).split(".")[1]
+    return name.rstrip("_") if not name.startswith("_") or name.endswith("__") else name
+
+
+@dataclass
+class OpNode:
+    index: int
+    func: Any  # an OpOverload
+    kind: str  # op_kind(func)
+    args: Any  # args and kwargs with every tensor replaced by a Ref
+    kwargs: Any
+    outputs: list[torch.Tensor | None]  # the outputs' values (tensors; None for non-tensor outputs)
+    out_spec: Any  # how the outputs nest (pytree spec)
+    scope: str  # module path relative to the captured module ("" for itself)
+    function: str  # the model code's function the op ran in (not `forward`)
+    expert: int | None = None  # the expert whose weights the op (or its loop iteration) reads
+    param: str | None = None  # the parameter it reads, where one is
+    mutates: tuple[int, ...] = ()  # positions of args it writes in place
+    name: str = ""
+
+    @property
+    def layout(self) -> bool:
+        return self.kind in LAYOUT_OPS
+
+    def inputs(self) -> list[Ref]:
+        """The refs this op reads, in order."""
+        leaves, _ = tree_flatten((self.args, self.kwargs))
+        return [x for x in leaves if isinstance(x, Ref)]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        """The primary output (the first tensor)."""
+        return next((t for t in self.outputs if isinstance(t, torch.Tensor)), None)
+
+
+@dataclass
+class OpGraph:
+    nodes: list[OpNode]
+    inputs: list[torch.Tensor]  # the call's tensors, in pytree order of (args, kwargs)
+    params: dict[str, torch.Tensor]
+    consts: list[torch.Tensor]
+    output: Any  # the module's return with tensors replaced by refs
+    root: str = ""  # the module path captured
+
+    def compute(self) -> list[OpNode]:
+        return [n for n in self.nodes if not n.layout]
+
+    def by_name(self) -> dict[str, OpNode]:
+        return {n.name: n for n in self.nodes}
+
+    def output_refs(self) -> list[Ref]:
+        leaves, _ = tree_flatten(self.output)
+        return [x for x in leaves if isinstance(x, Ref)]
+
+    def value_of(self, ref: Ref) -> Any:
+        kind = ref[0]
+        if kind == "op":
+            return self.nodes[ref[1]].outputs[ref[2]]
+        if kind == "input":
+            return self.inputs[ref[1]]
+        if kind == "param":
+            return self.params[ref[1]]
+        return self.consts[ref[1]]
+
+    def producer(self, ref: Ref) -> OpNode | None:
+        return self.nodes[ref[1]] if ref[0] == "op" else None
+
+    def replay(
+        self,
+        execute: Callable[[OpNode, list, dict], Any] | None = None,
+        *,
+        replace: dict[Ref, torch.Tensor] | None = None,
+        inputs: list[torch.Tensor] | None = None,
+        stop: int | None = None,
+        only: set[int] | None = None,
+    ) -> dict[Ref, Any]:
+        """Run the ops again: each reads the values computed in this replay (or `replace[ref]`, or
+        `inputs`), through `execute(node, args, kwargs)` (default: eager). `only`: run these nodes
+        and take every other op's value from the capture. Returns every ref's new value."""
+        execute = execute or (lambda node, a, k: node.func(*a, **k))
+        values: dict[Ref, Any] = dict(replace or {})
+        fed = inputs if inputs is not None else self.inputs
+
+        def value(ref: Any) -> Any:
+            if not isinstance(ref, Ref):
+                return ref
+            if ref in values:
+                return values[ref]
+            if ref[0] == "input":
+                return fed[ref[1]]
+            return self.value_of(ref)
+
+        with torch.no_grad():
+            self._run(execute, values, value, stop, only, replace or {})
+        return values
+
+    def _run(self, execute, values, value, stop, only, replace) -> None:
+        for node in self.nodes[:stop]:
+            if only is not None and node.index not in only:
+                continue
+            if all(Ref("op", node.index, i) in replace for i in range(len(node.outputs))):
+                continue
+            args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
+            for pos in node.mutates:  # in place: on a copy, so the captured values stay as they were
+                args = list(args)
+                args[pos] = args[pos].clone()
+            out = execute(node, list(args), dict(kwargs))
+            flat, _ = tree_flatten(out)
+            for i, t in enumerate(flat):
+                values.setdefault(Ref("op", node.index, i), t)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, root: nn.Module, stack: list[str]):
+        super().__init__()
+        self.stack = stack
+        self.nodes: list[OpNode] = []
+        self.refs: dict[int, Ref] = {}  # id(tensor) -> where it came from
+        self.keep: list[torch.Tensor] = []  # every tensor seen stays alive: ids are not reused
+        self.consts: list[torch.Tensor] = []
+        self.expert_params = {
+            id(p): (name, p.shape[0]) for name, p in root.named_parameters() if p.dim() == 3
+        }  # stacked experts: [E, ...]
+        self.expert: dict[str, int | None] = {}  # scope -> the expert its loop is on
+
+    def ref_of(self, t: torch.Tensor) -> Ref:
+        ref = self.refs.get(id(t))
+        if ref is None:
+            ref = Ref("const", len(self.consts))
+            self.consts.append(t.detach().clone())
+            self.refs[id(t)] = ref
+            self.keep.append(t)
+        return ref
+
+    def _where(self) -> str:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith(_SKIP_FILES) and "<" not in path:
+                name = frame.f_code.co_name
+                return "" if name in _SKIP_FUNCS else name
+            frame = frame.f_back
+        return ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        scope = self.stack[-1] if self.stack else ""
+        param = expert = None
+        flat_in, _ = tree_flatten((args, kwargs))
+        for t in flat_in:
+            if isinstance(t, torch.Tensor):
+                ref = self.refs.get(id(t))
+                if ref is not None and ref[0] == "param":
+                    param = ref[1]
+                elif ref is not None and ref[0] == "op" and self.nodes[ref[1]].param is not None and param is None:
+                    source = self.nodes[ref[1]]
+                    if source.layout:  # a view of a weight (t, select): the op reads that weight
+                        param, expert = source.param, source.expert
+        kind = op_kind(func)
+        if kind == "select" and flat_in and isinstance(flat_in[0], torch.Tensor):
+            known = self.expert_params.get(id(flat_in[0]))
+            if known is not None and len(args) >= 3 and isinstance(args[2], int):
+                expert = args[2] if args[2] >= 0 else args[2] + known[1]
+                self.expert[scope] = expert
+        if expert is None and param is None:
+            expert = self.expert.get(scope)
+        mutates = tuple(
+            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        node_args = tree_map(lambda x: self.ref_of(x) if isinstance(x, torch.Tensor) else x, args)
+        node_kwargs = tree_map(lambda x: self.ref_of(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        flat_out, spec = tree_flatten(out)
+        index = len(self.nodes)
+        values = []
+        for i, t in enumerate(flat_out):
+            if isinstance(t, torch.Tensor):
+                self.refs[id(t)] = Ref("op", index, i)
+                self.keep.append(t)
+                values.append(t.detach().clone())
+            else:
+                values.append(t)
+        for pos in mutates:  # the written tensor now holds this op's output
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                self.refs[id(args[pos])] = Ref("op", index, 0)
+        self.nodes.append(
+            OpNode(index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates)
+        )
+        return out
+
+
+def capture(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root: str = "") -> tuple[OpGraph, Any]:
+    """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output."""
+    names = {id(m): name for name, m in module.named_modules()}
+    stack: list[str] = []
+
+    def pre(mod: nn.Module, _args: Any) -> None:
+        if id(mod) in names:
+            stack.append(names[id(mod)])
+
+    def post(mod: nn.Module, _args: Any, _out: Any) -> None:
+        if id(mod) in names and stack:
+            stack.pop()
+
+    hooks = [
+        nn.modules.module.register_module_forward_pre_hook(pre),
+        nn.modules.module.register_module_forward_hook(post),
+    ]
+    recorder = _Recorder(module, stack)
+    flat, _ = tree_flatten((list(args), dict(kwargs)))
+    inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+    for i, t in enumerate(inputs):
+        recorder.refs[id(t)] = Ref("input", i)
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+    for name, p in params.items():
+        recorder.refs.setdefault(id(p), Ref("param", name))
+    try:
+        with torch.no_grad(), recorder:
+            output = module(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    out_refs = tree_map(lambda x: recorder.refs.get(id(x), x) if isinstance(x, torch.Tensor) else x, output)
+    graph = OpGraph(recorder.nodes, [t.detach() for t in inputs], params, recorder.consts, out_refs, root)
+    name_ops(graph)
+    return graph, output
+
+
+_ROUTER_STEPS = {
+    "mm": "logits",
+    "softmax": "score",
+    "sigmoid": "score",
+    "topk": "topk",
+    "sum": "renorm",
+    "div": "renorm",
+}
+
+
+def name_ops(graph: OpGraph, router: bool | None = None) -> None:
+    """Names stable across runs of the same code: the module path, the model function, the expert
+    and weight read, and the op (`q_norm.rsqrt`, `apply_rotary_pos_emb.mul#2`,
+    `expert[5].down_proj`); a scope with one computing op is named by the scope alone (`q_proj`).
+    A router's ops are named by step: logits, score, bias, topk, renorm, scaling."""
+    compute_by_scope = Counter(n.scope for n in graph.nodes if not n.layout and not n.function)
+    seen: Counter[str] = Counter()
+    for node in graph.nodes:
+        kind = FRIENDLY.get(node.kind, node.kind)
+        parts = [node.scope] if node.scope else []
+        if node.function:
+            parts.append(node.function)
+        is_router = router if router is not None else bool(re.search(r"(^|\.)(gate|router)$", node.scope))
+        if node.expert is not None:
+            parts.append(f"expert[{node.expert}]")
+        if is_router and not node.layout and not node.function:
+            label = _ROUTER_STEPS.get(kind)
+            if kind == "add" and node.param is not None:
+                label = "bias"
+            elif kind == "mul" and label is None:
+                label = "scaling"
+            parts.append(label or kind)
+        elif node.param is not None and node.param.rsplit(".", 1)[-1] not in ("weight", "bias") and not node.layout:
+            parts.append(node.param.rsplit(".", 1)[-1])
+        elif not (
+            not node.layout and not node.function and node.expert is None and compute_by_scope[node.scope] == 1
+        ) or not parts:
+            parts.append(kind)
+        base = ".".join(parts)
+        seen[base] += 1
+        node.name = base if seen[base] == 1 else f"{base}#{seen[base]}"

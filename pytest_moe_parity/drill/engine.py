@@ -1,0 +1,494 @@
+"""The drill's verdicts: every op of one component judged against the reference, the op that
+introduced the divergence named, and how much of the component's error substituting its golden
+output takes away.
+
+Per reference op (in forward order):
+- **error**: the candidate's output, as the candidate runs (each op on its own earlier outputs:
+  chained), against the reference's in float32 (relative L2);
+- **noise**: the reference's own error at that op when it runs in the candidate's dtype; the
+  **ratio** is error / noise (noise counted as at least eps(dtype) / NOISE_FLOOR_EPS, as points are);
+- **isolated**: the candidate's op fed the reference's values of its inputs (through the views the
+  candidate takes of them), against the reference op run the same way in the candidate's dtype:
+  what the op itself adds;
+- **verdict**: `introduced` where the op's own error exceeds the noise factor (isolated; where it
+  cannot be isolated, its chained ratio exceeds its inputs' by the factor), `inherited` where its
+  error is above the factor only because its inputs' are, `missing` for a reference op the candidate
+  has no counterpart for, `extra` for a candidate op matched to nothing; else `ok`.
+The culprit is the first op that introduced the divergence (or the missing op just before it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .capture import OpGraph, OpNode, Ref
+from .match import Match, _source, match, rel_l2
+
+Execute = Callable[[OpNode, list, dict], Any]
+FAILED = ("introduced", "inherited", "missing", "extra")
+
+
+@dataclass
+class OpRow:
+    name: str
+    kind: str
+    shape: list[int]
+    how: str | None  # how it was matched; None: unmatched
+    candidate: list[str] = field(default_factory=list)  # the candidate's ops that compute it
+    error: float | None = None
+    noise: float | None = None
+    ratio: float | None = None
+    isolated: float | None = None
+    isolated_noise: float | None = None
+    isolated_ratio: float | None = None
+    verdict: str = "ok"
+    note: str = ""
+    recovery: float | None = None  # of the component's error, substituting this op's golden output
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in FAILED
+
+
+@dataclass
+class Drill:
+    """One component drilled: its op rows in forward order and the culprit."""
+
+    point: str
+    rows: list[OpRow]
+    culprit: str | None
+    recovery: float | None
+    component_error: float
+    component_noise: float
+    factor: float
+    dtype: str
+    same_code: bool
+    seconds: float = 0.0
+    culprit_candidate: list[str] = field(default_factory=list)  # the candidate ops substituted
+    recovery_introduced: float | None = None  # substituting every op that introduced error
+    repro: str | None = None  # the repro file written for the culprit (--parity-repro)
+
+    @property
+    def failed(self) -> bool:
+        return any(r.failed for r in self.rows)
+
+    def row(self, name: str) -> OpRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Drill:
+        return cls(**{**data, "rows": [OpRow(**r) for r in data["rows"]]})
+
+
+def _primary(values: list[Any]) -> torch.Tensor | None:
+    return next((t for t in values if isinstance(t, torch.Tensor)), None)
+
+
+def _like(value: torch.Tensor, model: torch.Tensor | None) -> torch.Tensor:
+    if model is None:
+        return value
+    return value.to(dtype=model.dtype, device=model.device)
+
+
+class Drilling:
+    """The state of one drill: the reference in float32 and in the candidate's dtype, the candidate,
+    their matches, and the candidate's values as it computes them."""
+
+    def __init__(
+        self,
+        point: str,
+        reference: OpGraph,
+        reference_low: OpGraph,
+        candidate: OpGraph,
+        *,
+        execute: Execute | None = None,
+        replay_chained: bool = False,
+        factor: float = 1.5,
+        floor: float = 1e-6,
+        same_code: bool = True,
+    ):
+        self.point = point
+        self.ref, self.low, self.cand = reference, reference_low, candidate
+        self.execute = execute
+        self.factor, self.floor, self.same_code = factor, floor, same_code
+        low_names = reference_low.by_name()
+        self.low_of = {n.index: low_names.get(n.name) for n in reference.nodes}
+        self._ref_names = reference.by_name()
+        self.matches, self.left_ref, self.left_cand = match(reference, candidate)
+        self.by_ref: dict[int, Match] = {}
+        self.by_cand: dict[int, Match] = {}
+        for m in self.matches:
+            for r in m.ref:
+                self.by_ref.setdefault(r, m)
+            for c in m.cand:
+                self.by_cand.setdefault(c, m)
+        if replay_chained:  # each op through the candidate's compiler, on its own earlier outputs
+            values = candidate.replay(execute)
+            self.chained = {
+                n.index: [values.get(Ref("op", n.index, i), o) for i, o in enumerate(n.outputs)] for n in candidate.nodes
+            }
+        else:
+            self.chained = {n.index: n.outputs for n in candidate.nodes}
+
+    # -- values ---------------------------------------------------------------------------------
+    def _cand_as_ref(self, m: Match, ref_index: int, values: dict[int, list[Any]]) -> torch.Tensor | None:
+        cand_values = [_primary(values[c]) for c in m.cand]
+        if any(v is None for v in cand_values):
+            return None
+        shapes = [self.ref.nodes[r].value.shape for r in m.ref]
+        try:
+            converted = m.to_reference(cand_values, shapes)
+        except (RuntimeError, ValueError):
+            return None
+        return converted[m.ref.index(ref_index)]
+
+    def _ref_for_cand(self, cand_index: int) -> list[torch.Tensor] | None:
+        """The reference's outputs in the candidate op's place (shapes, dtype, device), or None."""
+        m = self.by_cand.get(cand_index)
+        node = self.cand.nodes[cand_index]
+        if m is None:
+            return None
+        refs = [self.ref.nodes[r] for r in m.ref]
+        if len(m.ref) == 1 and len(m.cand) == 1 and m.perm is None and len(refs[0].outputs) == len(node.outputs):
+            out = []
+            for r_val, c_val in zip(refs[0].outputs, node.outputs, strict=True):
+                if isinstance(r_val, torch.Tensor) and isinstance(c_val, torch.Tensor):
+                    if r_val.numel() != c_val.numel():
+                        return None
+                    out.append(_like(r_val.reshape(c_val.shape), c_val))
+                else:
+                    out.append(c_val)
+            return out
+        shapes = [self.cand.nodes[c].value.shape for c in m.cand]
+        try:
+            converted = m.to_candidate([r.value for r in refs], shapes)
+        except (RuntimeError, ValueError):
+            return None
+        value = converted[m.cand.index(cand_index)]
+        return [_like(value, node.value), *node.outputs[1:]]
+
+    def _isolate(
+        self,
+        graph: OpGraph,
+        node: OpNode,
+        substitute: Callable[[int], list | None],
+        execute: Execute | None,
+        call: list | None = None,
+    ) -> torch.Tensor | None:
+        """`node` run on substituted values of the computing ops it reads (through its views); the
+        arguments it was called with are appended to `call` where given."""
+        if call is not None:
+            inner = execute or (lambda n, a, k: n.func(*a, **k))
+
+            def execute(n: OpNode, a: list, k: dict) -> Any:
+                if n.index == node.index:
+                    call.append((n, a, k))
+                return inner(n, a, k)
+
+        views: set[int] = set()
+        replace: dict[Ref, Any] = {}
+        todo = list(node.inputs())
+        while todo:
+            ref = todo.pop()
+            producer = graph.producer(ref)
+            if producer is None or producer.index in views:
+                continue
+            if producer.layout:
+                views.add(producer.index)
+                todo.extend(producer.inputs())
+                continue
+            values = substitute(producer.index)
+            if values is None:
+                return None  # an input the other side has no value for: not isolated
+            for i, v in enumerate(values):
+                replace[Ref("op", producer.index, i)] = v
+        try:
+            values = graph.replay(execute, replace=replace, only=views | {node.index}, stop=node.index + 1)
+        except Exception:  # an op that cannot run on the other side's values (shapes): not isolated
+            return None
+        return _primary([values.get(Ref("op", node.index, i)) for i in range(len(node.outputs))])
+
+    def _low_from_ref(self, low_index: int) -> list | None:
+        """The reference's float32 outputs in place of the reference's own op in the candidate's
+        dtype (a cast that exists only there passes on its source's)."""
+        low = self.low.nodes[low_index]
+        ref = self._ref_names.get(low.name)
+        if ref is None:
+            source = _source(self.low, low) if low.kind == "_to_copy" else None
+            found = self._low_from_ref(source) if source is not None else None
+            return [_like(found[0], low.value)] if found and isinstance(found[0], torch.Tensor) else None
+        return [
+            _like(r, c) if isinstance(r, torch.Tensor) and isinstance(c, torch.Tensor) else c
+            for r, c in zip(ref.outputs, low.outputs, strict=False)
+        ]
+
+    # -- verdicts -------------------------------------------------------------------------------
+    def rows(self) -> list[OpRow]:
+        rows: list[OpRow] = []
+        ratio_of: dict[int, float] = {}  # reference op -> its chained ratio
+        for r in self.ref.compute():
+            value = r.value
+            row = OpRow(r.name, r.kind, list(value.shape) if value is not None else [], None)
+            low = self.low_of.get(r.index)
+            if value is not None and low is not None and low.value is not None:
+                row.noise = rel_l2(low.value, value) if low.value.numel() == value.numel() else None
+            m = self.by_ref.get(r.index)
+            if m is None:
+                row.verdict = "missing"
+                row.note = "the candidate computes nothing that matches this op"
+                rows.append(row)
+                continue
+            row.how = m.how
+            row.candidate = [self.cand.nodes[c].name for c in m.cand]
+            if value is None:
+                rows.append(row)
+                continue
+            cand_value = self._cand_as_ref(m, r.index, self.chained)
+            if cand_value is None:
+                row.note = self._shape_note(r, m)
+                row.verdict = "introduced"
+                rows.append(row)
+                ratio_of[r.index] = float("inf")
+                continue
+            row.error = rel_l2(cand_value, value)
+            row.ratio = row.error / max(row.noise or 0.0, self.floor)
+            ratio_of[r.index] = row.ratio
+            if len(m.cand) == 1:
+                c = self.cand.nodes[m.cand[0]]
+                iso = self._isolate(self.cand, c, self._ref_for_cand, self.execute)
+                if iso is not None:
+                    iso_as_ref = self._cand_as_ref(m, r.index, {c.index: [iso]})
+                    if iso_as_ref is not None:
+                        row.isolated = rel_l2(iso_as_ref, value)
+                if row.isolated is not None and low is not None:
+                    low_iso = self._isolate(self.low, low, self._low_from_ref, None)
+                    if low_iso is not None and low_iso.numel() == value.numel():
+                        row.isolated_noise = rel_l2(low_iso.reshape(value.shape), value)
+                        row.isolated_ratio = row.isolated / max(row.isolated_noise, self.floor)
+            inputs = self._input_ratios(r, ratio_of)
+            if row.isolated_ratio is not None:
+                introduced = row.isolated_ratio > self.factor
+            else:
+                introduced = row.ratio > self.factor and row.ratio > self.factor * max(inputs, default=0.0)
+            if introduced:
+                row.verdict = "introduced"
+            elif row.ratio > self.factor:
+                row.verdict = "inherited"
+            if r.kind == "topk":
+                row.note = self._topk_note(r, m)
+            rows.append(row)
+        for c in self.left_cand:
+            node = self.cand.nodes[c]
+            shape = list(node.value.shape) if node.value is not None else []
+            rows.append(OpRow(node.name, node.kind, shape, None, [node.name], verdict="extra",
+                              note="a candidate op that matches no reference op"))  # fmt: skip
+        return rows
+
+    def isolated_calls(self, ref_name: str) -> tuple[tuple, tuple, OpNode, Match] | None:
+        """The candidate's and the reference's (candidate dtype) calls of op `ref_name` on the
+        reference's inputs, for a repro: ((node, args, kwargs), (node, args, kwargs), ref node, match)."""
+        r = self._ref_names.get(ref_name)
+        m = self.by_ref.get(r.index) if r is not None else None
+        low = self.low_of.get(r.index) if r is not None else None
+        if m is None or len(m.cand) != 1 or low is None:
+            return None
+        cand_call: list = []
+        low_call: list = []
+        self._isolate(self.cand, self.cand.nodes[m.cand[0]], self._ref_for_cand, self.execute, cand_call)
+        self._isolate(self.low, low, self._low_from_ref, None, low_call)
+        if not cand_call or not low_call:
+            return None
+        return cand_call[0], low_call[0], r, m
+
+    def _input_ratios(self, node: OpNode, ratio_of: dict[int, float]) -> list[float]:
+        out, todo, seen = [], list(node.inputs()), set()
+        while todo:
+            producer = self.ref.producer(todo.pop())
+            if producer is None or producer.index in seen:
+                continue
+            seen.add(producer.index)
+            if producer.layout:
+                todo.extend(producer.inputs())
+            elif producer.index in ratio_of:
+                out.append(ratio_of[producer.index])
+        return out
+
+    def _shape_note(self, r: OpNode, m: Match) -> str:
+        shapes = [list(self.cand.nodes[c].value.shape) for c in m.cand if self.cand.nodes[c].value is not None]
+        if r.expert is not None and shapes and r.value is not None and len(shapes[0]) == r.value.dim():
+            have, want = shapes[0][0], r.value.shape[0]
+            if have < want:
+                return f"expert {r.expert} serves {have} of its {want} tokens: {want - have} dropped (capacity?)"
+            if have > want:
+                return f"expert {r.expert} serves {have} tokens, the reference {want}: {have - want} routed to it wrongly"
+        return f"shapes differ: the reference's {list(r.value.shape)}, the candidate's {shapes}"
+
+    def _topk_note(self, r: OpNode, m: Match) -> str:
+        c = self.cand.nodes[m.cand[0]]
+        if len(r.outputs) < 2 or len(c.outputs) < 2 or not isinstance(c.outputs[1], torch.Tensor):
+            return ""
+        ref_idx, cand_idx = r.outputs[1], c.outputs[1]
+        if ref_idx.shape != cand_idx.shape:
+            return ""
+        differ = (ref_idx.sort(-1).values != cand_idx.to(ref_idx.device).sort(-1).values).any(-1)
+        flips = int(differ.sum())
+        return f"{flips} of {differ.numel()} rows select other experts" if flips else ""
+
+    # -- substitution ---------------------------------------------------------------------------
+    def final(self, graph: OpGraph, at: int = 0) -> torch.Tensor | None:
+        """A graph's output `at` (of its tensors): the candidate's as it computes it (chained)."""
+        refs = graph.output_refs()
+        if len(refs) <= at:
+            return None
+        ref = refs[at]
+        if graph is self.cand and ref[0] == "op":
+            return self.chained[ref[1]][ref[2]]
+        return graph.value_of(ref)
+
+    def component(self) -> tuple[float, float]:
+        """The component's error and the reference's own, at the output the candidate misses most
+        (a router's weights rather than its logits)."""
+        best = (float("-inf"), 0, float("nan"), 0.0)
+        for at in range(len(self.ref.output_refs())):
+            ref, cand, low = self.final(self.ref, at), self.final(self.cand, at), self.final(self.low, at)
+            if not isinstance(ref, torch.Tensor) or not ref.is_floating_point() or not isinstance(cand, torch.Tensor):
+                continue
+            if cand.numel() != ref.numel():
+                continue
+            error = rel_l2(cand.reshape(ref.shape), ref)
+            noise = rel_l2(low.reshape(ref.shape), ref) if isinstance(low, torch.Tensor) else 0.0
+            if error - noise > best[0]:
+                best = (error - noise, at, error, noise)
+        self.out_at = best[1]
+        return best[2], best[3]
+
+    def substitute(self, ref_name: str | list[str]) -> tuple[float | None, list[str]]:
+        """The share of the component's error that goes away when the candidate's op(s) computing
+        reference op `ref_name` give the reference's output instead (for a missing op: the
+        candidate's counterpart of its input gives the missing op's output)."""
+        names = [ref_name] if isinstance(ref_name, str) else ref_name
+        nodes = [self._ref_names.get(n) for n in names]
+        if not nodes or any(n is None for n in nodes):
+            return None, []
+        node = nodes[0]
+        matched = [self.by_ref.get(n.index) for n in nodes]
+        replace: dict[Ref, Any] = {}
+        if all(m is not None for m in matched):
+            targets = sorted({c for m in matched for c in m.cand})
+            for c in targets:
+                values = self._ref_for_cand(c)
+                if values is None:
+                    return None, []
+                for i, v in enumerate(values):
+                    replace[Ref("op", c, i)] = v
+        elif len(nodes) > 1:
+            return None, []
+        else:  # missing: its value in place of what the candidate has for the op it reads
+            source = next((p for p in self._computing_inputs(node)), None)
+            sm = self.by_ref.get(source) if source is not None else None
+            if sm is None or len(sm.cand) != 1:
+                return None, []
+            c = self.cand.nodes[sm.cand[0]]
+            if c.value is None or node.value is None or c.value.numel() != node.value.numel():
+                return None, []
+            targets = [c.index]
+            replace[Ref("op", c.index, 0)] = _like(node.value.reshape(c.value.shape), c.value)
+        first = min(targets)
+        for n in self.cand.nodes[:first]:  # the ops before run as they did
+            for i, v in enumerate(self.chained[n.index]):
+                replace.setdefault(Ref("op", n.index, i), v)
+        values = self.cand.replay(self.execute, replace=replace, only=self._after(first))
+        error, noise = self.component()
+        ref_final, sub = self.final(self.ref, self.out_at), None
+        refs = self.cand.output_refs()
+        if len(refs) > self.out_at:
+            ref = refs[self.out_at]
+            sub = values.get(ref) if ref[0] == "op" else self.final(self.cand, self.out_at)
+        if ref_final is None or sub is None:
+            return None, []
+        remaining = rel_l2(sub.reshape(ref_final.shape), ref_final)
+        excess = error - noise
+        if not excess > 0:
+            return None, [self.cand.nodes[c].name for c in targets]
+        return max(0.0, min(1.0, (error - remaining) / excess)), [self.cand.nodes[c].name for c in targets]
+
+    def _after(self, first: int) -> set[int]:
+        return {n.index for n in self.cand.nodes if n.index > first}
+
+    def _computing_inputs(self, node: OpNode) -> list[int]:
+        out, todo = [], list(node.inputs())
+        while todo:
+            producer = self.ref.producer(todo.pop(0))
+            if producer is None:
+                continue
+            if producer.layout:
+                todo.extend(producer.inputs())
+            else:
+                out.append(producer.index)
+        return out
+
+
+def run_drill(
+    point: str,
+    reference: OpGraph,
+    reference_low: OpGraph,
+    candidate: OpGraph,
+    *,
+    dtype: torch.dtype,
+    factor: float,
+    floor: float,
+    execute: Execute | None = None,
+    replay_chained: bool = False,
+    same_code: bool = True,
+) -> Drill:
+    started = time.perf_counter()
+    d = Drilling(
+        point, reference, reference_low, candidate, execute=execute, replay_chained=replay_chained,
+        factor=factor, floor=floor, same_code=same_code,
+    )  # fmt: skip
+    rows = d.rows()
+    error, noise = d.component()
+    culprit_row = next((r for r in rows if r.verdict == "introduced"), None)
+    culprit, recovery, substituted, recovery_all = None, None, [], None
+    if culprit_row is not None:
+        culprit = culprit_row.name
+        first = rows.index(culprit_row)
+        missing = [r for r in rows[:first] if r.verdict == "missing"]
+        tries = [culprit_row.name]
+        if missing:  # the candidate goes on without them: the first missing op is where it departs
+            culprit = missing[0].name
+            tries = [r.name for r in reversed(missing)] + tries
+        for name in tries:
+            recovery, substituted = d.substitute(name)
+            if recovery is not None:
+                break
+        for row in rows:
+            if row.name == culprit:
+                row.recovery = recovery
+        introduced = [r.name for r in rows if r.verdict == "introduced" and r.how is not None]
+        if len(introduced) > 1:
+            recovery_all = d.substitute(introduced)[0]
+    else:
+        first_missing = next((r for r in rows if r.verdict in ("missing", "extra")), None)
+        if first_missing is not None:
+            culprit = first_missing.name
+            missing = [r for r in rows if r.verdict == "missing"]
+            for row in reversed(missing):
+                recovery, substituted = d.substitute(row.name)
+                if recovery is not None:
+                    break
+            first_missing.recovery = recovery
+    result = Drill(
+        point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
+        time.perf_counter() - started, substituted, recovery_all,
+    )  # fmt: skip
+    result.state = d  # for a repro file; not part of the JSON
+    return result

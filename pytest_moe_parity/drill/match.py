@@ -1,0 +1,239 @@
+"""Which of the candidate's ops compute which of the reference's: many-to-many.
+
+In three passes over the ops that compute (views and factories are followed through, not matched):
+1. **by path and op**: the two sequences of (module path, op, expert) aligned (difflib): the same
+   code, or a port that kept the reference's module names;
+2. **by value**, between two aligned stretches: an op whose output equals a reference op's up to a
+   reshape or a permutation of its dims (a transposed layout), the concatenation of several (gate
+   and up fused into one matmul, experts stacked), or whose pieces concatenate to one (heads split
+   across ranks); a cast the port added (an fp32 upcast) or left out goes with the op it casts;
+3. **by op and order**: what is left in a stretch, the same ops in the same order (a port's own
+   code that computes something else there: its error is then the op's own).
+
+Whatever is left is unmatched, and the drill lists it and fails."""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .capture import OpGraph, OpNode
+
+VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
+
+
+def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    c, r = candidate.detach().double().cpu(), reference.detach().double().cpu()
+    if not (c.is_floating_point() or c.is_complex()):
+        return float((c != r).double().mean()) if c.numel() else 0.0
+    diff = torch.nan_to_num(c - r, nan=float("inf"))
+    denom = float(r.norm())
+    num = float(diff.norm())
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom
+
+
+@dataclass
+class Match:
+    """Reference ops `ref` computed by candidate ops `cand` (indices into each graph's nodes)."""
+
+    ref: tuple[int, ...]
+    cand: tuple[int, ...]
+    how: str
+    dim: int | None = None  # fused / split: the dim the pieces are joined along
+    perm: tuple[int, ...] | None = None  # one to one: the candidate's dims in the reference's order
+
+    def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """The candidate's primary outputs as the reference's ops' (one per reference op)."""
+        if len(self.ref) == 1 and len(self.cand) == 1:
+            value = cand_values[0]
+            if self.perm is not None:
+                value = value.permute(self.perm)
+            return [value.reshape(ref_shapes[0])]
+        if len(self.cand) == 1:  # fused: the candidate's output holds several of the reference's
+            sizes = [_size_along(s, self.dim) for s in ref_shapes]
+            return [p.reshape(s) for p, s in zip(cand_values[0].split(sizes, dim=self.dim), ref_shapes, strict=True)]
+        return [torch.cat(cand_values, dim=self.dim).reshape(ref_shapes[0])]  # split
+
+    def to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """The reference's primary outputs as the candidate's ops' (one per candidate op)."""
+        if len(self.ref) == 1 and len(self.cand) == 1:
+            value = ref_values[0]
+            if self.perm is not None:
+                inverse = [0] * len(self.perm)
+                for i, p in enumerate(self.perm):
+                    inverse[p] = i
+                shape = [cand_shapes[0][i] for i in self.perm]
+                return [value.reshape(shape).permute(inverse).reshape(cand_shapes[0])]
+            return [value.reshape(cand_shapes[0])]
+        if len(self.cand) == 1:
+            return [torch.cat(ref_values, dim=self.dim).reshape(cand_shapes[0])]
+        sizes = [_size_along(s, self.dim) for s in cand_shapes]
+        return [p.reshape(s) for p, s in zip(ref_values[0].split(sizes, dim=self.dim), cand_shapes, strict=True)]
+
+
+def _size_along(shape: torch.Size, dim: int | None) -> int:
+    return shape[dim if dim is not None else -1]
+
+
+def _key(node: OpNode) -> tuple:
+    return (node.scope, node.kind, node.expert)
+
+
+def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None] | None:
+    """How candidate output `c` equals reference output `r`, or None."""
+    if c is None or r is None or c.numel() != r.numel() or c.numel() == 0:
+        return None
+    if c.is_floating_point() != r.is_floating_point():
+        return None
+    if c.shape == r.shape and rel_l2(c, r) <= VALUE_TOL:
+        return "value", None
+    if c.dim() == r.dim() and 1 < c.dim() <= 5:
+        for perm in itertools.permutations(range(c.dim())):
+            if perm != tuple(range(c.dim())) and c.permute(perm).shape == r.shape:
+                if rel_l2(c.permute(perm), r) <= VALUE_TOL:
+                    return "value (dims permuted)", perm
+    if rel_l2(c.reshape(r.shape), r) <= VALUE_TOL:
+        return ("value" if c.shape == r.shape else "value (reshaped)"), None
+    return None
+
+
+def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int | None:
+    """The dim along which `parts` concatenate to `whole`, if they do."""
+    if whole is None or any(p is None for p in parts) or sum(p.numel() for p in parts) != whole.numel():
+        return None
+    for dim in range(whole.dim()):
+        shapes = [p.shape for p in parts]
+        if all(len(s) == whole.dim() for s in shapes) and all(
+            s[:dim] + s[dim + 1 :] == whole.shape[:dim] + whole.shape[dim + 1 :] for s in shapes
+        ):
+            if rel_l2(torch.cat(parts, dim=dim), whole) <= VALUE_TOL:
+                return dim
+    return None
+
+
+def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int], list[int]]:
+    """The matches, the reference ops left unmatched and the candidate's (node indices)."""
+    ref_ops, cand_ops = reference.compute(), candidate.compute()
+    matches: list[Match] = []
+    matched_ref: set[int] = set()
+    matched_cand: set[int] = set()
+    gaps: list[tuple[list[OpNode], list[OpNode]]] = []
+    sm = difflib.SequenceMatcher(None, [_key(n) for n in ref_ops], [_key(n) for n in cand_ops], autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            for r, c in zip(ref_ops[i1:i2], cand_ops[j1:j2], strict=True):
+                if r.value is not None and c.value is not None and r.value.numel() != c.value.numel():
+                    gaps.append(([r], [c]))
+                    continue
+                matches.append(Match((r.index,), (c.index,), "path and op"))
+                matched_ref.add(r.index)
+                matched_cand.add(c.index)
+        else:
+            gaps.append((ref_ops[i1:i2], cand_ops[j1:j2]))
+    for refs, cands in gaps:
+        _match_gap(refs, cands, reference, candidate, matches, matched_ref, matched_cand)
+    matches.sort(key=lambda m: min(m.ref))
+    left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
+    left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
+    return matches, left_ref, left_cand
+
+
+def _match_gap(
+    refs: list[OpNode],
+    cands: list[OpNode],
+    reference: OpGraph,
+    candidate: OpGraph,
+    matches: list[Match],
+    matched_ref: set[int],
+    matched_cand: set[int],
+) -> None:
+    def add(m: Match) -> None:
+        matches.append(m)
+        matched_ref.update(m.ref)
+        matched_cand.update(m.cand)
+
+    free_r = lambda: [r for r in refs if r.index not in matched_ref]  # noqa: E731
+    free_c = lambda: [c for c in cands if c.index not in matched_cand]  # noqa: E731
+    # one to one, up to layout
+    for c in cands:
+        for r in free_r():
+            found = _same(c.value, r.value)
+            if found is not None:
+                add(Match((r.index,), (c.index,), found[0], perm=found[1]))
+                break
+    # fused: one candidate op holds consecutive reference ops
+    for c in free_c():
+        rs = free_r()
+        for size in (2, 3, 4):
+            hit = next(
+                (
+                    (group, dim)
+                    for k in range(len(rs) - size + 1)
+                    for group in [rs[k : k + size]]
+                    for dim in [_joined([r.value for r in group], c.value)]
+                    if dim is not None
+                ),
+                None,
+            )
+            if hit:
+                group, dim = hit
+                add(Match(tuple(r.index for r in group), (c.index,), f"value (fused: {size} in one)", dim=dim))
+                break
+    # split: consecutive candidate ops make one reference op
+    for r in free_r():
+        cs = free_c()
+        for size in range(2, min(len(cs), 64) + 1):
+            hit = next(
+                (
+                    (group, dim)
+                    for k in range(len(cs) - size + 1)
+                    for group in [cs[k : k + size]]
+                    for dim in [_joined([c.value for c in group], r.value)]
+                    if dim is not None
+                ),
+                None,
+            )
+            if hit:
+                group, dim = hit
+                add(Match((r.index,), tuple(c.index for c in group), f"value (split: one in {size})", dim=dim))
+                break
+    # casts: a cast on one side only goes with the op whose value it casts
+    for c in free_c():
+        if c.kind == "_to_copy":
+            source = _source(candidate, c)
+            owner = next((m for m in matches if source in m.cand and len(m.ref) == 1), None)
+            if owner is not None and _same(c.value, reference.nodes[owner.ref[0]].value):
+                add(Match(owner.ref, (c.index,), "value (a cast the candidate adds)"))
+    for r in free_r():
+        if r.kind == "_to_copy":
+            source = _source(reference, r)
+            owner = next((m for m in matches if source in m.ref and len(m.cand) == 1), None)
+            if owner is not None and _same(candidate.nodes[owner.cand[0]].value, r.value):
+                add(Match((r.index,), owner.cand, "value (a cast the candidate leaves out)"))
+    # what is left: the same ops in the same order
+    rs, cs = free_r(), free_c()
+    sm = difflib.SequenceMatcher(None, [r.kind for r in rs], [c.kind for c in cs], autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag != "equal":
+            continue
+        for r, c in zip(rs[i1:i2], cs[j1:j2], strict=True):
+            if r.value is None or c.value is None or r.value.numel() == c.value.numel():
+                add(Match((r.index,), (c.index,), "op and order"))
+
+
+def _source(graph: OpGraph, node: OpNode) -> int | None:
+    """The computing op a node's first tensor input comes from, through views."""
+    refs = node.inputs()
+    while refs:
+        producer = graph.producer(refs[0])
+        if producer is None:
+            return None
+        if not producer.layout:
+            return producer.index
+        refs = producer.inputs()
+    return None
