@@ -237,7 +237,7 @@ class ParitySession:
     def _driller(self, cls: type) -> Driller:
         flags, patterns = self.options.flags, self.drill_patterns
         if not patterns:
-            raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} POINTS")
+            raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} ...")
         if cls.drill_call is Backend.drill_call:
             raise SetupError(
                 f"{flags['drill']}: the {self.hw} backend gives no torch modules to drill into; drill with --hw cpu, "

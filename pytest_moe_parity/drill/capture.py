@@ -14,15 +14,14 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 @dataclass(frozen=True)
@@ -37,13 +36,54 @@ class Ref:
     def __getitem__(self, i: int) -> Any:
         return (self.kind, self.at, self.out)[i]
 
+
 # Ops that move or reinterpret values without computing: no row of their own (an op's row says
 # what its inputs went through), but run like any other op.
 LAYOUT_OPS = frozenset(
-    "view _unsafe_view reshape t transpose permute expand unsqueeze squeeze slice select clone contiguous alias "
-    "detach lift_fresh lift split split_with_sizes chunk unbind as_strided _reshape_alias unflatten flatten "
-    "movedim narrow empty_like zeros_like new_zeros ones_like full_like zeros ones full arange empty "
-    "scalar_tensor _local_scalar_dense nonzero copy fill".split()
+    [
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "clone",
+        "contiguous",
+        "alias",
+        "detach",
+        "lift_fresh",
+        "lift",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "as_strided",
+        "_reshape_alias",
+        "unflatten",
+        "flatten",
+        "movedim",
+        "narrow",
+        "empty_like",
+        "zeros_like",
+        "new_zeros",
+        "ones_like",
+        "full_like",
+        "zeros",
+        "ones",
+        "full",
+        "arange",
+        "empty",
+        "scalar_tensor",
+        "_local_scalar_dense",
+        "nonzero",
+        "copy",
+        "fill",
+    ]
 )
 # Casts (`_to_copy`), joins (cat, stack) and gathers are rows: a cast in the wrong place, heads
 # joined in the wrong order or tokens gathered wrongly are port bugs of their own.
@@ -240,7 +280,9 @@ class _Recorder(TorchDispatchMode):
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 self.refs[id(args[pos])] = Ref("op", index, 0)
         self.nodes.append(
-            OpNode(index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates)
+            OpNode(
+                index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates
+            )
         )
         return out
 
@@ -317,9 +359,10 @@ def name_ops(graph: OpGraph, router: bool | None = None) -> None:
             parts.append(label or kind)
         elif node.param is not None and node.param.rsplit(".", 1)[-1] not in ("weight", "bias") and not node.layout:
             parts.append(node.param.rsplit(".", 1)[-1])
-        elif not (
-            not node.layout and not node.function and node.expert is None and compute_by_scope[node.scope] == 1
-        ) or not parts:
+        elif (
+            not (not node.layout and not node.function and node.expert is None and compute_by_scope[node.scope] == 1)
+            or not parts
+        ):
             parts.append(kind)
         base = ".".join(parts)
         seen[base] += 1

@@ -133,7 +133,8 @@ class Drilling:
         if replay_chained:  # each op through the candidate's compiler, on its own earlier outputs
             values = candidate.replay(execute)
             self.chained = {
-                n.index: [values.get(Ref("op", n.index, i), o) for i, o in enumerate(n.outputs)] for n in candidate.nodes
+                n.index: [values.get(Ref("op", n.index, i), o) for i, o in enumerate(n.outputs)]
+                for n in candidate.nodes
             }
         else:
             self.chained = {n.index: n.outputs for n in candidate.nodes}
@@ -328,7 +329,7 @@ class Drilling:
             if have < want:
                 return f"expert {r.expert} serves {have} of its {want} tokens: {want - have} dropped (capacity?)"
             if have > want:
-                return f"expert {r.expert} serves {have} tokens, the reference {want}: {have - want} routed to it wrongly"
+                return f"expert {r.expert} serves {have} tokens, the reference {want}: {have - want} sent to it wrongly"
         return f"shapes differ: the reference's {list(r.value.shape)}, the candidate's {shapes}"
 
     def _topk_note(self, r: OpNode, m: Match) -> str:

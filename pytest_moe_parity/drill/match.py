@@ -94,9 +94,9 @@ def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[in
         return "value", None
     if c.dim() == r.dim() and 1 < c.dim() <= 5:
         for perm in itertools.permutations(range(c.dim())):
-            if perm != tuple(range(c.dim())) and c.permute(perm).shape == r.shape:
-                if rel_l2(c.permute(perm), r) <= VALUE_TOL:
-                    return "value (dims permuted)", perm
+            moved = c.permute(perm)
+            if perm != tuple(range(c.dim())) and moved.shape == r.shape and rel_l2(moved, r) <= VALUE_TOL:
+                return "value (dims permuted)", perm
     if rel_l2(c.reshape(r.shape), r) <= VALUE_TOL:
         return ("value" if c.shape == r.shape else "value (reshaped)"), None
     return None
@@ -108,11 +108,11 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
         return None
     for dim in range(whole.dim()):
         shapes = [p.shape for p in parts]
-        if all(len(s) == whole.dim() for s in shapes) and all(
+        fits = all(len(s) == whole.dim() for s in shapes) and all(
             s[:dim] + s[dim + 1 :] == whole.shape[:dim] + whole.shape[dim + 1 :] for s in shapes
-        ):
-            if rel_l2(torch.cat(parts, dim=dim), whole) <= VALUE_TOL:
-                return dim
+        )
+        if fits and rel_l2(torch.cat(parts, dim=dim), whole) <= VALUE_TOL:
+            return dim
     return None
 
 
