@@ -40,6 +40,10 @@ class Bugs:
     # not a bug: the same function rounded otherwise, as a port on other kernels computes it (queries
     # scaled before the scores, experts summed in float32, norms' weights applied in float32)
     other_rounding: bool = False
+    # not bugs either: the same values laid out otherwise, as ports on other runtimes do (NxDI fuses
+    # q, k and v into one matmul; a port that shards heads across ranks computes each head's scores alone)
+    fused_qkv: bool = False
+    split_heads: bool = False
     # below a fixed limit, above the reference's own error:
     router_softmax_bf16: bool = False  # the router's softmax in bf16, not float32
     norm_eps_10x: bool = False  # every RMSNorm's eps ten times the checkpoint's
@@ -94,6 +98,8 @@ class Attention(nn.Module):
             cfg["num_key_value_heads"],
             cfg["head_dim"],
         )
+        if bugs.fused_qkv:
+            self.qkv_proj = nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.dim, bias=False)
         self.q_proj = nn.Linear(h, self.heads * self.dim, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * self.dim, bias=False)
@@ -109,9 +115,14 @@ class Attention(nn.Module):
         """`cache`: this layer's [keys, values] so far ([B, kv_heads, past, D], empty at first), extended
         in place with this call's."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.dim).transpose(1, 2)
+        if self.bugs.fused_qkv:
+            sizes = [self.heads * self.dim, self.kv_heads * self.dim, self.kv_heads * self.dim]
+            q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(b, t, self.heads, self.dim)).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.kv_heads, self.dim)).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate(q, self.bugs.rope_interleaved) * sin
         k = k * cos + _rotate(k, self.bugs.rope_interleaved) * sin
@@ -134,7 +145,14 @@ class Attention(nn.Module):
             k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if self.bugs.other_rounding:
+        if self.bugs.split_heads:
+            scores = (
+                torch.cat(
+                    [torch.matmul(q[:, i : i + 1], k[:, i : i + 1].transpose(2, 3)) for i in range(self.heads)], dim=1
+                )
+                * self.scale
+            )
+        elif self.bugs.other_rounding:
             scores = torch.matmul(q * self.scale, k.transpose(2, 3))
         else:
             scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
@@ -287,5 +305,9 @@ def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs =
         layer, e = bugs.zero_expert
         for part in ("gate_up", "down"):
             state[f"layers.{layer}.moe.experts.{part}"][e] = 0
+    if bugs.fused_qkv:
+        for i in range(cfg["num_hidden_layers"]):
+            parts = [state[f"layers.{i}.attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+            state[f"layers.{i}.attn.qkv_proj.weight"] = torch.cat(parts)
     port.load_state_dict({k: v.contiguous() for k, v in state.items()})
     return port.to(dtype).eval()

@@ -23,14 +23,21 @@ import torch
 from .capture import OpGraph, OpNode
 
 VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
+CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 
 
 def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """||candidate - reference|| / ||reference|| over the reference's finite entries (equal entries,
+    infinities included, differ by nothing; a NaN or an infinity where the other side has none is an
+    infinite error); for integer and boolean outputs, the share of entries that differ."""
     c, r = candidate.detach().double().cpu(), reference.detach().double().cpu()
-    if not (c.is_floating_point() or c.is_complex()):
+    if not (r.is_floating_point() or r.is_complex()):
         return float((c != r).double().mean()) if c.numel() else 0.0
-    diff = torch.nan_to_num(c - r, nan=float("inf"))
-    denom = float(r.norm())
+    same = (c == r) | (c.isnan() & r.isnan())
+    if bool((~same & ~(c.isfinite() & r.isfinite())).any()):
+        return float("inf")
+    diff = torch.where(same, 0.0, c - r)
+    denom = float(torch.where(r.isfinite(), r, 0.0).norm())
     num = float(diff.norm())
     if denom == 0.0:
         return 0.0 if num == 0.0 else float("inf")
@@ -122,100 +129,62 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
     matches: list[Match] = []
     matched_ref: set[int] = set()
     matched_cand: set[int] = set()
-    gaps: list[tuple[list[OpNode], list[OpNode]]] = []
-    sm = difflib.SequenceMatcher(None, [_key(n) for n in ref_ops], [_key(n) for n in cand_ops], autojunk=False)
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag == "equal":
-            for r, c in zip(ref_ops[i1:i2], cand_ops[j1:j2], strict=True):
-                if r.value is not None and c.value is not None and r.value.numel() != c.value.numel():
-                    gaps.append(([r], [c]))
-                    continue
-                matches.append(Match((r.index,), (c.index,), "path and op"))
-                matched_ref.add(r.index)
-                matched_cand.add(c.index)
-        else:
-            gaps.append((ref_ops[i1:i2], cand_ops[j1:j2]))
-    for refs, cands in gaps:
-        _match_gap(refs, cands, reference, candidate, matches, matched_ref, matched_cand)
-    matches.sort(key=lambda m: min(m.ref))
-    left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
-    left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
-    return matches, left_ref, left_cand
 
-
-def _match_gap(
-    refs: list[OpNode],
-    cands: list[OpNode],
-    reference: OpGraph,
-    candidate: OpGraph,
-    matches: list[Match],
-    matched_ref: set[int],
-    matched_cand: set[int],
-) -> None:
     def add(m: Match) -> None:
         matches.append(m)
         matched_ref.update(m.ref)
         matched_cand.update(m.cand)
 
-    free_r = lambda: [r for r in refs if r.index not in matched_ref]  # noqa: E731
-    free_c = lambda: [c for c in cands if c.index not in matched_cand]  # noqa: E731
-    # one to one, up to layout
-    for c in cands:
+    def free_r() -> list[OpNode]:
+        return [r for r in ref_ops if r.index not in matched_ref]
+
+    def free_c() -> list[OpNode]:
+        return [c for c in cand_ops if c.index not in matched_cand]
+
+    # 1. by path and op
+    sm = difflib.SequenceMatcher(None, [_key(n) for n in ref_ops], [_key(n) for n in cand_ops], autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag != "equal":
+            continue
+        for r, c in zip(ref_ops[i1:i2], cand_ops[j1:j2], strict=True):
+            if r.value is None or c.value is None or r.value.numel() == c.value.numel():
+                add(Match((r.index,), (c.index,), "path and op"))
+    # 2. by value: several in one (fused), one in several (split), one to one up to layout
+    for c in free_c():
+        for size in (2, 3, 4):
+            hit = _run_of(free_r(), size, c.value, lambda group, c=c: _joined([r.value for r in group], c.value))
+            if hit:
+                add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {size} in one)", dim=hit[1]))
+                break
+    for r in free_r():
+        for size in range(2, min(65, len(cand_ops) + 1)):
+            hit = _run_of(free_c(), size, r.value, lambda group, r=r: _joined([c.value for c in group], r.value))
+            if hit:
+                add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {size})", dim=hit[1]))
+                break
+    for c in free_c():
         for r in free_r():
             found = _same(c.value, r.value)
             if found is not None:
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
-    # fused: one candidate op holds consecutive reference ops
+    # 3. a cast or a join on one side only goes with the op whose value it passes on
     for c in free_c():
-        rs = free_r()
-        for size in (2, 3, 4):
-            hit = next(
-                (
-                    (group, dim)
-                    for k in range(len(rs) - size + 1)
-                    for group in [rs[k : k + size]]
-                    for dim in [_joined([r.value for r in group], c.value)]
-                    if dim is not None
-                ),
-                None,
-            )
-            if hit:
-                group, dim = hit
-                add(Match(tuple(r.index for r in group), (c.index,), f"value (fused: {size} in one)", dim=dim))
-                break
-    # split: consecutive candidate ops make one reference op
+        if c.kind == "_to_copy" and _passes_on(candidate, c):  # a cast the reference does not make
+            add(Match((), (c.index,), CAST))
+            continue
+        owners = {m.ref for s in _sources(candidate, c) for m in matches if s in m.cand}
+        if len(owners) == 1:
+            (owner,) = owners
+            if len(owner) == 1 and _same(c.value, reference.nodes[owner[0]].value):
+                add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
     for r in free_r():
-        cs = free_c()
-        for size in range(2, min(len(cs), 64) + 1):
-            hit = next(
-                (
-                    (group, dim)
-                    for k in range(len(cs) - size + 1)
-                    for group in [cs[k : k + size]]
-                    for dim in [_joined([c.value for c in group], r.value)]
-                    if dim is not None
-                ),
-                None,
-            )
-            if hit:
-                group, dim = hit
-                add(Match((r.index,), tuple(c.index for c in group), f"value (split: one in {size})", dim=dim))
-                break
-    # casts: a cast on one side only goes with the op whose value it casts
-    for c in free_c():
-        if c.kind == "_to_copy":
-            source = _source(candidate, c)
-            owner = next((m for m in matches if source in m.cand and len(m.ref) == 1), None)
-            if owner is not None and _same(c.value, reference.nodes[owner.ref[0]].value):
-                add(Match(owner.ref, (c.index,), "value (a cast the candidate adds)"))
-    for r in free_r():
-        if r.kind == "_to_copy":
-            source = _source(reference, r)
-            owner = next((m for m in matches if source in m.ref and len(m.cand) == 1), None)
-            if owner is not None and _same(candidate.nodes[owner.cand[0]].value, r.value):
-                add(Match((r.index,), owner.cand, "value (a cast the candidate leaves out)"))
-    # what is left: the same ops in the same order
+        owners = {m.cand for s in _sources(reference, r) for m in matches if s in m.ref}
+        if len(owners) == 1:
+            (owner,) = owners
+            if len(owner) == 1 and _same(candidate.nodes[owner[0]].value, r.value):
+                add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
+    # 4. what is left: the same ops in the same order
     rs, cs = free_r(), free_c()
     sm = difflib.SequenceMatcher(None, [r.kind for r in rs], [c.kind for c in cs], autojunk=False)
     for tag, i1, i2, j1, j2 in sm.get_opcodes():
@@ -224,16 +193,48 @@ def _match_gap(
         for r, c in zip(rs[i1:i2], cs[j1:j2], strict=True):
             if r.value is None or c.value is None or r.value.numel() == c.value.numel():
                 add(Match((r.index,), (c.index,), "op and order"))
+    matches.sort(key=lambda m: min(m.ref, default=-1))
+    left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
+    left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
+    return matches, left_ref, left_cand
 
 
-def _source(graph: OpGraph, node: OpNode) -> int | None:
-    """The computing op a node's first tensor input comes from, through views."""
-    refs = node.inputs()
-    while refs:
-        producer = graph.producer(refs[0])
-        if producer is None:
-            return None
-        if not producer.layout:
-            return producer.index
-        refs = producer.inputs()
+def _run_of(nodes: list[OpNode], size: int, whole: torch.Tensor | None, joined) -> tuple[list[OpNode], int] | None:
+    """The first `size` consecutive nodes, as many elements as `whole` together, that `joined`
+    accepts, and the dim it returns."""
+    if whole is None:
+        return None
+    sizes = [n.value.numel() if n.value is not None else -1 for n in nodes]
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    for k in range(len(nodes) - size + 1):
+        if prefix[k + size] - prefix[k] != whole.numel() or -1 in sizes[k : k + size]:
+            continue
+        group = nodes[k : k + size]
+        dim = joined(group)
+        if dim is not None:
+            return group, dim
     return None
+
+
+def _sources(graph: OpGraph, node: OpNode) -> list[int]:
+    """The computing ops a node reads, through views."""
+    out, todo, seen = [], list(node.inputs()), set()
+    while todo:
+        producer = graph.producer(todo.pop(0))
+        if producer is None or producer.index in seen:
+            continue
+        seen.add(producer.index)
+        if producer.layout:
+            todo.extend(producer.inputs())
+        else:
+            out.append(producer.index)
+    return out
+
+
+def _passes_on(graph: OpGraph, node: OpNode) -> bool:
+    """Whether a cast's output holds its input's values (up to the rounding of its dtype)."""
+    refs = node.inputs()
+    value = graph.value_of(refs[0]) if refs else None
+    if not isinstance(value, torch.Tensor) or node.value is None or value.shape != node.value.shape:
+        return False
+    return rel_l2(node.value, value) <= VALUE_TOL
