@@ -113,10 +113,11 @@ class OpNode:
     param: str | None = None  # the parameter it reads, where one is
     mutates: tuple[int, ...] = ()  # positions of args it writes in place
     name: str = ""
+    constant: bool = False  # computed from constants alone (a port's own causal mask): not a row
 
     @property
     def layout(self) -> bool:
-        return self.kind in LAYOUT_OPS
+        return self.kind in LAYOUT_OPS or self.constant
 
     def inputs(self) -> list[Ref]:
         """The refs this op reads, in order."""
@@ -232,8 +233,8 @@ class _Recorder(TorchDispatchMode):
         frame = sys._getframe(2)
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith(_SKIP_FILES) and "<" not in path:
-                name = frame.f_code.co_name
+            name = frame.f_code.co_name
+            if not path.startswith(_SKIP_FILES) and "<" not in path and not name.startswith("<"):
                 return "" if name in _SKIP_FUNCS else name
             frame = frame.f_back
         return ""
@@ -279,11 +280,12 @@ class _Recorder(TorchDispatchMode):
         for pos in mutates:  # the written tensor now holds this op's output
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 self.refs[id(args[pos])] = Ref("op", index, 0)
-        self.nodes.append(
-            OpNode(
-                index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates
-            )
+        node = OpNode(
+            index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates
         )
+        # from constants alone (factories included): the same whatever the inputs
+        node.constant = all(r[0] == "const" or (r[0] == "op" and self.nodes[r[1]].constant) for r in node.inputs())
+        self.nodes.append(node)
         return out
 
 

@@ -70,7 +70,8 @@ def write_reports(
     atomic_write_text(
         directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
     )
-    return [draw(ordered, directory) if plots else "plots: off (the JSON reports are written)"]
+    drawn = [r for r in ordered if r.kind != "op"]  # a drill's ops are its table, not the plots' points
+    return [draw(drawn, directory) if plots else "plots: off (the JSON reports are written)"]
 
 
 def draw(rows: list[Row], directory: Path) -> str:

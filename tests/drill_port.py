@@ -1,0 +1,60 @@
+"""The hand-written port of `port_qwen3` as a backend that gives its own modules (`--hw port`): what
+an entry-point backend for another runtime looks like to the drill. Its bugs and layouts come from
+`--hw-option bugs=rope_interleaved,fused_qkv,...` (the names of `port_qwen3.Bugs`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from port_qwen3 import Bugs, load_port
+
+from pytest_moe_parity.backends import Backend, BackendError, CandidateOutput, HwOption, PointUnavailable
+
+# point component -> (the port's module under layers.N, how the golden call becomes its arguments)
+_MODULES = {
+    "attention": (
+        "attn",
+        lambda args, kwargs: [kwargs["hidden_states"], *kwargs["position_embeddings"]],
+    ),
+    "router": ("moe.router", lambda args, kwargs: [args[0]]),
+    "experts": ("moe.experts", lambda args, kwargs: list(args[:3])),
+}
+
+
+def _bugs(text: str) -> Bugs:
+    names = [n for n in text.split(",") if n]
+    known = {f.name for f in dataclasses.fields(Bugs)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"no such port bug or layout: {', '.join(unknown)}")
+    return Bugs(**dict.fromkeys(names, True))
+
+
+class PortBackend(Backend):
+    name = "port"
+    options = (HwOption("bugs", "port bugs and layouts, comma-separated", _bugs, Bugs()),)
+    native_dtype = torch.bfloat16
+
+    def start(self) -> None:
+        if self.setup.model_dir is None:
+            raise BackendError("--hw port needs the checkpoint: pass --model DIR")
+        self.port = load_port(self.setup.model_dir, self.dtype, self.hw_options["bugs"])
+
+    def _call(self, point, golden) -> tuple[torch.nn.Module, list]:
+        if point.component not in _MODULES or point.layer is None:
+            raise PointUnavailable(f"the port has no {point.component} module to compare")
+        if not hasattr(self, "port"):
+            self.start()
+        path, arguments = _MODULES[point.component]
+        module = self.port.layers[point.layer].get_submodule(path)
+        return module, arguments(golden.args, golden.kwargs)
+
+    def run(self, point, golden) -> CandidateOutput:
+        module, args = self._call(point, golden)
+        with torch.no_grad():
+            return CandidateOutput(module(*args))
+
+    def drill_call(self, point, golden):
+        module, args = self._call(point, golden)
+        return module, args, {}, False

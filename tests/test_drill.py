@@ -1,0 +1,316 @@
+"""`--parity-drill`: below a component, op by op. Each fault of the list is named as the culprit op
+(the first failing op in forward order), its successors are marked inherited, and substituting the
+culprit's golden output (or every op that introduced error) recovers at least 90% of the
+component's error; clean candidates drill clean; the repro file fails alone."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from drill_port import PortBackend
+from faults import _router_softmax_in_its_dtype, _used_experts, drop_score_bias, edit_checkpoint, edit_config
+from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
+
+from pytest_moe_parity import backends
+from pytest_moe_parity.backends.hf import TorchBackend
+from pytest_moe_parity.record.run import record_golden
+from pytest_moe_parity.record.tiny import available_archs
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+
+
+def drill(pytester: pytest.Pytester, golden: Path, point: str, *args: str, model: Path | None = None):
+    """Drill `point` alone: (the run, its op rows in forward order, the drill's own record)."""
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", point, "-k", point,
+        "--parity-report", str(report), *args, model=model,
+    )  # fmt: skip
+    rows = sorted(read_json(report / REPORT_FILE)["points"], key=lambda r: r["order"])
+    ops = [r for r in rows if r.get("op")]
+    (record,) = [r["drill"] for r in rows if r.get("drill") and r["id"] == f"{point}::drill"]
+    return result, ops, record
+
+
+def assert_culprit(ops: list[dict], record: dict, point: str, culprit: str, recovery: float = 0.9) -> None:
+    """`culprit` is the first failing op of the drill, everything before it passed, the failing ops
+    after it are inherited (or introduced, missing, extra: each their own), and substitution recovers."""
+    failing = [r["id"] for r in ops if r["status"] == "failed"]
+    assert failing and failing[0] == f"{point}::{culprit}", failing
+    assert record["culprit"] == culprit
+    first = next(i for i, r in enumerate(ops) if r["status"] == "failed")
+    assert all(r["op"]["verdict"] == "ok" for r in ops[:first])
+    after = [r["op"]["verdict"] for r in ops[first + 1 :] if r["status"] == "failed"]
+    assert after and all(v in ("inherited", "introduced", "missing", "extra") for v in after) or len(ops) - first <= 2
+    recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
+    assert recovered and max(recovered) >= recovery, record
+
+
+def _norm_eps(tiny_model, golden_dir, tmp):
+    cand = edit_checkpoint(tiny_model("qwen3_moe"), tmp / "cand", lambda t: None)
+    edit_config(cand, lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 1000))
+    return golden_dir("qwen3_moe"), cand, "layer_1.input_norm", "add"
+
+
+def _no_renormalisation(tiny_model, golden_dir, tmp):
+    cand = edit_checkpoint(tiny_model("qwen3_moe"), tmp / "cand", lambda t: None)
+    edit_config(cand, lambda c: c.update(norm_topk_prob=False))
+    return golden_dir("qwen3_moe"), cand, "layer_1.router", "renorm"
+
+
+def _score_bias_ignored(tiny_model, golden_dir, tmp):
+    cand = edit_checkpoint(tiny_model("deepseek_v3"), tmp / "cand", drop_score_bias(1))
+    return golden_dir("deepseek_v3"), cand, "layer_1.router", "bias"
+
+
+def _expert_down_transposed(tiny_model, golden_dir, tmp):
+    model = tiny_model("qwen3_moe", moe_intermediate_size=64)  # square: the transposed weight loads
+    golden = tmp / "golden"
+    record_golden(model, golden)
+    expert = _used_experts(golden, 1)[0]
+
+    def edit(t):
+        key = f"model.layers.1.mlp.experts.{expert}.down_proj.weight"
+        t[key] = t[key].T.contiguous()
+
+    return golden, edit_checkpoint(model, tmp / "cand", edit), "layer_1.experts", f"expert[{expert}].down_proj"
+
+
+CPU_FAULTS = {
+    "norm_eps": _norm_eps,
+    "no_renormalisation": _no_renormalisation,
+    "score_bias_ignored": _score_bias_ignored,
+    "expert_down_transposed": _expert_down_transposed,
+}
+
+
+@pytest.mark.parametrize("fault", sorted(CPU_FAULTS))
+def test_a_weight_or_config_fault_is_named_at_its_op(fault, pytester, tiny_model, golden_dir, tmp_path) -> None:
+    golden, candidate, point, culprit = CPU_FAULTS[fault](tiny_model, golden_dir, tmp_path)
+    result, ops, record = drill(pytester, golden, point, model=candidate)
+    assert_culprit(ops, record, point, culprit)
+    result.stdout.fnmatch_lines([f"drill {point}: * failed; culprit {culprit.replace('[', '[[]')}*"])
+
+
+def _softmax_in_bf16(module) -> None:
+    module.forward = types.MethodType(_router_softmax_in_its_dtype, module)
+
+
+def _scaled_twice(module) -> None:
+    module.scaling = module.scaling * module.scaling
+
+
+# The candidate's own modules patched (the reference, another instance of the same classes, is not):
+# the code of the candidate differs from the reference's, as in a fork of the modeling file.
+CANDIDATE_CODE_FAULTS = {
+    "router_softmax_bf16": ("Qwen3MoeTopKRouter", _softmax_in_bf16, "layer_1.router", "score"),
+    "scores_scaled_twice": ("Qwen3MoeAttention", _scaled_twice, "layer_1.attention", "eager_attention_forward.mul"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(CANDIDATE_CODE_FAULTS))
+def test_a_code_fault_is_named_at_its_op(fault, pytester, golden_dir, monkeypatch) -> None:
+    cls, patch, point, culprit = CANDIDATE_CODE_FAULTS[fault]
+    start = TorchBackend.start
+
+    def start_patched(self) -> None:
+        start(self)
+        for module in self.lazy.model.modules():
+            if type(module).__name__ == cls:
+                patch(module)
+
+    monkeypatch.setattr(TorchBackend, "start", start_patched)
+    _, ops, record = drill(pytester, golden_dir("qwen3_moe"), point)
+    assert_culprit(ops, record, point, culprit)
+
+
+def softmax_off(gm, example_inputs):
+    """A torch.compile backend that miscompiles softmax (its output 3% high) and nothing else."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and "softmax" in str(node.target):
+            with gm.graph.inserting_after(node):
+                scaled = gm.graph.call_function(torch.mul, (node, 1.03))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    gm.recompile()
+    return gm.forward
+
+
+def test_a_miscompiled_op_is_named_on_compile(pytester, golden_dir, cache_dir, _import_inductor_once) -> None:
+    pytester.makepyfile(drill_compiler="from test_drill import softmax_off  # noqa: F401")
+    pytester.syspathinsert(Path(__file__).parent)
+    pytester.syspathinsert()
+    point = "layer_1.attention"
+    args = ["--hw", "compile", "--hw-option", "compiler=drill_compiler:softmax_off"]
+    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), point, *args, "--hw-option", f"cache_dir={cache_dir}")
+    assert_culprit(ops, record, point, "eager_attention_forward.softmax")
+    # 3% off in one op is within the component's fixed bf16 limit: the drill sees what it cannot
+    result.stdout.fnmatch_lines([f"drill {point}: * culprit eager_attention_forward.softmax, *recovers 100%"])
+
+
+def _perturb_softmax(traced):
+    """A TorchScript graph whose softmax output is 3% high: a miscompile of one op kind."""
+    graph = traced.graph
+    for node in list(graph.nodes()):
+        if node.kind() in ("aten::softmax", "aten::_softmax"):
+            out = node.output()
+            graph.setInsertPoint(node)
+            factor = graph.insertConstant(1.03)
+            mul = graph.create("aten::mul", [out, factor])
+            mul.insertAfter(node)
+            out.replaceAllUsesWith(mul.output())
+            mul.replaceInput(0, out)
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    return torch.jit.load(buffer)
+
+
+def test_a_miscompiled_op_is_named_on_trace(pytester, golden_dir, tmp_path, monkeypatch) -> None:
+    real = torch.jit.trace
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: _perturb_softmax(real(*a, **k)))
+    point = "layer_1.attention"
+    args = ["--hw", "trace", "--hw-option", f"cache_dir={tmp_path / 'cache'}"]
+    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), point, *args)
+    assert_culprit(ops, record, point, "eager_attention_forward.softmax")
+    result.stdout.fnmatch_lines([f"drill {point}: * culprit eager_attention_forward.softmax, *recovers 100%"])
+
+
+# -- a port with its own code: matched many-to-many --------------------------------------------------
+
+
+@pytest.fixture
+def port(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(backends.registry(), PortBackend.name, PortBackend)
+
+
+PORT_LAYOUT = "fused_qkv,split_heads,other_rounding"
+
+
+def test_a_port_laid_out_otherwise_is_matched_and_drills_clean(pytester, golden_dir, tiny_model, port) -> None:
+    args = ["--hw", "port", "--hw-option", f"bugs={PORT_LAYOUT}"]
+    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", *args,
+                                model=tiny_model("qwen3_moe"))  # fmt: skip
+    assert record["culprit"] is None and all(r["status"] == "passed" for r in ops), record
+    how = {r["id"].split("::")[1]: r["op"]["how"] for r in ops if r["op"]}
+    assert how["q_proj"] == how["k_proj"] == how["v_proj"] == "value (fused: 3 in one)"
+    assert how["eager_attention_forward.bmm"] == "value (split: one in 4)"
+    assert how["eager_attention_forward.add"] == "value"  # the port masks with masked_fill
+    result.stdout.fnmatch_lines(["drill layer_1.attention: * 0 failed; no culprit"])
+
+
+@pytest.mark.parametrize(
+    ("bug", "point", "culprit"),
+    [
+        ("rope_interleaved", "layer_1.attention", "rotate_half.neg"),
+        ("scale_by_hidden", "layer_1.attention", "eager_attention_forward.mul"),
+        ("mask_one_ahead", "layer_1.attention", "eager_attention_forward.add"),
+        ("no_renormalise", "layer_1.router", "renorm"),
+        ("router_softmax_bf16", "layer_1.router", "score"),
+    ],
+)
+def test_a_port_bug_is_named_at_its_op(bug, point, culprit, pytester, golden_dir, tiny_model, port) -> None:
+    args = ["--hw", "port", "--hw-option", f"bugs={bug},{PORT_LAYOUT}"]
+    _, ops, record = drill(pytester, golden_dir("qwen3_moe"), point, *args, model=tiny_model("qwen3_moe"))
+    assert_culprit(ops, record, point, culprit)
+
+
+def test_an_op_matched_to_nothing_fails_the_drill_with_its_name(
+    pytester, golden_dir, tiny_model, port, monkeypatch
+) -> None:
+    import port_qwen3
+
+    forward = port_qwen3.Attention.forward
+
+    def with_a_stray_op(self, x, *args, **kwargs):
+        torch.erf(x)  # computed and thrown away: nothing in the reference matches it
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(port_qwen3.Attention, "forward", with_a_stray_op)
+    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", "--hw", "port",
+                                model=tiny_model("qwen3_moe"))  # fmt: skip
+    extra = [r for r in record["rows"] if r["verdict"] == "extra"]
+    assert [r["name"] for r in extra] == ["with_a_stray_op.erf"]  # named by the function it runs in
+    assert record["culprit"] == "with_a_stray_op.erf"
+    result.stdout.fnmatch_lines(["*EXTRA      with_a_stray_op.erf *(a candidate op that matches no reference op)"])
+    result.assert_outcomes(failed=1, passed=len(ops) + 1)  # the ::drill item; the point itself passes
+
+
+# -- clean drills, auto, repro, usage ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", available_archs())
+def test_a_clean_bf16_candidate_drills_clean(arch, pytester, golden_dir) -> None:
+    """Every component of a layer, drilled: no culprit, no failing op."""
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, golden_dir(arch), "--dtype", "bfloat16", "--parity-drill", "layer_1.*", "-k", "layer_1",
+        "--parity-report", str(report),
+    )  # fmt: skip
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    drills = read_json(report / SUMMARY_FILE)["drills"]
+    assert drills and all(d["culprit"] is None and d["failed_ops"] == 0 for d in drills.values()), drills
+
+
+def test_auto_drills_the_first_failing_component(pytester, tiny_model, golden_dir, tmp_path) -> None:
+    golden, candidate, point, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
+    report = pytester.path / "report"
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", "auto", "-x",
+                        "--parity-report", str(report), model=candidate)  # fmt: skip
+    result.assert_outcomes(failed=1, passed=2)  # embedding and rotary, then layer_0.input_norm stops the run
+    result.stdout.fnmatch_lines(
+        [
+            "layer_0.input_norm: drilled into * ops (bfloat16, noise factor 1.5)",
+            f"  culprit: {culprit} introduced the divergence",
+            "collect these ops as items: pytest ... --parity-drill layer_0.input_norm",
+        ]
+    )
+    row = next(r for r in read_json(report / REPORT_FILE)["points"] if r["id"] == "layer_0.input_norm")
+    assert row["drill"]["culprit"] == culprit
+
+
+def test_the_repro_fails_alone_on_the_candidate_and_passes_on_the_reference(
+    pytester, tiny_model, golden_dir, tmp_path
+) -> None:
+    golden, candidate, point, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
+    repro = tmp_path / "repro"
+    drill(pytester, golden, point, "--parity-repro", str(repro), model=candidate)
+    (test_file,) = repro.glob("test_*.py")
+    assert len(list(repro.iterdir())) == 2  # the test and its safetensors, nothing of the golden
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:moe-parity", test_file.name],
+        cwd=repro, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert f"{point}::{culprit}: the candidate's aten.add.Tensor gives rel_l2" in run.stdout
+    assert "FAILED test_layer_1_input_norm_add.py::test_candidate" in run.stdout
+    meta = json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
+    assert meta["candidate"]["op"] == "aten.add.Tensor" and meta["runner"]["kind"] == "eager"
+
+
+def test_drill_usage_errors(pytester, golden_dir) -> None:
+    golden = golden_dir("qwen3_moe")
+    usage_error(run_parity(pytester, golden, "--parity-drill", "layer_9.attention"),
+                "--parity-drill 'layer_9.attention' matches no point of this golden's prefill")  # fmt: skip
+    usage_error(run_parity(pytester, golden, "--parity-repro", "out"),
+                "--parity-repro writes the repro file of a drill's culprit: add --parity-drill")  # fmt: skip
+    class Outputs(backends.Backend):  # a backend of outputs only: nothing to drill into
+        name = "outputs-only"
+
+        def run(self, point, golden):  # pragma: no cover - the run stops at configure
+            raise AssertionError
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(backends.registry(), Outputs.name, Outputs)
+        usage_error(
+            run_parity(pytester, golden, "--hw", Outputs.name, "--parity-drill", "layer_0.attention"),
+            "--parity-drill: the outputs-only backend gives no torch modules to drill into",
+        )
