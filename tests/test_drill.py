@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from drill_port import PortBackend
-from faults import _router_softmax_in_its_dtype, _used_experts, drop_score_bias, edit_checkpoint, edit_config
+from faults import _router_softmax_in_its_dtype, _used_experts, drop_score_bias, edit_checkpoint, edit_config, scale
 from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
 
 from pytest_moe_parity import backends
@@ -49,7 +50,8 @@ def assert_culprit(ops: list[dict], record: dict, point: str, culprit: str, reco
     first = next(i for i, r in enumerate(ops) if r["status"] == "failed")
     assert all(r["op"]["verdict"] == "ok" for r in ops[:first])
     after = [r["op"]["verdict"] for r in ops[first + 1 :] if r["status"] == "failed"]
-    assert after and all(v in ("inherited", "introduced", "missing", "extra") for v in after) or len(ops) - first <= 2
+    marked = all(v in ("inherited", "introduced", "missing", "extra") for v in after)
+    assert (after and marked) or len(ops) - first <= 2
     recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
     assert recovered and max(recovered) >= recovery, record
 
@@ -138,7 +140,7 @@ def softmax_off(gm, example_inputs):
         if node.op == "call_function" and "softmax" in str(node.target):
             with gm.graph.inserting_after(node):
                 scaled = gm.graph.call_function(torch.mul, (node, 1.03))
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user, scaled=scaled: user is not scaled)
     gm.recompile()
     return gm.forward
 
@@ -149,7 +151,9 @@ def test_a_miscompiled_op_is_named_on_compile(pytester, golden_dir, cache_dir, _
     pytester.syspathinsert()
     point = "layer_1.attention"
     args = ["--hw", "compile", "--hw-option", "compiler=drill_compiler:softmax_off"]
-    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), point, *args, "--hw-option", f"cache_dir={cache_dir}")
+    result, ops, record = drill(
+        pytester, golden_dir("qwen3_moe"), point, *args, "--hw-option", f"cache_dir={cache_dir}"
+    )
     assert_culprit(ops, record, point, "eager_attention_forward.softmax")
     # 3% off in one op is within the component's fixed bf16 limit: the drill sees what it cannot
     result.stdout.fnmatch_lines([f"drill {point}: * culprit eager_attention_forward.softmax, *recovers 100%"])
@@ -261,7 +265,7 @@ def test_a_clean_bf16_candidate_drills_clean(arch, pytester, golden_dir) -> None
 
 
 def test_auto_drills_the_first_failing_component(pytester, tiny_model, golden_dir, tmp_path) -> None:
-    golden, candidate, point, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
+    golden, candidate, _, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
     report = pytester.path / "report"
     result = run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", "auto", "-x",
                         "--parity-report", str(report), model=candidate)  # fmt: skip
@@ -302,6 +306,7 @@ def test_drill_usage_errors(pytester, golden_dir) -> None:
                 "--parity-drill 'layer_9.attention' matches no point of this golden's prefill")  # fmt: skip
     usage_error(run_parity(pytester, golden, "--parity-repro", "out"),
                 "--parity-repro writes the repro file of a drill's culprit: add --parity-drill")  # fmt: skip
+
     class Outputs(backends.Backend):  # a backend of outputs only: nothing to drill into
         name = "outputs-only"
 
@@ -314,3 +319,17 @@ def test_drill_usage_errors(pytester, golden_dir) -> None:
             run_parity(pytester, golden, "--hw", Outputs.name, "--parity-drill", "layer_0.attention"),
             "--parity-drill: the outputs-only backend gives no torch modules to drill into",
         )
+
+
+def test_a_reference_that_does_not_reproduce_the_golden_fails_the_drill(pytester, tiny_model, tmp_path) -> None:
+    """The golden's model changed after the recording: the drill's reference is no longer the golden's."""
+    model = edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "model", lambda t: None)
+    golden = tmp_path / "golden"
+    record_golden(model, golden)
+    shutil.rmtree(model)
+    edit_checkpoint(tiny_model("qwen3_moe"), model, scale("input_layernorm.weight", 1, 1.5))
+    result, ops, record = drill(pytester, golden, "layer_1.input_norm")  # the candidate: the model as it is now
+    assert record["reference_error"] > 0.1
+    result.stdout.fnmatch_lines(["*the reference's rerun here does not reproduce the golden at layer_1.input_norm*"])
+    assert all(r["status"] == "passed" for r in ops)  # the candidate agrees with the changed reference...
+    result.assert_outcomes(failed=2, passed=len(ops))  # ...and the point and the drill fail

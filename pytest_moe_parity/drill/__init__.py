@@ -71,6 +71,7 @@ class Driller:
         self.trust_remote_code = trust_remote_code
         self._lazy = None
         self._graphs: dict[str, tuple[OpGraph, OpGraph]] = {}
+        self.reproduced: dict[str, float | None] = {}  # point -> the rerun's error against the golden
         self.drills: dict[str, Drill] = {}
 
     def _reference_model(self):
@@ -90,7 +91,8 @@ class Driller:
             module = lazy.module(point.module)
             args, kwargs = resolve_params(record.args, lazy.model), resolve_params(record.kwargs, lazy.model)
             router = point.component == ROUTER
-            ref, _ = capture(module, args, kwargs, root=point.module)
+            ref, output = capture(module, args, kwargs, root=point.module)
+            self.reproduced[point.id] = _reproduces(record.output, output)
             dtype = self.backend.dtype
             low_module = copy.deepcopy(module).to(dtype)
             cpu = torch.device("cpu")
@@ -130,6 +132,7 @@ class Driller:
             point.id, ref, low, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
             execute=runner, replay_chained=runner is not None, same_code=same_code,
         )  # fmt: skip
+        result.reference_error = self.reproduced.get(point.id)
         self.drills[point.id] = result
         return result
 
@@ -168,6 +171,19 @@ class Driller:
         if self._lazy is not None:
             self._lazy.close()
             self._lazy = None
+
+
+def _reproduces(golden: Any, rerun: Any) -> float | None:
+    """The rerun's first output against the golden's (relative L2), or None where there is none."""
+    from torch.utils._pytree import tree_flatten
+
+    from .match import rel_l2
+
+    g = next((t for t in tree_flatten(golden)[0] if isinstance(t, torch.Tensor)), None)
+    r = next((t for t in tree_flatten(rerun)[0] if isinstance(t, torch.Tensor)), None)
+    if g is None or r is None or g.numel() != r.numel():
+        return None
+    return rel_l2(r.reshape(g.shape), g)
 
 
 class _Lookup:

@@ -205,6 +205,12 @@ def drill_text(drill: Any, limit: int = 40) -> str:
     """A drill's op table: the culprit, its recovery, then the ops in forward order (the healthy
     ones before the first failure folded into a count)."""
     lines = [f"{drill.point}: drilled into {len(drill.rows)} ops ({drill.dtype}, noise factor {drill.factor:g})"]
+    if drill.foreign_reference:
+        lines.append(
+            f"  the reference's rerun here does not reproduce the golden at {drill.point} (rel_l2 "
+            f"{fmt(drill.reference_error, 3)}): the golden's model or transformers' code here differ from the "
+            f"recording's, and the ops below are judged against this machine's run"
+        )
     if drill.culprit:
         row = drill.row(drill.culprit)
         what = "has no counterpart in the candidate" if row is not None and row.verdict == "missing" else (
