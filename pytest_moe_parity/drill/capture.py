@@ -119,6 +119,10 @@ class OpNode:
     def layout(self) -> bool:
         return self.kind in LAYOUT_OPS or self.constant
 
+    def leaves(self) -> list[Any]:
+        """Its arguments flattened: refs and plain values."""
+        return tree_flatten((self.args, self.kwargs))[0]
+
     def inputs(self) -> list[Ref]:
         """The refs this op reads, in order."""
         leaves, _ = tree_flatten((self.args, self.kwargs))
@@ -214,6 +218,7 @@ class _Recorder(TorchDispatchMode):
         self.nodes: list[OpNode] = []
         self.refs: dict[int, Ref] = {}  # id(tensor) -> where it came from
         self.keep: list[torch.Tensor] = []  # every tensor seen stays alive: ids are not reused
+        self.by_storage: dict[int, list[tuple[list, int]]] = {}  # storage -> the kept values in it
         self.consts: list[torch.Tensor] = []
         self.expert_params = {
             id(p): (name, p.shape[0]) for name, p in root.named_parameters() if p.dim() == 3
@@ -239,8 +244,26 @@ class _Recorder(TorchDispatchMode):
             frame = frame.f_back
         return ""
 
+    def watch(self, values: list, i: int) -> None:
+        """Values are kept as the ops left them, not copied: an op that later writes into their
+        storage (in place) copies them first (`_before_write`)."""
+        t = values[i]
+        self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((values, i))
+
+    def _before_write(self, t: torch.Tensor) -> None:
+        for values, i in self.by_storage.pop(t.untyped_storage().data_ptr(), []):
+            values[i] = values[i].clone()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        written = [
+            args[i] if i < len(args) else kwargs.get(a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        for t in written:
+            if isinstance(t, torch.Tensor):
+                self._before_write(t)
         out = func(*args, **kwargs)
         scope = self.stack[-1] if self.stack else ""
         param = expert = None
@@ -274,7 +297,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.refs[id(t)] = Ref("op", index, i)
                 self.keep.append(t)
-                values.append(t.detach().clone())
+                values.append(t.detach())
+                self.watch(values, i)
             else:
                 values.append(t)
         for pos in mutates:  # the written tensor now holds this op's output
@@ -309,8 +333,10 @@ def capture(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root:
     recorder = _Recorder(module, stack)
     flat, _ = tree_flatten((list(args), dict(kwargs)))
     inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+    kept_inputs = [t.detach() for t in inputs]
     for i, t in enumerate(inputs):
         recorder.refs[id(t)] = Ref("input", i)
+        recorder.watch(kept_inputs, i)
     params = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     for name, p in params.items():
@@ -322,7 +348,7 @@ def capture(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root:
         for h in hooks:
             h.remove()
     out_refs = tree_map(lambda x: recorder.refs.get(id(x), x) if isinstance(x, torch.Tensor) else x, output)
-    graph = OpGraph(recorder.nodes, [t.detach() for t in inputs], params, recorder.consts, out_refs, root)
+    graph = OpGraph(recorder.nodes, kept_inputs, params, recorder.consts, out_refs, root)
     name_ops(graph)
     return graph, output
 

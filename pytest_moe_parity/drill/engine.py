@@ -239,6 +239,14 @@ class Drilling:
             for r, c in zip(ref.outputs, low.outputs, strict=False)
         ]
 
+    def _same_call(self, cand: OpNode, low: OpNode) -> bool:
+        """Whether the candidate's op runs exactly as the reference's own in the candidate's dtype
+        (same code run eagerly on the same device: the same op and arguments, the same weights and
+        constants read through the same views), so that its isolated run is the reference's too."""
+        if not self.same_code or self.execute is not None:
+            return False
+        return _same_reads(self.cand, cand, self.low, low)
+
     def _cand_through(self, node: OpNode) -> bool:
         m = self.by_cand.get(node.index)
         return m is not None and m.how == CAST
@@ -285,9 +293,13 @@ class Drilling:
                     if iso_as_ref is not None:
                         row.isolated = rel_l2(iso_as_ref, value)
                 if row.isolated is not None and low is not None:
-                    low_iso = self._isolate(self.low, low, self._low_from_ref, None, through=self._low_through)
-                    if low_iso is not None and low_iso.numel() == value.numel():
-                        row.isolated_noise = rel_l2(low_iso.reshape(value.shape), value)
+                    if self._same_call(c, low):  # the same op on the same values: the same result
+                        row.isolated_noise = row.isolated
+                    else:
+                        low_iso = self._isolate(self.low, low, self._low_from_ref, None, through=self._low_through)
+                        if low_iso is not None and low_iso.numel() == value.numel():
+                            row.isolated_noise = rel_l2(low_iso.reshape(value.shape), value)
+                    if row.isolated_noise is not None:
                         row.isolated_ratio = row.isolated / max(row.isolated_noise, self.floor)
             inputs = self._input_ratios(r, ratio_of)
             if row.isolated_ratio is not None:
@@ -468,6 +480,37 @@ class Drilling:
             else:
                 out.append(producer.index)
         return out
+
+
+def _same_reads(a_graph: OpGraph, a: OpNode, b_graph: OpGraph, b: OpNode, depth: int = 0) -> bool:
+    """Same op, same plain arguments, inputs of the same dtype, device and shape, and the same
+    weights and constants (by value), followed through views."""
+    if a.func is not b.func or depth > 32:
+        return False
+    a_leaves, b_leaves = a.leaves(), b.leaves()
+    if len(a_leaves) != len(b_leaves):
+        return False
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        if isinstance(x, Ref) != isinstance(y, Ref):
+            return False
+        if not isinstance(x, Ref):
+            if x != y:
+                return False
+            continue
+        if x.kind != y.kind:
+            return False
+        u, v = a_graph.value_of(x), b_graph.value_of(y)
+        if not isinstance(u, torch.Tensor) or not isinstance(v, torch.Tensor):
+            return False
+        if (u.dtype, u.device, u.shape) != (v.dtype, v.device, v.shape):
+            return False
+        if x.kind in ("param", "const") and not torch.equal(u, v):
+            return False
+        if x.kind == "op":
+            pa, pb = a_graph.nodes[x.at], b_graph.nodes[y.at]
+            if pa.layout != pb.layout or (pa.layout and not _same_reads(a_graph, pa, b_graph, pb, depth + 1)):
+                return False
+    return True
 
 
 def run_drill(

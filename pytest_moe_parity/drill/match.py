@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +31,19 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     """||candidate - reference|| / ||reference|| over the reference's finite entries (equal entries,
     infinities included, differ by nothing; a NaN or an infinity where the other side has none is an
     infinite error); for integer and boolean outputs, the share of entries that differ."""
-    c, r = candidate.detach().double().cpu(), reference.detach().double().cpu()
+    r = reference.detach()
+    c = candidate.detach().to(r.device)
     if not (r.is_floating_point() or r.is_complex()):
         return float((c != r).double().mean()) if c.numel() else 0.0
+    c, r = c.float(), r.float()
+    num, denom = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
+    if math.isfinite(num) and math.isfinite(denom):  # the common case: two passes
+        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
     same = (c == r) | (c.isnan() & r.isnan())
     if bool((~same & ~(c.isfinite() & r.isfinite())).any()):
         return float("inf")
-    diff = torch.where(same, 0.0, c - r)
-    denom = float(torch.where(r.isfinite(), r, 0.0).norm())
-    num = float(diff.norm())
+    num = float(torch.linalg.vector_norm(torch.where(same, 0.0, c - r).double()))
+    denom = float(torch.linalg.vector_norm(torch.where(r.isfinite(), r, 0.0).double()))
     if denom == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / denom

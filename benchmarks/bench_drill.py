@@ -1,0 +1,111 @@
+"""What a drill costs against its component's own replay, and how big its repro file is.
+
+1. **Cost.** For each component of one layer (attention, router, experts, the MoE block, the
+   decoder layer), the point's replay on `--hw cpu` in bf16 (the candidate's forward and its verdict:
+   `ParityRunner.prepare` + `judge`, best of `--repeat`) against its drill (`Driller.drill`: the
+   reference captured in float32 and in bf16, the candidate captured, every op judged chained and
+   isolated, the culprit substituted), on a fresh driller each time (nothing cached), on a model of
+   `--hidden` width and `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu` has none).
+2. **Repro size.** A 48-layer tiny model's golden against the repro file of an RMSNorm-eps fault in
+   layer 17's attention (`--parity-repro`): the target is under 1% of the golden.
+
+    python benchmarks/bench_drill.py [--hidden 256] [--tokens 64] [--repeat 3] [--layers 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
+    from pytest_moe_parity.drill import Driller
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.record.tiny import write_tiny_model
+    from pytest_moe_parity.session import ParitySession, RunOptions
+
+    overrides = {"hidden_size": hidden, "moe_intermediate_size": hidden // 2, "intermediate_size": hidden * 2}
+    model = write_tiny_model("qwen3_moe", work / "model", layers=2, overrides=overrides)
+    golden = work / "golden"
+    record_golden(model, golden, seq_len=tokens)
+    session = ParitySession(RunOptions(golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"]))
+    print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, --hw cpu, bfloat16 (best of {repeat})")
+    print(f"  {'point':22} {'replay s':>9} {'drill s':>9} {'ratio':>6}  ops  culprit")
+    for pid in ("layer_1.attention", "layer_1.router", "layer_1.experts", "layer_1.moe", "layer_1.output"):
+        point = session.golden.point(pid)
+        session.runner.judge(session.runner.prepare(pid))  # warm: the layer read, the first forward
+        replay = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            session.runner.judge(session.runner.prepare(pid))
+            replay.append(time.perf_counter() - started)
+        drills = []
+        for _ in range(repeat):
+            driller = Driller(session.golden, model, session.backend, lambda p: 1.5)
+            driller.reference(point)  # the reference layer read from disk: not the drill's own cost
+            driller._graphs.clear()
+            started = time.perf_counter()
+            result = driller.drill(point)
+            drills.append(time.perf_counter() - started)
+            driller.close()
+        r, d = min(replay), min(drills)
+        print(f"  {pid:22} {r:9.4f} {d:9.4f} {d / r:6.2f}  {len(result.rows):3}  {result.culprit}")
+    session.close()
+
+
+def repro_size(work: Path, layers: int) -> None:
+    from faults import edit_checkpoint, edit_config
+
+    from pytest_moe_parity.drill import Driller
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.record.tiny import write_tiny_model
+    from pytest_moe_parity.session import ParitySession, RunOptions
+
+    model = write_tiny_model("qwen3_moe", work / "model48", layers=layers)
+    golden = work / "golden48"
+    record_golden(model, golden)
+    candidate = edit_checkpoint(model, work / "cand48", lambda t: None)
+    edit_config(candidate, lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 1000))
+    repro = work / "repro"
+    options = RunOptions(golden_dir=golden, model=candidate, dtype="bfloat16", weights=False, drill=["layer_17.attention"])
+    session = ParitySession(options)
+    driller: Driller = session.driller
+    result = driller.drill(session.golden.point("layer_17.attention"))
+    driller.write_repro(result, repro)
+    g, r = _size(golden), _size(repro)
+    print(f"repro of {result.point}::{result.culprit}: {r} bytes ({', '.join(p.name for p in repro.iterdir())})")
+    print(f"golden of {layers} layers: {g} bytes; the repro is {100 * r / g:.3f}% of it")
+    session.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=48)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    work = Path(tempfile.mkdtemp(prefix="bench-drill-"))
+    try:
+        cost(work, args.hidden, args.tokens, args.repeat)
+        repro_size(work, args.layers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
