@@ -80,8 +80,8 @@ def repro_size(work: Path, layers: int) -> None:
     candidate = edit_checkpoint(model, work / "cand48", lambda t: None)
     edit_config(candidate, lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 1000))
     repro = work / "repro"
-    options = RunOptions(golden_dir=golden, model=candidate, dtype="bfloat16", weights=False, drill=["layer_17.attention"])
-    session = ParitySession(options)
+    options = {"dtype": "bfloat16", "weights": False, "drill": ["layer_17.attention"]}
+    session = ParitySession(RunOptions(golden_dir=golden, model=candidate, **options))
     driller: Driller = session.driller
     result = driller.drill(session.golden.point("layer_17.attention"))
     driller.write_repro(result, repro)

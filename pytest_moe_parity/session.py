@@ -459,7 +459,12 @@ class ParitySession:
             drill.repro = f"not written ({type(exc).__name__}: {exc})"
             return
         if written is None:
-            drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
+            row = drill.row(drill.culprit)
+            drill.repro = (
+                f"not written: the candidate has no op for {drill.culprit} (a computation left out: nothing to run alone)"
+                if row is not None and row.verdict == "missing"
+                else f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
+            )
 
     def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
         """`--parity-drill auto`: the first failing component drilled, its op table for the failure

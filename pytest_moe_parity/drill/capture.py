@@ -14,14 +14,14 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 @dataclass(frozen=True)
@@ -114,19 +114,21 @@ class OpNode:
     mutates: tuple[int, ...] = ()  # positions of args it writes in place
     name: str = ""
     constant: bool = False  # computed from constants alone (a port's own causal mask): not a row
+    _leaves: list[Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def layout(self) -> bool:
         return self.kind in LAYOUT_OPS or self.constant
 
     def leaves(self) -> list[Any]:
-        """Its arguments flattened: refs and plain values."""
-        return tree_flatten((self.args, self.kwargs))[0]
+        """Its arguments flattened: refs and plain values (computed once: they do not change)."""
+        if self._leaves is None:
+            self._leaves = tree_flatten((self.args, self.kwargs))[0]
+        return self._leaves
 
     def inputs(self) -> list[Ref]:
         """The refs this op reads, in order."""
-        leaves, _ = tree_flatten((self.args, self.kwargs))
-        return [x for x in leaves if isinstance(x, Ref)]
+        return [x for x in self.leaves() if isinstance(x, Ref)]
 
     @property
     def value(self) -> torch.Tensor | None:
@@ -196,9 +198,8 @@ class OpGraph:
         return values
 
     def _run(self, execute, values, value, stop, only, replace) -> None:
-        for node in self.nodes[:stop]:
-            if only is not None and node.index not in only:
-                continue
+        nodes = self.nodes[:stop] if only is None else [self.nodes[i] for i in sorted(only) if stop is None or i < stop]
+        for node in nodes:
             if all(Ref("op", node.index, i) in replace for i in range(len(node.outputs))):
                 continue
             args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
@@ -267,7 +268,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         scope = self.stack[-1] if self.stack else ""
         param = expert = None
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in, in_spec = tree_flatten((args, kwargs))
         for t in flat_in:
             if isinstance(t, torch.Tensor):
                 ref = self.refs.get(id(t))
@@ -288,8 +289,8 @@ class _Recorder(TorchDispatchMode):
         mutates = tuple(
             i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
         )
-        node_args = tree_map(lambda x: self.ref_of(x) if isinstance(x, torch.Tensor) else x, args)
-        node_kwargs = tree_map(lambda x: self.ref_of(x) if isinstance(x, torch.Tensor) else x, kwargs)
+        leaves = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
+        node_args, node_kwargs = tree_unflatten(leaves, in_spec)
         flat_out, spec = tree_flatten(out)
         index = len(self.nodes)
         values = []
@@ -307,6 +308,7 @@ class _Recorder(TorchDispatchMode):
         node = OpNode(
             index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates
         )
+        node._leaves = leaves
         # from constants alone (factories included): the same whatever the inputs
         node.constant = all(r[0] == "const" or (r[0] == "op" and self.nodes[r[1]].constant) for r in node.inputs())
         self.nodes.append(node)

@@ -132,6 +132,7 @@ class Drilling:
         low_names = reference_low.by_name()
         self.low_of = {n.index: low_names.get(n.name) for n in reference.nodes}
         self._ref_names = reference.by_name()
+        self._equal: dict[tuple, bool] = {}  # (kind, candidate's, reference's) -> the same values
         self.matches, self.left_ref, self.left_cand = match(reference, candidate)
         self.by_ref: dict[int, Match] = {}
         self.by_cand: dict[int, Match] = {}
@@ -245,7 +246,7 @@ class Drilling:
         constants read through the same views), so that its isolated run is the reference's too."""
         if not self.same_code or self.execute is not None:
             return False
-        return _same_reads(self.cand, cand, self.low, low)
+        return _same_reads(self.cand, cand, self.low, low, self._equal)
 
     def _cand_through(self, node: OpNode) -> bool:
         m = self.by_cand.get(node.index)
@@ -482,7 +483,9 @@ class Drilling:
         return out
 
 
-def _same_reads(a_graph: OpGraph, a: OpNode, b_graph: OpGraph, b: OpNode, depth: int = 0) -> bool:
+def _same_reads(
+    a_graph: OpGraph, a: OpNode, b_graph: OpGraph, b: OpNode, equal: dict[tuple, bool], depth: int = 0
+) -> bool:
     """Same op, same plain arguments, inputs of the same dtype, device and shape, and the same
     weights and constants (by value), followed through views."""
     if a.func is not b.func or depth > 32:
@@ -504,11 +507,15 @@ def _same_reads(a_graph: OpGraph, a: OpNode, b_graph: OpGraph, b: OpNode, depth:
             return False
         if (u.dtype, u.device, u.shape) != (v.dtype, v.device, v.shape):
             return False
-        if x.kind in ("param", "const") and not torch.equal(u, v):
-            return False
+        if x.kind in ("param", "const"):
+            key = (x.kind, x.at, y.at)
+            if key not in equal:  # a weight is read by many ops: compared once
+                equal[key] = torch.equal(u, v)
+            if not equal[key]:
+                return False
         if x.kind == "op":
             pa, pb = a_graph.nodes[x.at], b_graph.nodes[y.at]
-            if pa.layout != pb.layout or (pa.layout and not _same_reads(a_graph, pa, b_graph, pb, depth + 1)):
+            if pa.layout != pb.layout or (pa.layout and not _same_reads(a_graph, pa, b_graph, pb, equal, depth + 1)):
                 return False
     return True
 
