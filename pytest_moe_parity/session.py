@@ -461,7 +461,7 @@ class ParitySession:
         if written is None:
             row = drill.row(drill.culprit)
             drill.repro = (
-                f"not written: the candidate has no op for {drill.culprit} (a computation left out: nothing to run alone)"
+                f"not written: the candidate has no op for {drill.culprit} (a computation left out: no op to run)"
                 if row is not None and row.verdict == "missing"
                 else f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
             )
