@@ -23,7 +23,7 @@ from ..golden import GoldenStore
 from ..golden.spec import resolve_params
 from ..judge.tolerances import NOISE_FLOOR_EPS
 from ..points import ROUTER, Point
-from .capture import OpGraph, capture, name_ops
+from .capture import OpGraph, capture_ops, name_ops
 from .engine import Drill, OpRow, run_drill
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class Driller:
             module = lazy.module(point.module)
             args, kwargs = resolve_params(record.args, lazy.model), resolve_params(record.kwargs, lazy.model)
             router = point.component == ROUTER
-            ref, output = capture(module, args, kwargs, root=point.module)
+            ref, output = capture_ops(module, args, kwargs, root=point.module)
             self.reproduced[point.id] = _reproduces(record.output, output)
             dtype = self.backend.dtype
             low_module = copy.deepcopy(module).to(dtype)
@@ -99,7 +99,7 @@ class Driller:
             lookup = _Lookup(lazy.model, low_module, point.module, dtype)
             low_args = resolve_params(_cast(record.args, dtype, cpu), lookup)
             low_kwargs = resolve_params(_cast(record.kwargs, dtype, cpu), lookup)
-            low, _ = capture(low_module, low_args, low_kwargs, root=point.module)
+            low, _ = capture_ops(low_module, low_args, low_kwargs, root=point.module)
             if router:
                 name_ops(ref, router=True)
                 name_ops(low, router=True)
@@ -121,7 +121,7 @@ class Driller:
         try:
             with backend.drilling():
                 module, args, kwargs, same_code = backend.drill_call(point, record)
-                candidate, _ = capture(module, args, kwargs, root=point.module)
+                candidate, _ = capture_ops(module, args, kwargs, root=point.module)
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
         if point.component == ROUTER:

@@ -10,6 +10,7 @@ isolated, chained and substituted runs of the drill."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections import Counter
@@ -212,6 +213,13 @@ class OpGraph:
                 values.setdefault(Ref("op", node.index, i), t)
 
 
+@functools.cache
+def _op_info(func: Any) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
+    """An op's kind, and the positions and names of the arguments it writes in place."""
+    written = [(i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    return op_kind(func), tuple(i for i, _ in written), tuple(n for _, n in written)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, root: nn.Module, stack: list[str]):
         super().__init__()
@@ -257,11 +265,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        written = [
-            args[i] if i < len(args) else kwargs.get(a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        ]
+        kind, mutates, names = _op_info(func)
+        written = [args[i] if i < len(args) else kwargs.get(name) for i, name in zip(mutates, names, strict=True)]
         for t in written:
             if isinstance(t, torch.Tensor):
                 self._before_write(t)
@@ -278,7 +283,6 @@ class _Recorder(TorchDispatchMode):
                     source = self.nodes[ref[1]]
                     if source.layout:  # a view of a weight (t, select): the op reads that weight
                         param, expert = source.param, source.expert
-        kind = op_kind(func)
         if kind == "select" and flat_in and isinstance(flat_in[0], torch.Tensor):
             known = self.expert_params.get(id(flat_in[0]))
             if known is not None and len(args) >= 3 and isinstance(args[2], int):
@@ -286,9 +290,6 @@ class _Recorder(TorchDispatchMode):
                 self.expert[scope] = expert
         if expert is None and param is None:
             expert = self.expert.get(scope)
-        mutates = tuple(
-            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
         leaves = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
         node_args, node_kwargs = tree_unflatten(leaves, in_spec)
         flat_out, spec = tree_flatten(out)
@@ -315,7 +316,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def capture(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root: str = "") -> tuple[OpGraph, Any]:
+def capture_ops(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root: str = "") -> tuple[OpGraph, Any]:
     """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output."""
     names = {id(m): name for name, m in module.named_modules()}
     stack: list[str] = []
