@@ -2,10 +2,11 @@
 
 1. **Cost.** For each component of one layer (attention, router, experts, the MoE block, the
    decoder layer), the point's replay on `--hw cpu` in bf16 (the candidate's forward and its verdict:
-   `ParityRunner.prepare` + `judge`, best of `--repeat`) against its drill (`Driller.drill`: the
-   reference captured in float32 and in bf16, the candidate captured, every op judged chained and
-   isolated, the culprit substituted), on a fresh driller each time (nothing cached), on a model of
-   `--hidden` width and `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu` has none).
+   `ParityRunner.prepare` + `judge`, best of `--repeat`) against its drill on a fresh driller
+   (nothing cached): in all, then split into the reference's side (its captures in float32 and in
+   bf16: in a pytest run they happen at collection) and the rest (the candidate's capture, every op
+   judged chained and isolated, the culprit substituted), on a model of `--hidden` width and
+   `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu` has none).
 2. **Repro size.** A 48-layer tiny model's golden against the repro file of an RMSNorm-eps fault in
    layer 17's attention (`--parity-repro`): the target is under 1% of the golden.
 
@@ -43,7 +44,8 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
     record_golden(model, golden, seq_len=tokens)
     session = ParitySession(RunOptions(golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"]))
     print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, --hw cpu, bfloat16 (best of {repeat})")
-    print(f"  {'point':22} {'replay s':>9} {'drill s':>9} {'ratio':>6}  ops  culprit")
+    head = f"{'replay s':>9} {'drill s':>9} {'ratio':>6} {'ref s':>8} {'rest s':>8} {'ratio':>6}"
+    print(f"  {'point':22} {head}  ops  culprit")
     for pid in ("layer_1.attention", "layer_1.router", "layer_1.experts", "layer_1.moe", "layer_1.output"):
         point = session.golden.point(pid)
         session.runner.judge(session.runner.prepare(pid))  # warm: the layer read, the first forward
@@ -52,17 +54,21 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
             started = time.perf_counter()
             session.runner.judge(session.runner.prepare(pid))
             replay.append(time.perf_counter() - started)
-        drills = []
+        drills, refs = [], []
         for _ in range(repeat):
             driller = Driller(session.golden, model, session.backend, lambda p: 1.5)
             driller.reference(point)  # the reference layer read from disk: not the drill's own cost
             driller._graphs.clear()
             started = time.perf_counter()
-            result = driller.drill(point)
+            driller.reference(point)  # the reference's two captures (at collection, in a pytest run)
+            refs.append(time.perf_counter() - started)
+            result = driller.drill(point)  # the candidate's capture, the verdicts, the substitution
             drills.append(time.perf_counter() - started)
             driller.close()
-        r, d = min(replay), min(drills)
-        print(f"  {pid:22} {r:9.4f} {d:9.4f} {d / r:6.2f}  {len(result.rows):3}  {result.culprit}")
+        r, d, f = min(replay), min(drills), min(refs)
+        rest = d - f
+        row = f"{r:9.4f} {d:9.4f} {d / r:6.2f} {f:8.4f} {rest:8.4f} {rest / r:6.2f}"
+        print(f"  {pid:22} {row}  {len(result.rows):3}  {result.culprit}")
     session.close()
 
 

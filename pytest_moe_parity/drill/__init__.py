@@ -94,7 +94,7 @@ class Driller:
             ref, output = capture_ops(module, args, kwargs, root=point.module)
             self.reproduced[point.id] = _reproduces(record.output, output)
             dtype = self.backend.dtype
-            low_module = copy.deepcopy(module).to(dtype)
+            low_module = _cast_copy(module, dtype)
             cpu = torch.device("cpu")
             lookup = _Lookup(lazy.model, low_module, point.module, dtype)
             low_args = resolve_params(_cast(record.args, dtype, cpu), lookup)
@@ -171,6 +171,14 @@ class Driller:
         if self._lazy is not None:
             self._lazy.close()
             self._lazy = None
+
+
+def _cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `module` in `dtype`, its weights cast straight into the copy (not copied, then cast)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach(), False)
+    return copy.deepcopy(module, memo).to(dtype)
 
 
 def _reproduces(golden: Any, rerun: Any) -> float | None:
