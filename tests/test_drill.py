@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -333,3 +334,28 @@ def test_a_reference_that_does_not_reproduce_the_golden_fails_the_drill(pytester
     result.stdout.fnmatch_lines(["*the reference's rerun here does not reproduce the golden at layer_1.input_norm*"])
     assert all(r["status"] == "passed" for r in ops)  # the candidate agrees with the changed reference...
     result.assert_outcomes(failed=2, passed=len(ops))  # ...and the point and the drill fail
+
+
+def test_a_drill_on_neuron_compiles_each_op_once_then_reads_the_cache(
+    pytester, golden_dir, tiny_model, tmp_path, monkeypatch
+) -> None:
+    """`--hw neuron` against the torch_neuronx double: every computing op traced alone, once per op,
+    shape and arguments, placed on the device; a second run traces nothing."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "doubles"))
+    monkeypatch.delitem(sys.modules, "torch_neuronx", raising=False)
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    import torch_neuronx
+
+    torch_neuronx.calls.clear()
+    golden = golden_dir("minimax_m2")
+    candidate = edit_checkpoint(tiny_model("minimax_m2"), tmp_path / "cand", drop_score_bias(1))
+    args = ["--hw", "neuron", "--hw-option", "devices=1", "--hw-option", f"cache_dir={tmp_path / 'c'}"]
+    _, ops, record = drill(pytester, golden, "layer_1.router", *args, model=candidate)
+    assert_culprit(ops, record, "layer_1.router", "bias")
+    workdirs = [Path(d["compiler_workdir"]).name for n, d in torch_neuronx.calls if n == "trace"]
+    per_op = [w for w in workdirs if w.startswith("op-")]
+    assert per_op and len(per_op) == len(set(per_op)), workdirs  # each op, shape and arguments once
+    torch_neuronx.calls.clear()
+    drill(pytester, golden, "layer_1.router", *args, model=candidate)
+    assert not [n for n, _ in torch_neuronx.calls if n == "trace"]  # all from the cache
+    os.environ.pop("NEURON_RT_VISIBLE_CORES", None)

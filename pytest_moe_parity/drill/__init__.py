@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ParityError
 from ..golden import GoldenStore
-from ..golden.spec import resolve_params
+from ..golden.spec import ParamRef, resolve_params
 from ..judge.tolerances import NOISE_FLOOR_EPS
 from ..points import ROUTER, Point
 from .capture import OpGraph, capture_ops, name_ops
@@ -91,7 +91,8 @@ class Driller:
             module = lazy.module(point.module)
             args, kwargs = resolve_params(record.args, lazy.model), resolve_params(record.kwargs, lazy.model)
             router = point.component == ROUTER
-            ref, output = capture_ops(module, args, kwargs, root=point.module)
+            names = weight_names(record)
+            ref, output = capture_ops(module, args, kwargs, root=point.module, input_names=names)
             self.reproduced[point.id] = _reproduces(record.output, output)
             dtype = self.backend.dtype
             low_module = _cast_copy(module, dtype)
@@ -99,7 +100,7 @@ class Driller:
             lookup = _Lookup(lazy.model, low_module, point.module, dtype)
             low_args = resolve_params(_cast(record.args, dtype, cpu), lookup)
             low_kwargs = resolve_params(_cast(record.kwargs, dtype, cpu), lookup)
-            low, _ = capture_ops(low_module, low_args, low_kwargs, root=point.module)
+            low, _ = capture_ops(low_module, low_args, low_kwargs, root=point.module, input_names=names)
             if router:
                 name_ops(ref, router=True)
                 name_ops(low, router=True)
@@ -121,7 +122,8 @@ class Driller:
         try:
             with backend.drilling():
                 module, args, kwargs, same_code = backend.drill_call(point, record)
-                candidate, _ = capture_ops(module, args, kwargs, root=point.module)
+                names = weight_names(record) if same_code else None
+                candidate, _ = capture_ops(module, args, kwargs, root=point.module, input_names=names)
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
         if point.component == ROUTER:
@@ -171,6 +173,15 @@ class Driller:
         if self._lazy is not None:
             self._lazy.close()
             self._lazy = None
+
+
+def weight_names(record: Any) -> list[str | None]:
+    """Per tensor of a golden call (pytree order), the weight's name where the module received one
+    as an argument (a ParamRef), else None."""
+    from torch.utils._pytree import tree_flatten
+
+    leaves = tree_flatten((list(record.args), dict(record.kwargs)))[0]
+    return [x.name if isinstance(x, ParamRef) else None for x in leaves if isinstance(x, torch.Tensor | ParamRef)]
 
 
 def _cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -228,6 +228,7 @@ class _Recorder(TorchDispatchMode):
         self.refs: dict[int, Ref] = {}  # id(tensor) -> where it came from
         self.keep: list[torch.Tensor] = []  # every tensor seen stays alive: ids are not reused
         self.by_storage: dict[int, list[tuple[list, int]]] = {}  # storage -> the kept values in it
+        self.input_names: list[str | None] = []  # the call's tensors that are weights, by name
         self.consts: list[torch.Tensor] = []
         self.expert_params = {
             id(p): (name, p.shape[0]) for name, p in root.named_parameters() if p.dim() == 3
@@ -252,6 +253,9 @@ class _Recorder(TorchDispatchMode):
                 return "" if name in _SKIP_FUNCS else name
             frame = frame.f_back
         return ""
+
+    def _input_name(self, i: int) -> str | None:
+        return self.input_names[i] if i < len(self.input_names) else None
 
     def watch(self, values: list, i: int) -> None:
         """Values are kept as the ops left them, not copied: an op that later writes into their
@@ -279,6 +283,13 @@ class _Recorder(TorchDispatchMode):
                 ref = self.refs.get(id(t))
                 if ref is not None and ref[0] == "param":
                     param = ref[1]
+                elif (
+                    ref is not None
+                    and ref[0] == "input"
+                    and ref[1] < len(self.input_names)
+                    and self.input_names[ref[1]]
+                ):
+                    param = self.input_names[ref[1]]
                 elif ref is not None and ref[0] == "op" and self.nodes[ref[1]].param is not None and param is None:
                     source = self.nodes[ref[1]]
                     if source.layout:  # a view of a weight (t, select): the op reads that weight
@@ -316,8 +327,16 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def capture_ops(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], root: str = "") -> tuple[OpGraph, Any]:
-    """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output."""
+def capture_ops(
+    module: nn.Module,
+    args: list | tuple,
+    kwargs: dict[str, Any],
+    root: str = "",
+    input_names: list[str | None] | None = None,
+) -> tuple[OpGraph, Any]:
+    """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output.
+    `input_names`: per tensor of the call (in pytree order), the weight it is where it is one (a
+    score bias passed as an argument), so that ops reading it are named by it as by a parameter."""
     names = {id(m): name for name, m in module.named_modules()}
     stack: list[str] = []
 
@@ -340,6 +359,8 @@ def capture_ops(module: nn.Module, args: list | tuple, kwargs: dict[str, Any], r
     for i, t in enumerate(inputs):
         recorder.refs[id(t)] = Ref("input", i)
         recorder.watch(kept_inputs, i)
+    if input_names is not None and len(input_names) == len(inputs):
+        recorder.input_names = list(input_names)
     params = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     for name, p in params.items():
