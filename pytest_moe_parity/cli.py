@@ -467,11 +467,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     directory = args.report if args.report.is_dir() else args.report.parent
     rows = report_rows(report)
+    points = [r for r in rows if r.kind != "op"]  # a drill's ops are its table, not points
     try:  # the pictures are what this command is for: without matplotlib, say so and fail
-        written = render_plots(rows, directory)
+        written = render_plots(points, directory)
     except PlotsUnavailable as exc:
         return _fail(str(exc))
-    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(rows)} points)")
+    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(points)} points)")
     for line in summary_table(rows):
         print(line)
     for line, _ in summary_lines(rows):

@@ -27,7 +27,7 @@ from .points import Point, describe_layers, layer_group, parse_layers, weights_i
 from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
 from .report.rows import Row, drill_row, point_row, unjudged_row, weights_row
-from .report.summary import drill_line, summary_lines, summary_table
+from .report.summary import summary_lines, summary_table
 
 if TYPE_CHECKING:
     from .replay.weights import WeightCheck
@@ -569,18 +569,17 @@ class ParitySession:
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""
-        rows = [r for r in self.rows.values() if r.kind != "op"]
-        drills = [r for r in self.rows.values() if r.kind == "op" and r.drill is not None]
-        if not rows and not drills:
+        rows = list(self.rows.values())
+        if not rows:
             return [("no parity items ran", None)]
-        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)] if rows else []
+        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
         reports = [(line, None) for line in self.report_lines]
-        backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in rows])]
+        points = [r for r in rows if r.kind != "op"]
+        backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in points])]
         nothing = self.nothing_compared()
         warning = [(nothing, "red")] if nothing else []
-        mode = [(hint, "yellow")] if (hint := self.mode_hint(rows)) else []
-        closing = summary_lines(rows, report_dir=self.options.report_dir) if rows else []
-        return table + closing + [drill_line(r.drill) for r in drills] + backend + mode + warning + reports
+        mode = [(hint, "yellow")] if (hint := self.mode_hint(points)) else []
+        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
 
     def mode_hint(self, rows: list[Row]) -> str | None:
         """A candidate that holds its own run (a dump) judged isolated, against the reference's

@@ -18,7 +18,7 @@ import pytest
 import torch
 from drill_port import PortBackend
 from faults import _router_softmax_in_its_dtype, _used_experts, drop_score_bias, edit_checkpoint, edit_config, scale
-from helpers import NO_WEIGHTS, read_json, run_parity, usage_error
+from helpers import NO_WEIGHTS, cli, read_json, run_parity, usage_error
 
 from pytest_moe_parity import backends
 from pytest_moe_parity.backends.hf import TorchBackend
@@ -359,3 +359,16 @@ def test_a_drill_on_neuron_compiles_each_op_once_then_reads_the_cache(
     drill(pytester, golden, "layer_1.router", *args, model=candidate)
     assert not [n for n, _ in torch_neuronx.calls if n == "trace"]  # all from the cache
     os.environ.pop("NEURON_RT_VISIBLE_CORES", None)
+
+
+def test_drill_items_are_diffed_and_reported_as_their_table(pytester, tiny_model, golden_dir, tmp_path, capsys) -> None:
+    golden, candidate, point, culprit = _no_renormalisation(tiny_model, golden_dir, tmp_path)
+    args = ["--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", point, "-k", point]
+    run_parity(pytester, golden, *args, "--parity-report", str(tmp_path / "clean"))
+    run_parity(pytester, golden, *args, "--parity-report", str(tmp_path / "port"), model=candidate)
+    code, out, _ = cli(capsys, "diff", tmp_path / "clean", tmp_path / "port")
+    assert code == 1
+    assert f"  {point}::{culprit}" in out and f"{point}::drill" in out, out
+    code, out, _ = cli(capsys, "report", tmp_path / "port")
+    assert code == 0 and "1 points: 0 passed, 1 failed" in out, out  # the drill's ops are not points
+    assert f"drill {point}: 5 ops, 2 failed; culprit {culprit}, substituting it recovers 100%" in out

@@ -100,6 +100,10 @@ class Row:
         return out
 
     def verdict(self, mode: str) -> str | None:
+        """The verdict in `mode`; a row judged in one way only (a weight item, a drill's op) has its
+        status as its verdict in its mode."""
+        if not self.verdicts and self.kind in ("weights", "op"):
+            return self.status if mode == self.mode else None
         return self.verdicts.get(mode)
 
     # -- JSON ------------------------------------------------------------------------------------

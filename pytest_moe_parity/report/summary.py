@@ -138,7 +138,16 @@ def graph_summary(rows: list[Row]) -> dict[str, Any] | None:
 
 def summary_lines(rows: list[Row], *, report_dir: Any = None) -> list[tuple[str, str | None]]:
     """The closing lines of a run, as (text, colour): counts, the first divergence, the first
-    backend error. The plugin and `moe-parity compare` print the same lines."""
+    backend error, a line per drill. The plugin, `moe-parity compare` and `report` print the same
+    lines. A drill's op rows are its table: they are not counted as points."""
+    drills = [drill_line(r.drill) for r in rows if r.kind == "op" and r.drill is not None]
+    rows = [r for r in rows if r.kind != "op"]
+    if not rows:
+        return drills
+    return _point_lines(rows, report_dir) + drills
+
+
+def _point_lines(rows: list[Row], report_dir: Any) -> list[tuple[str, str | None]]:
     n = counts(rows)
     lines: list[tuple[str, str | None]] = [
         (
@@ -195,8 +204,11 @@ def _extra_columns(rows: list[Row]) -> list[tuple[str, int, Any]]:
 
 
 def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -> list[str]:
-    """Every row for small runs; for big ones the failures with `context` rows around them."""
-    ordered = sorted(rows, key=lambda r: r.order)
+    """Every point's row for small runs; for big ones the failures with `context` rows around them
+    (a drill's op rows are in its own table, not here)."""
+    ordered = sorted((r for r in rows if r.kind != "op"), key=lambda r: r.order)
+    if not ordered:
+        return []
     if len(ordered) <= full_limit:
         shown = set(range(len(ordered)))
     else:
