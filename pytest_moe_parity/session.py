@@ -437,7 +437,8 @@ class ParitySession:
         assert self.driller is not None
         drill = self.driller.drill(entry.point)
         self._repro(drill)
-        if entry.op == "drill":
+        if entry.op == "drill":  # the point's last item: its values are no longer needed
+            self.driller.release(entry.point)
             failed = drill.failed
             row = drill_row(entry, "failed" if failed else "passed", None, drill.to_json())
             return row, drill_text(drill) if failed else None
@@ -479,6 +480,7 @@ class ParitySession:
         except Exception as exc:  # the point's own verdict stands; say why there is no table
             return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
         self._repro(drill)
+        self.driller.release(point)
         collect = f"collect these ops as items: pytest ... --parity-drill {point.id}"
         return drill.to_json(), f"{drill_text(drill)}\n{collect}"
 

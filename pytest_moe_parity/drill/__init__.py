@@ -10,7 +10,6 @@ ops, `engine` judges them."""
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from collections.abc import Callable
 from pathlib import Path
@@ -69,47 +68,68 @@ class Driller:
         self.golden, self.reference_dir, self.backend = golden, reference, backend
         self.factor = factor
         self.trust_remote_code = trust_remote_code
-        self._lazy = None
+        self._lazy: dict[torch.dtype, Any] = {}
         self._graphs: dict[str, tuple[OpGraph, OpGraph]] = {}
         self.reproduced: dict[str, float | None] = {}  # point -> the rerun's error against the golden
         self.drills: dict[str, Drill] = {}
 
-    def _reference_model(self):
-        if self._lazy is None:
+    def _reference_model(self, dtype: torch.dtype = torch.float32):
+        """The golden's model read a layer at a time: in float32, and in the candidate's dtype as
+        transformers loads it there (modules it keeps in float32 stay so)."""
+        if dtype not in self._lazy:
             from ..model.lazy_model import LazyModel
 
-            self._lazy = LazyModel(
-                self.reference_dir, dtype=torch.float32, max_layers=1, trust_remote_code=self.trust_remote_code
+            self._lazy[dtype] = LazyModel(
+                self.reference_dir, dtype=dtype, max_layers=1, trust_remote_code=self.trust_remote_code
             )
-        return self._lazy
+        return self._lazy[dtype]
+
+    def _reference_call(
+        self, point: Point, dtype: torch.dtype = torch.float32
+    ) -> tuple[Any, torch.nn.Module, list, dict, list[str | None]]:
+        """The golden's call at `point` on the reference's module in `dtype` (inputs cast to it)."""
+        record = self.golden.load(point.id)
+        lazy = self._reference_model(dtype)
+        module = lazy.module(point.module)
+        args, kwargs = record.args, record.kwargs
+        if dtype != torch.float32:
+            args, kwargs = _cast(args, dtype, torch.device("cpu")), _cast(kwargs, dtype, torch.device("cpu"))
+        args, kwargs = resolve_params(args, lazy.model), resolve_params(kwargs, lazy.model)
+        return record, module, args, kwargs, weight_names(record)
 
     def reference(self, point: Point) -> tuple[OpGraph, OpGraph]:
-        """The reference's ops at `point`: in float32 and in the candidate's dtype."""
+        """The reference's ops at `point`: in float32 and in the candidate's dtype (kept until the
+        point's drill is done: `release`)."""
         if point.id not in self._graphs:
-            record = self.golden.load(point.id)
-            lazy = self._reference_model()
-            module = lazy.module(point.module)
-            args, kwargs = resolve_params(record.args, lazy.model), resolve_params(record.kwargs, lazy.model)
-            router = point.component == ROUTER
-            names = weight_names(record)
+            record, module, args, kwargs, names = self._reference_call(point)
             ref, output = capture_ops(module, args, kwargs, root=point.module, input_names=names)
             self.reproduced[point.id] = _reproduces(record.output, output)
-            dtype = self.backend.dtype
-            low_module = _cast_copy(module, dtype)
-            cpu = torch.device("cpu")
-            lookup = _Lookup(lazy.model, low_module, point.module, dtype)
-            low_args = resolve_params(_cast(record.args, dtype, cpu), lookup)
-            low_kwargs = resolve_params(_cast(record.kwargs, dtype, cpu), lookup)
+            _, low_module, low_args, low_kwargs, _ = self._reference_call(point, self.backend.dtype)
             low, _ = capture_ops(low_module, low_args, low_kwargs, root=point.module, input_names=names)
-            if router:
+            if point.component == ROUTER:
                 name_ops(ref, router=True)
                 name_ops(low, router=True)
             self._graphs[point.id] = (ref, low)
         return self._graphs[point.id]
 
     def op_names(self, point: Point) -> list[str]:
-        """The reference's op rows at `point`, in forward order (the drill items)."""
-        return [n.name for n in self.reference(point)[0].compute()]
+        """The reference's op rows at `point`, in forward order (the drill items): from one float32
+        capture whose values are dropped at once (collection names every drilled point's ops before
+        any runs: their values would all be held)."""
+        if point.id in self._graphs:
+            return [n.name for n in self._graphs[point.id][0].compute()]
+        _, module, args, kwargs, names = self._reference_call(point)
+        ref, _ = capture_ops(module, args, kwargs, root=point.module, input_names=names)
+        if point.component == ROUTER:
+            name_ops(ref, router=True)
+        return [n.name for n in ref.compute()]
+
+    def release(self, point: Point) -> None:
+        """A drilled point's values go (its verdicts stay): the reference's and the candidate's ops."""
+        self._graphs.pop(point.id, None)
+        drill = self.drills.get(point.id)
+        if drill is not None:
+            drill.state = None
 
     def drill(self, point: Point) -> Drill:
         if point.id in self.drills:
@@ -170,9 +190,9 @@ class Driller:
         return path
 
     def close(self) -> None:
-        if self._lazy is not None:
-            self._lazy.close()
-            self._lazy = None
+        for lazy in self._lazy.values():
+            lazy.close()
+        self._lazy.clear()
 
 
 def weight_names(record: Any) -> list[str | None]:
@@ -182,14 +202,6 @@ def weight_names(record: Any) -> list[str | None]:
 
     leaves = tree_flatten((list(record.args), dict(record.kwargs)))[0]
     return [x.name if isinstance(x, ParamRef) else None for x in leaves if isinstance(x, torch.Tensor | ParamRef)]
-
-
-def _cast_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of `module` in `dtype`, its weights cast straight into the copy (not copied, then cast)."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach(), False)
-    return copy.deepcopy(module, memo).to(dtype)
 
 
 def _reproduces(golden: Any, rerun: Any) -> float | None:
@@ -203,19 +215,3 @@ def _reproduces(golden: Any, rerun: Any) -> float | None:
     if g is None or r is None or g.numel() != r.numel():
         return None
     return rel_l2(r.reshape(g.shape), g)
-
-
-class _Lookup:
-    """ParamRef names (from the model root) resolved on the cast copy of the point's module, or on
-    the model (cast) for a tensor outside it."""
-
-    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, path: str, dtype: torch.dtype):
-        self.model, self.module, self.prefix, self.dtype = model, module, path + "." if path else "", dtype
-
-    def __call__(self, name: str) -> torch.Tensor:
-        from ..golden.spec import named_tensor
-
-        if self.prefix and name.startswith(self.prefix):
-            return named_tensor(self.module, name[len(self.prefix) :])
-        value = named_tensor(self.model, name)
-        return value.to(self.dtype) if value.is_floating_point() else value

@@ -89,7 +89,8 @@ LAYOUT_OPS = frozenset(
 # Casts (`_to_copy`), joins (cat, stack) and gathers are rows: a cast in the wrong place, heads
 # joined in the wrong order or tokens gathered wrongly are port bugs of their own.
 FRIENDLY = {"_softmax": "softmax", "_log_softmax": "log_softmax", "addmm": "mm", "_safe_softmax": "softmax"}
-_SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+_TORCH = str(Path(torch.__file__).parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])
 _SKIP_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context"}
 
 
@@ -245,11 +246,16 @@ class _Recorder(TorchDispatchMode):
         return ref
 
     def _where(self) -> str:
+        """The model code's function the op runs in: the first frame up the stack outside torch; ""
+        for a module's own `forward`, or where the stack reaches this package (the op is torch's own,
+        called by a torch module)."""
         frame = sys._getframe(2)
         while frame is not None:
             path = frame.f_code.co_filename
             name = frame.f_code.co_name
-            if not path.startswith(_SKIP_FILES) and "<" not in path and not name.startswith("<"):
+            if path.startswith(_PACKAGE):
+                return ""
+            if not path.startswith(_TORCH) and "<" not in path and not name.startswith("<"):
                 return "" if name in _SKIP_FUNCS else name
             frame = frame.f_back
         return ""
@@ -392,7 +398,8 @@ def name_ops(graph: OpGraph, router: bool | None = None) -> None:
     and weight read, and the op (`q_norm.rsqrt`, `apply_rotary_pos_emb.mul#2`,
     `expert[5].down_proj`); a scope with one computing op is named by the scope alone (`q_proj`).
     A router's ops are named by step: logits, score, bias, topk, renorm, scaling."""
-    compute_by_scope = Counter(n.scope for n in graph.nodes if not n.layout and not n.function)
+    # casts are left out of the count: a scope's casts come and go with the dtype (bf16 upcasts)
+    compute_by_scope = Counter(n.scope for n in graph.nodes if not n.layout and not n.function and n.kind != "_to_copy")
     seen: Counter[str] = Counter()
     for node in graph.nodes:
         kind = FRIENDLY.get(node.kind, node.kind)
@@ -412,7 +419,13 @@ def name_ops(graph: OpGraph, router: bool | None = None) -> None:
         elif node.param is not None and node.param.rsplit(".", 1)[-1] not in ("weight", "bias") and not node.layout:
             parts.append(node.param.rsplit(".", 1)[-1])
         elif (
-            not (not node.layout and not node.function and node.expert is None and compute_by_scope[node.scope] == 1)
+            not (
+                not node.layout
+                and not node.function
+                and node.expert is None
+                and node.kind != "_to_copy"
+                and compute_by_scope[node.scope] == 1
+            )
             or not parts
         ):
             parts.append(kind)

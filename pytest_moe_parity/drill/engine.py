@@ -129,8 +129,13 @@ class Drilling:
         self.ref, self.low, self.cand = reference, reference_low, candidate
         self.execute = execute
         self.factor, self.floor, self.same_code = factor, floor, same_code
+        # the reference's own run in the candidate's dtype: the same code, matched as a candidate is
+        # (its names can differ where casts come in), by name where that leaves an op out
         low_names = reference_low.by_name()
         self.low_of = {n.index: low_names.get(n.name) for n in reference.nodes}
+        for m in match(reference, reference_low)[0]:
+            if len(m.ref) == 1 and len(m.cand) == 1:
+                self.low_of[m.ref[0]] = reference_low.nodes[m.cand[0]]
         self._ref_names = reference.by_name()
         self._equal: dict[tuple, bool] = {}  # (kind, candidate's, reference's) -> the same values
         self.matches, self.left_ref, self.left_cand = match(reference, candidate)

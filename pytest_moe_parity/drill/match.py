@@ -35,6 +35,8 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     c = candidate.detach().to(r.device)
     if not (r.is_floating_point() or r.is_complex()):
         return float((c != r).double().mean()) if c.numel() else 0.0
+    if r.is_complex() or c.is_complex():  # DeepSeek-V2's rotary: (real, imaginary) pairs
+        c, r = torch.view_as_real(c.to(torch.complex64)), torch.view_as_real(r.to(torch.complex64))
     c, r = c.float(), r.float()
     num, denom = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
     if math.isfinite(num) and math.isfinite(denom):  # the common case: two passes
