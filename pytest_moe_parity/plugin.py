@@ -278,7 +278,7 @@ class ParityPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield
-        if isinstance(item, ParityItem | WeightItem | DrillItem) and report.when in ("setup", "call"):
+        if isinstance(item, ParityItem | _CheckItem) and report.when in ("setup", "call"):
             # the row's JSON: xdist ships it from the worker with the report
             if report.when == "call" and item.row is not None:
                 report.parity_row = item.row.to_json()
@@ -360,49 +360,51 @@ class ParityCollector(pytest.Collector):
             yield item
 
 
-class WeightItem(pytest.Item):
+class _CheckItem(pytest.Item):
+    """An item the session checks in one call: its row, and its failure text (None: it passed)."""
+
+    def __init__(self, *, entry: Any, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.entry = entry
+        self.row: Row | None = None
+
+    def check(self, session: ParitySession) -> tuple[Row, str | None]:
+        raise NotImplementedError
+
+    def runtest(self) -> None:
+        session = _session(self.config)
+        assert session is not None
+        self.row, failure = self.check(session)
+        if failure:
+            pytest.fail(failure, pytrace=False)
+
+    def reportinfo(self):
+        return self.path, 0, f"parity {self.name}"
+
+
+class WeightItem(_CheckItem):
     """The candidate's weights of one unit (a decoder layer, or the model-level modules) against
     the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
 
-    def __init__(self, *, entry: WeightUnit, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.entry = entry
-        self.row: Row | None = None
+    entry: WeightUnit
 
-    def runtest(self) -> None:
-        session = _session(self.config)
-        assert session is not None
-        self.row, failure = session.check_weights(self.entry)
-        if failure:
-            pytest.fail(failure, pytrace=False)
-
-    def reportinfo(self):
-        return self.path, 0, f"parity {self.name}"
+    def check(self, session: ParitySession) -> tuple[Row, str | None]:
+        return session.check_weights(self.entry)
 
 
-class DrillItem(pytest.Item):
+class DrillItem(_CheckItem):
     """One op of a drilled point (`POINT::OP`): failed where it introduced or inherited the
     divergence, or has no counterpart; `POINT::drill` fails with the whole op table."""
 
-    def __init__(self, *, entry: DrillEntry, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.entry = entry
-        self.row: Row | None = None
+    entry: DrillEntry
 
-    def runtest(self) -> None:
+    def check(self, session: ParitySession) -> tuple[Row, str | None]:
         from .errors import PointUnavailable
 
-        session = _session(self.config)
-        assert session is not None
         try:
-            self.row, failure = session.check_drill(self.entry)
+            return session.check_drill(self.entry)
         except PointUnavailable as exc:
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
-        if failure:
-            pytest.fail(failure, pytrace=False)
-
-    def reportinfo(self):
-        return self.path, 0, f"parity {self.name}"
 
 
 class ParityItem(pytest.Item):

@@ -149,13 +149,8 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
         return [c for c in cand_ops if c.index not in matched_cand]
 
     # 1. by path and op
-    sm = difflib.SequenceMatcher(None, [_key(n) for n in ref_ops], [_key(n) for n in cand_ops], autojunk=False)
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag != "equal":
-            continue
-        for r, c in zip(ref_ops[i1:i2], cand_ops[j1:j2], strict=True):
-            if r.value is None or c.value is None or r.value.numel() == c.value.numel():
-                add(Match((r.index,), (c.index,), "path and op"))
+    for r, c in _in_order(ref_ops, cand_ops, _key):
+        add(Match((r.index,), (c.index,), "path and op"))
     # 2. by value: several in one (fused), one in several (split), one to one up to layout
     for c in free_c():
         for size in (2, 3, 4):
@@ -192,18 +187,24 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
             if len(owner) == 1 and _same(candidate.nodes[owner[0]].value, r.value):
                 add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
     # 4. what is left: the same ops in the same order
-    rs, cs = free_r(), free_c()
-    sm = difflib.SequenceMatcher(None, [r.kind for r in rs], [c.kind for c in cs], autojunk=False)
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag != "equal":
-            continue
-        for r, c in zip(rs[i1:i2], cs[j1:j2], strict=True):
-            if r.value is None or c.value is None or r.value.numel() == c.value.numel():
-                add(Match((r.index,), (c.index,), "op and order"))
+    for r, c in _in_order(free_r(), free_c(), lambda n: n.kind):
+        add(Match((r.index,), (c.index,), "op and order"))
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
     return matches, left_ref, left_cand
+
+
+def _in_order(refs: list[OpNode], cands: list[OpNode], key) -> list[tuple[OpNode, OpNode]]:
+    """The pairs the two sequences share, aligned by `key` (difflib), where their sizes agree."""
+    sm = difflib.SequenceMatcher(None, [key(n) for n in refs], [key(n) for n in cands], autojunk=False)
+    return [
+        (r, c)
+        for tag, i1, i2, j1, j2 in sm.get_opcodes()
+        if tag == "equal"
+        for r, c in zip(refs[i1:i2], cands[j1:j2], strict=True)
+        if r.value is None or c.value is None or r.value.numel() == c.value.numel()
+    ]
 
 
 def _run_of(nodes: list[OpNode], size: int, whole: torch.Tensor | None, joined) -> tuple[list[OpNode], int] | None:
