@@ -399,12 +399,15 @@ class DrillItem(_CheckItem):
     entry: DrillEntry
 
     def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        from .errors import PointUnavailable
+        from .errors import ParityError, PointUnavailable
 
         try:
             return session.check_drill(self.entry)
         except PointUnavailable as exc:
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
+        except ParityError as exc:  # a drill that cannot run here: one sentence, no traceback
+            message = f"{self.entry.id}: the drill cannot run: {exc}"
+        pytest.fail(message, pytrace=False)
 
 
 class ParityItem(pytest.Item):

@@ -95,10 +95,23 @@ CPU_FAULTS = {
 }
 
 
+# the same candidate run eagerly, each op traced, each op through torch.compile (dynamo's eager backend:
+# what dynamo captures, without inductor's compile time)
+HW = {
+    "cpu": [],
+    "trace": ["--hw", "trace"],
+    "compile": ["--hw", "compile", "--hw-option", "compiler=eager"],
+}
+
+
+@pytest.mark.parametrize("hw", sorted(HW))
 @pytest.mark.parametrize("fault", sorted(CPU_FAULTS))
-def test_a_weight_or_config_fault_is_named_at_its_op(fault, pytester, tiny_model, golden_dir, tmp_path) -> None:
+def test_a_weight_or_config_fault_is_named_at_its_op(
+    fault, hw, pytester, tiny_model, golden_dir, tmp_path, _import_inductor_once
+) -> None:
     golden, candidate, point, culprit = CPU_FAULTS[fault](tiny_model, golden_dir, tmp_path)
-    result, ops, record = drill(pytester, golden, point, model=candidate)
+    args = [*HW[hw], "--hw-option", f"cache_dir={tmp_path / 'cache'}"] if HW[hw] else []
+    result, ops, record = drill(pytester, golden, point, *args, model=candidate)
     assert_culprit(ops, record, point, culprit)
     result.stdout.fnmatch_lines([f"drill {point}: * failed; culprit {culprit.replace('[', '[[]')}*"])
 

@@ -365,9 +365,12 @@ class CompiledBackend(TorchBackend):
         settings = self.settings()
 
         def run(node: Any, args: list, kwargs: dict) -> Any:
-            eager = node.func(*args, **kwargs)
             if node.layout:
-                return eager
+                return node.func(*args, **kwargs)
+            # the eager call gives the outputs' structure; an op that writes its inputs writes copies
+            # there, and the compiled op the inputs themselves (the replay's own copies)
+            copies = [a.clone() if i in node.mutates and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+            eager = node.func(*copies, **kwargs)
             key = "op-" + op_key(node.func, args, kwargs, settings)
             module = OpModule(node.func, args, kwargs)
             inputs = module.inputs(args, kwargs)
@@ -377,7 +380,8 @@ class CompiledBackend(TorchBackend):
                     compiled[key] = cached[0]
                 else:
                     with torch.no_grad():
-                        compiled[key] = self._compile(module.eval(), inputs, key)
+                        # compiling runs the op: on copies, or an op that writes its inputs writes twice
+                        compiled[key] = self._compile(module.eval(), tuple(t.clone() for t in inputs), key)
                     if self.cacheable:
                         handle = compiled[key]
                         self.cache.save(key, {"op": str(node.func)}, lambda path: self._save(handle, path), {})
