@@ -295,13 +295,8 @@ class _Recorder(TorchDispatchMode):
                 ref = self.refs.get(id(t))
                 if ref is not None and ref[0] == "param":
                     param = ref[1]
-                elif (
-                    ref is not None
-                    and ref[0] == "input"
-                    and ref[1] < len(self.input_names)
-                    and self.input_names[ref[1]]
-                ):
-                    param = self.input_names[ref[1]]
+                elif ref is not None and ref[0] == "input" and self._input_name(ref[1]):
+                    param = self._input_name(ref[1])
                 elif ref is not None and ref[0] == "op" and self.nodes[ref[1]].param is not None and param is None:
                     source = self.nodes[ref[1]]
                     if source.layout:  # a view of a weight (t, select): the op reads that weight

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .capture import OpGraph, OpNode, Ref
-from .match import CAST, Match, match, rel_l2
+from .match import CAST, Match, _sources, match, rel_l2
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
@@ -361,17 +361,8 @@ class Drilling:
         return cand_call[0], low_call[0], r, m
 
     def _input_ratios(self, node: OpNode, ratio_of: dict[int, float]) -> list[float]:
-        out, todo, seen = [], list(node.inputs()), set()
-        while todo:
-            producer = self.ref.producer(todo.pop())
-            if producer is None or producer.index in seen:
-                continue
-            seen.add(producer.index)
-            if producer.layout:
-                todo.extend(producer.inputs())
-            elif producer.index in ratio_of:
-                out.append(ratio_of[producer.index])
-        return out
+        """The chained ratios of the computing ops `node` reads (through views)."""
+        return [ratio_of[i] for i in _sources(self.ref, node) if i in ratio_of]
 
     def _shape_note(self, r: OpNode, m: Match) -> str:
         shapes = [list(self.cand.nodes[c].value.shape) for c in m.cand if self.cand.nodes[c].value is not None]
@@ -444,7 +435,7 @@ class Drilling:
         elif len(nodes) > 1:
             return None, []
         else:  # missing: its value in place of what the candidate has for the op it reads
-            source = next((p for p in self._computing_inputs(node)), None)
+            source = next(iter(_sources(self.ref, node)), None)
             sm = self.by_ref.get(source) if source is not None else None
             if sm is None or len(sm.cand) != 1:
                 return None, []
@@ -474,18 +465,6 @@ class Drilling:
 
     def _after(self, first: int) -> set[int]:
         return {n.index for n in self.cand.nodes if n.index > first}
-
-    def _computing_inputs(self, node: OpNode) -> list[int]:
-        out, todo = [], list(node.inputs())
-        while todo:
-            producer = self.ref.producer(todo.pop(0))
-            if producer is None:
-                continue
-            if producer.layout:
-                todo.extend(producer.inputs())
-            else:
-                out.append(producer.index)
-        return out
 
 
 def _same_reads(
