@@ -5,7 +5,6 @@ defaults and print the same lines."""
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -250,7 +249,7 @@ class ParitySession:
                 f"({self.golden.manifest['model'].get('path')} is not here): copy the checkpoint there"
             )
         for pattern in patterns:
-            if pattern != AUTO and not any(fnmatch.fnmatchcase(p.id, pattern) for p in self.points if p.step is None):
+            if pattern != AUTO and not any(selects([pattern], p.id) for p in self.points if p.step is None):
                 raise SetupError(
                     f"{flags['drill']} {pattern!r} matches no point of this golden's prefill "
                     f"(e.g. layer_0.attention, 'layer_*.router', or auto)"

@@ -132,44 +132,16 @@ _LAYER_NUMBER = re.compile(r"(^|_)layer_(idx|id|index|number)$")
 
 
 class OpModule(nn.Module):
-    """One ATen op of a drill as a module of positional tensors (its other arguments fixed): what a
-    compiler is given to run the op alone."""
+    """One ATen op of a drill as a module of positional tensors (its other arguments closed over,
+    as a point's are in `PointModule`): what a compiler is given to run the op alone."""
 
-    def __init__(self, func: Any, args: list, kwargs: dict):
+    def __init__(self, func: Any, call: FlatCall):
         super().__init__()
-        from torch.utils._pytree import tree_flatten
+        self.func, self.call = func, call
 
-        self.func = func
-        self.leaves, self.spec = tree_flatten((args, kwargs))
-        self.tensor_at = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
-        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
-
-    def inputs(self, args: list, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        from torch.utils._pytree import tree_flatten
-
-        leaves, _ = tree_flatten((args, kwargs))
-        return tuple(leaves[i] for i in self.tensor_at)
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        leaves = list(self.leaves)
-        for i, t in zip(self.tensor_at, tensors, strict=True):
-            leaves[i] = t
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        out, _ = tree_flatten(self.func(*args, **kwargs))
-        return tuple(t.clone() if isinstance(t, torch.Tensor) else torch.tensor(t) for t in out)
-
-
-def op_key(func: Any, args: list, kwargs: dict, settings: dict[str, Any]) -> str:
-    """What a compiled op depends on: the op, its tensors' shapes and dtypes, its other arguments."""
-    from torch.utils._pytree import tree_flatten
-
-    leaves, _ = tree_flatten((args, kwargs))
-    made = [str(func), settings] + [
-        [list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in leaves
-    ]
-    return hashlib.sha256(json.dumps(made, sort_keys=True, default=repr).encode()).hexdigest()[:24]
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = self.call.rebuild(flat)
+        return tuple(t.clone() for t in flatten(self.func(*args, **kwargs))[0])
 
 
 def _plain(value: Any) -> bool:
@@ -356,11 +328,9 @@ class CompiledBackend(TorchBackend):
 
     # -- the drill: one op at a time through the compiler ------------------------------------------
     def op_runner(self) -> Callable[[Any, list, dict], Any]:
-        """Each computing op compiled alone (once per op, shapes and arguments: `op_key`), views and
-        factories run eagerly; the compiled ops are kept for the session (and on disk where this
-        backend's traces are)."""
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
+        """Each computing op compiled alone (once per op and call signature: shapes, dtypes and the
+        other arguments), views and factories run eagerly; the compiled ops are kept for the session
+        (and on disk where this backend's traces are)."""
         compiled: dict[str, Any] = self.__dict__.setdefault("_ops", {})
         settings = self.settings()
 
@@ -371,9 +341,15 @@ class CompiledBackend(TorchBackend):
             # there, and the compiled op the inputs themselves (the replay's own copies)
             copies = [a.clone() if i in node.mutates and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
             eager = node.func(*copies, **kwargs)
-            key = "op-" + op_key(node.func, args, kwargs, settings)
-            module = OpModule(node.func, args, kwargs)
-            inputs = module.inputs(args, kwargs)
+            leaves, spec = flatten((list(args), dict(kwargs)))
+            call = FlatCall(tuple(leaves), spec)  # what the op depends on: its op, its call's signature
+            key = (
+                "op-"
+                + hashlib.sha256(
+                    json.dumps([str(node.func), settings, call.signature()], sort_keys=True, default=repr).encode()
+                ).hexdigest()[:24]
+            )
+            module, inputs = OpModule(node.func, call), call.inputs
             if key not in compiled:
                 cached = self.cache.load(key, {"op": str(node.func)}, self._load) if self.cacheable else None
                 if cached is not None:
@@ -387,9 +363,7 @@ class CompiledBackend(TorchBackend):
                         self.cache.save(key, {"op": str(node.func)}, lambda path: self._save(handle, path), {})
             with torch.no_grad():
                 out = compiled[key](*inputs)
-            flat, spec = tree_flatten(eager)
-            outs = iter(out if isinstance(out, tuple | list) else (out,))
-            return tree_unflatten([next(outs) if isinstance(x, torch.Tensor) else x for x in flat], spec)
+            return unflatten(flatten(eager)[1], out if isinstance(out, tuple | list) else (out,))
 
         return run
 

@@ -22,8 +22,11 @@ from ..golden import GoldenStore
 from ..golden.spec import ParamRef, resolve_params
 from ..judge.tolerances import NOISE_FLOOR_EPS
 from ..points import ROUTER, Point
-from .capture import OpGraph, capture_ops, name_ops
+from ..replay.runner import candidate_inputs, cast_inputs
+from ..tree import first_tensor
+from .capture import OpGraph, capture_ops
 from .engine import Drill, OpRow, run_drill
+from .match import rel_l2
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -46,10 +49,9 @@ def selects(patterns: list[str], point_id: str) -> bool:
     return any(p != AUTO and fnmatch.fnmatchcase(point_id, p) for p in patterns)
 
 
-def _cast(obj: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    from ..replay.runner import cast_inputs
-
-    return cast_inputs(obj, dtype, device)
+def _router(point: Point) -> bool | None:
+    """A router point's ops are named by step; elsewhere a router is found by its module path."""
+    return True if point.component == ROUTER else None
 
 
 class Driller:
@@ -85,30 +87,27 @@ class Driller:
         return self._lazy[dtype]
 
     def _reference_call(
-        self, point: Point, dtype: torch.dtype = torch.float32
-    ) -> tuple[Any, torch.nn.Module, list, dict, list[str | None]]:
+        self, point: Point, record: Any, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.nn.Module, list, dict]:
         """The golden's call at `point` on the reference's module in `dtype` (inputs cast to it)."""
-        record = self.golden.load(point.id)
         lazy = self._reference_model(dtype)
-        module = lazy.module(point.module)
         args, kwargs = record.args, record.kwargs
         if dtype != torch.float32:
-            args, kwargs = _cast(args, dtype, torch.device("cpu")), _cast(kwargs, dtype, torch.device("cpu"))
-        args, kwargs = resolve_params(args, lazy.model), resolve_params(kwargs, lazy.model)
-        return record, module, args, kwargs, weight_names(record)
+            cpu = torch.device("cpu")
+            args, kwargs = cast_inputs(args, dtype, cpu), cast_inputs(kwargs, dtype, cpu)
+        return lazy.module(point.module), resolve_params(args, lazy.model), resolve_params(kwargs, lazy.model)
 
     def reference(self, point: Point) -> tuple[OpGraph, OpGraph]:
         """The reference's ops at `point`: in float32 and in the candidate's dtype (kept until the
         point's drill is done: `release`)."""
         if point.id not in self._graphs:
-            record, module, args, kwargs, names = self._reference_call(point)
-            ref, output = capture_ops(module, args, kwargs, root=point.module, input_names=names)
+            record = self.golden.load(point.id)
+            names, router = weight_names(record), _router(point)
+            module, args, kwargs = self._reference_call(point, record)
+            ref, output = capture_ops(module, args, kwargs, input_names=names, router=router)
             self.reproduced[point.id] = _reproduces(record.output, output)
-            _, low_module, low_args, low_kwargs, _ = self._reference_call(point, self.backend.dtype)
-            low, _ = capture_ops(low_module, low_args, low_kwargs, root=point.module, input_names=names)
-            if point.component == ROUTER:
-                name_ops(ref, router=True)
-                name_ops(low, router=True)
+            module, args, kwargs = self._reference_call(point, record, self.backend.dtype)
+            low, _ = capture_ops(module, args, kwargs, input_names=names, router=router)
             self._graphs[point.id] = (ref, low)
         return self._graphs[point.id]
 
@@ -118,10 +117,9 @@ class Driller:
         any runs: their values would all be held)."""
         if point.id in self._graphs:
             return [n.name for n in self._graphs[point.id][0].compute()]
-        _, module, args, kwargs, names = self._reference_call(point)
-        ref, _ = capture_ops(module, args, kwargs, root=point.module, input_names=names)
-        if point.component == ROUTER:
-            name_ops(ref, router=True)
+        record = self.golden.load(point.id)
+        module, args, kwargs = self._reference_call(point, record)
+        ref, _ = capture_ops(module, args, kwargs, input_names=weight_names(record), router=_router(point))
         return [n.name for n in ref.compute()]
 
     def release(self, point: Point) -> None:
@@ -136,18 +134,14 @@ class Driller:
             return self.drills[point.id]
         ref, low = self.reference(point)
         backend = self.backend
-        from ..replay.runner import candidate_inputs
-
         record = candidate_inputs(self.golden.load(point.id), backend.dtype, backend.device)
         try:
             with backend.drilling():
                 module, args, kwargs, same_code = backend.drill_call(point, record)
                 names = weight_names(record) if same_code else None
-                candidate, _ = capture_ops(module, args, kwargs, root=point.module, input_names=names)
+                candidate, _ = capture_ops(module, args, kwargs, input_names=names, router=_router(point))
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
-        if point.component == ROUTER:
-            name_ops(candidate, router=True)
         runner = backend.op_runner()
         floor = torch.finfo(backend.dtype).eps / NOISE_FLOOR_EPS if backend.dtype.is_floating_point else 1e-6
         result = run_drill(
@@ -206,12 +200,7 @@ def weight_names(record: Any) -> list[str | None]:
 
 def _reproduces(golden: Any, rerun: Any) -> float | None:
     """The rerun's first output against the golden's (relative L2), or None where there is none."""
-    from torch.utils._pytree import tree_flatten
-
-    from .match import rel_l2
-
-    g = next((t for t in tree_flatten(golden)[0] if isinstance(t, torch.Tensor)), None)
-    r = next((t for t in tree_flatten(rerun)[0] if isinstance(t, torch.Tensor)), None)
+    g, r = first_tensor(golden), first_tensor(rerun)
     if g is None or r is None or g.numel() != r.numel():
         return None
     return rel_l2(r.reshape(g.shape), g)

@@ -34,9 +34,6 @@ class Ref:
     at: Any
     out: int = 0
 
-    def __getitem__(self, i: int) -> Any:
-        return (self.kind, self.at, self.out)[i]
-
 
 # Ops that move or reinterpret values without computing: no row of their own (an op's row says
 # what its inputs went through), but run like any other op.
@@ -114,7 +111,6 @@ class OpNode:
     args: Any  # args and kwargs with every tensor replaced by a Ref
     kwargs: Any
     outputs: list[torch.Tensor | None]  # the outputs' values (tensors; None for non-tensor outputs)
-    out_spec: Any  # how the outputs nest (pytree spec)
     scope: str  # module path relative to the captured module ("" for itself)
     function: str  # the model code's function the op ran in (not `forward`)
     expert: int | None = None  # the expert whose weights the op (or its loop iteration) reads
@@ -151,7 +147,6 @@ class OpGraph:
     params: dict[str, torch.Tensor]
     consts: list[torch.Tensor]
     output: Any  # the module's return with tensors replaced by refs
-    root: str = ""  # the module path captured
 
     def compute(self) -> list[OpNode]:
         return [n for n in self.nodes if not n.layout]
@@ -164,42 +159,36 @@ class OpGraph:
         return [x for x in leaves if isinstance(x, Ref)]
 
     def value_of(self, ref: Ref) -> Any:
-        kind = ref[0]
+        kind = ref.kind
         if kind == "op":
-            return self.nodes[ref[1]].outputs[ref[2]]
+            return self.nodes[ref.at].outputs[ref.out]
         if kind == "input":
-            return self.inputs[ref[1]]
+            return self.inputs[ref.at]
         if kind == "param":
-            return self.params[ref[1]]
-        return self.consts[ref[1]]
+            return self.params[ref.at]
+        return self.consts[ref.at]
 
     def producer(self, ref: Ref) -> OpNode | None:
-        return self.nodes[ref[1]] if ref[0] == "op" else None
+        return self.nodes[ref.at] if ref.kind == "op" else None
 
     def replay(
         self,
         execute: Callable[[OpNode, list, dict], Any] | None = None,
         *,
         replace: dict[Ref, torch.Tensor] | None = None,
-        inputs: list[torch.Tensor] | None = None,
         stop: int | None = None,
         only: set[int] | None = None,
     ) -> dict[Ref, Any]:
-        """Run the ops again: each reads the values computed in this replay (or `replace[ref]`, or
-        `inputs`), through `execute(node, args, kwargs)` (default: eager). `only`: run these nodes
+        """Run the ops again: each reads the values computed in this replay (or `replace[ref]`),
+        through `execute(node, args, kwargs)` (default: eager). `only`: run these nodes
         and take every other op's value from the capture. Returns every ref's new value."""
         execute = execute or (lambda node, a, k: node.func(*a, **k))
         values: dict[Ref, Any] = dict(replace or {})
-        fed = inputs if inputs is not None else self.inputs
 
         def value(ref: Any) -> Any:
             if not isinstance(ref, Ref):
                 return ref
-            if ref in values:
-                return values[ref]
-            if ref[0] == "input":
-                return fed[ref[1]]
-            return self.value_of(ref)
+            return values[ref] if ref in values else self.value_of(ref)
 
         with torch.no_grad():
             self._run(execute, values, value, stop, only, replace or {})
@@ -293,12 +282,12 @@ class _Recorder(TorchDispatchMode):
         for t in flat_in:
             if isinstance(t, torch.Tensor):
                 ref = self.refs.get(id(t))
-                if ref is not None and ref[0] == "param":
-                    param = ref[1]
-                elif ref is not None and ref[0] == "input" and self._input_name(ref[1]):
-                    param = self._input_name(ref[1])
-                elif ref is not None and ref[0] == "op" and self.nodes[ref[1]].param is not None and param is None:
-                    source = self.nodes[ref[1]]
+                if ref is not None and ref.kind == "param":
+                    param = ref.at
+                elif ref is not None and ref.kind == "input" and self._input_name(ref.at):
+                    param = self._input_name(ref.at)
+                elif ref is not None and ref.kind == "op" and self.nodes[ref.at].param is not None and param is None:
+                    source = self.nodes[ref.at]
                     if source.layout:  # a view of a weight (t, select): the op reads that weight
                         param, expert = source.param, source.expert
         if kind == "select" and flat_in and isinstance(flat_in[0], torch.Tensor):
@@ -310,7 +299,7 @@ class _Recorder(TorchDispatchMode):
             expert = self.expert.get(scope)
         leaves = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
         node_args, node_kwargs = tree_unflatten(leaves, in_spec)
-        flat_out, spec = tree_flatten(out)
+        flat_out, _ = tree_flatten(out)
         index = len(self.nodes)
         values = []
         for i, t in enumerate(flat_out):
@@ -324,12 +313,10 @@ class _Recorder(TorchDispatchMode):
         for pos in mutates:  # the written tensor now holds this op's output
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 self.refs[id(args[pos])] = Ref("op", index, 0)
-        node = OpNode(
-            index, func, kind, node_args, node_kwargs, values, spec, scope, self._where(), expert, param, mutates
-        )
+        node = OpNode(index, func, kind, node_args, node_kwargs, values, scope, self._where(), expert, param, mutates)
         node._leaves = leaves
         # from constants alone (factories included): the same whatever the inputs
-        node.constant = all(r[0] == "const" or (r[0] == "op" and self.nodes[r[1]].constant) for r in node.inputs())
+        node.constant = all(r.kind == "const" or (r.kind == "op" and self.nodes[r.at].constant) for r in node.inputs())
         self.nodes.append(node)
         return out
 
@@ -338,12 +325,13 @@ def capture_ops(
     module: nn.Module,
     args: list | tuple,
     kwargs: dict[str, Any],
-    root: str = "",
     input_names: list[str | None] | None = None,
+    router: bool | None = None,
 ) -> tuple[OpGraph, Any]:
     """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output.
     `input_names`: per tensor of the call (in pytree order), the weight it is where it is one (a
-    score bias passed as an argument), so that ops reading it are named by it as by a parameter."""
+    score bias passed as an argument), so that ops reading it are named by it as by a parameter.
+    `router`: the module is a router, its ops named by step (see `name_ops`)."""
     names = {id(m): name for name, m in module.named_modules()}
     stack: list[str] = []
 
@@ -379,8 +367,8 @@ def capture_ops(
         for h in hooks:
             h.remove()
     out_refs = tree_map(lambda x: recorder.refs.get(id(x), x) if isinstance(x, torch.Tensor) else x, output)
-    graph = OpGraph(recorder.nodes, kept_inputs, params, recorder.consts, out_refs, root)
-    name_ops(graph)
+    graph = OpGraph(recorder.nodes, kept_inputs, params, recorder.consts, out_refs)
+    name_ops(graph, router)
     return graph, output
 
 
@@ -419,17 +407,16 @@ def name_ops(graph: OpGraph, router: bool | None = None) -> None:
             parts.append(label or kind)
         elif node.param is not None and node.param.rsplit(".", 1)[-1] not in ("weight", "bias") and not node.layout:
             parts.append(node.param.rsplit(".", 1)[-1])
-        elif (
-            not (
+        else:
+            alone = (  # the one computing op of its scope: named by the scope alone (`q_proj`)
                 not node.layout
                 and not node.function
                 and node.expert is None
                 and node.kind != "_to_copy"
                 and compute_by_scope[node.scope] == 1
             )
-            or not parts
-        ):
-            parts.append(kind)
+            if not alone or not parts:
+                parts.append(kind)
         base = ".".join(parts)
         seen[base] += 1
         node.name = base if seen[base] == 1 else f"{base}#{seen[base]}"

@@ -19,6 +19,7 @@ The culprit is the first op that introduced the divergence (or the missing op ju
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -95,10 +96,6 @@ class Drill:
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Drill:
-        return cls(**{**data, "rows": [OpRow(**r) for r in data["rows"]]})
-
 
 def _primary(values: list[Any]) -> torch.Tensor | None:
     return next((t for t in values if isinstance(t, torch.Tensor)), None)
@@ -138,6 +135,7 @@ class Drilling:
         for m in match(reference, reference_low)[0]:
             if len(m.ref) == 1 and len(m.cand) == 1:
                 self.low_of[m.ref[0]] = reference_low.nodes[m.cand[0]]
+        self.ref_of_low = {low.index: reference.nodes[r] for r, low in self.low_of.items() if low is not None}
         self._ref_names = reference.by_name()
         self._equal: dict[tuple, bool] = {}  # (kind, candidate's, reference's) -> the same values
         self.matches, self.left_ref, self.left_cand = match(reference, candidate)
@@ -239,7 +237,7 @@ class Drilling:
     def _low_from_ref(self, low_index: int) -> list | None:
         """The reference's float32 outputs in place of the reference's own op in the candidate's dtype."""
         low = self.low.nodes[low_index]
-        ref = self._ref_names.get(low.name)
+        ref = self.ref_of_low.get(low_index)
         if ref is None:
             return None
         return [
@@ -260,7 +258,8 @@ class Drilling:
         return m is not None and m.how == CAST
 
     def _low_through(self, node: OpNode) -> bool:
-        return node.kind == "_to_copy" and node.name not in self._ref_names
+        """A cast only the reference's run in the candidate's dtype makes (an upcast): seen through."""
+        return node.kind == "_to_copy" and node.index not in self.ref_of_low
 
     # -- verdicts -------------------------------------------------------------------------------
     def rows(self) -> list[OpRow]:
@@ -396,13 +395,14 @@ class Drilling:
         if len(refs) <= at:
             return None
         ref = refs[at]
-        if graph is self.cand and ref[0] == "op":
-            return self.chained[ref[1]][ref[2]]
+        if graph is self.cand and ref.kind == "op":
+            return self.chained[ref.at][ref.out]
         return graph.value_of(ref)
 
-    def component(self) -> tuple[float, float]:
+    @functools.cached_property
+    def component(self) -> tuple[float, float, int]:
         """The component's error and the reference's own, at the output the candidate misses most
-        (a router's weights rather than its logits)."""
+        (a router's weights rather than its logits), and which output that is."""
         best = (float("-inf"), 0, float("nan"), 0.0)
         for at in range(len(self.ref.output_refs())):
             ref, cand, low = self.final(self.ref, at), self.final(self.cand, at), self.final(self.low, at)
@@ -414,8 +414,7 @@ class Drilling:
             noise = rel_l2(low.reshape(ref.shape), ref) if isinstance(low, torch.Tensor) else 0.0
             if error - noise > best[0]:
                 best = (error - noise, at, error, noise)
-        self.out_at = best[1]
-        return best[2], best[3]
+        return best[2], best[3], best[1]
 
     def substitute(self, ref_name: str | list[str]) -> tuple[float | None, list[str]]:
         """The share of the component's error that goes away when the candidate's op(s) computing
@@ -453,12 +452,12 @@ class Drilling:
             for i, v in enumerate(self.chained[n.index]):
                 replace.setdefault(Ref("op", n.index, i), v)
         values = self.cand.replay(self.execute, replace=replace, only=self._after(first))
-        error, noise = self.component()
-        ref_final, sub = self.final(self.ref, self.out_at), None
+        error, noise, at = self.component
+        ref_final, sub = self.final(self.ref, at), None
         refs = self.cand.output_refs()
-        if len(refs) > self.out_at:
-            ref = refs[self.out_at]
-            sub = values.get(ref) if ref[0] == "op" else self.final(self.cand, self.out_at)
+        if len(refs) > at:
+            ref = refs[at]
+            sub = values.get(ref) if ref.kind == "op" else self.final(self.cand, at)
         if ref_final is None or sub is None:
             return None, []
         remaining = rel_l2(sub.reshape(ref_final.shape), ref_final)
@@ -508,6 +507,17 @@ def _same_reads(
     return True
 
 
+def _first_recovery(d: Drilling, names: list[str]) -> tuple[float | None, list[str]]:
+    """The first of `names` whose substitution gives a recovery, and the candidate ops substituted
+    (where none does: the last one tried)."""
+    recovery, substituted = None, []
+    for name in names:
+        recovery, substituted = d.substitute(name)
+        if recovery is not None:
+            break
+    return recovery, substituted
+
+
 def run_drill(
     point: str,
     reference: OpGraph,
@@ -527,7 +537,7 @@ def run_drill(
         factor=factor, floor=floor, same_code=same_code,
     )  # fmt: skip
     rows = d.rows()
-    error, noise = d.component()
+    error, noise, _ = d.component
     culprit_row = next((r for r in rows if r.verdict == "introduced"), None)
     culprit, recovery, substituted, recovery_all = None, None, [], None
     if culprit_row is not None:
@@ -538,10 +548,7 @@ def run_drill(
         if missing:  # the candidate goes on without them: the first missing op is where it departs
             culprit = missing[0].name
             tries = [r.name for r in reversed(missing)] + tries
-        for name in tries:
-            recovery, substituted = d.substitute(name)
-            if recovery is not None:
-                break
+        recovery, substituted = _first_recovery(d, tries)
         for row in rows:
             if row.name == culprit:
                 row.recovery = recovery
@@ -552,11 +559,7 @@ def run_drill(
         first_missing = next((r for r in rows if r.verdict in ("missing", "extra")), None)
         if first_missing is not None:
             culprit = first_missing.name
-            missing = [r for r in rows if r.verdict == "missing"]
-            for row in reversed(missing):
-                recovery, substituted = d.substitute(row.name)
-                if recovery is not None:
-                    break
+            recovery, substituted = _first_recovery(d, [r.name for r in reversed(rows) if r.verdict == "missing"])
             first_missing.recovery = recovery
     result = Drill(
         point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,

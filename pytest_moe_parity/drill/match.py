@@ -111,8 +111,8 @@ def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[in
             moved = c.permute(perm)
             if perm != tuple(range(c.dim())) and moved.shape == r.shape and rel_l2(moved, r) <= VALUE_TOL:
                 return "value (dims permuted)", perm
-    if rel_l2(c.reshape(r.shape), r) <= VALUE_TOL:
-        return ("value" if c.shape == r.shape else "value (reshaped)"), None
+    if c.shape != r.shape and rel_l2(c.reshape(r.shape), r) <= VALUE_TOL:
+        return "value (reshaped)", None
     return None
 
 
