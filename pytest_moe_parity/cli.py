@@ -158,6 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--inputs", action="store_true", help="show each point's call: args, kwargs and output, with shapes and dtypes"
     )
+    ops = sub.add_parser(
+        "drill-ops",
+        help="record the reference's ops at some points into a golden, for --parity-drill where the golden's model "
+        "cannot run (the Neuron SDK's stack) or is not copied",
+    )
+    ops.add_argument("golden", type=Path, help="golden directory (the ops go to its drill/ folder)")
+    ops.add_argument(
+        "--points", required=True, action="append", help="point ids or glob patterns, comma-separated (repeatable)"
+    )
+    ops.add_argument(
+        "--dtype",
+        action="append",
+        default=None,
+        help="the candidate's dtype, whose run of the reference gives each op its noise floor (repeatable; "
+        "default: bfloat16)",
+    )
+    ops.add_argument("--model", type=Path, default=None, help="the golden's model (default: where it was recorded)")
+    ops.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code (off by default)"
+    )
     report = sub.add_parser("report", help="redraw a report's pictures and print its summary from the JSON")
     report.add_argument("report", type=Path, help="a --parity-report directory (or its comparison_report.json)")
 
@@ -551,7 +571,54 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.get("placement", {}).get("fits") is False else EXIT_OK
 
 
+def cmd_drill_ops(args: argparse.Namespace) -> int:
+    """The reference's ops at the points asked for, captured on the golden's model and stored with
+    the golden (`drill.store`). Exit 2 on bad input, or where the model does not reproduce the golden."""
+    from .drill import REPRODUCE_TOL, DrillError, Driller, reproduces, drill_patterns, selects
+    from .drill import store
+    from .dtypes import parse_dtype
+    from .errors import GoldenError
+    from .golden import GoldenStore
+
+    _quiet_transformers()
+    try:
+        golden = GoldenStore(args.golden)
+        dtypes = [parse_dtype(d, floating=True) for d in args.dtype or ["bfloat16"]]
+    except (GoldenError, ValueError) as exc:
+        return _fail(str(exc))
+    patterns = drill_patterns(args.points)
+    points = [p for p in golden.points if p.step is None and selects(patterns, p.id)]
+    if not points:
+        return _fail(f"--points {','.join(patterns)} matches no point of this golden's prefill (see moe-parity show)")
+    model = args.model or (golden.local_model() or (None,))[0]
+    if model is None or not Path(model).is_dir():
+        where = model or golden.manifest["model"].get("path")
+        return _fail(f"the golden's model is not at {where}: pass it with --model DIR")
+    driller = Driller(golden, Path(model), None, lambda point: 0.0, trust_remote_code=args.trust_remote_code)
+    written = 0
+    try:
+        for point in points:
+            graphs, output = driller.capture(point, dtypes)
+            error = reproduces(golden.load(point.id).output, output)
+            if error is not None and error > REPRODUCE_TOL:
+                return _fail(
+                    f"{point.id}: the model at {model} does not reproduce the golden (relative L2 {error:.2e}): "
+                    "pass the golden's own model with --model"
+                )
+            size = store.save(golden.root, point.id, graphs)
+            written += size
+            ops = len(graphs["float32"].compute())
+            print(f"{point.id}: {ops} ops in {', '.join(graphs)}, {size / 1e6:.2f} MB", flush=True)
+    except DrillError as exc:
+        return _fail(str(exc))
+    finally:
+        driller.close()
+    print(f"drill ops written: {len(points)} points, {written / 1e6:.2f} MB -> {golden.root / store.DIR}")
+    return EXIT_OK
+
+
 COMMANDS = {
+    "drill-ops": cmd_drill_ops,
     "tiny-model": cmd_tiny_model,
     "golden": cmd_golden,
     "compare": cmd_compare,
@@ -565,7 +632,7 @@ COMMANDS = {
 
 
 # Commands that run transformers' own modules of the golden's architecture (its transformers 5 layout)
-NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate"}
+NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import torch
 from . import compat
 from .backends import CHAIN_KINDS, Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .drill import AUTO, Driller, drill_patterns, selects
+from .drill import store as drill_store
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
 from .golden import GoldenStore
@@ -242,11 +243,19 @@ class ParitySession:
                 f"{flags['drill']}: the {self.hw} backend gives no torch modules to drill into; drill with --hw cpu, "
                 f"trace or compile (or a backend that implements drill_call)"
             )
-        found = self._golden_model()
-        if found is None:
+        found = self.golden.local_model()
+        stored = drill_store.stored_points(self.golden.root)
+        if (found is None or compat.MAJOR < 5) and not stored:
+            why = (
+                f"the golden's model is not on this machine ({self.golden.manifest['model'].get('path')}): copy the "
+                "checkpoint here, or"
+                if found is None
+                else f"this environment's transformers {compat.VERSION} cannot run the golden's modules (transformers 5"
+                "'s layout):"
+            )
             raise SetupError(
-                f"{flags['drill']} runs the reference op by op and needs the golden's model on this machine "
-                f"({self.golden.manifest['model'].get('path')} is not here): copy the checkpoint there"
+                f"{flags['drill']} runs the reference op by op; {why} record the reference's ops with the golden where "
+                "it was recorded: moe-parity drill-ops GOLDEN --points PATTERNS --dtype DTYPE"
             )
         for pattern in patterns:
             if pattern != AUTO and not any(selects([pattern], p.id) for p in self.points if p.step is None):
@@ -255,7 +264,7 @@ class ParitySession:
                     f"(e.g. layer_0.attention, 'layer_*.router', or auto)"
                 )
         return Driller(
-            self.golden, found[0], self.backend, lambda point: self.runner.tolerance(point)[0].noise_factor,
+            self.golden, found[0] if found else None, self.backend, lambda point: self.runner.tolerance(point)[0].noise_factor,
             trust_remote_code=self.options.trust_remote_code,
         )  # fmt: skip
 
@@ -269,7 +278,7 @@ class ParitySession:
             return path, flags["model"]
         if not needs_checkpoint:
             raise SetupError(f"{flags['hw']} {self.hw} needs the candidate's location: pass {flags['model']} DIR")
-        found = self._golden_model()
+        found = self.golden.local_model()
         if found is not None:
             return found
         raise SetupError(
@@ -277,26 +286,12 @@ class ParitySession:
             f"pass the candidate checkpoint with {flags['model']} DIR"
         )
 
-    def _golden_model(self) -> tuple[Path, str] | None:
-        """The golden's own model on this machine and where it was found, or None. A golden that
-        travelled with its model (a bundled demo, a copied directory) names it relative to itself:
-        that copy beats whatever sits at the recording machine's path."""
-        model = self.golden.manifest["model"]
-        relative, recorded = model.get("path_relative"), model.get("path")
-        if relative:
-            path = (self.golden.root / relative).resolve()
-            if path.is_dir():
-                return path, "the golden's model, found relative to the golden"
-        if recorded and Path(recorded).is_dir():
-            return Path(recorded), "the golden's model, at the path it was recorded from"
-        return None
-
     def _weight_check(self, needs_checkpoint: bool) -> tuple[WeightCheck | None, str]:
         """Weight items, where the candidate is a checkpoint other than the reference's and the
         reference's is here to compare with; else why not."""
         if not needs_checkpoint or self.candidate_dir is None:
             return None, f"the {self.hw} backend's candidate is not a checkpoint"
-        found = self._golden_model()
+        found = self.golden.local_model()
         if found is None:
             return None, "the golden's model is not on this machine"
         if compat.MAJOR < 5:  # said whatever the options: the candidate's weights go unchecked

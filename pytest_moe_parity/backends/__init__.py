@@ -213,7 +213,9 @@ class Backend(ABC):
         """`--parity-drill`: the candidate's torch module at `point`, the arguments it takes for the
         golden call in `golden` (as `run` receives it), and whether it runs the reference's own code
         (True: its ops carry the reference's module paths; False: a port's own modules, matched to
-        the reference's ops by value). Its ops are captured eagerly on the backend's device."""
+        the reference's ops by value). Its ops are captured eagerly on the backend's device; a module
+        that runs elsewhere (NxDI's ranks, each a process) gives instead an object with
+        `capture_ops(args, kwargs, router=...) -> drill.capture.OpGraph` that captures where it runs."""
         raise NotImplementedError(
             f"the {self.name} backend gives no torch modules to drill into (it implements no drill_call)"
         )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import importlib.util
 import os
@@ -48,7 +49,7 @@ from ..golden import GoldenRecord
 from ..model.calls import cache_states
 from ..model.checkpoint import weight_map
 from ..points import Point
-from ..tree import CacheState
+from ..tree import CacheState, leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
 
 INSTALL = (
@@ -232,6 +233,31 @@ class NxdiPoint(nn.Module):
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
+
+
+class _RankCapture:
+    """A built module's forward captured on its ranks, for the drill: one graph (ranks joined),
+    its outputs read as the point reads them (`read_as`, appended as ops of its own)."""
+
+    def __init__(self, module: Any, read_as: Any = None):
+        self.module, self.read_as = module, read_as
+
+    def capture_ops(self, args: list, kwargs: dict, router: bool | None = None) -> Any:
+        from ..drill.capture import extend
+        from ..drill.ranks import join_ranks
+
+        with torch.no_grad(), upstream_warnings():
+            graphs = [graph for graph, _ in self.module.capture_ops(args, kwargs, router=router)]
+        graph = join_ranks(graphs)
+        return graph if self.read_as is None else extend(graph, self.read_as)
+
+
+def _router_as_reference(logits: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor):
+    """NxDI's router's (logits, affinities [T, E], ids) as the reference's (logits, top-k weights,
+    ids): the top-k ids' affinities, renormalised where the golden's are (`judge.routing`)."""
+    from ..judge.routing import topk_of_affinities
+
+    return logits, topk_of_affinities(affinities, index, golden_w)[0], index
 
 
 def nxdi_cast(module: nn.Module, dtype: torch.dtype) -> None:
@@ -519,6 +545,29 @@ class NxdiBackend(Backend):
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs)(*inputs))
         return CandidateOutput(output, routing, info=info, cache=cache)
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
+        """`--parity-drill` on the CPU build: NxDI's module of the point, captured op by op on its
+        ranks (at TP > 1, their graphs joined into one: `drill.ranks`)."""
+        if not self.cpu:
+            raise NotImplementedError(
+                "--hw nxdi drills its CPU build (--hw-option build=cpu): on a Neuron device NxDI runs the module as "
+                "one traced graph, with no ops to capture one by one; drill the same NxDI code with build=cpu"
+            )
+        spec = self.table.components.get(point.component)
+        if spec is None:
+            why = self.table.unavailable.get(point.component, "the table names no NxDI module for it")
+            raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
+        if self.config is None:
+            self.start()
+        inputs = self._inputs(point, spec, golden)
+        with upstream_warnings():
+            module = self._module(point, point.component, spec, inputs)
+        read_as = None
+        if point.component == "router":  # its affinities read as top-k weights, as the point's verdict reads them
+            golden_w = [t for t in leaves(self.golden.load(point).output) if isinstance(t, torch.Tensor)][1]
+            read_as = functools.partial(_router_as_reference, golden_w=golden_w)
+        return _RankCapture(module, read_as), list(inputs), {}, False
 
     def _parallel_evidence(self, point: Point, spec: Component, inputs: tuple[torch.Tensor, ...], module: Any):
         """What the ranks' own outputs say at TP > 1 (the CPU build holds every rank's): whether they

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import compat
+from ..dtypes import dtype_name
 from ..errors import ParityError
 from ..golden import GoldenStore
 from ..golden.spec import ParamRef, resolve_params
@@ -24,16 +26,18 @@ from ..judge.tolerances import NOISE_FLOOR_EPS
 from ..points import ROUTER, Point
 from ..replay.runner import candidate_inputs, cast_inputs
 from ..tree import first_tensor
+from . import store
 from .capture import OpGraph, capture_ops
-from .engine import Drill, OpRow, run_drill
+from .engine import REPRODUCE_TOL, Drill, OpRow, run_drill
 from .match import rel_l2
 
 if TYPE_CHECKING:
     from ..backends import Backend
 
-__all__ = ["Drill", "DrillError", "Driller", "OpRow", "drill_patterns", "selects"]
+__all__ = ["REPRODUCE_TOL", "Drill", "DrillError", "Driller", "OpRow", "drill_patterns", "reproduces", "selects"]
 
 AUTO = "auto"
+OTHER_CODE_FLOOR = 1e-5  # the least noise an op of a port's own code is judged against (float32)
 
 
 class DrillError(ParityError):
@@ -56,13 +60,15 @@ def _router(point: Point) -> bool | None:
 
 class Driller:
     """Drills the points of one run. The reference model (the golden's, float32, on the CPU) is read
-    a layer at a time, as the backend reads the candidate."""
+    a layer at a time, as the backend reads the candidate; where the golden holds the reference's
+    ops of a point (`store`), they are read instead. `reference`: the golden's model (None: not on
+    this machine); `backend`: the candidate's (None: only `capture`, for `moe-parity drill-ops`)."""
 
     def __init__(
         self,
         golden: GoldenStore,
-        reference: Path,
-        backend: Backend,
+        reference: Path | None,
+        backend: Backend | None,
         factor: Callable[[Point], float],
         *,
         trust_remote_code: bool = False,
@@ -97,30 +103,58 @@ class Driller:
             args, kwargs = cast_inputs(args, dtype, cpu), cast_inputs(kwargs, dtype, cpu)
         return lazy.module(point.module), resolve_params(args, lazy.model), resolve_params(kwargs, lazy.model)
 
+    def capture(self, point: Point, dtypes: list[torch.dtype]) -> tuple[dict[str, OpGraph], Any]:
+        """The reference's ops at `point` in float32 and in each of `dtypes` (name -> graph), and its
+        float32 output: the golden's model run on the point's recorded inputs."""
+        if compat.MAJOR < 5:
+            raise DrillError(
+                f"{point.id}: the reference runs op by op on transformers' own modules as transformers 5 lays them "
+                f"out, and this environment has transformers {compat.VERSION}: record its ops where the golden was "
+                f"recorded (moe-parity drill-ops GOLDEN --points '{point.id}' --dtype DTYPE) and drill here"
+            )
+        if self.reference_dir is None:
+            raise DrillError(
+                f"{point.id}: no ops of the reference are stored with the golden for it, and the golden's model "
+                "is not on this machine: copy the checkpoint here, or record them with moe-parity drill-ops"
+            )
+        record = self.golden.load(point.id)
+        names, router = weight_names(record), _router(point)
+        graphs: dict[str, OpGraph] = {}
+        output = None
+        for dtype in [torch.float32, *(d for d in dtypes if d != torch.float32)]:
+            module, args, kwargs = self._reference_call(point, record, dtype)
+            graphs[dtype_name(dtype)], out = capture_ops(module, args, kwargs, input_names=names, router=router)
+            output = out if output is None else output
+        return graphs, output
+
     def reference(self, point: Point) -> tuple[OpGraph, OpGraph]:
         """The reference's ops at `point`: in float32 and in the candidate's dtype (kept until the
-        point's drill is done: `release`)."""
+        point's drill is done: `release`). Those stored with the golden (`moe-parity drill-ops`)
+        where there are, else captured here."""
         if point.id not in self._graphs:
-            record = self.golden.load(point.id)
-            names, router = weight_names(record), _router(point)
-            module, args, kwargs = self._reference_call(point, record)
-            ref, output = capture_ops(module, args, kwargs, input_names=names, router=router)
-            self.reproduced[point.id] = _reproduces(record.output, output)
-            module, args, kwargs = self._reference_call(point, record, self.backend.dtype)
-            low, _ = capture_ops(module, args, kwargs, input_names=names, router=router)
+            dtype = self.backend.dtype
+            stored = store.load(self.golden.root, point.id, dtype_name(dtype))
+            if stored is not None:
+                ref, low = stored
+                output = ref.output_values()
+            else:
+                graphs, output = self.capture(point, [dtype])
+                ref, low = graphs["float32"], graphs[dtype_name(dtype)]
+            self.reproduced[point.id] = reproduces(self.golden.load(point.id).output, output)
             self._graphs[point.id] = (ref, low)
         return self._graphs[point.id]
 
     def op_names(self, point: Point) -> list[str]:
-        """The reference's op rows at `point`, in forward order (the drill items): from one float32
-        capture whose values are dropped at once (collection names every drilled point's ops before
-        any runs: their values would all be held)."""
+        """The reference's op rows at `point`, in forward order (the drill items): from its stored
+        ops, else from one float32 capture whose values are dropped at once (collection names every
+        drilled point's ops before any runs: their values would all be held)."""
         if point.id in self._graphs:
             return [n.name for n in self._graphs[point.id][0].compute()]
-        record = self.golden.load(point.id)
-        module, args, kwargs = self._reference_call(point, record)
-        ref, _ = capture_ops(module, args, kwargs, input_names=weight_names(record), router=_router(point))
-        return [n.name for n in ref.compute()]
+        names = store.op_names(self.golden.root, point.id)
+        if names is not None:
+            return names
+        graphs, _ = self.capture(point, [])
+        return [n.name for n in graphs["float32"].compute()]
 
     def release(self, point: Point) -> None:
         """A drilled point's values go (its verdicts stay): the reference's and the candidate's ops."""
@@ -139,11 +173,19 @@ class Driller:
             with backend.drilling():
                 module, args, kwargs, same_code = backend.drill_call(point, record)
                 names = weight_names(record) if same_code else None
-                candidate, _ = capture_ops(module, args, kwargs, input_names=names, router=_router(point))
+                remote = getattr(module, "capture_ops", None)  # captured where it runs (NxDI's ranks)
+                if remote is not None:
+                    candidate = remote(args, kwargs, router=_router(point))
+                else:
+                    candidate, _ = capture_ops(module, args, kwargs, input_names=names, router=_router(point))
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
         runner = backend.op_runner()
         floor = torch.finfo(backend.dtype).eps / NOISE_FLOOR_EPS if backend.dtype.is_floating_point else 1e-6
+        if not same_code and backend.dtype.is_floating_point:
+            # a port's own ops round and sum in their own order: a rounding of the output (in float32,
+            # a matmul's summation order) is no finding
+            floor = max(floor, torch.finfo(backend.dtype).eps, OTHER_CODE_FLOOR)
         result = run_drill(
             point.id, ref, low, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
             execute=runner, replay_chained=runner is not None, same_code=same_code,
@@ -198,7 +240,7 @@ def weight_names(record: Any) -> list[str | None]:
     return [x.name if isinstance(x, ParamRef) else None for x in leaves if isinstance(x, torch.Tensor | ParamRef)]
 
 
-def _reproduces(golden: Any, rerun: Any) -> float | None:
+def reproduces(golden: Any, rerun: Any) -> float | None:
     """The rerun's first output against the golden's (relative L2), or None where there is none."""
     g, r = first_tensor(golden), first_tensor(rerun)
     if g is None or r is None or g.numel() != r.numel():

@@ -118,6 +118,7 @@ class OpNode:
     mutates: tuple[int, ...] = ()  # positions of args it writes in place
     name: str = ""
     constant: bool = False  # computed from constants alone (a port's own causal mask): not a row
+    partial: str = ""  # ranks joined: a rank's share of what this collective (its name) reduces
     _leaves: list[Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -138,6 +139,36 @@ class OpNode:
     def value(self) -> torch.Tensor | None:
         """The primary output (the first tensor)."""
         return next((t for t in self.outputs if isinstance(t, torch.Tensor)), None)
+
+    def __getstate__(self) -> dict[str, Any]:  # an OpOverload does not pickle: its name does
+        args, kwargs, outputs = tree_map(_opaque, (self.args, self.kwargs, self.outputs))
+        return {**self.__dict__, "func": op_name(self.func), "_leaves": None, "args": args, "kwargs": kwargs,
+                "outputs": outputs}  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, func=resolve_op(state["func"]))
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An argument that does not leave its process (a collective's process group, its work handle)."""
+
+    type: str
+
+
+def _opaque(x: Any) -> Any:
+    return Opaque(type(x).__name__) if isinstance(x, torch.ScriptObject) else x
+
+
+def op_name(func: Any) -> str:
+    """`aten.mm.default` for torch.ops.aten.mm.default."""
+    return str(func)
+
+
+def resolve_op(name: str) -> Any:
+    """The op `op_name` named (a library op, e.g. `c10d.allreduce_.default`, included)."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 @dataclass
@@ -167,6 +198,10 @@ class OpGraph:
         if kind == "param":
             return self.params[ref.at]
         return self.consts[ref.at]
+
+    def output_values(self) -> Any:
+        """The module's return as captured (its refs' values)."""
+        return tree_map(lambda x: self.value_of(x) if isinstance(x, Ref) else x, self.output)
 
     def producer(self, ref: Ref) -> OpNode | None:
         return self.nodes[ref.at] if ref.kind == "op" else None
@@ -202,7 +237,7 @@ class OpGraph:
             args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
             for pos in node.mutates:  # in place: on a copy, so the captured values stay as they were
                 args = list(args)
-                args[pos] = args[pos].clone()
+                args[pos] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args[pos])
             out = execute(node, list(args), dict(kwargs))
             flat, _ = tree_flatten(out)
             for i, t in enumerate(flat):
@@ -212,7 +247,10 @@ class OpGraph:
 @functools.cache
 def _op_info(func: Any) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """An op's kind, and the positions and names of the arguments it writes in place."""
-    written = [(i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    arguments = func._schema.arguments
+    written = [(i, a.name) for i, a in enumerate(arguments) if a.alias_info and a.alias_info.is_write]
+    if func.namespace == "c10d" and func._opname.endswith("_") and not written:
+        written = [(0, arguments[0].name)]  # c10d's collectives write their first argument, undeclared
     return op_kind(func), tuple(i for i, _ in written), tuple(n for _, n in written)
 
 
@@ -248,6 +286,9 @@ class _Recorder(TorchDispatchMode):
         while frame is not None:
             path = frame.f_code.co_filename
             name = frame.f_code.co_name
+            if name == "__torch_function__":  # a function mode's (as the NxDI CPU build's): not the caller
+                frame = frame.f_back
+                continue
             if path.startswith(_PACKAGE):
                 return ""
             if not path.startswith(_TORCH) and "<" not in path and not name.startswith("<"):
@@ -272,7 +313,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         kind, mutates, names = _op_info(func)
         written = [args[i] if i < len(args) else kwargs.get(name) for i, name in zip(mutates, names, strict=True)]
-        for t in written:
+        for t in tree_flatten(written)[0]:  # a collective writes a list of tensors
             if isinstance(t, torch.Tensor):
                 self._before_write(t)
         out = func(*args, **kwargs)
@@ -327,12 +368,14 @@ def capture_ops(
     kwargs: dict[str, Any],
     input_names: list[str | None] | None = None,
     router: bool | None = None,
+    root: nn.Module | None = None,
 ) -> tuple[OpGraph, Any]:
     """Run `module(*args, **kwargs)` once, recording every op. Returns the graph and the output.
     `input_names`: per tensor of the call (in pytree order), the weight it is where it is one (a
     score bias passed as an argument), so that ops reading it are named by it as by a parameter.
-    `router`: the module is a router, its ops named by step (see `name_ops`)."""
-    names = {id(m): name for name, m in module.named_modules()}
+    `router`: the module is a router, its ops named by step (see `name_ops`). `root`: the submodule
+    the module paths are taken from (a wrapper's inner module; ops outside it have the scope "")."""
+    names = {id(m): name for name, m in (root or module).named_modules()}
     stack: list[str] = []
 
     def pre(mod: nn.Module, _args: Any) -> None:
@@ -356,8 +399,8 @@ def capture_ops(
         recorder.watch(kept_inputs, i)
     if input_names is not None and len(input_names) == len(inputs):
         recorder.input_names = list(input_names)
-    params = dict(module.named_parameters())
-    params.update(dict(module.named_buffers()))
+    prefix = next((f"{n}." for n, m in module.named_modules() if m is root and n), "")
+    params = {n.removeprefix(prefix): p for n, p in [*module.named_parameters(), *module.named_buffers()]}
     for name, p in params.items():
         recorder.refs.setdefault(id(p), Ref("param", name))
     try:
@@ -370,6 +413,45 @@ def capture_ops(
     graph = OpGraph(recorder.nodes, kept_inputs, params, recorder.consts, out_refs)
     name_ops(graph, router)
     return graph, output
+
+
+class _Call(nn.Module):
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *values: Any) -> Any:
+        return self.fn(*values)
+
+
+def extend(graph: OpGraph, fn: Callable[..., Any], scope: str = "") -> OpGraph:
+    """`graph` with `fn`'s ops appended, run on the graph's output tensors (in pytree order); its
+    output becomes fn's. How a candidate's outputs are read as the reference's (NxDI's router's
+    affinities as top-k weights), captured as ops of the candidate's like any other."""
+    refs = graph.output_refs()
+    tail, _ = capture_ops(_Call(fn), [graph.value_of(r) for r in refs], {})
+    offset, consts = len(graph.nodes), len(graph.consts)
+
+    def remap(x: Any) -> Any:
+        if not isinstance(x, Ref):
+            return x
+        if x.kind == "input":
+            return refs[x.at]
+        if x.kind == "op":
+            return Ref("op", x.at + offset, x.out)
+        if x.kind == "const":
+            return Ref("const", x.at + consts)
+        raise ValueError(f"an appended op reads a parameter of its own ({x.at})")
+
+    for node in tail.nodes:
+        node.index += offset
+        node.args, node.kwargs = tree_map(remap, node.args), tree_map(remap, node.kwargs)
+        node._leaves = None
+        node.scope = ".".join(p for p in (scope, node.scope) if p)
+        graph.nodes.append(node)
+    graph.consts.extend(tail.consts)
+    graph.output = tree_map(remap, tail.output)
+    return graph
 
 
 _ROUTER_STEPS = {

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .capture import OpGraph, OpNode, Ref
-from .match import CAST, Match, _sources, match, rel_l2
+from .match import CAST, TOWARD_INPUT, Match, _sources, match, rel_l2
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
@@ -132,9 +132,11 @@ class Drilling:
         # (its names can differ where casts come in), by name where that leaves an op out
         low_names = reference_low.by_name()
         self.low_of = {n.index: low_names.get(n.name) for n in reference.nodes}
-        for m in match(reference, reference_low)[0]:
-            if len(m.ref) == 1 and len(m.cand) == 1:
-                self.low_of[m.ref[0]] = reference_low.nodes[m.cand[0]]
+        matched: dict[int, OpNode] = {}
+        for m in match(reference, reference_low)[0]:  # an op's first match (not a second computation)
+            if len(m.ref) == 1 and len(m.cand) == 1 and m.rows is None:
+                matched.setdefault(m.ref[0], reference_low.nodes[m.cand[0]])
+        self.low_of.update(matched)
         self.ref_of_low = {low.index: reference.nodes[r] for r, low in self.low_of.items() if low is not None}
         self._ref_names = reference.by_name()
         self._equal: dict[tuple, bool] = {}  # (kind, candidate's, reference's) -> the same values
@@ -173,6 +175,9 @@ class Drilling:
         node = self.cand.nodes[cand_index]
         if m is None:
             return None
+        if m.input is not None:  # the reference's input the candidate computes
+            value = self.ref.inputs[m.input]
+            return [_like(m.to_candidate([value], [node.value.shape])[0], node.value), *node.outputs[1:]]
         refs = [self.ref.nodes[r] for r in m.ref]
         if len(m.ref) == 1 and len(m.cand) == 1 and m.perm is None and len(refs[0].outputs) == len(node.outputs):
             out = []
@@ -262,19 +267,47 @@ class Drilling:
         return node.kind == "_to_copy" and node.index not in self.ref_of_low
 
     # -- verdicts -------------------------------------------------------------------------------
+    def _input_rows(self) -> list[OpRow]:
+        """The candidate's ops that compute what the reference is given (its call's inputs), judged
+        against those inputs (their noise: the inputs in the candidate's dtype), and the steps
+        toward them."""
+        rows = []
+        for m in self.matches:
+            if m.input is None and m.how != TOWARD_INPUT:
+                continue
+            c = self.cand.nodes[m.cand[0]]
+            row = OpRow(c.name, c.kind, list(c.value.shape) if c.value is not None else [], m.how, [c.name])
+            rows.append(row)
+            if m.input is None:
+                row.note = "judged where it arrives: the reference's input it computes"
+                continue
+            given, low = self.ref.inputs[m.input], self.low.inputs[m.input]
+            value = m.to_reference([_primary(self.chained[c.index])], [given.shape])[0]
+            row.error = rel_l2(value, given)
+            row.noise = rel_l2(low, given) if low.shape == given.shape else None
+            row.ratio = row.error / max(row.noise or 0.0, self.floor)
+            if row.ratio > self.factor:
+                row.verdict = "introduced"
+        return rows
+
     def rows(self) -> list[OpRow]:
-        rows: list[OpRow] = []
+        rows: list[OpRow] = self._input_rows()
         ratio_of: dict[int, float] = {}  # reference op -> its chained ratio
         for r in self.ref.compute():
             value = r.value
             row = OpRow(r.name, r.kind, list(value.shape) if value is not None else [], None)
             low = self.low_of.get(r.index)
             if value is not None and low is not None and low.value is not None:
-                row.noise = rel_l2(low.value, value) if low.value.numel() == value.numel() else None
+                row.noise = rel_l2(low.value.reshape(value.shape), value) if low.value.numel() == value.numel() else None
             m = self.by_ref.get(r.index)
             if m is None:
-                row.verdict = "missing"
-                row.note = "the candidate computes nothing that matches this op"
+                if _bookkeeping(value):
+                    row.note = BOOKKEEPING
+                elif r.kind in GATHERS and all(_bookkeeping(self.ref.nodes[i].value) for i in _sources(self.ref, r)):
+                    row.note = "rows of the call's input, gathered: the candidate reads the input whole (dense)"
+                else:
+                    row.verdict = "missing"
+                    row.note = "the candidate computes nothing that matches this op"
                 rows.append(row)
                 continue
             row.how = m.how
@@ -321,14 +354,52 @@ class Drilling:
                 row.verdict = "inherited"
             if r.kind == "topk":
                 row.note = self._topk_note(r, m)
+                if row.failed and self._flips(r, m) == 0:  # a top-k is there to select: it selects alike
+                    row.verdict = "ok"
+                    row.note = "selects the same experts (its values are other scores than the reference's)"
             rows.append(row)
         for c in self.left_cand:
             node = self.cand.nodes[c]
             shape = list(node.value.shape) if node.value is not None else []
+            if _bookkeeping(node.value):
+                rows.append(OpRow(node.name, node.kind, shape, None, [node.name], note=BOOKKEEPING))
+                continue
+            if node.partial:  # what ranks compute only to be reduced: judged where it is (the reduction's row)
+                rows.append(OpRow(node.name, node.kind, shape, None, [node.name],
+                                  note=f"a rank's share of what {node.partial} reduces"))  # fmt: skip
+                continue
             rows.append(OpRow(node.name, node.kind, shape, None, [node.name], verdict="extra",
                               note="a candidate op that matches no reference op"))  # fmt: skip
+        self._computed_otherwise(rows)
         self._near_tie_experts(rows)
         return rows
+
+    def _computed_otherwise(self, rows: list[OpRow]) -> None:
+        """An op on one side only whose values go on into matched ops that all agree (within the
+        noise factor): a step the other side takes its own way (NxDI's experts run densely; its
+        gate and up in one op), judged where its values arrive. Not a failure; an op whose values go
+        nowhere, or into an op that fails, stays missing or extra."""
+        by_name = {r.name: r for r in rows}
+        for graph, verdict, matched in ((self.ref, "missing", self.by_ref), (self.cand, "extra", self.by_cand)):
+            reached = _reached(graph, set(matched))
+            for node in graph.compute():
+                row = by_name.get(node.name)
+                if row is None or row.verdict != verdict or node.index in matched:
+                    continue
+                arrive = reached.get(node.index, set())
+                arrive_rows = [by_name.get(self._row_name(graph, i)) for i in sorted(arrive)]
+                if arrive_rows and all(r is not None and not r.failed for r in arrive_rows):
+                    row.verdict = "ok"
+                    names = ", ".join(r.name for r in arrive_rows[:3]) + (", ..." if len(arrive_rows) > 3 else "")
+                    side = "the candidate" if verdict == "missing" else "the reference"
+                    row.note = f"{side} computes this otherwise: judged where its values arrive ({names}), which agree"
+
+    def _row_name(self, graph: OpGraph, index: int) -> str:
+        """The row that judges a matched op of `graph`: the reference op's (of its match)."""
+        if graph is self.ref:
+            return self.ref.nodes[index].name
+        m = self.by_cand[index]
+        return self.ref.nodes[m.ref[0]].name if m.ref else self.cand.nodes[index].name
 
     def _near_tie_experts(self, rows: list[OpRow]) -> None:
         """An expert's ops on one side only, where the component routes inside and its top-k agrees
@@ -377,15 +448,23 @@ class Drilling:
                 return f"expert {r.expert} serves {have} tokens, the reference {want}: {have - want} sent to it wrongly"
         return f"shapes differ: the reference's {list(r.value.shape)}, the candidate's {shapes}"
 
-    def _topk_note(self, r: OpNode, m: Match) -> str:
+    def _differ(self, r: OpNode, m: Match) -> torch.Tensor | None:
+        """Per row of a top-k: whether the candidate selects other experts (None: not comparable)."""
         c = self.cand.nodes[m.cand[0]]
         if len(r.outputs) < 2 or len(c.outputs) < 2 or not isinstance(c.outputs[1], torch.Tensor):
-            return ""
-        ref_idx, cand_idx = r.outputs[1], c.outputs[1]
+            return None
+        ref_idx, cand_idx = r.outputs[1], self.chained[c.index][1]
         if ref_idx.shape != cand_idx.shape:
-            return ""
-        differ = (ref_idx.sort(-1).values != cand_idx.to(ref_idx.device).sort(-1).values).any(-1)
-        flips = int(differ.sum())
+            return None
+        return (ref_idx.sort(-1).values != cand_idx.to(ref_idx.device).sort(-1).values).any(-1)
+
+    def _flips(self, r: OpNode, m: Match) -> int | None:
+        differ = self._differ(r, m)
+        return None if differ is None else int(differ.sum())
+
+    def _topk_note(self, r: OpNode, m: Match) -> str:
+        differ = self._differ(r, m)
+        flips = 0 if differ is None else int(differ.sum())
         return f"{flips} of {differ.numel()} rows select other experts" if flips else ""
 
     # -- substitution ---------------------------------------------------------------------------
@@ -421,11 +500,12 @@ class Drilling:
         reference op `ref_name` give the reference's output instead (for a missing op: the
         candidate's counterpart of its input gives the missing op's output)."""
         names = [ref_name] if isinstance(ref_name, str) else ref_name
-        nodes = [self._ref_names.get(n) for n in names]
+        computed = self.computed_inputs
+        nodes = [self._ref_names.get(n) or computed.get(n) for n in names]
         if not nodes or any(n is None for n in nodes):
             return None, []
         node = nodes[0]
-        matched = [self.by_ref.get(n.index) for n in nodes]
+        matched = [self.by_cand.get(n.index) if n.name in computed else self.by_ref.get(n.index) for n in nodes]
         replace: dict[Ref, Any] = {}
         if all(m is not None for m in matched):
             targets = sorted({c for m in matched for c in m.cand})
@@ -466,8 +546,39 @@ class Drilling:
             return None, [self.cand.nodes[c].name for c in targets]
         return max(0.0, min(1.0, (error - remaining) / excess)), [self.cand.nodes[c].name for c in targets]
 
+    @functools.cached_property
+    def computed_inputs(self) -> dict[str, OpNode]:
+        """The candidate's ops that compute an input of the reference's call, by name."""
+        return {self.cand.nodes[m.cand[0]].name: self.cand.nodes[m.cand[0]] for m in self.matches if m.input is not None}
+
     def _after(self, first: int) -> set[int]:
         return {n.index for n in self.cand.nodes if n.index > first}
+
+
+GATHERS = ("index", "index_select", "gather")
+def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
+    """Per computing op of `graph`, the matched ops its values reach first (through unmatched ops)."""
+    consumers: dict[int, set[int]] = {}
+    for node in graph.compute():
+        for s in _sources(graph, node):
+            consumers.setdefault(s, set()).add(node.index)
+    reached: dict[int, set[int]] = {}
+    for node in reversed(graph.compute()):
+        out: set[int] = set()
+        for c in consumers.get(node.index, ()):
+            out |= {c} if c in matched else reached.get(c, set())
+        reached[node.index] = out
+    return reached
+
+
+BOOKKEEPING = "integer bookkeeping (indices, masks): judged through the values it routes"
+
+
+def _bookkeeping(value: torch.Tensor | None) -> bool:
+    """An op of integers or booleans (which tokens go where): a port computes them its own way
+    (masks for index lists), so they are matched where they can be and otherwise not rows that fail:
+    their effect is on the floating-point values they route, which are."""
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
 def _same_reads(

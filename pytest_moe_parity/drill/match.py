@@ -25,6 +25,7 @@ from .capture import OpGraph, OpNode
 
 VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
+TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 
 
 def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -60,10 +61,14 @@ class Match:
     how: str
     dim: int | None = None  # fused / split: the dim the pieces are joined along
     perm: tuple[int, ...] | None = None  # one to one: the candidate's dims in the reference's order
+    input: int | None = None  # no reference op: the candidate computes this input of the reference's call
+    rows: tuple[int | None, torch.Tensor] | None = None  # a dense op: (its expert's slice, the rows it holds)
 
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The candidate's primary outputs as the reference's ops' (one per reference op)."""
-        if len(self.ref) == 1 and len(self.cand) == 1:
+        if self.rows is not None:
+            return [_dense_rows(cand_values[0], self.rows).reshape(ref_shapes[0])]
+        if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
             value = cand_values[0]
             if self.perm is not None:
                 value = value.permute(self.perm)
@@ -75,7 +80,9 @@ class Match:
 
     def to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The reference's primary outputs as the candidate's ops' (one per candidate op)."""
-        if len(self.ref) == 1 and len(self.cand) == 1:
+        if self.rows is not None:  # a few rows of the candidate's: the rest is not the reference's to give
+            raise ValueError("the reference holds only some rows of this dense op")
+        if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
             value = ref_values[0]
             if self.perm is not None:
                 inverse = [0] * len(self.perm)
@@ -87,7 +94,10 @@ class Match:
         if len(self.cand) == 1:
             return [torch.cat(ref_values, dim=self.dim).reshape(cand_shapes[0])]
         sizes = [_size_along(s, self.dim) for s in cand_shapes]
-        return [p.reshape(s) for p, s in zip(ref_values[0].split(sizes, dim=self.dim), cand_shapes, strict=True)]
+        joined = list(cand_shapes[0])
+        joined[self.dim if self.dim is not None else -1] = sum(sizes)
+        whole = ref_values[0].reshape(joined)
+        return [p.reshape(s) for p, s in zip(whole.split(sizes, dim=self.dim), cand_shapes, strict=True)]
 
 
 def _size_along(shape: torch.Size, dim: int | None) -> int:
@@ -116,9 +126,25 @@ def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[in
     return None
 
 
+def _equal(c: torch.Tensor | None, r: torch.Tensor | None) -> bool:
+    """The same values in the same order (up to a reshape)."""
+    if c is None or r is None or c.numel() != r.numel() or c.numel() == 0 or not c.is_floating_point():
+        return False
+    return r.is_floating_point() and rel_l2(c.reshape(r.shape), r) <= VALUE_TOL
+
+
 def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int | None:
     """The dim along which `parts` concatenate to `whole`, if they do."""
     if whole is None or any(p is None for p in parts) or sum(p.numel() for p in parts) != whole.numel():
+        return None
+    rank = parts[0].dim()
+    if rank != whole.dim() and all(p.dim() == rank for p in parts):  # [1, T, h] pieces of a [T, H] whole
+        for dim in range(rank):
+            shape = list(parts[0].shape)
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            same = all(p.shape[:dim] + p.shape[dim + 1 :] == parts[0].shape[:dim] + parts[0].shape[dim + 1 :] for p in parts)
+            if same and math.prod(shape) == whole.numel() and rel_l2(torch.cat(parts, dim), whole.reshape(shape)) <= VALUE_TOL:
+                return dim
         return None
     for dim in range(whole.dim()):
         shapes = [p.shape for p in parts]
@@ -151,7 +177,12 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
     # 1. by path and op
     for r, c in _in_order(ref_ops, cand_ops, _key):
         add(Match((r.index,), (c.index,), "path and op"))
-    # 2. by value: several in one (fused), one in several (split), one to one up to layout
+    # 2. by value: a top-k by the experts it selects (its values may be other scores: logits);
+    # several in one (fused), one in several (split), one to one up to layout
+    for r in [r for r in free_r() if r.kind == "topk"]:
+        c = next((c for c in free_c() if c.kind == "topk" and _same_selection(c, r)), None)
+        if c is not None:
+            add(Match((r.index,), (c.index,), "value (the same experts selected)"))
     for c in free_c():
         for size in (2, 3, 4):
             hit = _run_of(free_r(), size, c.value, lambda group, c=c: _joined([r.value for r in group], c.value))
@@ -170,6 +201,34 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
             if found is not None:
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
+    # the reference's per-expert ops where the candidate runs every expert on every token (dense,
+    # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens
+    for r in free_r():
+        if r.expert is None or r.value is None or r.value.dim() < 2 or not r.value.is_floating_point():
+            continue
+        for c in cand_ops:
+            rows = _rows_in(c.value, r.value, r.expert)
+            if rows is not None:
+                add(Match((r.index,), (c.index,), f"value (rows: expert {r.expert}'s tokens of a dense op)", rows=rows))
+                break
+    # what the reference is given and the candidate computes (NxDI's rotary cos and sin, inside its
+    # attention): matched to that input of the reference's call, and what leads to it with it
+    inputs = [(i, t) for i, t in enumerate(reference.inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    for c in free_c():
+        for i, t in inputs:
+            found = _same(c.value, t)
+            if found is not None:
+                add(Match((), (c.index,), f"value (the reference's input {i})", perm=found[1], input=i))
+                break
+    toward = _leading_to(candidate, {c for m in matches if m.input is not None for c in m.cand}, matched_cand)
+    for c in toward:
+        add(Match((), (c,), TOWARD_INPUT))
+    # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
+    # from the affinities): the second op goes with the reference op it equals
+    for c in free_c():
+        r = next((r for r in ref_ops if r.index in matched_ref and _equal(c.value, r.value)), None)
+        if r is not None:
+            add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))
     # 3. a cast or a join on one side only goes with the op whose value it passes on
     for c in free_c():
         if c.kind == "_to_copy" and _passes_on(candidate, c):  # a cast the reference does not make
@@ -186,13 +245,61 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
             (owner,) = owners
             if len(owner) == 1 and _same(candidate.nodes[owner[0]].value, r.value):
                 add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
-    # 4. what is left: the same ops in the same order
-    for r, c in _in_order(free_r(), free_c(), lambda n: n.kind):
+    # 4. what is left: the same ops in the same order (not a rank's partial sums: no reference op is one)
+    for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], lambda n: n.kind):
         add(Match((r.index,), (c.index,), "op and order"))
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
     return matches, left_ref, left_cand
+
+
+def _dense_rows(value: torch.Tensor, rows: tuple[int | None, torch.Tensor]) -> torch.Tensor:
+    at, index = rows
+    flat = value[at] if at is not None else value
+    return flat.reshape(-1, flat.shape[-1])[index]
+
+
+def _rows_in(dense: torch.Tensor | None, part: torch.Tensor, expert: int) -> tuple[int | None, torch.Tensor] | None:
+    """Where `part` [n, D] is rows of `dense` (of expert `expert`'s slice where dense stacks experts
+    [E, T, D], else of dense as [N, D]): (the slice, the row indices), or None."""
+    if dense is None or not dense.is_floating_point() or dense.shape[-1] != part.shape[-1]:
+        return None
+    if dense.numel() <= part.numel():
+        return None
+    rows = part.reshape(-1, part.shape[-1]).float()
+    for at in ([expert] if dense.dim() == 3 and expert < dense.shape[0] else []) + [None]:
+        flat = (dense[at] if at is not None else dense).reshape(-1, dense.shape[-1]).float()
+        if flat.shape[0] < rows.shape[0]:
+            continue
+        index = torch.cdist(rows, flat).argmin(dim=1)
+        if rel_l2(flat[index], rows) <= VALUE_TOL and index.unique().numel() == index.numel():
+            return at, index
+    return None
+
+
+def _leading_to(graph: OpGraph, targets: set[int], matched: set[int]) -> list[int]:
+    """The unmatched computing ops whose values go only into `targets` (through views, and through
+    each other): the steps by which the candidate computes a reference input."""
+    consumers: dict[int, set[int]] = {}
+    for node in graph.compute():
+        for s in _sources(graph, node):
+            consumers.setdefault(s, set()).add(node.index)
+    found: set[int] = set()
+    for node in reversed(graph.compute()):
+        users = consumers.get(node.index)
+        if node.index not in matched and users and users <= (targets | found):
+            found.add(node.index)
+    return sorted(found)
+
+
+def _same_selection(c: OpNode, r: OpNode) -> bool:
+    """Two top-k ops that select the same experts (in nine rows of ten at least)."""
+    a, b = (c.outputs[1] if len(c.outputs) > 1 else None), (r.outputs[1] if len(r.outputs) > 1 else None)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.numel() != b.numel():
+        return False
+    a, b = a.reshape(b.shape).sort(-1).values, b.sort(-1).values
+    return bool((a == b).all(-1).float().mean() >= 0.9)  # near ties may flip a few rows
 
 
 def _in_order(refs: list[OpNode], cands: list[OpNode], key) -> list[tuple[OpNode, OpNode]]:

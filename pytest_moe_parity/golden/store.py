@@ -72,6 +72,20 @@ class GoldenStore:
         self._entries = {p["id"]: p for p in self.manifest["points"]}
         self._points = {pid: self._point(entry) for pid, entry in self._entries.items()}
 
+    def local_model(self) -> tuple[Path, str] | None:
+        """The golden's own model on this machine and where it was found, or None. A golden that
+        travelled with its model (a bundled demo, a copied directory) names it relative to itself:
+        that copy beats whatever sits at the recording machine's path."""
+        model = self.manifest["model"]
+        relative, recorded = model.get("path_relative"), model.get("path")
+        if relative:
+            path = (self.root / relative).resolve()
+            if path.is_dir():
+                return path, "the golden's model, found relative to the golden"
+        if recorded and Path(recorded).is_dir():
+            return Path(recorded), "the golden's model, at the path it was recorded from"
+        return None
+
     # -- manifest -------------------------------------------------------------------------------
     def _read_manifest(self) -> dict[str, Any]:
         root = self.root

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import multiprocessing
 import os
+import pickle
 import sys
 import tempfile
 import traceback
@@ -131,11 +132,24 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                     raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
                 with torch.no_grad(), XlaSemantics():
                     conn.send(("ok", modules[handle](*inputs)))
+            elif op == "capture":  # --parity-drill: the forward op by op (pickled here: an op is sent by name)
+                handle, inputs, router = args
+                if handle not in modules:
+                    raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
+                conn.send(("ok", pickle.dumps(_capture(modules[handle], inputs, router))))
         except Exception as exc:
             conn.send(("error", _describe(exc, rank)))
     with contextlib.suppress(Exception):
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _capture(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], router: bool | None) -> tuple[Any, Any]:
+    """The module's forward op by op (`drill.capture`), its ops named below the NxDI module it wraps."""
+    from ...drill.capture import capture_ops
+
+    with torch.no_grad(), XlaSemantics():
+        return capture_ops(module, list(inputs), {}, router=router, root=getattr(module, "inner", None))
 
 
 def _describe(exc: BaseException, rank: int) -> str:
@@ -207,6 +221,11 @@ class RankPool:
         self._broadcast("run", handle, tuple(inputs))
         return self._gather("a forward")
 
+    def capture(self, handle: int, inputs: tuple[torch.Tensor, ...], router: bool | None) -> list[tuple[Any, Any]]:
+        """Every rank's (op graph, output) of one forward (`drill.capture`)."""
+        self._broadcast("capture", handle, tuple(inputs), router)
+        return [pickle.loads(data) for data in self._gather("a captured forward")]  # from our own ranks
+
     @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
@@ -233,6 +252,12 @@ class RankedModule:
     def __call__(self, *inputs: torch.Tensor) -> Any:
         self.rank_outputs = self.pool.run(self.handle, inputs)
         return self.rank_outputs[0]
+
+    def capture_ops(self, args: list, kwargs: dict, router: bool | None = None) -> list[tuple[Any, Any]]:
+        """`--parity-drill`: every rank's (op graph, output) of a call, captured where it runs."""
+        if kwargs:
+            raise TypeError("a ranked module is called with positional tensors only")
+        return self.pool.capture(self.handle, tuple(args), router)
 
     def release(self) -> None:
         """Frees the module on its ranks."""

@@ -1,0 +1,218 @@
+"""The reference's ops of a point, kept with the golden (`moe-parity drill-ops`): for a drill where
+the golden's model cannot run (the Neuron SDK's stack, whose transformers 4.57 lays the model out
+otherwise than the recording's transformers 5), and so that a drill does not rerun the reference.
+
+`<golden>/drill/<point>.json` holds the op graphs' structure (ops by name, their arguments with
+tensors as references, module paths, names), `<point>.safetensors` their tensors: one graph in
+float32 and one per dtype the reference was also run in (the ops' noise floor). No pickle: the
+file is read as data, its ops looked up in torch's op registry by name."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import LAYOUT_OPS, OpGraph, OpNode, Opaque, Ref, op_kind, op_name, resolve_op
+
+FORMAT = 1
+DIR = "drill"
+
+
+class StoreError(ValueError):
+    """A stored capture that cannot be read back (a newer format, an op this torch lacks)."""
+
+
+def paths(golden_root: Path, point: str) -> tuple[Path, Path]:
+    return golden_root / DIR / f"{point}.json", golden_root / DIR / f"{point}.safetensors"
+
+
+def stored_points(golden_root: Path) -> list[str]:
+    """The points whose reference ops the golden holds."""
+    folder = golden_root / DIR
+    return sorted(p.name.removesuffix(".json") for p in folder.glob("*.json")) if folder.is_dir() else []
+
+
+def stored_dtypes(golden_root: Path, point: str) -> list[str]:
+    """The dtypes a point's stored capture has besides float32 ([] where none is stored)."""
+    meta_path, _ = paths(golden_root, point)
+    if not meta_path.is_file():
+        return []
+    return [d for d in json.loads(meta_path.read_text())["graphs"] if d != "float32"]
+
+
+def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
+    """Writes a point's graphs (dtype name -> graph, float32 among them); returns the bytes written.
+    Written to temporary names and renamed: a capture is whole or absent."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+
+    def tensor(t: torch.Tensor, key: str) -> str:
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if identity not in seen:
+            seen[identity] = key
+            tensors[key] = t.detach().to("cpu").contiguous().clone()
+            if not t.is_contiguous() and _dense(t):  # kernels follow strides: kept
+                strides[key] = list(t.stride())
+        return seen[identity]
+
+    strides: dict[str, list[int]] = {}
+    meta: dict[str, Any] = {"format": FORMAT, "point": point, "graphs": {}, "strides": strides}
+    for dtype, graph in graphs.items():
+        p = f"{dtype}/"
+
+        def values(xs: list, prefix: str, p: str = p) -> list:
+            return [tensor(x, f"{p}{prefix}{i}") if isinstance(x, torch.Tensor) else _enc(x) for i, x in enumerate(xs)]
+
+        meta["graphs"][dtype] = {
+            "inputs": values(graph.inputs, "input"),
+            "params": {n: tensor(v, f"{p}param.{n}") for n, v in graph.params.items()},
+            "consts": values(graph.consts, "const"),
+            "output": _enc(graph.output),
+            "nodes": [
+                {
+                    "func": op_name(n.func),
+                    "args": _enc(n.args),
+                    "kwargs": _enc(n.kwargs),
+                    "outputs": values(n.outputs, f"op{n.index}."),
+                    "scope": n.scope,
+                    "function": n.function,
+                    "expert": n.expert,
+                    "param": n.param,
+                    "mutates": list(n.mutates),
+                    "name": n.name,
+                    "constant": n.constant,
+                }
+                for n in graph.nodes
+            ],
+        }
+    meta_path, data_path = paths(golden_root, point)
+    meta_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_meta, tmp_data = meta_path.with_suffix(".json.tmp"), data_path.with_suffix(".safetensors.tmp")
+    save_file(tensors, str(tmp_data))
+    tmp_meta.write_text(json.dumps(meta))
+    tmp_data.replace(data_path)
+    tmp_meta.replace(meta_path)
+    return data_path.stat().st_size + meta_path.stat().st_size
+
+
+def load(golden_root: Path, point: str, dtype: str) -> tuple[OpGraph, OpGraph] | None:
+    """A point's stored float32 graph and its graph in `dtype`, or None where none is stored."""
+    from safetensors.torch import load_file
+
+    meta_path, data_path = paths(golden_root, point)
+    if not meta_path.is_file() or not data_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise StoreError(f"{meta_path} is of format {meta.get('format')}, this version reads {FORMAT}: record it again")
+    if dtype not in meta["graphs"]:
+        return None
+    tensors = load_file(str(data_path))
+    for key, stride in meta["strides"].items():
+        t = tensors[key]
+        tensors[key] = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+    return _graph(meta["graphs"]["float32"], tensors), _graph(meta["graphs"][dtype], tensors)
+
+
+def op_names(golden_root: Path, point: str) -> list[str] | None:
+    """The names of a point's stored reference ops that are rows (the drill items), read without
+    its tensors; None where none are stored."""
+    meta_path, _ = paths(golden_root, point)
+    if not meta_path.is_file():
+        return None
+    nodes = json.loads(meta_path.read_text())["graphs"]["float32"]["nodes"]
+    return [n["name"] for n in nodes if not n["constant"] and op_kind(n["func"]) not in LAYOUT_OPS]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether a tensor's strides lay its elements out without gaps or overlaps (a permutation)."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1:
+            if t.stride(d) != expected:
+                return False
+            expected *= t.shape[d]
+    return True
+
+
+def _graph(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> OpGraph:
+    def values(xs: list) -> list:
+        return [tensors[x] if isinstance(x, str) else _dec(x) for x in xs]
+
+    nodes = []
+    for i, n in enumerate(meta["nodes"]):
+        try:
+            func = resolve_op(n["func"])
+        except (AttributeError, ValueError, RuntimeError):
+            raise StoreError(f"the stored op {n['func']} is not in this torch's op registry") from None
+        nodes.append(
+            OpNode(
+                i, func, op_kind(func), _dec(n["args"]), _dec(n["kwargs"]), values(n["outputs"]),
+                n["scope"], n["function"], n["expert"], n["param"], tuple(n["mutates"]), n["name"], n["constant"],
+            )  # fmt: skip
+        )
+    params = {name: tensors[key] for name, key in meta["params"].items()}
+    return OpGraph(nodes, values(meta["inputs"]), params, values(meta["consts"]), _dec(meta["output"]))
+
+
+_TYPES = {
+    "dtype": lambda s: getattr(torch, s),
+    "device": torch.device,
+    "layout": lambda s: getattr(torch, s),
+    "memory_format": lambda s: getattr(torch, s),
+}
+
+
+def _enc(x: Any) -> Any:
+    """An op's argument as JSON (tensors were replaced by refs at capture)."""
+    if x is None or isinstance(x, bool | int | str):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"float": repr(x)}
+    if isinstance(x, Ref):
+        return {"ref": [x.kind, x.at, x.out]}
+    if isinstance(x, Opaque):
+        return {"opaque": x.type}
+    if isinstance(x, torch.dtype):
+        return {"dtype": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.device):
+        return {"device": str(x)}
+    if isinstance(x, torch.layout | torch.memory_format):
+        kind = "layout" if isinstance(x, torch.layout) else "memory_format"
+        return {kind: str(x).removeprefix("torch.")}
+    if isinstance(x, torch.Size):
+        return {"size": list(x)}
+    if isinstance(x, list):
+        return [_enc(v) for v in x]
+    if isinstance(x, tuple):
+        return {"tuple": [_enc(v) for v in x]}
+    if isinstance(x, dict):
+        return {"dict": [[_enc(k), _enc(v)] for k, v in x.items()]}
+    raise StoreError(f"an op argument of type {type(x).__name__} cannot be stored")
+
+
+def _dec(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_dec(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    (kind, value), *_ = x.items()
+    if kind == "ref":
+        return Ref(value[0], value[1], value[2])
+    if kind == "tuple":
+        return tuple(_dec(v) for v in value)
+    if kind == "dict":
+        return {_dec(k): _dec(v) for k, v in value}
+    if kind == "size":
+        return torch.Size(value)
+    if kind == "float":
+        return float(value)
+    if kind == "opaque":
+        return Opaque(value)
+    return _TYPES[kind](value)
