@@ -185,7 +185,7 @@ class Driller:
         if not same_code and backend.dtype.is_floating_point:
             # a port's own ops round and sum in their own order: a rounding of the output (in float32,
             # a matmul's summation order) is no finding
-            floor = max(floor, torch.finfo(backend.dtype).eps, OTHER_CODE_FLOOR)
+            floor = max(floor, torch.finfo(backend.dtype).eps / 2, OTHER_CODE_FLOOR)
         result = run_drill(
             point.id, ref, low, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
             execute=runner, replay_chained=runner is not None, same_code=same_code,

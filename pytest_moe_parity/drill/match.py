@@ -156,8 +156,11 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
     return None
 
 
-def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int], list[int]]:
-    """The matches, the reference ops left unmatched and the candidate's (node indices)."""
+def match(reference: OpGraph, candidate: OpGraph, *, same_code: bool = False) -> tuple[list[Match], list[int], list[int]]:
+    """The matches, the reference ops left unmatched and the candidate's (node indices). With
+    `same_code` (the candidate runs the reference's own modules), the passes for a port's own
+    structure (dense experts' rows, inputs it computes, values it computes twice) are left out:
+    what they would pair there is a near-tie routing flip's, not a port's."""
     ref_ops, cand_ops = reference.compute(), candidate.compute()
     matches: list[Match] = []
     matched_ref: set[int] = set()
@@ -203,10 +206,10 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
                 break
     # the reference's per-expert ops where the candidate runs every expert on every token (dense,
     # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens
-    for r in free_r():
+    for r in [] if same_code else free_r():
         if r.expert is None or r.value is None or r.value.dim() < 2 or not r.value.is_floating_point():
             continue
-        for c in cand_ops:
+        for c in (c for c in cand_ops if c.expert is None):  # not an expert loop's own op: a dense one
             rows = _rows_in(c.value, r.value, r.expert)
             if rows is not None:
                 add(Match((r.index,), (c.index,), f"value (rows: expert {r.expert}'s tokens of a dense op)", rows=rows))
@@ -214,7 +217,7 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
     # what the reference is given and the candidate computes (NxDI's rotary cos and sin, inside its
     # attention): matched to that input of the reference's call, and what leads to it with it
     inputs = [(i, t) for i, t in enumerate(reference.inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    for c in free_c():
+    for c in [] if same_code else free_c():
         for i, t in inputs:
             found = _same(c.value, t)
             if found is not None:
@@ -225,7 +228,7 @@ def match(reference: OpGraph, candidate: OpGraph) -> tuple[list[Match], list[int
         add(Match((), (c,), TOWARD_INPUT))
     # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
     # from the affinities): the second op goes with the reference op it equals
-    for c in free_c():
+    for c in [] if same_code else free_c():
         r = next((r for r in ref_ops if r.index in matched_ref and _equal(c.value, r.value)), None)
         if r is not None:
             add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))

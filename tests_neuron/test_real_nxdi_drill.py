@@ -1,0 +1,114 @@
+"""`--parity-drill` on `--hw nxdi --hw-option build=cpu`: NxDI's real modules captured op by op on
+their ranks (at TP 2, the ranks' graphs joined into one), matched many-to-many to the reference's
+ops, which this stack (transformers 4.57) cannot run: they were recorded with the golden under
+transformers 5 by `moe-parity drill-ops` (the first CI leg; `layer_1.*`, bfloat16 and float32).
+
+A clean NxDI drills clean; a fault in NxDI's code or in its converted weights is named at its op
+(the fault is patched into this process, and the ranks fork from it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import read_json, run_parity, usage_error
+
+from pytest_moe_parity.backends import nxdi
+from pytest_moe_parity.report.files import REPORT_FILE
+
+CPU = ("--hw", "nxdi", "--hw-option", "build=cpu")
+
+
+def drill(pytester, t5: Path, arch: str, points: str, *args: str, tp: int = 1, dtype: str = "bfloat16"):
+    """An inner run of the prefill's points matching `points`, drilled; its result and the drills'
+    records (point -> the ::drill row's record)."""
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, t5 / f"{arch}-golden", *CPU, "--hw-option", f"tp_degree={tp}", "--dtype", dtype,
+        "--parity-drill", points, "-k", f"{points.replace('*', '')} and not step", "--parity-report", str(report),
+        *args, model=t5 / f"{arch}-model",
+    )  # fmt: skip
+    rows = read_json(report / REPORT_FILE)["points"]
+    return result, {r["id"].removesuffix("::drill"): r["drill"] for r in rows if r["id"].endswith("::drill")}
+
+
+@pytest.mark.parametrize("arch, tp", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2)])
+def test_a_clean_nxdi_drills_clean(arch: str, tp: int, t5: Path, pytester: pytest.Pytester) -> None:
+    """Every op of every layer-1 component is matched or judged where its values arrive: the
+    rotary cos and sin NxDI computes inside its attention against the reference's inputs, the
+    heads split across ranks joined, the row-parallel partial sums at their all-reduce, the
+    router's top-k by the experts it selects, the dense experts by their tokens' rows."""
+    result, drills = drill(pytester, t5, arch, "layer_1.*", tp=tp)
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert set(drills) == {f"layer_1.{c}" for c in ("input_norm", "attention", "post_attn_norm", "router", "experts", "moe", "output")}
+    for point, record in drills.items():
+        assert record["culprit"] is None and not record["same_code"], point
+        assert not [r for r in record["rows"] if r["verdict"] != "ok"], point
+    attention = {r["name"]: r for r in drills["layer_1.attention"]["rows"]}
+    assert attention["rotary_emb.cos"]["how"].startswith("value (the reference's input")
+    topk = {r["name"]: r for r in drills["layer_1.router"]["rows"]}["topk"]
+    assert topk["how"] == "value (the same experts selected)"
+    experts = [r for r in drills["layer_1.experts"]["rows"] if r["name"].endswith("down_proj")]
+    if tp == 1:  # at TP 2 each rank's rows are partial sums: judged at the all-reduce
+        assert experts and all(r["how"].startswith("value (rows: expert") for r in experts)
+    else:
+        assert any(r["candidate"] == [f"qkv_proj.q_proj@rank{i}" for i in range(tp)] for r in attention.values())
+        assert any("all_reduce" in r["note"] for r in drills["layer_1.attention"]["rows"])
+
+
+def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert 3's converted down projection scaled by 1.5 (a conversion bug in one expert's slice)."""
+    convert = nxdi.convert_unit
+
+    def wrong(state, *args, **kwargs):
+        out = convert(state, *args, **kwargs)
+        for key, value in out.items():
+            if key.endswith("mlp_op.down_proj.weight"):
+                value = value.clone()
+                value[3] *= 1.5
+                out[key] = value
+        return out
+
+    monkeypatch.setattr(nxdi, "convert_unit", wrong)
+
+
+@pytest.mark.parametrize(
+    "fault, point, culprit, tp",
+    [(_one_expert_s_down_projection_off, "layer_1.experts", "expert[3].down_proj", 1)],
+    ids=["one-expert-down-proj"],
+)
+def test_a_fault_in_nxdi_is_named_at_its_op(
+    fault, point: str, culprit: str, tp: int, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fault(monkeypatch)
+    result, drills = drill(pytester, t5, "qwen3_moe", point, tp=tp)
+    record = drills[point]
+    assert record["culprit"] == culprit, json.dumps(record["rows"], indent=1)[:4000]
+    rows = [r["name"] for r in record["rows"]]
+    first_failing = next(r for r in record["rows"] if r["verdict"] in ("introduced", "missing", "extra"))
+    # its rows no longer match the dense op's by value: missing, where the other experts' are matched
+    assert first_failing["name"] == culprit and first_failing["verdict"] in ("introduced", "missing")
+    assert all(r["verdict"] == "ok" for r in record["rows"][: rows.index(culprit)] if r["how"]), "ops before it agree"
+    result.stdout.fnmatch_lines([f"*culprit: {culprit.replace('[', '[[]')} *"])
+    assert result.ret == 1
+
+
+def test_a_stored_capture_is_needed_on_this_stack(t5: Path, pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """transformers 4.57 cannot run the golden's (transformers 5) modules: without stored ops, a
+    drill is a usage error that names the command that records them."""
+    import shutil
+
+    golden = shutil.copytree(t5 / "qwen3_moe-golden", tmp_path / "g", ignore=shutil.ignore_patterns("drill"))
+    result = run_parity(pytester, golden, *CPU, "--parity-drill", "layer_1.attention", model=t5 / "qwen3_moe-model")
+    usage_error(result, "record the reference's ops with the golden where it was recorded: moe-parity drill-ops")
+
+
+def test_a_traced_build_is_not_drilled(t5: Path, pytester: pytest.Pytester) -> None:
+    """On a Neuron device NxDI runs one traced graph: the drill says so, and what to run instead."""
+    result = run_parity(
+        pytester, t5 / "qwen3_moe-golden", "--hw", "nxdi", "--parity-drill", "layer_1.router", "-k", "layer_1.router",
+        model=t5 / "qwen3_moe-model",
+    )  # fmt: skip
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*drills its CPU build (--hw-option build=cpu)*"])
