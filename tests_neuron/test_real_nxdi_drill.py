@@ -57,6 +57,31 @@ def test_a_clean_nxdi_drills_clean(arch: str, tp: int, t5: Path, pytester: pytes
         assert any("all_reduce" in r["note"] for r in drills["layer_1.attention"]["rows"])
 
 
+def _scores_scaled_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxDI's `scaled_qk` divides the scores by the scale squared."""
+    import torch
+    from neuronx_distributed_inference.modules.attention.attention_base import NeuronAttentionBase
+
+    def scaled_qk(self, q, k, attention_mask):
+        scores = torch.matmul(q, k.transpose(2, 3)) / self.softmax_scale**2
+        return torch.where(attention_mask.to(torch.bool), scores, torch.finfo(scores.dtype).min)
+
+    monkeypatch.setattr(NeuronAttentionBase, "scaled_qk", scaled_qk)
+
+
+def _rope_base_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxDI's rotary embedding built with ten times the config's base (rope_theta)."""
+    from neuronx_distributed_inference.modules.attention import utils
+
+    init = utils.RotaryEmbedding.__init__
+
+    def wrong(self, dim, *args, **kwargs):
+        init(self, dim, *args, **kwargs)
+        self.base = self.base * 10
+
+    monkeypatch.setattr(utils.RotaryEmbedding, "__init__", wrong)
+
+
 def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Expert 3's converted down projection scaled by 1.5 (a conversion bug in one expert's slice)."""
     convert = nxdi.convert_unit
@@ -74,23 +99,35 @@ def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "fault, point, culprit, tp",
-    [(_one_expert_s_down_projection_off, "layer_1.experts", "expert[3].down_proj", 1)],
-    ids=["one-expert-down-proj"],
+    "fault, point, culprit, verdict, tp",
+    [
+        # the port's op (a division) computes other values than the reference's (a product): the
+        # reference's op is missing there, and the candidate departs at it
+        (_scores_scaled_twice, "layer_1.attention", "eager_attention_forward.mul", "missing", 1),
+        (_scores_scaled_twice, "layer_1.attention", "eager_attention_forward.mul", "missing", 2),
+        # what NxDI computes and the reference is given (its cos and sin): the first of its steps
+        (_rope_base_off, "layer_1.attention", "rotary_emb.inv_freq", "extra", 1),
+        # one expert's rows of a dense op no longer match by value
+        (_one_expert_s_down_projection_off, "layer_1.experts", "expert[3].down_proj", "missing", 1),
+    ],
+    ids=["scores-scaled-twice", "scores-scaled-twice-tp2", "rope-base-off", "one-expert-down-proj"],
 )
 def test_a_fault_in_nxdi_is_named_at_its_op(
-    fault, point: str, culprit: str, tp: int, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    fault, point: str, culprit: str, verdict: str, tp: int, t5: Path, pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The first op that fails (in the reference's forward order) follows only ops that agree; the
+    culprit is named, with its verdict, and the run fails at the point and at the drill."""
     fault(monkeypatch)
     result, drills = drill(pytester, t5, "qwen3_moe", point, tp=tp)
     record = drills[point]
     assert record["culprit"] == culprit, json.dumps(record["rows"], indent=1)[:4000]
-    rows = [r["name"] for r in record["rows"]]
-    first_failing = next(r for r in record["rows"] if r["verdict"] in ("introduced", "missing", "extra"))
-    # its rows no longer match the dense op's by value: missing, where the other experts' are matched
-    assert first_failing["name"] == culprit and first_failing["verdict"] in ("introduced", "missing")
-    assert all(r["verdict"] == "ok" for r in record["rows"][: rows.index(culprit)] if r["how"]), "ops before it agree"
-    result.stdout.fnmatch_lines([f"*culprit: {culprit.replace('[', '[[]')} *"])
+    rows = {r["name"]: r for r in record["rows"]}
+    assert rows[culprit]["verdict"] == verdict
+    ordered = [r for r in record["rows"] if r["verdict"] != "extra"]
+    first = next(i for i, r in enumerate(ordered) if r["verdict"] in ("introduced", "missing"))
+    assert all(r["verdict"] == "ok" for r in ordered[:first]), "the ops before the first failing one agree"
+    result.stdout.fnmatch_lines([f"*culprit: {culprit.replace('[', '[[]')} *", f"FAILED *parity::{point} *"])
     assert result.ret == 1
 
 

@@ -397,8 +397,8 @@ class Drilling:
         if self.same_code:
             return
         by_name = {r.name: r for r in rows}
-        for graph, verdict, matched in ((self.ref, "missing", self.by_ref), (self.cand, "extra", self.by_cand)):
-            reached = _reached(graph, set(matched))
+        for graph, verdict, matched in ((self.ref, "missing", set(self.by_ref)), (self.cand, "extra", self._judged_cand())):
+            reached = _reached(graph, matched)
             for node in graph.compute():
                 row = by_name.get(node.name)
                 if row is None or row.verdict != verdict or node.index in matched:
@@ -410,6 +410,23 @@ class Drilling:
                     names = ", ".join(r.name for r in arrive_rows[:3]) + (", ..." if len(arrive_rows) > 3 else "")
                     side = "the candidate" if verdict == "missing" else "the reference"
                     row.note = f"{side} computes this otherwise: judged where its values arrive ({names}), which agree"
+
+    def _judged_cand(self) -> set[int]:
+        """The candidate's ops judged in a row of their own match (not casts it adds: seen through)."""
+        return {c for c, m in self.by_cand.items() if m.how != CAST}
+
+    def extras_into(self, row: OpRow, rows: list[OpRow]) -> list[str]:
+        """The extra (candidate-only) ops whose values reach the candidate's ops of `row`, in the
+        candidate's order: a constant or step of the port's own (a rotary base) that no reference
+        op matches, upstream of the first op that diverges."""
+        m = self.by_ref.get(self._ref_names[row.name].index) if row.name in self._ref_names else None
+        if m is None:
+            return []
+        reached = _reached(self.cand, self._judged_cand())
+        extra = {r.name for r in rows if r.verdict == "extra"}
+        return [
+            n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)
+        ]
 
     def _row_name(self, graph: OpGraph, index: int) -> str:
         """The row that judges a matched op of `graph`: the reference op's (of its match)."""
@@ -676,6 +693,8 @@ def run_drill(
         if missing:  # the candidate goes on without them: the first missing op is where it departs
             culprit = missing[0].name
             tries = [r.name for r in reversed(missing)] + tries
+        elif upstream := d.extras_into(culprit_row, rows):  # the port's own ops that feed it: where it departs
+            culprit = upstream[0]
         recovery, substituted = _first_recovery(d, tries)
         for row in rows:
             if row.name == culprit:

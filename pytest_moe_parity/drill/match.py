@@ -23,15 +23,18 @@ import torch
 
 from .capture import OpGraph, OpNode
 
+# |x| at least this is a mask (finfo(dtype).min, -inf), whatever the dtype: not a magnitude to compare
+MASKED = 1e30
 VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 
 
 def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    """||candidate - reference|| / ||reference|| over the reference's finite entries (equal entries,
-    infinities included, differ by nothing; a NaN or an infinity where the other side has none is an
-    infinite error); for integer and boolean outputs, the share of entries that differ."""
+    """||candidate - reference|| / ||reference|| over the reference's entries that are not masks
+    (masks: entries of magnitude 1e30 and more, a dtype's lowest or an infinity, which must be masks
+    of the same sign on both sides, else the error is infinite; a NaN where the other side has none
+    is an infinite error); for integer and boolean outputs, the share of entries that differ."""
     r = reference.detach()
     c = candidate.detach().to(r.device)
     if not (r.is_floating_point() or r.is_complex()):
@@ -39,6 +42,11 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     if r.is_complex() or c.is_complex():  # DeepSeek-V2's rotary: (real, imaginary) pairs
         c, r = torch.view_as_real(c.to(torch.complex64)), torch.view_as_real(r.to(torch.complex64))
     c, r = c.float(), r.float()
+    masked = r.abs() >= MASKED
+    if bool(masked.any()):  # masked scores (the dtype's lowest): compared as masks, not as magnitudes
+        if not torch.equal(masked, c.abs() >= MASKED) or not torch.equal(r[masked].sign(), c[masked].sign()):
+            return float("inf")
+        c, r = c[~masked], r[~masked]
     num, denom = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
     if math.isfinite(num) and math.isfinite(denom):  # the common case: two passes
         return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
@@ -104,8 +112,23 @@ def _size_along(shape: torch.Size, dim: int | None) -> int:
     return shape[dim if dim is not None else -1]
 
 
+# op kinds that compute the same thing in other forms: one kind for matching
+SAME_KIND = {"bmm": "mm", "addmm": "mm", "baddbmm": "mm", "matmul": "mm", "_softmax": "softmax",
+             "_safe_softmax": "softmax", "masked_fill": "where"}  # fmt: skip
+
+
+def _kind(node: OpNode) -> str:
+    return SAME_KIND.get(node.kind, node.kind)
+
+
 def _key(node: OpNode) -> tuple:
-    return (node.scope, node.kind, node.expert)
+    return (node.scope, _kind(node), node.expert)
+
+
+def _leaf_key(node: OpNode) -> tuple:
+    """A port that wraps the reference's modules (NxDI's `o_proj.o_proj`, `qkv_proj.q_proj`): the
+    last part of the module path."""
+    return (node.scope.rsplit(".", 1)[-1], _kind(node), node.expert)
 
 
 def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None] | None:
@@ -180,6 +203,10 @@ def match(reference: OpGraph, candidate: OpGraph, *, same_code: bool = False) ->
     # 1. by path and op
     for r, c in _in_order(ref_ops, cand_ops, _key):
         add(Match((r.index,), (c.index,), "path and op"))
+    if not same_code:
+        for r, c in _in_order(free_r(), free_c(), _leaf_key):
+            if r.scope and c.scope:  # a module's own op under a wrapper of the port's
+                add(Match((r.index,), (c.index,), "path and op"))
     # 2. by value: a top-k by the experts it selects (its values may be other scores: logits);
     # several in one (fused), one in several (split), one to one up to layout
     for r in [r for r in free_r() if r.kind == "topk"]:
@@ -249,7 +276,7 @@ def match(reference: OpGraph, candidate: OpGraph, *, same_code: bool = False) ->
             if len(owner) == 1 and _same(candidate.nodes[owner[0]].value, r.value):
                 add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
     # 4. what is left: the same ops in the same order (not a rank's partial sums: no reference op is one)
-    for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], lambda n: n.kind):
+    for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
         add(Match((r.index,), (c.index,), "op and order"))
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
