@@ -2,11 +2,14 @@
 
 1. **Cost.** For each component of one layer (attention, router, experts, the MoE block, the
    decoder layer), the point's replay on `--hw cpu` in bf16 (the candidate's forward and its verdict:
-   `ParityRunner.prepare` + `judge`, best of `--repeat`) against its drill on a fresh driller
-   (nothing cached): in all, then split into the reference's side (its captures in float32 and in
-   bf16: in a pytest run they happen at collection) and the rest (the candidate's capture, every op
-   judged chained and isolated, the culprit substituted), on a model of `--hidden` width and
-   `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu` has none).
+   `ParityRunner.prepare` + `judge`, best of `--repeat`) against its drill on a fresh driller:
+   `drill s`, the reference captured on this machine (in float32 and in bf16: in a pytest run, at
+   collection) and then the drill; `stored s`, the reference's ops read from the golden, where
+   `moe-parity drill-ops` stored them once (as the golden itself is recorded once), and then the
+   drill; `ref s` and `rest s`, the first split into the reference's side and the rest (the
+   candidate's capture, every op judged chained and isolated, the culprit substituted), on a model
+   of `--hidden` width and `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu`
+   has none).
 2. **Repro size.** A 48-layer tiny model's golden against the repro file of an RMSNorm-eps fault in
    layer 17's attention (`--parity-repro`): the target is under 1% of the golden.
 
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import tempfile
@@ -28,12 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+WIDTHS = ((9, 4), (8, 4), (6, 2), (9, 4), (6, 2), (7, 4), (7, 4), (6, 2))  # the table's columns
+
+
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
-    from pytest_moe_parity.drill import Driller
+    from pytest_moe_parity.drill import Driller, store
     from pytest_moe_parity.record.run import record_golden
     from pytest_moe_parity.record.tiny import write_tiny_model
     from pytest_moe_parity.session import ParitySession, RunOptions
@@ -44,31 +57,46 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
     record_golden(model, golden, seq_len=tokens)
     session = ParitySession(RunOptions(golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"]))
     print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, --hw cpu, bfloat16 (best of {repeat})")
-    head = f"{'replay s':>9} {'drill s':>9} {'ratio':>6} {'ref s':>8} {'rest s':>8} {'ratio':>6}"
-    print(f"  {'point':22} {head}  ops  culprit")
+    names = ("replay s", "drill s", "ratio", "stored s", "ratio", "ref s", "rest s", "ratio")
+    head = " ".join(f"{name:>{w}}" for name, (w, _) in zip(names, WIDTHS, strict=True))
+    print(f"  {'point':18} {head}  ops  culprit")
+
+    def timed(fn, make) -> tuple[float, object]:
+        """Best of `repeat` runs of fn(driller) on a fresh driller each (make()), and the last driller."""
+        times, driller = [], None
+        for _ in range(repeat):
+            if driller is not None:
+                driller.close()
+            driller = make()
+            started = time.perf_counter()
+            fn(driller)
+            times.append(time.perf_counter() - started)
+        return min(times), driller
+
+    def warmed(point):  # a driller whose reference layer is read from disk: not the drill's own cost
+        driller = Driller(session.golden, model, session.backend, lambda p: 1.5)
+        driller.reference(point)
+        driller._references.clear()
+        return driller
+
     for pid in ("layer_1.attention", "layer_1.router", "layer_1.experts", "layer_1.moe", "layer_1.output"):
         point = session.golden.point(pid)
         session.runner.judge(session.runner.prepare(pid))  # warm: the layer read, the first forward
-        replay = []
-        for _ in range(repeat):
-            started = time.perf_counter()
-            session.runner.judge(session.runner.prepare(pid))
-            replay.append(time.perf_counter() - started)
-        drills, refs = [], []
-        for _ in range(repeat):
-            driller = Driller(session.golden, model, session.backend, lambda p: 1.5)
-            driller.reference(point)  # the reference layer read from disk: not the drill's own cost
-            driller._graphs.clear()
-            started = time.perf_counter()
-            driller.reference(point)  # the reference's two captures (at collection, in a pytest run)
-            refs.append(time.perf_counter() - started)
-            result = driller.drill(point)  # the candidate's capture, the verdicts, the substitution
-            drills.append(time.perf_counter() - started)
-            driller.close()
-        r, d, f = min(replay), min(drills), min(refs)
-        rest = d - f
-        row = f"{r:9.4f} {d:9.4f} {d / r:6.2f} {f:8.4f} {rest:8.4f} {rest / r:6.2f}"
-        print(f"  {pid:22} {row}  {len(result.rows):3}  {result.culprit}")
+        replay = min(_seconds(lambda pid=pid: session.runner.judge(session.runner.prepare(pid))) for _ in range(repeat))
+        make = functools.partial(warmed, point)
+        # the reference's side alone (its two captures, matched to each other), then the whole drill
+        refs = timed(lambda driller, point=point: driller.reference(point), make)[0]
+        d = timed(lambda driller, point=point: (driller.reference(point), driller.drill(point)), make)[0]
+        graphs, _ = make().capture(point, [session.backend.dtype])
+        store.save(golden, pid, graphs)  # moe-parity drill-ops: once, where the golden is recorded
+        # the reference's ops read from the golden, then the drill
+        without_model = functools.partial(Driller, session.golden, None, session.backend, lambda p: 1.5)
+        s, driller = timed(lambda driller, point=point: driller.drill(point), without_model)
+        result = driller.drills[pid]
+        rest = d - refs
+        figures = [replay, d, d / replay, s, s / replay, refs, rest, rest / replay]
+        row = " ".join(f"{v:{w}.{n}f}" for v, (w, n) in zip(figures, WIDTHS, strict=True))
+        print(f"  {pid:18} {row}  {len(result.rows):3}  {result.culprit}")
     session.close()
 
 

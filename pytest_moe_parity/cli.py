@@ -574,8 +574,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_drill_ops(args: argparse.Namespace) -> int:
     """The reference's ops at the points asked for, captured on the golden's model and stored with
     the golden (`drill.store`). Exit 2 on bad input, or where the model does not reproduce the golden."""
-    from .drill import REPRODUCE_TOL, DrillError, Driller, reproduces, drill_patterns, selects
-    from .drill import store
+    from .drill import REPRODUCE_TOL, Driller, DrillError, drill_patterns, reproduces, selects, store
     from .dtypes import parse_dtype
     from .errors import GoldenError
     from .golden import GoldenStore

@@ -264,7 +264,8 @@ class ParitySession:
                     f"(e.g. layer_0.attention, 'layer_*.router', or auto)"
                 )
         return Driller(
-            self.golden, found[0] if found else None, self.backend, lambda point: self.runner.tolerance(point)[0].noise_factor,
+            self.golden, found[0] if found else None, self.backend,
+            lambda point: self.runner.tolerance(point)[0].noise_factor,
             trust_remote_code=self.options.trust_remote_code,
         )  # fmt: skip
 

@@ -245,7 +245,7 @@ def test_a_port_s_own_rounding_is_not_a_finding(pytester, golden_dir, tiny_model
     own code rounds in its own order), and the router's outputs stay within their noise: the
     point passes and so does the drill."""
     args = ["--hw", "port", "--hw-option", f"bugs=router_softmax_bf16,{PORT_LAYOUT}"]
-    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.router", *args, model=tiny_model("qwen3_moe"))
+    result, _, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.router", *args, model=tiny_model("qwen3_moe"))
     assert result.ret == 0 and record["culprit"] is None and not record["same_code"]
     score = next(r for r in record["rows"] if r["name"] == "score")
     assert score["verdict"] == "ok" and score["error"] > score["noise"]  # it does round more than the reference
@@ -397,3 +397,73 @@ def test_drill_items_are_diffed_and_reported_as_their_table(pytester, tiny_model
     code, out, _ = cli(capsys, "report", tmp_path / "port")
     assert code == 0 and "1 points: 0 passed, 1 failed" in out, out  # the drill's ops are not points
     assert f"drill {point}: 5 ops, 2 failed; culprit {culprit}, substituting it recovers 100%" in out
+
+
+# -- the reference's ops stored with the golden (moe-parity drill-ops) -----------------------------------
+
+
+def test_stored_reference_ops_drill_where_the_golden_s_model_is_not(pytester, tiny_model, tmp_path, capsys) -> None:
+    """`moe-parity drill-ops` captures the reference's ops once, where the golden was recorded; a
+    drill elsewhere reads them (no model, no transformers 5 needed for the reference) and names the
+    same culprit as a drill that captures them itself."""
+    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "model")
+    golden = tmp_path / "golden"
+    record_golden(model, golden)
+    code, out, err = cli(capsys, "drill-ops", golden, "--points", "layer_1.input_norm,layer_1.router")
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("layer_1.input_norm: 6 ops in float32, bfloat16, ")
+    assert out.splitlines()[-1].startswith("drill ops written: 2 points, ") and str(golden / "drill") in out
+    stored = json.loads((golden / "drill" / "layer_1.input_norm.json").read_text())  # data, not pickle
+    assert set(stored["graphs"]) == {"float32", "bfloat16"} and stored["graphs"]["float32"]["nodes"][0]["func"]
+    cand = edit_checkpoint(model, tmp_path / "cand", lambda t: None)
+    edit_config(cand, lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 1000))
+    shutil.rmtree(model)  # the golden's model is gone: only the stored ops are the reference
+    result, ops, record = drill(pytester, golden, "layer_1.input_norm", model=cand)
+    assert record["culprit"] == "add" and record["reference_error"] < 1e-6
+    assert [r["id"].split("::")[1] for r in ops] == [n["name"] for n in stored["graphs"]["float32"]["nodes"]
+                                                     if n["func"] != "aten._to_copy.default"]  # fmt: skip
+    # a point with no stored ops and no model to capture them from: the ::drill item says what to do
+    result = run_parity(pytester, golden, NO_WEIGHTS, "--parity-drill", "layer_1.attention", "-k", "layer_1.attention",
+                        model=cand)  # fmt: skip
+    result.stdout.fnmatch_lines(["*no ops of the reference are stored with the golden for it*moe-parity drill-ops*"])
+
+
+def test_drill_ops_refuses_bad_input(tiny_model, golden_dir, tmp_path, capsys) -> None:
+    golden = shutil.copytree(golden_dir("qwen3_moe"), tmp_path / "golden")
+    code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_9.*")
+    assert code == 2 and "--points layer_9.* matches no point of this golden's prefill" in err
+    code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_1.router", "--model", tmp_path / "nowhere")
+    assert code == 2 and "the golden's model is not at" in err
+    other = edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "other", scale("mlp.gate.weight", 1, 2.0))
+    code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_1.router", "--model", other)
+    assert code == 2 and "layer_1.router: the model at" in err and "does not reproduce the golden" in err
+    assert not (golden / "drill" / "layer_1.router.json").exists()  # nothing half-written
+    code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_1.router", "--dtype", "int8")
+    assert code == 2 and "int8" in err
+
+
+def test_a_stored_op_this_torch_lacks_is_one_sentence(pytester, golden_dir, tmp_path, capsys) -> None:
+    golden = shutil.copytree(golden_dir("qwen3_moe"), tmp_path / "golden")
+    assert cli(capsys, "drill-ops", golden, "--points", "layer_1.input_norm")[0] == 0
+    meta = golden / "drill" / "layer_1.input_norm.json"
+    stored = json.loads(meta.read_text())
+    stored["graphs"]["float32"]["nodes"][1]["func"] = "aten.no_such_op.default"
+    meta.write_text(json.dumps(stored))
+    result = run_parity(pytester, golden, NO_WEIGHTS, "--dtype", "bfloat16", "--parity-drill", "layer_1.input_norm",
+                        "-k", "layer_1.input_norm")  # fmt: skip
+    result.stdout.fnmatch_lines(
+        ["*layer_1.input_norm: the stored op aten.no_such_op.default is not in this torch's op registry*"]
+    )
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_masked_entries_compare_as_masks() -> None:
+    """Attention scores with the dtype's lowest at masked positions: the unmasked entries decide."""
+    from pytest_moe_parity.drill.match import rel_l2
+
+    ref = torch.tensor([1.0, 2.0, torch.finfo(torch.float32).min, -float("inf")])
+    assert rel_l2(ref.clone(), ref) == 0.0
+    half = torch.tensor([2.0, 4.0, torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min])
+    assert abs(rel_l2(half, ref) - 1.0) < 1e-6  # the scores doubled: not hidden by the masks' magnitude
+    unmasked = torch.tensor([1.0, 2.0, 0.0, -float("inf")])
+    assert rel_l2(unmasked, ref) == float("inf")  # a mask missing where the reference has one

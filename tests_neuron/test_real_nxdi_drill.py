@@ -41,7 +41,9 @@ def test_a_clean_nxdi_drills_clean(arch: str, tp: int, t5: Path, pytester: pytes
     router's top-k by the experts it selects, the dense experts by their tokens' rows."""
     result, drills = drill(pytester, t5, arch, "layer_1.*", tp=tp)
     assert result.ret == 0, result.stdout.str()[-3000:]
-    assert set(drills) == {f"layer_1.{c}" for c in ("input_norm", "attention", "post_attn_norm", "router", "experts", "moe", "output")}
+    assert set(drills) == {
+        f"layer_1.{c}" for c in ("input_norm", "attention", "post_attn_norm", "router", "experts", "moe", "output")
+    }
     for point, record in drills.items():
         assert record["culprit"] is None and not record["same_code"], point
         assert not [r for r in record["rows"] if r["verdict"] != "ok"], point

@@ -28,7 +28,7 @@ from ..replay.runner import candidate_inputs, cast_inputs
 from ..tree import first_tensor
 from . import store
 from .capture import OpGraph, capture_ops
-from .engine import REPRODUCE_TOL, Drill, OpRow, run_drill
+from .engine import REPRODUCE_TOL, Drill, OpRow, Reference, run_drill
 from .match import rel_l2
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Driller:
         self.factor = factor
         self.trust_remote_code = trust_remote_code
         self._lazy: dict[torch.dtype, Any] = {}
-        self._graphs: dict[str, tuple[OpGraph, OpGraph]] = {}
+        self._references: dict[str, Reference] = {}
         self.reproduced: dict[str, float | None] = {}  # point -> the rerun's error against the golden
         self.drills: dict[str, Drill] = {}
 
@@ -127,29 +127,31 @@ class Driller:
             output = out if output is None else output
         return graphs, output
 
-    def reference(self, point: Point) -> tuple[OpGraph, OpGraph]:
-        """The reference's ops at `point`: in float32 and in the candidate's dtype (kept until the
-        point's drill is done: `release`). Those stored with the golden (`moe-parity drill-ops`)
-        where there are, else captured here."""
-        if point.id not in self._graphs:
+    def reference(self, point: Point) -> Reference:
+        """The reference's side of the drill at `point`: its ops in float32 and in the candidate's
+        dtype (kept until the point's drill is done: `release`). Those stored with the golden
+        (`moe-parity drill-ops`) where there are, else captured here."""
+        if point.id not in self._references:
             dtype = self.backend.dtype
-            stored = store.load(self.golden.root, point.id, dtype_name(dtype))
+            try:
+                stored = store.load(self.golden.root, point.id, dtype_name(dtype))
+            except store.StoreError as exc:
+                raise DrillError(f"{point.id}: {exc}") from None
             if stored is not None:
-                ref, low = stored
-                output = ref.output_values()
+                reference, output = stored, stored.graph.output_values()
             else:
                 graphs, output = self.capture(point, [dtype])
-                ref, low = graphs["float32"], graphs[dtype_name(dtype)]
+                reference = Reference.of(graphs["float32"], graphs[dtype_name(dtype)])
             self.reproduced[point.id] = reproduces(self.golden.load(point.id).output, output)
-            self._graphs[point.id] = (ref, low)
-        return self._graphs[point.id]
+            self._references[point.id] = reference
+        return self._references[point.id]
 
     def op_names(self, point: Point) -> list[str]:
         """The reference's op rows at `point`, in forward order (the drill items): from its stored
         ops, else from one float32 capture whose values are dropped at once (collection names every
         drilled point's ops before any runs: their values would all be held)."""
-        if point.id in self._graphs:
-            return [n.name for n in self._graphs[point.id][0].compute()]
+        if point.id in self._references:
+            return [n.name for n in self._references[point.id].graph.compute()]
         names = store.op_names(self.golden.root, point.id)
         if names is not None:
             return names
@@ -158,7 +160,7 @@ class Driller:
 
     def release(self, point: Point) -> None:
         """A drilled point's values go (its verdicts stay): the reference's and the candidate's ops."""
-        self._graphs.pop(point.id, None)
+        self._references.pop(point.id, None)
         drill = self.drills.get(point.id)
         if drill is not None:
             drill.state = None
@@ -166,7 +168,7 @@ class Driller:
     def drill(self, point: Point) -> Drill:
         if point.id in self.drills:
             return self.drills[point.id]
-        ref, low = self.reference(point)
+        reference = self.reference(point)
         backend = self.backend
         record = candidate_inputs(self.golden.load(point.id), backend.dtype, backend.device)
         try:
@@ -187,7 +189,7 @@ class Driller:
             # a matmul's summation order) is no finding
             floor = max(floor, torch.finfo(backend.dtype).eps / 2, OTHER_CODE_FLOOR)
         result = run_drill(
-            point.id, ref, low, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
+            point.id, reference, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
             execute=runner, replay_chained=runner is not None, same_code=same_code,
         )  # fmt: skip
         result.reference_error = self.reproduced.get(point.id)

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..tree import leaves, map_structure
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class OpNode:
     def leaves(self) -> list[Any]:
         """Its arguments flattened: refs and plain values (computed once: they do not change)."""
         if self._leaves is None:
-            self._leaves = tree_flatten((self.args, self.kwargs))[0]
+            self._leaves = leaves((self.args, self.kwargs))
         return self._leaves
 
     def inputs(self) -> list[Ref]:
@@ -186,8 +188,8 @@ class OpGraph:
         return {n.name: n for n in self.nodes}
 
     def output_refs(self) -> list[Ref]:
-        leaves, _ = tree_flatten(self.output)
-        return [x for x in leaves if isinstance(x, Ref)]
+        flat, _ = tree_flatten(self.output)
+        return [x for x in flat if isinstance(x, Ref)]
 
     def value_of(self, ref: Ref) -> Any:
         kind = ref.kind
@@ -234,12 +236,12 @@ class OpGraph:
         for node in nodes:
             if all(Ref("op", node.index, i) in replace for i in range(len(node.outputs))):
                 continue
-            args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
+            args, kwargs = map_structure(node.args, value), map_structure(node.kwargs, value)
             for pos in node.mutates:  # in place: on a copy, so the captured values stay as they were
                 args = list(args)
                 args[pos] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args[pos])
             out = execute(node, list(args), dict(kwargs))
-            flat, _ = tree_flatten(out)
+            flat = leaves(out)
             for i, t in enumerate(flat):
                 values.setdefault(Ref("op", node.index, i), t)
 
@@ -313,13 +315,13 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         kind, mutates, names = _op_info(func)
         written = [args[i] if i < len(args) else kwargs.get(name) for i, name in zip(mutates, names, strict=True)]
-        for t in tree_flatten(written)[0]:  # a collective writes a list of tensors
+        for t in leaves(written):  # a collective writes a list of tensors
             if isinstance(t, torch.Tensor):
                 self._before_write(t)
         out = func(*args, **kwargs)
         scope = self.stack[-1] if self.stack else ""
         param = expert = None
-        flat_in, in_spec = tree_flatten((args, kwargs))
+        flat_in = leaves((args, kwargs))
         for t in flat_in:
             if isinstance(t, torch.Tensor):
                 ref = self.refs.get(id(t))
@@ -338,9 +340,11 @@ class _Recorder(TorchDispatchMode):
                 self.expert[scope] = expert
         if expert is None and param is None:
             expert = self.expert.get(scope)
-        leaves = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
-        node_args, node_kwargs = tree_unflatten(leaves, in_spec)
-        flat_out, _ = tree_flatten(out)
+        as_refs = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
+        node_args, node_kwargs = map_structure(
+            (args, kwargs), lambda x: self.refs[id(x)] if isinstance(x, torch.Tensor) else x
+        )
+        flat_out = leaves(out)
         index = len(self.nodes)
         values = []
         for i, t in enumerate(flat_out):
@@ -355,7 +359,7 @@ class _Recorder(TorchDispatchMode):
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 self.refs[id(args[pos])] = Ref("op", index, 0)
         node = OpNode(index, func, kind, node_args, node_kwargs, values, scope, self._where(), expert, param, mutates)
-        node._leaves = leaves
+        node._leaves = as_refs
         # from constants alone (factories included): the same whatever the inputs
         node.constant = all(r.kind == "const" or (r.kind == "op" and self.nodes[r.at].constant) for r in node.inputs())
         self.nodes.append(node)

@@ -107,6 +107,40 @@ def _like(value: torch.Tensor, model: torch.Tensor | None) -> torch.Tensor:
     return value.to(dtype=model.dtype, device=model.device)
 
 
+@dataclass
+class Reference:
+    """The reference's side of a drill at one point, prepared once (whatever the candidate): its
+    ops in float32 and in the candidate's dtype, which op of the one is which of the other, and
+    each op's noise (the error of its run in the candidate's dtype)."""
+
+    graph: OpGraph
+    low: OpGraph
+    low_of: dict[int, OpNode | None]
+    noise: dict[int, float | None]
+    norm: dict[int, float]  # each floating op's ||output|| in float32 (what its errors divide by)
+
+    @classmethod
+    def of(cls, graph: OpGraph, low: OpGraph, figures: tuple[dict, dict] | None = None) -> Reference:
+        """`figures`: each op's noise and norm as `store` kept them (else computed here)."""
+        # the reference's own run in the candidate's dtype: the same code, matched as a candidate is
+        # (its names can differ where casts come in), by name where that leaves an op out
+        low_names = low.by_name()
+        low_of = {n.index: low_names.get(n.name) for n in graph.nodes}
+        for m in match(graph, low, same_code=True)[0]:
+            if len(m.ref) == 1 and len(m.cand) == 1:
+                low_of[m.ref[0]] = low.nodes[m.cand[0]]
+        if figures is not None:
+            return cls(graph, low, low_of, *figures)
+        noise, norm = {}, {}
+        for r in graph.compute():
+            a, b = r.value, low_of[r.index].value if low_of.get(r.index) is not None else None
+            if a is not None and a.is_floating_point():
+                norm[r.index] = float(torch.linalg.vector_norm(a.float()))
+            same = a is not None and b is not None and a.numel() == b.numel()
+            noise[r.index] = rel_l2(b.reshape(a.shape), a, norm.get(r.index)) if same else None
+        return cls(graph, low, low_of, noise, norm)
+
+
 class Drilling:
     """The state of one drill: the reference in float32 and in the candidate's dtype, the candidate,
     their matches, and the candidate's values as it computes them."""
@@ -114,8 +148,7 @@ class Drilling:
     def __init__(
         self,
         point: str,
-        reference: OpGraph,
-        reference_low: OpGraph,
+        reference: Reference,
         candidate: OpGraph,
         *,
         execute: Execute | None = None,
@@ -125,22 +158,15 @@ class Drilling:
         same_code: bool = True,
     ):
         self.point = point
-        self.ref, self.low, self.cand = reference, reference_low, candidate
+        self.ref, self.low, self.cand = reference.graph, reference.low, candidate
+        self.reference = reference
         self.execute = execute
         self.factor, self.floor, self.same_code = factor, floor, same_code
-        # the reference's own run in the candidate's dtype: the same code, matched as a candidate is
-        # (its names can differ where casts come in), by name where that leaves an op out
-        low_names = reference_low.by_name()
-        self.low_of = {n.index: low_names.get(n.name) for n in reference.nodes}
-        matched: dict[int, OpNode] = {}
-        for m in match(reference, reference_low, same_code=True)[0]:
-            if len(m.ref) == 1 and len(m.cand) == 1 and m.rows is None:
-                matched.setdefault(m.ref[0], reference_low.nodes[m.cand[0]])
-        self.low_of.update(matched)
-        self.ref_of_low = {low.index: reference.nodes[r] for r, low in self.low_of.items() if low is not None}
-        self._ref_names = reference.by_name()
+        self.low_of = reference.low_of
+        self.ref_of_low = {low.index: self.ref.nodes[r] for r, low in self.low_of.items() if low is not None}
+        self._ref_names = self.ref.by_name()
         self._equal: dict[tuple, bool] = {}  # (kind, candidate's, reference's) -> the same values
-        self.matches, self.left_ref, self.left_cand = match(reference, candidate, same_code=same_code)
+        self.matches, self.left_ref, self.left_cand = match(self.ref, candidate, same_code=same_code)
         self.by_ref: dict[int, Match] = {}
         self.by_cand: dict[int, Match] = {}
         for m in self.matches:
@@ -297,8 +323,7 @@ class Drilling:
             value = r.value
             row = OpRow(r.name, r.kind, list(value.shape) if value is not None else [], None)
             low = self.low_of.get(r.index)
-            if value is not None and low is not None and low.value is not None:
-                row.noise = rel_l2(low.value.reshape(value.shape), value) if low.value.numel() == value.numel() else None
+            row.noise = self.reference.noise.get(r.index)
             m = self.by_ref.get(r.index)
             if m is None:
                 if _bookkeeping(value):
@@ -322,7 +347,7 @@ class Drilling:
                 rows.append(row)
                 ratio_of[r.index] = float("inf")
                 continue
-            row.error = rel_l2(cand_value, value)
+            row.error = rel_l2(cand_value, value, self.reference.norm.get(r.index))
             row.ratio = row.error / max(row.noise or 0.0, self.floor)
             ratio_of[r.index] = row.ratio
             # within the reference's own error chained, an op is fine whatever it would add alone:
@@ -397,7 +422,10 @@ class Drilling:
         if self.same_code:
             return
         by_name = {r.name: r for r in rows}
-        for graph, verdict, matched in ((self.ref, "missing", set(self.by_ref)), (self.cand, "extra", self._judged_cand())):
+        for graph, verdict, matched in (
+            (self.ref, "missing", set(self.by_ref)),
+            (self.cand, "extra", self._judged_cand()),
+        ):
             reached = _reached(graph, matched)
             for node in graph.compute():
                 row = by_name.get(node.name)
@@ -424,9 +452,7 @@ class Drilling:
             return []
         reached = _reached(self.cand, self._judged_cand())
         extra = {r.name for r in rows if r.verdict == "extra"}
-        return [
-            n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)
-        ]
+        return [n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)]
 
     def _row_name(self, graph: OpGraph, index: int) -> str:
         """The row that judges a matched op of `graph`: the reference op's (of its match)."""
@@ -583,13 +609,17 @@ class Drilling:
     @functools.cached_property
     def computed_inputs(self) -> dict[str, OpNode]:
         """The candidate's ops that compute an input of the reference's call, by name."""
-        return {self.cand.nodes[m.cand[0]].name: self.cand.nodes[m.cand[0]] for m in self.matches if m.input is not None}
+        return {
+            self.cand.nodes[m.cand[0]].name: self.cand.nodes[m.cand[0]] for m in self.matches if m.input is not None
+        }
 
     def _after(self, first: int) -> set[int]:
         return {n.index for n in self.cand.nodes if n.index > first}
 
 
 GATHERS = ("index", "index_select", "gather")
+
+
 def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
     """Per computing op of `graph`, the matched ops its values reach first (through unmatched ops)."""
     consumers: dict[int, set[int]] = {}
@@ -665,8 +695,7 @@ def _first_recovery(d: Drilling, names: list[str]) -> tuple[float | None, list[s
 
 def run_drill(
     point: str,
-    reference: OpGraph,
-    reference_low: OpGraph,
+    reference: Reference,
     candidate: OpGraph,
     *,
     dtype: torch.dtype,
@@ -678,7 +707,7 @@ def run_drill(
 ) -> Drill:
     started = time.perf_counter()
     d = Drilling(
-        point, reference, reference_low, candidate, execute=execute, replay_chained=replay_chained,
+        point, reference, candidate, execute=execute, replay_chained=replay_chained,
         factor=factor, floor=floor, same_code=same_code,
     )  # fmt: skip
     rows = d.rows()

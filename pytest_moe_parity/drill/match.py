@@ -30,26 +30,32 @@ CAST = "a cast the candidate adds"  # matched to no reference op: seen through, 
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 
 
-def rel_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None = None) -> float:
     """||candidate - reference|| / ||reference|| over the reference's entries that are not masks
     (masks: entries of magnitude 1e30 and more, a dtype's lowest or an infinity, which must be masks
     of the same sign on both sides, else the error is infinite; a NaN where the other side has none
-    is an infinite error); for integer and boolean outputs, the share of entries that differ."""
+    is an infinite error); for integer and boolean outputs, the share of entries that differ.
+    `norm`: ||reference||, where the caller has it (a reference op's, computed once)."""
     r = reference.detach()
     c = candidate.detach().to(r.device)
     if not (r.is_floating_point() or r.is_complex()):
         return float((c != r).double().mean()) if c.numel() else 0.0
     if r.is_complex() or c.is_complex():  # DeepSeek-V2's rotary: (real, imaginary) pairs
         c, r = torch.view_as_real(c.to(torch.complex64)), torch.view_as_real(r.to(torch.complex64))
-    c, r = c.float(), r.float()
+    r = r if r.dtype in (torch.float32, torch.float64) else r.float()
+    c = c if c.dtype == r.dtype or c.dtype.itemsize < r.dtype.itemsize else c.to(r.dtype)  # c - r: in r's dtype
+    num = float(torch.linalg.vector_norm(c - r))
+    denom = norm if norm is not None else float(torch.linalg.vector_norm(r))
+    if math.isfinite(num) and math.isfinite(denom) and denom < MASKED:  # the common case: two passes, no mask
+        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
     masked = r.abs() >= MASKED
     if bool(masked.any()):  # masked scores (the dtype's lowest): compared as masks, not as magnitudes
         if not torch.equal(masked, c.abs() >= MASKED) or not torch.equal(r[masked].sign(), c[masked].sign()):
             return float("inf")
         c, r = c[~masked], r[~masked]
-    num, denom = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
-    if math.isfinite(num) and math.isfinite(denom):  # the common case: two passes
-        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
+        num, denom = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
+        if math.isfinite(num) and math.isfinite(denom):
+            return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
     same = (c == r) | (c.isnan() & r.isnan())
     if bool((~same & ~(c.isfinite() & r.isfinite())).any()):
         return float("inf")
@@ -165,8 +171,14 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
         for dim in range(rank):
             shape = list(parts[0].shape)
             shape[dim] = sum(p.shape[dim] for p in parts)
-            same = all(p.shape[:dim] + p.shape[dim + 1 :] == parts[0].shape[:dim] + parts[0].shape[dim + 1 :] for p in parts)
-            if same and math.prod(shape) == whole.numel() and rel_l2(torch.cat(parts, dim), whole.reshape(shape)) <= VALUE_TOL:
+            same = all(
+                p.shape[:dim] + p.shape[dim + 1 :] == parts[0].shape[:dim] + parts[0].shape[dim + 1 :] for p in parts
+            )
+            if (
+                same
+                and math.prod(shape) == whole.numel()
+                and rel_l2(torch.cat(parts, dim), whole.reshape(shape)) <= VALUE_TOL
+            ):
                 return dim
         return None
     for dim in range(whole.dim()):
@@ -179,11 +191,13 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
     return None
 
 
-def match(reference: OpGraph, candidate: OpGraph, *, same_code: bool = False) -> tuple[list[Match], list[int], list[int]]:
+def match(
+    reference: OpGraph, candidate: OpGraph, *, same_code: bool = False
+) -> tuple[list[Match], list[int], list[int]]:
     """The matches, the reference ops left unmatched and the candidate's (node indices). With
     `same_code` (the candidate runs the reference's own modules), the passes for a port's own
-    structure (dense experts' rows, inputs it computes, values it computes twice) are left out:
-    what they would pair there is a near-tie routing flip's, not a port's."""
+    structure (fused and split ops, dense experts' rows, inputs it computes, values it computes
+    twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
     ref_ops, cand_ops = reference.compute(), candidate.compute()
     matches: list[Match] = []
     matched_ref: set[int] = set()
@@ -213,13 +227,13 @@ def match(reference: OpGraph, candidate: OpGraph, *, same_code: bool = False) ->
         c = next((c for c in free_c() if c.kind == "topk" and _same_selection(c, r)), None)
         if c is not None:
             add(Match((r.index,), (c.index,), "value (the same experts selected)"))
-    for c in free_c():
+    for c in [] if same_code else free_c():  # the same code fuses and splits nothing
         for size in (2, 3, 4):
             hit = _run_of(free_r(), size, c.value, lambda group, c=c: _joined([r.value for r in group], c.value))
             if hit:
                 add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {size} in one)", dim=hit[1]))
                 break
-    for r in free_r():
+    for r in [] if same_code else free_r():
         for size in range(2, min(65, len(cand_ops) + 1)):
             hit = _run_of(free_c(), size, r.value, lambda group, r=r: _joined([c.value for c in group], r.value))
             if hit:
@@ -377,9 +391,12 @@ def _sources(graph: OpGraph, node: OpNode) -> list[int]:
 
 
 def _passes_on(graph: OpGraph, node: OpNode) -> bool:
-    """Whether a cast's output holds its input's values (up to the rounding of its dtype)."""
+    """Whether a cast's output holds its input's values (up to the rounding of its dtype): one
+    between floating dtypes does, by what a cast is."""
     refs = node.inputs()
     value = graph.value_of(refs[0]) if refs else None
     if not isinstance(value, torch.Tensor) or node.value is None or value.shape != node.value.shape:
         return False
+    if value.is_floating_point() and node.value.is_floating_point():
+        return True
     return rel_l2(node.value, value) <= VALUE_TOL

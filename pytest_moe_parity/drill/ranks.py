@@ -72,7 +72,9 @@ def join_ranks(graphs: list[OpGraph]) -> OpGraph:
     first = graphs[0]
     for r, g in enumerate(graphs[1:], 1):
         if [op_name(n.func) for n in g.nodes] != [op_name(n.func) for n in first.nodes]:
-            raise JoinError(f"rank {r} ran other ops than rank 0 ({len(g.nodes)} and {len(first.nodes)}): not one SPMD program")
+            raise JoinError(
+                f"rank {r} ran other ops than rank 0 ({len(g.nodes)} and {len(first.nodes)}): not one SPMD program"
+            )
     ranks = range(len(graphs))
     params: dict[str, torch.Tensor] = {}
     param_of: list[dict[str, str]] = [{} for _ in ranks]
@@ -126,7 +128,9 @@ def join_ranks(graphs: list[OpGraph]) -> OpGraph:
                 _mark_partial(nodes, [d[0] for d in data], per[0].name)
             continue
         args = [tree_map(functools.partial(remap, r), (n.args, n.kwargs)) for r, n in enumerate(per)]
-        if all(a == args[0] for a in args[1:]) and all(_same(list(out)) for out in zip(*(n.outputs for n in per))):
+        if all(a == args[0] for a in args[1:]) and all(
+            _same(list(out)) for out in zip(*(n.outputs for n in per), strict=True)
+        ):
             index = add(per[0], per[0].func, *args[0], per[0].outputs, per[0].name)
             for r in ranks:
                 op_of[r][i] = index
@@ -147,4 +151,3 @@ def _mark_partial(nodes: list[OpNode], refs: list[Ref], collective: str) -> None
             continue
         node.partial = collective
         todo.extend(x.at for x in node.inputs() if x.kind == "op")
-

@@ -16,10 +16,18 @@ from typing import Any
 
 import torch
 
-from .capture import LAYOUT_OPS, OpGraph, OpNode, Opaque, Ref, op_kind, op_name, resolve_op
+from ..tree import leaves, map_structure
+from .capture import LAYOUT_OPS, Opaque, OpGraph, OpNode, Ref, op_kind, op_name, resolve_op
 
 FORMAT = 1
 DIR = "drill"
+# A view's output is not stored (it would be a copy of what it views): it is taken again at reading.
+VIEWS = frozenset(
+    ["view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
+     "select", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "_reshape_alias",
+     "unflatten", "flatten", "movedim", "narrow", "lift_fresh", "lift"]
+)  # fmt: skip
+RECOMPUTE = "view"
 
 
 class StoreError(ValueError):
@@ -45,9 +53,12 @@ def stored_dtypes(golden_root: Path, point: str) -> list[str]:
 
 
 def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
-    """Writes a point's graphs (dtype name -> graph, float32 among them); returns the bytes written.
-    Written to temporary names and renamed: a capture is whole or absent."""
+    """Writes a point's graphs (dtype name -> graph, float32 among them), with each op's noise in
+    each dtype and its norm (`engine.Reference`: computed once here, not at every drill); returns
+    the bytes written. Written to temporary names and renamed: a capture is whole or absent."""
     from safetensors.torch import save_file
+
+    from .engine import Reference
 
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
@@ -69,7 +80,10 @@ def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
         def values(xs: list, prefix: str, p: str = p) -> list:
             return [tensor(x, f"{p}{prefix}{i}") if isinstance(x, torch.Tensor) else _enc(x) for i, x in enumerate(xs)]
 
+        figures = Reference.of(graphs["float32"], graph) if dtype != "float32" else None
         meta["graphs"][dtype] = {
+            "noise": {str(i): v for i, v in figures.noise.items()} if figures else None,
+            "norm": {str(i): v for i, v in figures.norm.items()} if figures else None,
             "inputs": values(graph.inputs, "input"),
             "params": {n: tensor(v, f"{p}param.{n}") for n, v in graph.params.items()},
             "consts": values(graph.consts, "const"),
@@ -79,7 +93,7 @@ def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
                     "func": op_name(n.func),
                     "args": _enc(n.args),
                     "kwargs": _enc(n.kwargs),
-                    "outputs": values(n.outputs, f"op{n.index}."),
+                    "outputs": RECOMPUTE if n.kind in VIEWS else values(n.outputs, f"op{n.index}."),
                     "scope": n.scope,
                     "function": n.function,
                     "expert": n.expert,
@@ -101,9 +115,13 @@ def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
     return data_path.stat().st_size + meta_path.stat().st_size
 
 
-def load(golden_root: Path, point: str, dtype: str) -> tuple[OpGraph, OpGraph] | None:
-    """A point's stored float32 graph and its graph in `dtype`, or None where none is stored."""
-    from safetensors.torch import load_file
+def load(golden_root: Path, point: str, dtype: str) -> Any:
+    """A point's stored reference (`engine.Reference`: its float32 graph and its graph in `dtype`),
+    or None where none is stored. The weights are read when an op is run again on them (a drill
+    rarely does), the rest at once."""
+    from safetensors import safe_open
+
+    from .engine import Reference
 
     meta_path, data_path = paths(golden_root, point)
     if not meta_path.is_file() or not data_path.is_file():
@@ -113,11 +131,63 @@ def load(golden_root: Path, point: str, dtype: str) -> tuple[OpGraph, OpGraph] |
         raise StoreError(f"{meta_path} is of format {meta.get('format')}, this version reads {FORMAT}: record it again")
     if dtype not in meta["graphs"]:
         return None
-    tensors = load_file(str(data_path))
-    for key, stride in meta["strides"].items():
-        t = tensors[key]
-        tensors[key] = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
-    return _graph(meta["graphs"]["float32"], tensors), _graph(meta["graphs"][dtype], tensors)
+    strides = meta["strides"]
+    weights = {key for g in meta["graphs"].values() for key in g["params"].values()}
+    tensors = _Tensors(data_path, strides)
+    with safe_open(str(data_path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            if key not in weights:
+                tensors.read[key] = _strided(f.get_tensor(key), strides.get(key))
+    low = meta["graphs"][dtype]
+    figures = None
+    if low.get("noise") is not None:
+        figures = ({int(i): v for i, v in low["noise"].items()}, {int(i): v for i, v in low["norm"].items()})
+    return Reference.of(_graph(meta["graphs"]["float32"], tensors), _graph(low, tensors), figures)
+
+
+class _Tensors(dict):
+    """A stored capture's tensors by key: read at once, or (weights) on first use."""
+
+    def __init__(self, path: Path, strides: dict[str, list[int]]):
+        super().__init__()
+        self.path, self.strides, self.read = path, strides, self
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as f:
+            self[key] = _strided(f.get_tensor(key), self.strides.get(key))
+        return self[key]
+
+
+class _Params(dict):
+    """A graph's weights by name, each read from the store when first asked for."""
+
+    def __init__(self, keys: dict[str, str], tensors: _Tensors):
+        super().__init__()
+        self.keys_of, self.tensors = keys, tensors
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in self.keys_of:
+            raise KeyError(name)
+        self[name] = self.tensors[self.keys_of[name]]
+        return self[name]
+
+    def __iter__(self):
+        return iter(self.keys_of)
+
+    def __len__(self) -> int:
+        return len(self.keys_of)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.keys_of
+
+    def items(self):  # type: ignore[override]
+        return [(name, self[name]) for name in self.keys_of]
+
+
+def _strided(t: torch.Tensor, stride: list[int] | None) -> torch.Tensor:
+    return t if stride is None else torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
 
 
 def op_names(golden_root: Path, point: str) -> list[str] | None:
@@ -141,24 +211,32 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _graph(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> OpGraph:
+def _graph(meta: dict[str, Any], tensors: _Tensors) -> OpGraph:
     def values(xs: list) -> list:
         return [tensors[x] if isinstance(x, str) else _dec(x) for x in xs]
 
-    nodes = []
+    graph = OpGraph([], values(meta["inputs"]), _Params(meta["params"], tensors), values(meta["consts"]),
+                    _dec(meta["output"]))  # fmt: skip
+
+    def value(x: Any) -> Any:
+        return graph.value_of(x) if isinstance(x, Ref) else x
+
     for i, n in enumerate(meta["nodes"]):
         try:
             func = resolve_op(n["func"])
         except (AttributeError, ValueError, RuntimeError):
             raise StoreError(f"the stored op {n['func']} is not in this torch's op registry") from None
-        nodes.append(
-            OpNode(
-                i, func, op_kind(func), _dec(n["args"]), _dec(n["kwargs"]), values(n["outputs"]),
-                n["scope"], n["function"], n["expert"], n["param"], tuple(n["mutates"]), n["name"], n["constant"],
-            )  # fmt: skip
-        )
-    params = {name: tensors[key] for name, key in meta["params"].items()}
-    return OpGraph(nodes, values(meta["inputs"]), params, values(meta["consts"]), _dec(meta["output"]))
+        node = OpNode(
+            i, func, op_kind(func), _dec(n["args"]), _dec(n["kwargs"]), [], n["scope"], n["function"], n["expert"],
+            n["param"], tuple(n["mutates"]), n["name"], n["constant"],
+        )  # fmt: skip
+        if n["outputs"] == RECOMPUTE:  # a view, taken again of what it viewed
+            out = func(*map_structure(node.args, value), **map_structure(node.kwargs, value))
+            node.outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves(out)]
+        else:
+            node.outputs = values(n["outputs"])
+        graph.nodes.append(node)
+    return graph
 
 
 _TYPES = {
