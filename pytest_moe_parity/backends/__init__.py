@@ -215,7 +215,9 @@ class Backend(ABC):
         (True: its ops carry the reference's module paths; False: a port's own modules, matched to
         the reference's ops by value). Its ops are captured eagerly on the backend's device; a module
         that runs elsewhere (NxDI's ranks, each a process) gives instead an object with
-        `capture_ops(args, kwargs, router=...) -> drill.capture.OpGraph` that captures where it runs."""
+        `capture_ops(capture, args, kwargs, router=...)` that calls `capture` (the drill's
+        `capture_ops`) where it runs and returns each rank's (graph, output), which the drill joins,
+        and, optionally, `read_as`: a function of its outputs that reads them as the point does."""
         raise NotImplementedError(
             f"the {self.name} backend gives no torch modules to drill into (it implements no drill_call)"
         )

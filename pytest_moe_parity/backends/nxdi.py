@@ -236,20 +236,15 @@ class NxdiPoint(nn.Module):
 
 
 class _RankCapture:
-    """A built module's forward captured on its ranks, for the drill: one graph (ranks joined),
-    its outputs read as the point reads them (`read_as`, appended as ops of its own)."""
+    """`drill_call`'s module on the CPU build: captured on its ranks (`capture_ops` gives each
+    rank's graph: the drill joins them), its outputs read as the point reads them (`read_as`)."""
 
     def __init__(self, module: Any, read_as: Any = None):
         self.module, self.read_as = module, read_as
 
-    def capture_ops(self, args: list, kwargs: dict, router: bool | None = None) -> Any:
-        from ..drill.capture import extend
-        from ..drill.ranks import join_ranks
-
+    def capture_ops(self, capture: Any, args: list, kwargs: dict, router: bool | None = None) -> list:
         with torch.no_grad(), upstream_warnings():
-            graphs = [graph for graph, _ in self.module.capture_ops(args, kwargs, router=router)]
-        graph = join_ranks(graphs)
-        return graph if self.read_as is None else extend(graph, self.read_as)
+            return self.module.capture_ops(capture, args, kwargs, router=router)
 
 
 def _router_as_reference(logits: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor):

@@ -27,9 +27,10 @@ from ..points import ROUTER, Point
 from ..replay.runner import candidate_inputs, cast_inputs
 from ..tree import first_tensor
 from . import store
-from .capture import OpGraph, capture_ops
+from .capture import OpGraph, capture_ops, extend
 from .engine import REPRODUCE_TOL, Drill, OpRow, Reference, run_drill
 from .match import rel_l2
+from .ranks import join_ranks
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -177,9 +178,13 @@ class Driller:
                 names = weight_names(record) if same_code else None
                 remote = getattr(module, "capture_ops", None)  # captured where it runs (NxDI's ranks)
                 if remote is not None:
-                    candidate = remote(args, kwargs, router=_router(point))
+                    ranks = remote(capture_ops, args, kwargs, router=_router(point))
+                    candidate = join_ranks([graph for graph, _ in ranks])
                 else:
                     candidate, _ = capture_ops(module, args, kwargs, input_names=names, router=_router(point))
+                read_as = getattr(module, "read_as", None)  # its outputs as the point reads them
+                if read_as is not None:
+                    candidate = extend(candidate, read_as)
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
         runner = backend.op_runner()

@@ -133,23 +133,18 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                 with torch.no_grad(), XlaSemantics():
                     conn.send(("ok", modules[handle](*inputs)))
             elif op == "capture":  # --parity-drill: the forward op by op (pickled here: an op is sent by name)
-                handle, inputs, router = args
+                handle, inputs, router, capture = args
                 if handle not in modules:
                     raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
-                conn.send(("ok", pickle.dumps(_capture(modules[handle], inputs, router))))
+                module = modules[handle]
+                with torch.no_grad(), XlaSemantics():  # its ops named below the NxDI module it wraps
+                    captured = capture(module, list(inputs), {}, router=router, root=getattr(module, "inner", None))
+                conn.send(("ok", pickle.dumps(captured)))
         except Exception as exc:
             conn.send(("error", _describe(exc, rank)))
     with contextlib.suppress(Exception):
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
-
-
-def _capture(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], router: bool | None) -> tuple[Any, Any]:
-    """The module's forward op by op (`drill.capture`), its ops named below the NxDI module it wraps."""
-    from ...drill.capture import capture_ops
-
-    with torch.no_grad(), XlaSemantics():
-        return capture_ops(module, list(inputs), {}, router=router, root=getattr(module, "inner", None))
 
 
 def _describe(exc: BaseException, rank: int) -> str:
@@ -221,9 +216,12 @@ class RankPool:
         self._broadcast("run", handle, tuple(inputs))
         return self._gather("a forward")
 
-    def capture(self, handle: int, inputs: tuple[torch.Tensor, ...], router: bool | None) -> list[tuple[Any, Any]]:
-        """Every rank's (op graph, output) of one forward (`drill.capture`)."""
-        self._broadcast("capture", handle, tuple(inputs), router)
+    def capture(
+        self, handle: int, inputs: tuple[torch.Tensor, ...], router: bool | None, capture: Callable
+    ) -> list[tuple[Any, Any]]:
+        """Every rank's (op graph, output) of one forward, captured by `capture` (the drill's
+        `capture_ops`, sent by reference) in each rank."""
+        self._broadcast("capture", handle, tuple(inputs), router, capture)
         return [pickle.loads(data) for data in self._gather("a captured forward")]  # from our own ranks
 
     @property
@@ -253,11 +251,11 @@ class RankedModule:
         self.rank_outputs = self.pool.run(self.handle, inputs)
         return self.rank_outputs[0]
 
-    def capture_ops(self, args: list, kwargs: dict, router: bool | None = None) -> list[tuple[Any, Any]]:
+    def capture_ops(self, capture: Callable, args: list, kwargs: dict, router: bool | None = None) -> list:
         """`--parity-drill`: every rank's (op graph, output) of a call, captured where it runs."""
         if kwargs:
             raise TypeError("a ranked module is called with positional tensors only")
-        return self.pool.capture(self.handle, tuple(args), router)
+        return self.pool.capture(self.handle, tuple(args), router, capture)
 
     def release(self) -> None:
         """Frees the module on its ranks."""
