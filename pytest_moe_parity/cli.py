@@ -586,9 +586,9 @@ def cmd_drill_ops(args: argparse.Namespace) -> int:
     except (GoldenError, ValueError) as exc:
         return _fail(str(exc))
     patterns = drill_patterns(args.points)
-    points = [p for p in golden.points if p.step is None and selects(patterns, p.id)]
+    points = [p for p in golden.points if selects(patterns, p.id)]
     if not points:
-        return _fail(f"--points {','.join(patterns)} matches no point of this golden's prefill (see moe-parity show)")
+        return _fail(f"--points {','.join(patterns)} matches no point of this golden (see moe-parity show)")
     model = args.model or (golden.local_model() or (None,))[0]
     if model is None or not Path(model).is_dir():
         where = model or golden.manifest["model"].get("path")

@@ -258,10 +258,10 @@ class ParitySession:
                 "it was recorded: moe-parity drill-ops GOLDEN --points PATTERNS --dtype DTYPE"
             )
         for pattern in patterns:
-            if pattern != AUTO and not any(selects([pattern], p.id) for p in self.points if p.step is None):
+            if pattern != AUTO and not any(selects([pattern], p.id) for p in self.points):
                 raise SetupError(
-                    f"{flags['drill']} {pattern!r} matches no point of this golden's prefill "
-                    f"(e.g. layer_0.attention, 'layer_*.router', or auto)"
+                    f"{flags['drill']} {pattern!r} matches no point of this golden "
+                    f"(e.g. layer_0.attention, 'layer_*.router', step_1.layer_0.attention, or auto)"
                 )
         return Driller(
             self.golden, found[0] if found else None, self.backend,
@@ -411,7 +411,7 @@ class ParitySession:
                 checked.add(point.layer)
                 yield WeightUnit(point.layer, point.order - 0.5)
             yield point
-            if self.driller is not None and point.step is None and selects(self.drill_patterns, point.id):
+            if self.driller is not None and selects(self.drill_patterns, point.id):
                 yield from self._drill_entries(point)
 
     def _drill_entries(self, point: Point) -> Iterator[DrillEntry]:
@@ -430,7 +430,8 @@ class ParitySession:
         from .report.text import drill_op_text, drill_text
 
         assert self.driller is not None
-        drill = self.driller.drill(entry.point)
+        row = self.rows.get(entry.point.id)
+        drill = self.driller.drill(entry.point, point_passed=row is not None and row.status == "passed")
         self._repro(drill)
         if entry.op == "drill":  # the point's last item: its values are no longer needed
             self.driller.release(entry.point)
@@ -467,7 +468,7 @@ class ParitySession:
         text and its row; else (None, "")."""
         from .report.text import drill_text
 
-        if self.driller is None or AUTO not in self.drill_patterns or self.auto_drilled or point.step is not None:
+        if self.driller is None or AUTO not in self.drill_patterns or self.auto_drilled:
             return None, ""
         self.auto_drilled = True
         try:

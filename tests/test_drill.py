@@ -148,6 +148,44 @@ def test_a_code_fault_is_named_at_its_op(fault, pytester, golden_dir, monkeypatc
     assert_culprit(ops, record, point, culprit)
 
 
+def _scaled_twice_in_decode(module) -> None:
+    """The scores scaled twice in one-token steps only (a decode graph of its own, as a port's)."""
+    forward = module.forward
+
+    def decode_only(hidden_states, *args, **kwargs):
+        scaling = module.scaling
+        if hidden_states.shape[-2] == 1:
+            module.scaling = scaling * scaling
+        try:
+            return forward(hidden_states, *args, **kwargs)
+        finally:
+            module.scaling = scaling
+
+    module.forward = decode_only
+
+
+def test_a_decode_step_is_drilled_past_its_kv_cache(pytester, golden_dir, monkeypatch) -> None:
+    """A decode step's component reads the KV cache of the golden (the past keys and values, the
+    reference's as recorded): drilled like a prefill's, its ops named alike. A fault in one-token
+    steps only is named at its op in the step, while the prefill's drill of the same component is clean."""
+    start = TorchBackend.start
+
+    def start_patched(self) -> None:
+        start(self)
+        for module in self.lazy.model.modules():
+            if type(module).__name__ == "Qwen3MoeAttention":
+                _scaled_twice_in_decode(module)
+
+    monkeypatch.setattr(TorchBackend, "start", start_patched)
+    golden = golden_dir("qwen3_moe", decode=2)
+    point = "step_1.layer_1.attention"
+    _, ops, record = drill(pytester, golden, point)
+    assert_culprit(ops, record, point, "eager_attention_forward.mul")
+    assert any(r["name"] == "cat" or r["name"].endswith(".cat") for r in record["rows"])  # the cache's update
+    _, ops, record = drill(pytester, golden, "layer_1.attention")  # (-k also runs the steps' points, which fail)
+    assert record["culprit"] is None and ops and all(r["status"] == "passed" for r in ops)
+
+
 def softmax_off(gm, example_inputs):
     """A torch.compile backend that miscompiles softmax (its output 3% high) and nothing else."""
     for node in list(gm.graph.nodes):
@@ -254,22 +292,27 @@ def test_a_port_s_own_rounding_is_not_a_finding(pytester, golden_dir, tiny_model
 def test_an_op_matched_to_nothing_fails_the_drill_with_its_name(
     pytester, golden_dir, tiny_model, port, monkeypatch
 ) -> None:
+    """A port's own op that the reference has nothing like, whose value goes on into the
+    component's: listed as extra and named as the culprit, upstream of the first op that diverges. An
+    op computed and thrown away is listed too, as unused: the component cannot depend on it."""
     import port_qwen3
 
     forward = port_qwen3.Attention.forward
 
     def with_a_stray_op(self, x, *args, **kwargs):
-        torch.erf(x)  # computed and thrown away: nothing in the reference matches it
-        return forward(self, x, *args, **kwargs)
+        torch.sigmoid(x)  # computed and thrown away
+        return forward(self, torch.erf(x), *args, **kwargs)  # nothing in the reference matches it
 
     monkeypatch.setattr(port_qwen3.Attention, "forward", with_a_stray_op)
     result, ops, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", "--hw", "port",
                                 model=tiny_model("qwen3_moe"))  # fmt: skip
-    extra = [r for r in record["rows"] if r["verdict"] == "extra"]
-    assert [r["name"] for r in extra] == ["with_a_stray_op.erf"]  # named by the function it runs in
+    extra = [r["name"] for r in record["rows"] if r["verdict"] == "extra"]
+    assert "with_a_stray_op.erf" in extra  # named by the function it runs in
     assert record["culprit"] == "with_a_stray_op.erf"
+    unused = next(r for r in record["rows"] if r["name"] == "with_a_stray_op.sigmoid")
+    assert unused["verdict"] == "ok" and unused["note"].startswith("computed and never used")
     result.stdout.fnmatch_lines(["*EXTRA      with_a_stray_op.erf *(a candidate op that matches no reference op)"])
-    result.assert_outcomes(failed=1, passed=len(ops) + 1)  # the ::drill item; the point itself passes
+    assert result.ret == 1 and record["culprit"] in result.stdout.str()
 
 
 # -- clean drills, auto, repro, usage ------------------------------------------------------------------
@@ -329,7 +372,7 @@ def test_the_repro_fails_alone_on_the_candidate_and_passes_on_the_reference(
 def test_drill_usage_errors(pytester, golden_dir) -> None:
     golden = golden_dir("qwen3_moe")
     usage_error(run_parity(pytester, golden, "--parity-drill", "layer_9.attention"),
-                "--parity-drill 'layer_9.attention' matches no point of this golden's prefill")  # fmt: skip
+                "--parity-drill 'layer_9.attention' matches no point of this golden")  # fmt: skip
     usage_error(run_parity(pytester, golden, "--parity-repro", "out"),
                 "--parity-repro writes the repro file of a drill's culprit: add --parity-drill")  # fmt: skip
 
@@ -431,7 +474,7 @@ def test_stored_reference_ops_drill_where_the_golden_s_model_is_not(pytester, ti
 def test_drill_ops_refuses_bad_input(tiny_model, golden_dir, tmp_path, capsys) -> None:
     golden = shutil.copytree(golden_dir("qwen3_moe"), tmp_path / "golden")
     code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_9.*")
-    assert code == 2 and "--points layer_9.* matches no point of this golden's prefill" in err
+    assert code == 2 and "--points layer_9.* matches no point of this golden" in err
     code, _, err = cli(capsys, "drill-ops", golden, "--points", "layer_1.router", "--model", tmp_path / "nowhere")
     assert code == 2 and "the golden's model is not at" in err
     other = edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "other", scale("mlp.gate.weight", 1, 2.0))

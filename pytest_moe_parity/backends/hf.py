@@ -132,14 +132,11 @@ class TorchBackend(Backend):
         return self._model().module(path)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
-        if cache_states(golden.args) or cache_states(golden.kwargs):
-            from ..errors import PointUnavailable
-
-            raise PointUnavailable(f"{point.id} reads the KV cache: drilling into decode steps is not built yet")
         lazy = self._model()
         module = lazy.module(point.module)
         args = resolve_params(golden.args, lazy.model)
         kwargs = with_cache_kwarg(module, resolve_params(golden.kwargs, lazy.model))
+        args, kwargs, _ = with_live_caches(list(args), kwargs, lazy.model.config)  # decode steps: the past
         return module, list(args), kwargs, True
 
     def plan(self, points: list[Point]) -> None:

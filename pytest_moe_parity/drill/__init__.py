@@ -23,6 +23,7 @@ from ..errors import ParityError
 from ..golden import GoldenStore
 from ..golden.spec import ParamRef, resolve_params
 from ..judge.tolerances import NOISE_FLOOR_EPS
+from ..model.calls import with_cache_kwarg, with_live_caches
 from ..points import ROUTER, Point
 from ..replay.runner import candidate_inputs, cast_inputs
 from ..tree import first_tensor
@@ -102,7 +103,10 @@ class Driller:
         if dtype != torch.float32:
             cpu = torch.device("cpu")
             args, kwargs = cast_inputs(args, dtype, cpu), cast_inputs(kwargs, dtype, cpu)
-        return lazy.module(point.module), resolve_params(args, lazy.model), resolve_params(kwargs, lazy.model)
+        module = lazy.module(point.module)
+        args, kwargs = resolve_params(args, lazy.model), with_cache_kwarg(module, resolve_params(kwargs, lazy.model))
+        args, kwargs, _ = with_live_caches(list(args), kwargs, lazy.model.config)  # decode steps: the past
+        return module, args, kwargs
 
     def capture(self, point: Point, dtypes: list[torch.dtype]) -> tuple[dict[str, OpGraph], Any]:
         """The reference's ops at `point` in float32 and in each of `dtypes` (name -> graph), and its
@@ -166,7 +170,9 @@ class Driller:
         if drill is not None:
             drill.state = None
 
-    def drill(self, point: Point) -> Drill:
+    def drill(self, point: Point, point_passed: bool = False) -> Drill:
+        """The drill at `point` (run once). `point_passed`: the point's own verdict passed (a port's
+        op above its own noise is then noted, not failed: see `engine.Drilling`)."""
         if point.id in self.drills:
             return self.drills[point.id]
         reference = self.reference(point)
@@ -195,7 +201,7 @@ class Driller:
             floor = max(floor, torch.finfo(backend.dtype).eps / 2, OTHER_CODE_FLOOR)
         result = run_drill(
             point.id, reference, candidate, dtype=backend.dtype, factor=self.factor(point), floor=floor,
-            execute=runner, replay_chained=runner is not None, same_code=same_code,
+            execute=runner, replay_chained=runner is not None, same_code=same_code, point_passed=point_passed,
         )  # fmt: skip
         result.reference_error = self.reproduced.get(point.id)
         self.drills[point.id] = result

@@ -156,8 +156,10 @@ class Drilling:
         factor: float = 1.5,
         floor: float = 1e-6,
         same_code: bool = True,
+        point_passed: bool = False,
     ):
         self.point = point
+        self.point_passed = point_passed
         self.ref, self.low, self.cand = reference.graph, reference.low, candidate
         self.reference = reference
         self.execute = execute
@@ -389,6 +391,9 @@ class Drilling:
             if _bookkeeping(node.value):
                 rows.append(OpRow(node.name, node.kind, shape, None, [node.name], note=BOOKKEEPING))
                 continue
+            if c in self._unused:  # computed and thrown away (NxDI's token generation: a max it never reads)
+                rows.append(OpRow(node.name, node.kind, shape, None, [node.name], note=UNUSED))
+                continue
             if node.partial:  # what ranks compute only to be reduced: judged where it is (the reduction's row)
                 rows.append(OpRow(node.name, node.kind, shape, None, [node.name],
                                   note=f"a rank's share of what {node.partial} reduces"))  # fmt: skip
@@ -400,14 +405,23 @@ class Drilling:
         self._near_tie_experts(rows)
         return rows
 
+    @functools.cached_property
+    def _unused(self) -> set[int]:
+        """The candidate's computing ops whose values reach no other op and no output: whatever they
+        compute, the component's values cannot depend on it."""
+        read = {x.at for n in self.cand.nodes for x in n.inputs() if x.kind == "op"}
+        read |= {x.at for x in self.cand.output_refs() if x.kind == "op"}
+        return {n.index for n in self.cand.compute() if n.index not in read}
+
     def _within_component(self, rows: list[OpRow]) -> None:
-        """Where the component's own error stays within the noise factor of the reference's, an
-        op above its own noise (a port that rounds in bf16 where the reference keeps float32) is
-        noted, not failed: the drill explains a divergence, and there is none to explain."""
+        """Where the component's own error stays within the noise factor of the reference's (or
+        its point passed), an op above its own noise (a port that rounds in bf16 where the
+        reference keeps float32) is noted, not failed: the drill explains a divergence, and there
+        is none to explain. A drill of the same code is exact: its ops are the reference's."""
         if self.same_code:
             return
         error, noise, _ = self.component
-        if not error / max(noise, self.floor) <= self.factor:
+        if not (self.point_passed or error / max(noise, self.floor) <= self.factor):
             return
         for row in rows:
             if row.verdict in ("introduced", "inherited") and row.ratio is not None and row.note == "":
@@ -618,6 +632,7 @@ class Drilling:
 
 
 GATHERS = ("index", "index_select", "gather")
+UNUSED = "computed and never used: its value reaches no op and no output"
 
 
 def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
@@ -704,11 +719,12 @@ def run_drill(
     execute: Execute | None = None,
     replay_chained: bool = False,
     same_code: bool = True,
+    point_passed: bool = False,
 ) -> Drill:
     started = time.perf_counter()
     d = Drilling(
         point, reference, candidate, execute=execute, replay_chained=replay_chained,
-        factor=factor, floor=floor, same_code=same_code,
+        factor=factor, floor=floor, same_code=same_code, point_passed=point_passed,
     )  # fmt: skip
     rows = d.rows()
     error, noise, _ = d.component
