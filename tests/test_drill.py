@@ -304,8 +304,8 @@ def test_an_op_matched_to_nothing_fails_the_drill_with_its_name(
         return forward(self, torch.erf(x), *args, **kwargs)  # nothing in the reference matches it
 
     monkeypatch.setattr(port_qwen3.Attention, "forward", with_a_stray_op)
-    result, ops, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", "--hw", "port",
-                                model=tiny_model("qwen3_moe"))  # fmt: skip
+    result, _, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", "--hw", "port",
+                              model=tiny_model("qwen3_moe"))  # fmt: skip
     extra = [r["name"] for r in record["rows"] if r["verdict"] == "extra"]
     assert "with_a_stray_op.erf" in extra  # named by the function it runs in
     assert record["culprit"] == "with_a_stray_op.erf"

@@ -12,7 +12,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
-from ..model.calls import cache_kwarg, cache_state, cache_states, with_cache_kwarg, with_live_caches
+from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
