@@ -511,14 +511,18 @@ class NxdiBackend(Backend):
                 )
         return self._configs[tp]
 
-    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+    def _spec_inputs(self, point: Point, golden: GoldenRecord) -> tuple[Component, tuple[torch.Tensor, ...]]:
+        """The table's entry of the point's component and its inputs in the module's form."""
         spec = self.table.components.get(point.component)
         if spec is None:
             why = self.table.unavailable.get(point.component, "the table names no NxDI module for it")
             raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
         if self.config is None:
             self.start()
-        inputs = self._inputs(point, spec, golden)
+        return spec, self._inputs(point, spec, golden)
+
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        spec, inputs = self._spec_inputs(point, golden)
         cache = None
         info: dict[str, Any] = {"nxdi_module": spec.module.format(layer=point.layer)}
         with torch.no_grad(), upstream_warnings():
@@ -549,13 +553,7 @@ class NxdiBackend(Backend):
                 "--hw nxdi drills its CPU build (--hw-option build=cpu): on a Neuron device NxDI runs the module as "
                 "one traced graph, with no ops to capture one by one; drill the same NxDI code with build=cpu"
             )
-        spec = self.table.components.get(point.component)
-        if spec is None:
-            why = self.table.unavailable.get(point.component, "the table names no NxDI module for it")
-            raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
-        if self.config is None:
-            self.start()
-        inputs = self._inputs(point, spec, golden)
+        spec, inputs = self._spec_inputs(point, golden)
         with upstream_warnings():
             module = self._module(point, point.component, spec, inputs)
         read_as = None

@@ -14,7 +14,14 @@ Per reference op (in forward order):
   cannot be isolated, its chained ratio exceeds its inputs' by the factor), `inherited` where its
   error is above the factor only because its inputs' are, `missing` for a reference op the candidate
   has no counterpart for, `extra` for a candidate op matched to nothing; else `ok`.
-The culprit is the first op that introduced the divergence (or the missing op just before it).
+The culprit is the first op that introduced the divergence (or the missing op just before it, or
+the port's own op upstream of it).
+
+A port's own code (`same_code=False`) is judged on its own terms: integer bookkeeping and gathers of
+the call's input it computes otherwise are not rows that fail, nor an op whose values reach nothing,
+nor a rank's partial sum (judged at its all-reduce), nor a step on one side whose values arrive at
+matched ops that agree; where its point passed (or the component stays within its noise), an op
+above its own noise is noted, not failed.
 """
 
 from __future__ import annotations

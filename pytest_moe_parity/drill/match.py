@@ -2,13 +2,17 @@
 
 In three passes over the ops that compute (views and factories are followed through, not matched):
 1. **by path and op**: the two sequences of (module path, op, expert) aligned (difflib): the same
-   code, or a port that kept the reference's module names;
-2. **by value**, between two aligned stretches: an op whose output equals a reference op's up to a
-   reshape or a permutation of its dims (a transposed layout), the concatenation of several (gate
-   and up fused into one matmul, experts stacked), or whose pieces concatenate to one (heads split
-   across ranks); a cast the port added (an fp32 upcast) or left out goes with the op it casts;
+   code, or a port that kept the reference's module names (or wraps them: the path's last part);
+2. **by value**, between two aligned stretches: a top-k by the experts it selects; an op whose
+   output equals a reference op's up to a reshape or a permutation of its dims (a transposed
+   layout), the concatenation of several (gate and up fused into one matmul, experts stacked), or
+   whose pieces concatenate to one (heads split across ranks); a reference expert's op against the
+   rows of a dense op that runs every expert on every token; a value the reference is given and the
+   port computes (NxDI's rotary cos and sin), with the steps toward it; a value the port computes
+   twice; a cast the port added (an fp32 upcast) or left out goes with the op it casts;
 3. **by op and order**: what is left in a stretch, the same ops in the same order (a port's own
    code that computes something else there: its error is then the op's own).
+The passes for a port's own structure are left out when both sides run the same code.
 
 Whatever is left is unmatched, and the drill lists it and fails."""
 
