@@ -99,6 +99,22 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 _SKIP_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context"}
 
 
+@functools.cache
+def _frame_says(code: Any) -> str | None:
+    """What a frame of this code tells `_Recorder._where`: None to look further up (torch's own
+    code, a function mode's `__torch_function__`), "" to stop with no function (this package; a
+    module's `forward`), or the model function's name. Once per code object: ops are many, the
+    functions they run in few."""
+    path, name = code.co_filename, code.co_name
+    if name == "__torch_function__":  # a function mode's (as the NxDI CPU build's): not the caller
+        return None
+    if path.startswith(_PACKAGE):
+        return ""
+    if not path.startswith(_TORCH) and "<" not in path and not name.startswith("<"):
+        return "" if name in _SKIP_FUNCS else name
+    return None
+
+
 def op_kind(func: Any) -> str:
     """`aten.mm.default` -> `mm`; in-place `index_add_` -> `index_add`."""
     name = getattr(func, "_opname", None) or str(func).split(".")[1]
@@ -286,15 +302,9 @@ class _Recorder(TorchDispatchMode):
         called by a torch module)."""
         frame = sys._getframe(2)
         while frame is not None:
-            path = frame.f_code.co_filename
-            name = frame.f_code.co_name
-            if name == "__torch_function__":  # a function mode's (as the NxDI CPU build's): not the caller
-                frame = frame.f_back
-                continue
-            if path.startswith(_PACKAGE):
-                return ""
-            if not path.startswith(_TORCH) and "<" not in path and not name.startswith("<"):
-                return "" if name in _SKIP_FUNCS else name
+            found = _frame_says(frame.f_code)
+            if found is not None:
+                return found
             frame = frame.f_back
         return ""
 

@@ -186,6 +186,31 @@ class _Params(dict):
         return [(name, self[name]) for name in self.keys_of]
 
 
+class _View(list):
+    """A stored view's outputs, taken again of what it viewed when first read (a view of a weight
+    would otherwise read the weight: a drill rarely needs either)."""
+
+    def __init__(self, node: OpNode, value: Any):
+        super().__init__()
+        self.node, self.value = node, value
+
+    def _taken(self) -> _View:
+        if self.node is not None:
+            node, value, self.node = self.node, self.value, None
+            out = node.func(*map_structure(node.args, value), **map_structure(node.kwargs, value))
+            self.extend(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves(out))
+        return self
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return list.__getitem__(self._taken(), i)
+
+    def __iter__(self):
+        return list.__iter__(self._taken())
+
+    def __len__(self) -> int:
+        return list.__len__(self._taken())
+
+
 def _strided(t: torch.Tensor, stride: list[int] | None) -> torch.Tensor:
     return t if stride is None else torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
 
@@ -230,9 +255,8 @@ def _graph(meta: dict[str, Any], tensors: _Tensors) -> OpGraph:
             i, func, op_kind(func), _dec(n["args"]), _dec(n["kwargs"]), [], n["scope"], n["function"], n["expert"],
             n["param"], tuple(n["mutates"]), n["name"], n["constant"],
         )  # fmt: skip
-        if n["outputs"] == RECOMPUTE:  # a view, taken again of what it viewed
-            out = func(*map_structure(node.args, value), **map_structure(node.kwargs, value))
-            node.outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves(out)]
+        if n["outputs"] == RECOMPUTE:  # a view, taken again of what it viewed when first read
+            node.outputs = _View(node, value)
         else:
             node.outputs = values(n["outputs"])
         graph.nodes.append(node)
