@@ -608,7 +608,7 @@ def cmd_drill_ops(args: argparse.Namespace) -> int:
             written += size
             ops = len(graphs["float32"].compute())
             print(f"{point.id}: {ops} ops in {', '.join(graphs)}, {size / 1e6:.2f} MB", flush=True)
-    except DrillError as exc:
+    except (DrillError, store.StoreError) as exc:
         return _fail(str(exc))
     finally:
         driller.close()

@@ -1,7 +1,8 @@
 """`--parity-drill` on `--hw nxdi --hw-option build=cpu`: NxDI's real modules captured op by op on
 their ranks (at TP 2, the ranks' graphs joined into one), matched many-to-many to the reference's
 ops, which this stack (transformers 4.57) cannot run: they were recorded with the golden under
-transformers 5 by `moe-parity drill-ops` (the first CI leg; `layer_1.*`, bfloat16 and float32).
+transformers 5 by `moe-parity drill-ops` (the first CI leg: `layer_1.*` and `step_1.layer_1.*`, in
+bfloat16).
 
 A clean NxDI drills clean; a fault in NxDI's code or in its converted weights is named at its op
 (the fault is patched into this process, and the ranks fork from it)."""
@@ -154,6 +155,10 @@ def test_a_stored_capture_is_needed_on_this_stack(t5: Path, pytester: pytest.Pyt
     golden = shutil.copytree(t5 / "qwen3_moe-golden", tmp_path / "g", ignore=shutil.ignore_patterns("drill"))
     result = run_parity(pytester, golden, *CPU, "--parity-drill", "layer_1.attention", model=t5 / "qwen3_moe-model")
     usage_error(result, "record the reference's ops with the golden where it was recorded: moe-parity drill-ops")
+    # stored in bfloat16 (and float32) only, as CI records them, drilled in float16: the drill says which to record
+    args = ("--dtype", "float16", "--parity-drill", "layer_1.router", "-k", "layer_1.router and not step")
+    result = run_parity(pytester, t5 / "qwen3_moe-golden", *CPU, *args, model=t5 / "qwen3_moe-model")
+    result.stdout.fnmatch_lines(["*the golden holds the reference's ops in bfloat16, not in the candidate's float16*"])
 
 
 def test_a_traced_build_is_not_drilled(t5: Path, pytester: pytest.Pytester) -> None:

@@ -144,6 +144,12 @@ class Driller:
                 raise DrillError(f"{point.id}: {exc}") from None
             if stored is not None:
                 reference, output = stored, stored.graph.output_values()
+            elif (others := store.stored_dtypes(self.golden.root, point.id)) and compat.MAJOR < 5:
+                raise DrillError(
+                    f"{point.id}: the golden holds the reference's ops in {', '.join(others)}, not in the "
+                    f"candidate's {dtype_name(dtype)}: record them with moe-parity drill-ops GOLDEN --points "
+                    f"'{point.id}' --dtype {dtype_name(dtype)}, or drill in {others[0]} (--dtype)"
+                )
             else:
                 graphs, output = self.capture(point, [dtype])
                 reference = Reference.of(graphs["float32"], graphs[dtype_name(dtype)])
