@@ -469,6 +469,10 @@ def test_stored_reference_ops_drill_where_the_golden_s_model_is_not(pytester, ti
     result = run_parity(pytester, golden, NO_WEIGHTS, "--parity-drill", "layer_1.attention", "-k", "layer_1.attention",
                         model=cand)  # fmt: skip
     result.stdout.fnmatch_lines(["*no ops of the reference are stored with the golden for it*moe-parity drill-ops*"])
+    # stored in bfloat16 only, drilled in float16: which to record
+    result = run_parity(pytester, golden, NO_WEIGHTS, "--dtype", "float16", "--parity-drill", "layer_1.router",
+                        "-k", "layer_1.router", model=cand)  # fmt: skip
+    result.stdout.fnmatch_lines(["*the golden holds the reference's ops in bfloat16, not in the candidate's float16*"])
 
 
 def test_drill_ops_refuses_bad_input(tiny_model, golden_dir, tmp_path, capsys) -> None:

@@ -144,7 +144,9 @@ class Driller:
                 raise DrillError(f"{point.id}: {exc}") from None
             if stored is not None:
                 reference, output = stored, stored.graph.output_values()
-            elif (others := store.stored_dtypes(self.golden.root, point.id)) and compat.MAJOR < 5:
+            elif (others := store.stored_dtypes(self.golden.root, point.id)) and (
+                compat.MAJOR < 5 or self.reference_dir is None
+            ):  # stored, but not in this dtype, and no reference to capture here
                 raise DrillError(
                     f"{point.id}: the golden holds the reference's ops in {', '.join(others)}, not in the "
                     f"candidate's {dtype_name(dtype)}: record them with moe-parity drill-ops GOLDEN --points "
