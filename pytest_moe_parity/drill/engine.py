@@ -127,8 +127,12 @@ class Reference:
     norm: dict[int, float]  # each floating op's ||output|| in float32 (what its errors divide by)
 
     @classmethod
-    def of(cls, graph: OpGraph, low: OpGraph, figures: tuple[dict, dict] | None = None) -> Reference:
-        """`figures`: each op's noise and norm as `store` kept them (else computed here)."""
+    def of(cls, graph: OpGraph, low: OpGraph, figures: tuple[dict, dict, dict] | None = None) -> Reference:
+        """`figures`: which low op is each op's, each op's noise and norm, as `store` kept them
+        (else worked out here)."""
+        if figures is not None:
+            low_at, noise, norm = figures
+            return cls(graph, low, {r: low.nodes[i] if i is not None else None for r, i in low_at.items()}, noise, norm)
         # the reference's own run in the candidate's dtype: the same code, matched as a candidate is
         # (its names can differ where casts come in), by name where that leaves an op out
         low_names = low.by_name()
@@ -136,8 +140,6 @@ class Reference:
         for m in match(graph, low, same_code=True)[0]:
             if len(m.ref) == 1 and len(m.cand) == 1:
                 low_of[m.ref[0]] = low.nodes[m.cand[0]]
-        if figures is not None:
-            return cls(graph, low, low_of, *figures)
         noise, norm = {}, {}
         for r in graph.compute():
             a, b = r.value, low_of[r.index].value if low_of.get(r.index) is not None else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
 
         figures = Reference.of(graphs["float32"], graph) if dtype != "float32" else None
         meta["graphs"][dtype] = {
+            "low_of": {str(r): n.index if n else None for r, n in figures.low_of.items()} if figures else None,
             "noise": {str(i): v for i, v in figures.noise.items()} if figures else None,
             "norm": {str(i): v for i, v in figures.norm.items()} if figures else None,
             "inputs": values(graph.inputs, "input"),
@@ -134,15 +136,15 @@ def load(golden_root: Path, point: str, dtype: str) -> Any:
     strides = meta["strides"]
     weights = {key for g in meta["graphs"].values() for key in g["params"].values()}
     tensors = _Tensors(data_path, strides)
-    with safe_open(str(data_path), framework="pt") as f:
+    with safe_open(str(data_path), framework="pt") as f:  # the float32 run's values at once, the rest when used
         for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-            if key not in weights:
+            if key.startswith("float32/") and key not in weights:
                 tensors.read[key] = _strided(f.get_tensor(key), strides.get(key))
     low = meta["graphs"][dtype]
     figures = None
-    if low.get("noise") is not None:
-        figures = ({int(i): v for i, v in low["noise"].items()}, {int(i): v for i, v in low["norm"].items()})
-    return Reference.of(_graph(meta["graphs"]["float32"], tensors), _graph(low, tensors), figures)
+    if low.get("low_of") is not None:  # each op's run in the candidate's dtype, noise and norm: as recorded
+        figures = tuple({int(i): v for i, v in low[k].items()} for k in ("low_of", "noise", "norm"))
+    return Reference.of(_graph(meta["graphs"]["float32"], tensors), _graph(low, tensors, lazy=True), figures)
 
 
 class _Tensors(dict):
@@ -187,18 +189,17 @@ class _Params(dict):
 
 
 class _View(list):
-    """A stored view's outputs, taken again of what it viewed when first read (a view of a weight
-    would otherwise read the weight: a drill rarely needs either)."""
+    """A stored op's outputs, made when first read: a view taken again of what it viewed (a view of
+    a weight would otherwise read the weight), or values read from the store."""
 
-    def __init__(self, node: OpNode, value: Any):
+    def __init__(self, make: Callable[[], Any]):
         super().__init__()
-        self.node, self.value = node, value
+        self.make: Callable[[], Any] | None = make
 
     def _taken(self) -> _View:
-        if self.node is not None:
-            node, value, self.node = self.node, self.value, None
-            out = node.func(*map_structure(node.args, value), **map_structure(node.kwargs, value))
-            self.extend(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves(out))
+        if self.make is not None:
+            make, self.make = self.make, None
+            self.extend(t.detach() if isinstance(t, torch.Tensor) else t for t in leaves(make()))
         return self
 
     def __getitem__(self, i):  # type: ignore[override]
@@ -236,7 +237,10 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _graph(meta: dict[str, Any], tensors: _Tensors) -> OpGraph:
+def _graph(meta: dict[str, Any], tensors: _Tensors, lazy: bool = False) -> OpGraph:
+    """A stored graph; `lazy`: its ops' outputs read when first used (the reference's run in the
+    candidate's dtype: a drill reads its figures, kept in the JSON, and rarely its values)."""
+
     def values(xs: list) -> list:
         return [tensors[x] if isinstance(x, str) else _dec(x) for x in xs]
 
@@ -256,7 +260,10 @@ def _graph(meta: dict[str, Any], tensors: _Tensors) -> OpGraph:
             n["param"], tuple(n["mutates"]), n["name"], n["constant"],
         )  # fmt: skip
         if n["outputs"] == RECOMPUTE:  # a view, taken again of what it viewed when first read
-            node.outputs = _View(node, value)
+            node.outputs = _View(lambda node=node: node.func(*map_structure(node.args, value),
+                                                              **map_structure(node.kwargs, value)))  # fmt: skip
+        elif lazy:
+            node.outputs = _View(lambda stored=n["outputs"]: values(stored))
         else:
             node.outputs = values(n["outputs"])
         graph.nodes.append(node)
