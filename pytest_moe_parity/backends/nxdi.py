@@ -243,7 +243,7 @@ class _RankCapture:
         self.module, self.read_as = module, read_as
 
     def capture_ops(self, capture: Any, args: list, kwargs: dict, router: bool | None = None) -> list:
-        with torch.no_grad(), upstream_warnings():
+        with upstream_warnings():
             return self.module.capture_ops(capture, args, kwargs, router=router)
 
 

@@ -36,7 +36,7 @@ from .ranks import join_ranks
 if TYPE_CHECKING:
     from ..backends import Backend
 
-__all__ = ["REPRODUCE_TOL", "Drill", "DrillError", "Driller", "OpRow", "drill_patterns", "reproduces", "selects"]
+__all__ = ["REPRODUCE_TOL", "Drill", "DrillError", "Driller", "OpRow", "drill_patterns", "selects"]
 
 AUTO = "auto"
 OTHER_CODE_FLOOR = 1e-5  # the least noise an op of a port's own code is judged against (float32)
@@ -108,9 +108,10 @@ class Driller:
         args, kwargs, _ = with_live_caches(list(args), kwargs, lazy.model.config)  # decode steps: the past
         return module, args, kwargs
 
-    def capture(self, point: Point, dtypes: list[torch.dtype]) -> tuple[dict[str, OpGraph], Any]:
-        """The reference's ops at `point` in float32 and in each of `dtypes` (name -> graph), and its
-        float32 output: the golden's model run on the point's recorded inputs."""
+    def capture(self, point: Point, dtypes: list[torch.dtype]) -> tuple[dict[str, OpGraph], float | None]:
+        """The reference's ops at `point` in float32 and in each of `dtypes` (name -> graph), and how
+        far its float32 output is from the golden's (`reproduces`): the golden's model run on the
+        point's recorded inputs."""
         if compat.MAJOR < 5:
             raise DrillError(
                 f"{point.id}: the reference runs op by op on transformers' own modules as transformers 5 lays them "
@@ -130,7 +131,7 @@ class Driller:
             module, args, kwargs = self._reference_call(point, record, dtype)
             graphs[dtype_name(dtype)], out = capture_ops(module, args, kwargs, input_names=names, router=router)
             output = out if output is None else output
-        return graphs, output
+        return graphs, reproduces(record.output, output)
 
     def reference(self, point: Point) -> Reference:
         """The reference's side of the drill at `point`: its ops in float32 and in the candidate's
@@ -143,7 +144,8 @@ class Driller:
             except store.StoreError as exc:
                 raise DrillError(f"{point.id}: {exc}") from None
             if stored is not None:
-                reference, output = stored, stored.graph.output_values()
+                reference = stored
+                self.reproduced[point.id] = reproduces(self.golden.load(point.id).output, stored.graph.output_values())
             elif (others := store.stored_dtypes(self.golden.root, point.id)) and (
                 compat.MAJOR < 5 or self.reference_dir is None
             ):  # stored, but not in this dtype, and no reference to capture here
@@ -153,9 +155,8 @@ class Driller:
                     f"'{point.id}' --dtype {dtype_name(dtype)}, or drill in {others[0]} (--dtype)"
                 )
             else:
-                graphs, output = self.capture(point, [dtype])
+                graphs, self.reproduced[point.id] = self.capture(point, [dtype])
                 reference = Reference.of(graphs["float32"], graphs[dtype_name(dtype)])
-            self.reproduced[point.id] = reproduces(self.golden.load(point.id).output, output)
             self._references[point.id] = reference
         return self._references[point.id]
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .capture import OpGraph, OpNode, Ref
-from .match import CAST, TOWARD_INPUT, Match, _sources, match, rel_l2
+from .match import CAST, TOWARD_INPUT, Match, _consumers, _sources, match, rel_l2
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
@@ -389,8 +389,10 @@ class Drilling:
             elif row.ratio > self.factor:
                 row.verdict = "inherited"
             if r.kind == "topk":
-                row.note = self._topk_note(r, m)
-                if row.failed and self._flips(r, m) == 0:  # a top-k is there to select: it selects alike
+                differ = self._differ(r, m)
+                flips = 0 if differ is None else int(differ.sum())
+                row.note = f"{flips} of {differ.numel()} rows select other experts" if flips else ""
+                if row.failed and differ is not None and not flips:  # a top-k is there to select: it selects alike
                     row.verdict = "ok"
                     row.note = "selects the same experts (its values are other scores than the reference's)"
             rows.append(row)
@@ -445,11 +447,10 @@ class Drilling:
         if self.same_code:
             return
         by_name = {r.name: r for r in rows}
-        for graph, verdict, matched in (
-            (self.ref, "missing", set(self.by_ref)),
-            (self.cand, "extra", self._judged_cand()),
+        for graph, verdict, matched, reached in (
+            (self.ref, "missing", set(self.by_ref), _reached(self.ref, set(self.by_ref))),
+            (self.cand, "extra", self._judged_cand(), self._cand_reached),
         ):
-            reached = _reached(graph, matched)
             for node in graph.compute():
                 row = by_name.get(node.name)
                 if row is None or row.verdict != verdict or node.index in matched:
@@ -466,6 +467,11 @@ class Drilling:
         """The candidate's ops judged in a row of their own match (not casts it adds: seen through)."""
         return {c for c, m in self.by_cand.items() if m.how != CAST}
 
+    @functools.cached_property
+    def _cand_reached(self) -> dict[int, set[int]]:
+        """Per candidate op, the judged ops its values reach first (`_reached`)."""
+        return _reached(self.cand, self._judged_cand())
+
     def extras_into(self, row: OpRow, rows: list[OpRow]) -> list[str]:
         """The extra (candidate-only) ops whose values reach the candidate's ops of `row`, in the
         candidate's order: a constant or step of the port's own (a rotary base) that no reference
@@ -473,8 +479,8 @@ class Drilling:
         m = self.by_ref.get(self._ref_names[row.name].index) if row.name in self._ref_names else None
         if m is None:
             return []
-        reached = _reached(self.cand, self._judged_cand())
         extra = {r.name for r in rows if r.verdict == "extra"}
+        reached = self._cand_reached
         return [n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)]
 
     def _row_name(self, graph: OpGraph, index: int) -> str:
@@ -540,15 +546,6 @@ class Drilling:
         if ref_idx.shape != cand_idx.shape:
             return None
         return (ref_idx.sort(-1).values != cand_idx.to(ref_idx.device).sort(-1).values).any(-1)
-
-    def _flips(self, r: OpNode, m: Match) -> int | None:
-        differ = self._differ(r, m)
-        return None if differ is None else int(differ.sum())
-
-    def _topk_note(self, r: OpNode, m: Match) -> str:
-        differ = self._differ(r, m)
-        flips = 0 if differ is None else int(differ.sum())
-        return f"{flips} of {differ.numel()} rows select other experts" if flips else ""
 
     # -- substitution ---------------------------------------------------------------------------
     def final(self, graph: OpGraph, at: int = 0) -> torch.Tensor | None:
@@ -646,10 +643,7 @@ UNUSED = "computed and never used: its value reaches no op and no output"
 
 def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
     """Per computing op of `graph`, the matched ops its values reach first (through unmatched ops)."""
-    consumers: dict[int, set[int]] = {}
-    for node in graph.compute():
-        for s in _sources(graph, node):
-            consumers.setdefault(s, set()).add(node.index)
+    consumers = _consumers(graph)
     reached: dict[int, set[int]] = {}
     for node in reversed(graph.compute()):
         out: set[int] = set()

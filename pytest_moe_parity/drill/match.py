@@ -332,10 +332,7 @@ def _rows_in(dense: torch.Tensor | None, part: torch.Tensor, expert: int) -> tup
 def _leading_to(graph: OpGraph, targets: set[int], matched: set[int]) -> list[int]:
     """The unmatched computing ops whose values go only into `targets` (through views, and through
     each other): the steps by which the candidate computes a reference input."""
-    consumers: dict[int, set[int]] = {}
-    for node in graph.compute():
-        for s in _sources(graph, node):
-            consumers.setdefault(s, set()).add(node.index)
+    consumers = _consumers(graph)
     found: set[int] = set()
     for node in reversed(graph.compute()):
         users = consumers.get(node.index)
@@ -395,6 +392,15 @@ def _sources(graph: OpGraph, node: OpNode) -> list[int]:
         else:
             out.append(producer.index)
     return out
+
+
+def _consumers(graph: OpGraph) -> dict[int, set[int]]:
+    """Per computing op, the computing ops that read it (through views)."""
+    consumers: dict[int, set[int]] = {}
+    for node in graph.compute():
+        for s in _sources(graph, node):
+            consumers.setdefault(s, set()).add(node.index)
+    return consumers
 
 
 def _passes_on(graph: OpGraph, node: OpNode) -> bool:

@@ -103,11 +103,13 @@ def join_ranks(graphs: list[OpGraph]) -> OpGraph:
             return Ref("const", const_at[r] + x.at)
         return x  # the call's inputs: every rank is given the same
 
-    def add(template: OpNode, func: Any, args: Any, kwargs: Any, outputs: list, name: str) -> int:
+    def add(template: OpNode, func: Any, args: Any, kwargs: Any, outputs: list, name: str, collective: str = "") -> int:
+        """A joined op like `template` (a collective's: computed in process, writing nothing)."""
         index = len(nodes)
+        kind, mutates = (collective, ()) if collective else (template.kind, template.mutates)
         node = OpNode(
-            index, func, template.kind, args, kwargs, outputs, template.scope, template.function, template.expert,
-            template.param, template.mutates, name, template.constant,
+            index, func, kind, args, kwargs, outputs, template.scope, template.function, template.expert,
+            template.param, mutates, name, template.constant,
         )  # fmt: skip
         nodes.append(node)
         return index
@@ -119,9 +121,7 @@ def join_ranks(graphs: list[OpGraph]) -> OpGraph:
             if any(len(d) != 1 for d in data):
                 raise JoinError(f"{per[0].name}: a collective over {len(data[0])} tensors per rank is not joined")
             func = _sum if name in REDUCE else _gather
-            index = add(per[0], func, tuple(d[0] for d in data), {}, per[0].outputs[:1], per[0].name)
-            nodes[index].kind = func.__name__
-            nodes[index].mutates = ()
+            index = add(per[0], func, tuple(d[0] for d in data), {}, per[0].outputs[:1], per[0].name, func.__name__)
             for r in ranks:
                 op_of[r][i] = index
             if func is _sum:

@@ -139,7 +139,7 @@ def load(golden_root: Path, point: str, dtype: str) -> Any:
     with safe_open(str(data_path), framework="pt") as f:  # the float32 run's values at once, the rest when used
         for key in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             if key.startswith("float32/") and key not in weights:
-                tensors.read[key] = _strided(f.get_tensor(key), strides.get(key))
+                tensors[key] = _strided(f.get_tensor(key), strides.get(key))
     low = meta["graphs"][dtype]
     figures = None
     if low.get("low_of") is not None:  # each op's run in the candidate's dtype, noise and norm: as recorded
@@ -152,7 +152,7 @@ class _Tensors(dict):
 
     def __init__(self, path: Path, strides: dict[str, list[int]]):
         super().__init__()
-        self.path, self.strides, self.read = path, strides, self
+        self.path, self.strides = path, strides
 
     def __missing__(self, key: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -128,16 +128,12 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                 continue  # no reply
             elif op == "run":
                 handle, inputs = args
-                if handle not in modules:
-                    raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
                 with torch.no_grad(), XlaSemantics():
-                    conn.send(("ok", modules[handle](*inputs)))
+                    conn.send(("ok", _held(modules, handle)(*inputs)))
             elif op == "capture":  # --parity-drill: the forward op by op (pickled here: an op is sent by name)
                 handle, inputs, router, capture = args
-                if handle not in modules:
-                    raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
-                module = modules[handle]
-                with torch.no_grad(), XlaSemantics():  # its ops named below the NxDI module it wraps
+                module = _held(modules, handle)
+                with XlaSemantics():  # its ops named below the NxDI module it wraps
                     captured = capture(module, list(inputs), {}, router=router, root=getattr(module, "inner", None))
                 conn.send(("ok", pickle.dumps(captured)))
         except Exception as exc:
@@ -145,6 +141,12 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
     with contextlib.suppress(Exception):
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _held(modules: dict[int, torch.nn.Module], handle: int) -> torch.nn.Module:
+    if handle not in modules:
+        raise RankFailure(f"this module was dropped (a rank keeps the last {KEPT} built)")
+    return modules[handle]
 
 
 def _describe(exc: BaseException, rank: int) -> str:
