@@ -51,7 +51,49 @@ def module_of(frame):
     parts = [p for p in rel.parts if p != "__init__"]
     return ".".join(parts) or "__init__"
 
+target = os.environ.get("WALK_VALUE", "")  # the value followed: a point id, or a `--hw-option` name
+by_option = os.environ.get("WALK_KIND") == "option"
+carried = []  # (module, function) of each call that receives the value, in order
+
+def _holds(v, depth=0):
+    # whether an argument carries the value followed: it is it, or holds it one or two levels in
+    if isinstance(v, str):
+        return (v.split("=")[0] == target) if by_option else v == target
+    if depth > 2 or v is None or isinstance(v, (int, float, bool, bytes)):
+        return False
+    if isinstance(v, dict):
+        if by_option and target in v:
+            return True
+        return any(_holds(x, depth + 1) for x in list(v.values())[:64])
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds(x, depth + 1) for x in list(v)[:64])
+    if not by_option and getattr(type(v), "__module__", "").startswith("pytest_moe_parity"):
+        try:
+            if getattr(v, "id", None) == target:
+                return True
+        except Exception:
+            return False
+    try:
+        fields = vars(v)
+    except TypeError:
+        return False
+    names = ("point", "hw_options", "options", "setup", "result", "prepared") if depth < 2 else ("point", "id")
+    return any(k in fields and _holds(fields[k], depth + 1) for k in names)
+
+def _receives(frame):
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    loc = frame.f_locals
+    if by_option and target in names and loc.get(target) is not None:
+        return True
+    return any(n != "self" and _holds(loc.get(n)) for n in names)
+
 def profile(frame, event, arg):
+    if event == "call" and target and (state["item"] or by_option):
+        m = module_of(frame)
+        if m and _receives(frame):
+            caller = module_of(frame.f_back) if frame.f_back is not None else None
+            carried.append((m, frame.f_code.co_qualname, caller))
     if event == "return" and state["item"]:
         back = module_of(frame.f_back) if frame.f_back is not None else None
         if back and module_of(frame) and (not sequence or sequence[-1] != back):
@@ -92,7 +134,8 @@ try:
     pytest.main(args, plugins=[Leg()])
 finally:
     sys.setprofile(None)
-json.dump({"calls": sorted(calls), "leg": sorted(leg), "sequence": sequence, "threads_set_in": threads_set},
+json.dump({"calls": sorted(calls), "leg": sorted(leg), "sequence": sequence, "threads_set_in": threads_set,
+           "carried": carried},
           open(sys.argv[2], "w"))
 """
 
@@ -103,9 +146,9 @@ def layers_of(tree: Path) -> dict[str, int]:
     return {name: rank for rank, names in enumerate(table) for name in names}
 
 
-def trace(tree: Path, args: list[str], workdir: Path) -> dict:
+def trace(tree: Path, args: list[str], workdir: Path, value: str = "", kind: str = "point") -> dict:
     out = workdir / "trace.json"
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "WALK_VALUE": value, "WALK_KIND": kind}
     cmd = [sys.executable, "-c", _TRACE, str(tree), str(out), *args, "-p", "no:cacheprovider", "-q"]
     subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     return json.loads(out.read_text())
@@ -138,6 +181,20 @@ def stays_and_climbs(sequence: list[str], rank: dict[str, int]) -> tuple[int, in
     return len(sequence), climbs
 
 
+def value_walk(carried: list, rank: dict[str, int]) -> dict[str, Any]:
+    """The review's walk, followed by the value: the functions that receive it (the id, the option,
+    or an object holding it), as modules in the order met (one stay per change of module), and the
+    calls among them made from a lower layer's module into a higher one's (a callback: the reader
+    climbs back up)."""
+    route: list[str] = []
+    for module, _, _ in carried:
+        if not route or route[-1] != module:
+            route.append(module)
+    layer = lambda m: rank.get(m.split(".")[0], -1)  # noqa: E731
+    climbs = [(c, m) for m, _, c in carried if c and c != m and layer(m) > layer(c) >= 0]
+    return {"stays": len(route), "modules": len(set(route)), "climbs": climbs, "route": route}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1], help="the checkout measured")
@@ -165,19 +222,36 @@ def main() -> None:
         save_file(weights, shard, metadata={"format": "pt"})
         base = ["--golden-dir", str(work / "g"), "--model", str(broken), "--hw", "cpu", "--dtype", "bfloat16"]
         walks = {
-            "a point id (-k layer_0.experts, failing)": [*base, "-k", "layer_0.experts", "--no-parity-weights"],
-            "--hw-option threads=1": [*base, "-k", "layer_0.input_norm", "--hw-option", "threads=1"],
+            "a point id (-k layer_0.experts, failing)": (
+                [*base, "-k", "layer_0.experts", "--no-parity-weights"],
+                "layer_0.experts",
+                "point",
+            ),
+            "--hw-option threads=1": (
+                [*base, "-k", "layer_0.input_norm", "--hw-option", "threads=1"],
+                "threads",
+                "option",
+            ),
         }
         print(f"tree {tree}")
-        for name, walk in walks.items():
-            data = trace(tree, walk, work)
+        for name, (walk, value, kind) in walks.items():
+            data = trace(tree, walk, work, value, kind)
             f = figures(data, rank)
             print(f"  {name}: {f['modules']} modules, {f['steps']} module-to-module calls, {f['back up']} back up")
             own = figures(data, rank, "leg")
             print(f"    the item's own run: {own['modules']} modules, {own['steps']} calls, {own['back up']} back up")
             stays, climbs = stays_and_climbs(data["sequence"], rank)
             print(f"    followed as a reader does (calls and returns): {stays} stays, {climbs} climbs up the layers")
+            v = value_walk(data["carried"], rank)
+            where = "the item's run" if kind == "point" else "the session"
+            print(
+                f"    followed by the value ({where}: the calls that receive it): {v['stays']} stays over "
+                f"{v['modules']} modules, {len(v['climbs'])} back up"
+            )
             if args.verbose:
+                print(f"    its route: {' -> '.join(v['route'])}")
+                print(f"    its climbs: {', '.join(f'{a} -> {b}' for a, b in v['climbs'])}")
+                print(f"    its functions: {', '.join(dict.fromkeys(f'{m}:{q}' for m, q, _ in data['carried']))}")
                 print(f"    its modules: {', '.join(own['names'])}")
             if args.verbose:
                 print(f"    modules: {', '.join(f['names'])}")

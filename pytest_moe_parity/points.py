@@ -8,7 +8,7 @@ the pytest plugin reads this module at startup even when it is inert."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Inside one decoder layer, the parts come before the wholes that contain them, so that
@@ -94,22 +94,20 @@ class Point:
     step: int | None = None  # decode step; None for the prefill
     router_kind: str | None = None  # routers and routed blocks: how the router scores experts
     score_bias: str | None = None  # dotted path of the router's score-correction bias, if any
+    # Named once, when the point is made (read on every lookup, row and report line):
+    id: str = field(init=False, repr=False, compare=False)  # `step_3.layer_17.attention`
+    # the golden file the point is stored in: its layer, or the model-level point itself (for a
+    # decode step, prefixed with it: `step_3.layer_17`)
+    group: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
             raise ValueError(f"unknown component {self.component!r}; known: {', '.join(COMPONENTS)}")
         if (self.layer is None) != (self.component not in LAYER_COMPONENTS):
             raise ValueError(f"{self.component}: layer {self.layer!r} does not fit a {self.component} point")
-
-    @property
-    def id(self) -> str:
-        return point_id(self.component, self.layer, self.step)
-
-    @property
-    def group(self) -> str:
-        """The golden file the point is stored in: its layer, or the model-level point itself (for
-        a decode step, prefixed with it: `step_3.layer_17`)."""
-        return in_step(layer_group(self.layer) if self.layer is not None else self.component, self.step)
+        object.__setattr__(self, "id", point_id(self.component, self.layer, self.step))
+        unit = layer_group(self.layer) if self.layer is not None else self.component
+        object.__setattr__(self, "group", in_step(unit, self.step))
 
     @property
     def routed_block(self) -> bool:
@@ -130,7 +128,7 @@ class Point:
         return cls(component, layer, step=step, **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, **asdict(self)}
+        return {"id": self.id, **{k: v for k, v in asdict(self).items() if k not in ("id", "group")}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Point:
