@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="after the prefill, also record N greedy decode steps with a KV cache (points step_1.* .. step_N.*)",
     )
+    golden.add_argument(
+        "--decode-at",
+        default=None,
+        metavar="P,P,...",
+        help="record the decode steps that land at these absolute positions (increasing, e.g. 511,512,513): the "
+        "prefill is sized to the first (without --prompt, --input-ids or --seq-len) and the steps between are run, "
+        "not recorded; with --decode-steps N, steps 1..N are recorded too",
+    )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(
         "--trust-remote-code",
@@ -291,6 +299,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             trust_remote_code=args.trust_remote_code,
             decode_steps=args.decode_steps or 0,
+            decode_at=args.decode_at,
         )
         result = request.record(progress=say)
         seconds = result.seconds
@@ -303,8 +312,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
     except BadInput as exc:
         return _fail(str(exc))
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
-    if args.decode_steps:
-        noise = f", prefill and {args.decode_steps} decode step{'s' if args.decode_steps > 1 else ''}{noise}"
+    if result.decode:
+        noise = f", prefill and {result.decode}{noise}"
     print(
         f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
     )
@@ -335,6 +344,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
     if "layers" in m["record"]:
         print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
+    if store.decode_steps:
+        print(f"  then {store.describe_steps()}")
     if args.inputs:
         ids = m["inputs"]["input_ids"]
         rows = ids if ids and isinstance(ids[0], list) else [ids]

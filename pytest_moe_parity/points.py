@@ -67,6 +67,18 @@ def in_step(name: str, step: int | None) -> str:
     return step_prefix(step) + name
 
 
+def describe_steps(recorded: list[int] | tuple[int, ...], run: int, prefill: int) -> str:
+    """Decode steps in words, with the absolute positions of the tokens they compute (step k after a
+    prefill of P tokens is at position P + k - 1): `3 decode steps (positions 511-513)`,
+    `2 of 413 decode steps (positions 100, 512)`."""
+    n = len(recorded)
+    positions = [prefill + k - 1 for k in recorded]
+    contiguous = positions == list(range(positions[0], positions[-1] + 1))
+    where = f"{positions[0]}-{positions[-1]}" if contiguous and n > 1 else ", ".join(map(str, positions))
+    counted = f"{n} decode step{'s' if n > 1 else ''}" if n == run else f"{n} of {run} decode steps"
+    return f"{counted} (position{'s' if n > 1 else ''} {where})"
+
+
 def layer_group(layer: int) -> str:
     """The name of a decoder layer as a unit: its golden file, its xdist group, its weights."""
     return f"layer_{layer}"

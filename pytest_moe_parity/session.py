@@ -503,13 +503,19 @@ class ParitySession:
         import re
 
         asked = [int(n) for n in re.findall(r"step_(\d+)", keyword or "")]
-        steps = self.golden.decode_steps
-        if not asked or max(asked) <= steps:
+        steps = self.golden.recorded_steps
+        lacking = [n for n in asked if n not in steps]
+        if not lacking:
             return None
-        have = f"decode steps 1..{steps}" if steps else "no decode steps"
+        if not steps:
+            have = "no decode steps"
+        elif steps == list(range(1, steps[-1] + 1)):
+            have = f"decode steps 1..{steps[-1]}"
+        else:
+            have = f"decode steps {', '.join(map(str, steps))}"
         return (
-            f"-k {keyword!r} asks for step_{max(asked)}; this golden has {have} "
-            f"(record them with `moe-parity golden ... --decode-steps N`)"
+            f"-k {keyword!r} asks for step_{max(lacking)}; this golden has {have} "
+            f"(record them with `moe-parity golden ... --decode-steps N` or `--decode-at POSITIONS`)"
         )
 
     def prepare(self, point: Point) -> Prepared:
@@ -548,10 +554,11 @@ class ParitySession:
         recorded = f"{m['model'].get('num_hidden_layers')} layers"
         if "layers" in m["record"]:  # a slice: `moe-parity golden --layers`
             recorded = f"a slice: layers {describe_layers(self.golden.layers)} of {recorded}"
+        steps = self.golden.describe_steps()
         return [
             f"moe-parity: golden {self.golden.root} ({m['model']['model_type']}, "
             f"{recorded}, {len(self.golden.point_ids)} points, "
-            f"{m['inputs']['seq_len']} tokens, {self.golden.dtype}){layers}",
+            f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
             *self._weights_line(),

@@ -312,6 +312,21 @@ def _decode_mask_hides_last(create_mask):
     return create
 
 
+def _rope_table_ends_at_512(forward):
+    """A decode graph whose RoPE table holds 512 positions: a step whose token is at position 512 or
+    beyond reads past its end and rotates the new query and key as at position 0 (cos 1, sin 0), while
+    the prefill and the steps before position 512 are right (the shape of NxDI PR #106's decode bug)."""
+
+    def wrapped(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        if hidden_states.shape[-2] == 1 and past >= 512:
+            cos, sin = position_embeddings
+            position_embeddings = (torch.ones_like(cos), torch.zeros_like(sin))
+        return forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+
+    return wrapped
+
+
 _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 # name: [(module, attribute path, replacement factory (original -> replacement))]
@@ -327,6 +342,7 @@ CODE_FAULTS: dict[str, list[tuple[str, str, Callable]]] = {
     "decode_cache_written_one_early": [("transformers.cache_utils", "DynamicLayer.update", _cache_written_one_early)],
     "decode_new_token_at_position_0": [(_QWEN3, "apply_rotary_pos_emb", _rope_skipped_in_decode)],
     "decode_mask_hides_last_entry": [(_QWEN3, "create_causal_mask", _decode_mask_hides_last)],
+    "decode_rope_table_ends_at_512": [(_QWEN3, "Qwen3MoeAttention.forward", _rope_table_ends_at_512)],
 }
 
 

@@ -3,6 +3,7 @@ reads stored as tensors; replayed on a cache of the candidate's kind, the cache 
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -235,3 +236,100 @@ def test_a_recorded_cache_is_passed_by_the_name_the_module_takes() -> None:
     assert with_cache_kwarg(Before(), {"cache": None, "y": False}) == {"past_key_values": None, "y": False}
     assert with_cache_kwarg(After(), {"cache": state}) == {"cache": state}
     assert with_cache_kwarg(Before(), {"hidden_states": 1}) == {"hidden_states": 1}
+
+
+# -- decode where it breaks: --decode-at ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def past_512(tiny_model, tmp_path_factory) -> Path:
+    """A golden whose decode steps land at positions 511, 512 and 513 (a 511-token prefill), of a
+    tiny qwen3_moe whose context reaches 1024."""
+    from pytest_moe_parity.record.run import record_golden
+
+    out = tmp_path_factory.mktemp("decode-at") / "golden"
+    record_golden(tiny_model("qwen3_moe", max_position_embeddings=1024), out, decode_at="511,512,513")
+    return out
+
+
+def test_decode_at_sizes_the_prefill_so_the_steps_land_there(past_512: Path) -> None:
+    store = GoldenStore(past_512)
+    assert store.prefill_tokens == 511 and store.recorded_steps == [1, 2, 3]
+    assert [store.position(f"step_{k}.layer_0.attention") for k in (1, 2, 3)] == [511, 512, 513]
+    assert store.position("layer_0.attention") is None
+    assert store.describe_steps() == "3 decode steps (positions 511-513)"
+    state = store.load("step_2.layer_0.attention").kwargs
+    assert next(v for v in state.values() if isinstance(v, CacheState)).keys.shape[-2] == 512  # the past it reads
+
+
+def test_a_decode_bug_past_position_512_fails_at_that_steps_attention(
+    past_512: Path, pytester: pytest.Pytester
+) -> None:
+    """A decode graph whose RoPE table ends at position 512: the prefill and step_1 (position 511)
+    pass, and the first failure is step_2's attention (pos 512)."""
+    report = pytester.path / "report"
+    with faults.code_fault("decode_rope_table_ends_at_512"):
+        result = run_parity(pytester, past_512, "--dtype", "bfloat16", "--parity-report", str(report))
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert all(r["status"] == "passed" for r in rows if r["step"] in (None, 1))
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed[0]["id"] == "step_2.layer_0.attention" and failed[0]["position"] == 512
+    assert {r["step"] for r in failed} == {2, 3}
+    assert read_json(report / SUMMARY_FILE)["first_divergence"] == "step_2.layer_0.attention"
+    result.stdout.fnmatch_lines(
+        [
+            "moe-parity: golden * 511 tokens, then 3 decode steps (positions 511-513), float32)*",
+            "step_2.layer_0.attention (pos 512): candidate (bfloat16) diverges from the golden (float32)",
+            "first divergence: step_2.layer_0.attention*",
+        ]
+    )
+
+
+def test_a_clean_run_of_decode_at_passes_every_step(past_512: Path, pytester: pytest.Pytester) -> None:
+    report = pytester.path / "report"
+    result = run_parity(pytester, past_512, "--dtype", "bfloat16", "-k", "step_", "--parity-report", str(report))
+    result.assert_outcomes(passed=3 * 32)
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert {r["step"]: r["position"] for r in rows} == {1: 511, 2: 512, 3: 513}
+
+
+def test_decode_at_records_only_the_steps_asked_for_and_the_chain_runs_those_between(
+    tmp_path: Path, tiny_model, pytester: pytest.Pytester, capsys
+) -> None:
+    """Positions apart: the steps between are run for their cache, not recorded; --decode-steps adds
+    the first steps; a chained run decodes every step with the golden's tokens and judges those kept."""
+    golden = tmp_path / "golden"
+    code, out, _ = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", golden, "--seq-len", "8",
+                       "--decode-steps", "1", "--decode-at", "10,13")  # fmt: skip
+    assert code == 0
+    assert "prefill and 3 of 6 decode steps (positions 8, 10, 13)" in out
+    store = GoldenStore(golden)
+    assert store.recorded_steps == [1, 3, 6] and store.decode_steps == len(store.decode_tokens) == 6
+    assert sorted({p.step for p in store.points if p.step}) == [1, 3, 6]
+    report = pytester.path / "report"
+    result = run_parity(pytester, golden, "--parity-mode", "chain", "-k", "step_", "--parity-report", str(report))
+    result.assert_outcomes(passed=3 * 32)
+    rows = read_json(report / REPORT_FILE)["points"]
+    assert {r["position"] for r in rows} == {8, 10, 13} and all(r["mode"] == "chain" for r in rows)
+    result = run_parity(pytester, golden, "-k", "step_2")
+    result.stdout.fnmatch_lines(["*asks for step_2; this golden has decode steps 1, 3, 6*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--decode-at", "513,512"], "--decode-at 513,512: positions must increase (512 comes after 513)*"),
+        (["--decode-at", "12,x"], "--decode-at: 'x' is not a token position*"),
+        (["--decode-at", "600"], "--decode-at 600 is beyond the model's context of 512 tokens*"),
+        (["--decode-at", "4", "--seq-len", "8"], "--decode-at 4 lies inside the prefill of 8 tokens (positions 0-7)*"),
+        (["--decode-at", "0"], "--decode-at 0: a decode step follows at least one prompt token*"),
+    ],
+)
+def test_decode_at_bad_input_says_so_in_one_line(
+    args: list[str], message: str, tmp_path: Path, tiny_model, capsys
+) -> None:
+    out = tmp_path / "golden"
+    code, _, err = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", out, *args)
+    assert code == 2 and not out.exists()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and fnmatch.fnmatch(lines[0], f"moe-parity: error: {message}"), err

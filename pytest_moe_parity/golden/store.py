@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..dtypes import SAFETENSORS_DTYPES, dtype_name
 from ..errors import GoldenError
-from ..points import Point
+from ..points import Point, describe_steps
 from .spec import Spec, build
 
 SCHEMA_VERSION = 1
@@ -192,6 +192,28 @@ class GoldenStore:
     def decode_tokens(self) -> list[int]:
         """The token fed at each decode step (the reference's greedy choice)."""
         return list(self.manifest.get("decode", {}).get("tokens", []))
+
+    @property
+    def recorded_steps(self) -> list[int]:
+        """The decode steps whose points were recorded: every step run, or those `--decode-at` asked for
+        (the steps between were run for their cache only)."""
+        decode = self.manifest.get("decode", {})
+        return list(decode.get("recorded", range(1, self.decode_steps + 1)))
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens per row of the prefill."""
+        return int(self.manifest["inputs"]["seq_len"])
+
+    def describe_steps(self) -> str:
+        """The decode steps recorded, in words with their positions ("" for a golden without any)."""
+        steps = self.recorded_steps
+        return describe_steps(steps, self.decode_steps, self.prefill_tokens) if steps else ""
+
+    def position(self, point: Point | str) -> int | None:
+        """The absolute position of the token a decode step's point computes (None for the prefill's)."""
+        step = self.point(point).step
+        return None if step is None else self.prefill_tokens + step - 1
 
     @property
     def fingerprint(self) -> str:

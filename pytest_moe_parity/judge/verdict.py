@@ -131,6 +131,7 @@ class PointResult:
     seconds: float = 0.0
     order: int = 0
     step: int | None = None
+    position: int | None = None  # a decode step's: the absolute position of the token it computes
     backend: dict[str, Any] = field(default_factory=dict)  # what the backend said (CandidateOutput.info)
     mode: str = "isolated"  # "isolated" (golden inputs) or "chain" (the candidate's own inputs)
     # per compared tensor with a row per token: each token's squared error (NaN: left out), for the

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,12 @@ from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..model.archs import plan_points
-from ..model.calls import cache_kwarg
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, malloc_trim, own_memory
 from ..points import Point, describe_layers, parse_layers
 from .audit import check_context, gib, parse_memory
 from .capture import GoldenRecorder, SliceDone
+from .decode import DecodePlan, decode_cache, parse_positions, record_decode
 from .dispatch import dispatch_by_unit, does_not_fit
 from .memory import memory_line, peaks, placement, placement_line
 
@@ -47,6 +47,7 @@ class RecordResult:
     seconds: float
     skipped: list[str]
     notes: list[str]
+    decode: str = ""  # the decode steps recorded, in words (`3 decode steps (positions 511-513)`)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -298,64 +299,6 @@ def input_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-def decode_cache(model: Any) -> Any:
-    """The DynamicCache decode steps run with; BadInput where a layer's cache holds no keys and values
-    (the recurrent state of a Mamba or linear-attention layer), which decode recording cannot store."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(config=model.config)
-    other = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)})
-    if other:
-        raise BadInput(
-            f"--decode-steps: this model's cache has {', '.join(other)} layers (a recurrent state, not keys "
-            "and values); decode steps are recorded for attention KV caches only: record without --decode-steps"
-        )
-    return cache
-
-
-def record_decode(
-    model: Any,
-    points: list[Point],
-    ids: torch.Tensor,
-    steps: int,
-    on_group: Callable[[str, list[Recorded]], None],
-    say: Callable[[str], None],
-    written: Callable[[], int] = lambda: 0,
-) -> dict[str, Any]:
-    """After the prefill, `steps` greedy decode steps with a transformers DynamicCache: the prefill
-    runs again with the cache (not recorded: its points are), then every step's points are recorded
-    as `step_k.*`, the cache each module reads stored as its layer's tensors. Each step's line says
-    what it wrote and took, the first also what all the steps will (at least: each step stores the
-    cache, which grows). Returns the manifest's "decode" entry: the steps and the token fed at each."""
-    started, before = time.perf_counter(), written()
-    cache = decode_cache(model)
-    out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
-    order = max(p.order for p in points) + 1
-    tokens: list[int] = []
-    for step in range(1, steps + 1):
-        token = int(out.logits[0, -1].float().argmax())
-        tokens.append(token)
-        step_points = [replace(p, step=step, order=order + i) for i, p in enumerate(points)]
-        order += len(points)
-        with GoldenRecorder(model, step_points, on_group) as rec:
-            out = model(
-                input_ids=torch.tensor([[token]], dtype=torch.long, device=ids.device),
-                use_cache=True,
-                **{cache_kwarg(model): cache},
-            )
-            missing = rec.finish()
-        if missing:
-            say(f"note: decode step {step} never called {', '.join(missing[:4])}; not recorded")
-        size, seconds = (written() - before) / 1e6, time.perf_counter() - started
-        ahead = ""
-        if step == 1 and steps > 1:  # each step stores the cache, which grows: at least this
-            ahead = f"; all {steps}: at least {size * steps:.1f} MB, {seconds * steps:.0f} s"
-        recorded = len(step_points) - len(missing)
-        say(f"  step_{step}: token {token}, {recorded} points [{size:.2f} MB, {seconds:.1f}s so far{ahead}]")
-    return {"steps": steps, "tokens": tokens, "cache": type(cache).__name__}
-
-
 @contextlib.contextmanager
 def golden_writer(out: Path, overwrite: bool) -> Iterator[GoldenWriter]:
     """The golden's writer, its directory prepared; what a failed recording wrote is removed (and
@@ -473,6 +416,7 @@ class GoldenRequest:
     overwrite: bool = False
     trust_remote_code: bool = False
     decode_steps: int = 0
+    decode_at: str | Sequence[int] | None = None  # absolute positions whose decode steps are recorded
 
     def __post_init__(self) -> None:
         self.model_dir, self.out = Path(self.model_dir), Path(self.out)
@@ -485,15 +429,23 @@ class GoldenRequest:
         except ValueError:
             raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
         config = load_config(model_dir, trust_remote_code=self.trust_remote_code)
+        positions = parse_positions(self.decode_at)
+        seq_len = self.seq_len
+        if positions and seq_len is None and self.prompt is None and self.input_ids is None:
+            seq_len = positions[0]  # the prefill sized so that the first step lands there
+            if seq_len < 1:
+                raise BadInput("--decode-at 0: a decode step follows at least one prompt token; start at 1")
         ids = resolve_input_ids(
             model_dir,
             config,
             prompt=self.prompt,
             input_ids=self.input_ids,
-            seq_len=self.seq_len,
+            seq_len=seq_len,
             trust_remote_code=self.trust_remote_code,
         )
-        check_context(getattr(config, "max_position_embeddings", None), len(ids), self.decode_steps)
+        context = getattr(config, "max_position_embeddings", None)
+        decode = DecodePlan.make(len(ids), self.decode_steps, positions, context)
+        check_context(context, len(ids), decode.run)
         if self.out.resolve() == model_dir.resolve():
             raise BadInput("--out must not be the model directory")
         wanted_layers = layer_slice(self.layers, getattr(config, "num_hidden_layers", None))
@@ -512,7 +464,7 @@ class GoldenRequest:
             )
         if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory)
+        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode)
 
     def record(self, progress: Callable[[str], None] | None = None) -> RecordResult:
         """Record the golden directory; `progress` is told each step in one line."""
@@ -530,6 +482,7 @@ class CheckedRequest:
     ids: list[int]
     layers: list[int] | None
     max_memory: dict[Any, int] | None
+    decode: DecodePlan
 
 
 class _GoldenRun:
@@ -569,7 +522,7 @@ class _GoldenRun:
                 plan = plan_points(ref.model)
             except ArchError as exc:
                 raise BadInput(str(exc)) from None
-            if req.decode_steps:
+            if checked.decode.run:
                 decode_cache(ref.model)  # before anything is written
             for note in plan.notes:
                 self.say(f"note: {note}")
@@ -595,7 +548,8 @@ class _GoldenRun:
             where = {"device_map": device_map, "offload": offload, "placed": placed, "loading": ref.loading}
             writer.finish(self._manifest(ref.model, plan, decode, skipped, where, stats))
             seconds = time.perf_counter() - self.started
-            return RecordResult(req.out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes)
+            steps = checked.decode.describe() if checked.decode.run else ""
+            return RecordResult(req.out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes, steps)
 
     def _opening_line(self, plan: Any, points: list[Point]) -> str:
         req, checked = self.request, self.checked
@@ -605,8 +559,8 @@ class _GoldenRun:
             if checked.layers is None
             else f"layers {describe_layers(self.slice_layers)} of {n_layers}"
         )
-        steps = req.decode_steps
-        then = f", then {steps} decode step{'s' if steps > 1 else ''} of {len(points)} points each" if steps else ""
+        decode = checked.decode
+        then = f", then {decode.describe()} of {len(points)} points each" if decode.run else ""
         return (
             f"recording {req.model_dir} ({plan.model_type}, {what}, {len(points)} points, "
             f"{len(checked.ids)} tokens, {dtype_name(checked.dtype)}{then}) -> {req.out}"
@@ -628,11 +582,12 @@ class _GoldenRun:
     def _forward(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
         """The prefill with every point hooked, then the decode steps: (points never called, the
         decode steps' record or None)."""
-        req, model = self.request, ref.model
+        model = ref.model
         ids_tensor = torch.tensor([self.checked.ids], dtype=torch.long, device=ref.input_device)
         # A slice that ends before the model's last layer needs no more of the forward (a decode step
         # needs the logits).
-        sliced_prefill = self.checked.layers is not None and not req.decode_steps and points[-1].layer is not None
+        decode = self.checked.decode
+        sliced_prefill = self.checked.layers is not None and not decode.run and points[-1].layer is not None
         stop_after = points[-1].group if sliced_prefill else None
         with ref.running(), torch.no_grad():
             with GoldenRecorder(model, points, self._on_group, stop_after=stop_after) as rec:
@@ -643,11 +598,10 @@ class _GoldenRun:
                 skipped = rec.finish()
             for pid in skipped:
                 self.say(f"note: point {pid} was never called by the forward pass; not recorded")
-            if not req.decode_steps:
+            if not decode.run:
                 return skipped, None
             written = lambda: self.writer.bytes_written  # noqa: E731
-            decode = record_decode(model, points, ids_tensor, req.decode_steps, self._on_group, self.say, written)
-            return skipped, decode
+            return skipped, record_decode(model, points, ids_tensor, decode, self._on_group, self.say, written)
 
     def _manifest(
         self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict

@@ -220,6 +220,7 @@ class ParityRunner:
         result.tolerance_sources = sources
         result.seconds = cand.seconds
         result.golden_dtype = self.golden.dtype
+        result.position = self.golden.position(point)
         result.backend = cand.info
         result.notes.extend(cand.info.get("notes", []))
         hint = cand.info.get("hint")

@@ -49,6 +49,7 @@ class Row:
     component: str
     status: str  # passed, failed, error or skipped
     kind: Kind = "point"
+    position: int | None = None  # a judged decode step's: the absolute position of its token
     # a judged point
     mode: str = "isolated"  # the verdict's inputs: "isolated" (the golden's) or "chain" (its own)
     verdicts: dict[str, str] = field(default_factory=dict)  # each mode's own verdict
@@ -117,6 +118,8 @@ class Row:
             "component": self.component,
             "status": self.status,
         }
+        if self.position is not None:
+            head = {**head, "position": self.position}
         if self.kind == "point":
             judged = {**head, **self._judged_json()}
             return {**judged, "drill": self.drill} if self.drill is not None else judged
@@ -193,6 +196,7 @@ def point_row(result: PointResult) -> Row:
     return Row(
         **_place(result),
         status=result.status,
+        position=result.position,
         mode=result.mode,
         verdicts=result.verdicts,
         noise=result.noise,

@@ -49,7 +49,10 @@ def failure_text(r: PointResult) -> str:
     failing = [(mode, res) for mode, res in parts if res.verdicts.get(mode) == "failed"] or parts
     where = {"isolated": "", "chain": " on its own inputs"}
     inputs = " on the golden's inputs and on its own" if len(failing) > 1 else where[failing[0][0]]
-    lines = _wrapped("", f"{r.id}: candidate ({r.candidate_dtype}) diverges from the golden ({r.golden_dtype}){inputs}")
+    at = f" (pos {r.position})" if r.position is not None else ""
+    lines = _wrapped(
+        "", f"{r.id}{at}: candidate ({r.candidate_dtype}) diverges from the golden ({r.golden_dtype}){inputs}"
+    )
     for mode, res in parts:
         if (mode, res) not in failing:
             main = res.main
