@@ -67,6 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     src = golden.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="text to tokenize with the model's tokenizer")
     src.add_argument("--input-ids", type=_int_list, help="comma-separated token ids, e.g. 1,2,3")
+    src.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='several prompts, recorded as one padded batch: one per line, as text or JSONL ({"text": ...} or '
+        '{"ids": [...]}); points are judged on the real tokens, and failures name the rows',
+    )
+    golden.add_argument(
+        "--padding-side", choices=("left", "right"), default="right", help="where --prompts rows are padded"
+    )
+    golden.add_argument(
+        "--pad-to", type=_positive_int, default=None, metavar="N", help="pad --prompts rows to N tokens (a fixed shape)"
+    )
+    golden.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        metavar="B",
+        help="pad the --prompts batch to B rows (the extra rows are padding only, as a fixed batch size runs them)",
+    )
     golden.add_argument(
         "--seq-len",
         type=_positive_int,
@@ -300,6 +321,10 @@ def cmd_golden(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             decode_steps=args.decode_steps or 0,
             decode_at=args.decode_at,
+            prompts=args.prompts,
+            padding_side=args.padding_side,
+            pad_to=args.pad_to,
+            batch_size=args.batch_size,
         )
         result = request.record(progress=say)
         seconds = result.seconds

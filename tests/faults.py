@@ -327,6 +327,19 @@ def _rope_table_ends_at_512(forward):
     return wrapped
 
 
+def _positions_from_the_pad(forward):
+    """A model that ignores the position ids it is given and counts positions from the first column,
+    padding included: a left-padded row's real tokens sit at the wrong positions."""
+
+    def wrapped(self, *args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+        return forward(self, *args, **kwargs)
+
+    return wrapped
+
+
 _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe"
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 # name: [(module, attribute path, replacement factory (original -> replacement))]
@@ -342,6 +355,7 @@ CODE_FAULTS: dict[str, list[tuple[str, str, Callable]]] = {
     "decode_cache_written_one_early": [("transformers.cache_utils", "DynamicLayer.update", _cache_written_one_early)],
     "decode_new_token_at_position_0": [(_QWEN3, "apply_rotary_pos_emb", _rope_skipped_in_decode)],
     "decode_mask_hides_last_entry": [(_QWEN3, "create_causal_mask", _decode_mask_hides_last)],
+    "positions_from_the_pad": [(_QWEN3, "Qwen3MoeModel.forward", _positions_from_the_pad)],
     "decode_rope_table_ends_at_512": [(_QWEN3, "Qwen3MoeAttention.forward", _rope_table_ends_at_512)],
 }
 

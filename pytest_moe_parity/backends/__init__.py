@@ -194,10 +194,17 @@ class Backend(ABC):
         """The candidate's output for `point` on the golden inputs in `golden`."""
 
     def run_model(
-        self, input_ids: torch.Tensor, points: list[Point], steer: Any = None, decode_tokens: list[int] = ()
+        self,
+        input_ids: torch.Tensor,
+        points: list[Point],
+        steer: Any = None,
+        decode_tokens: list[int] = (),
+        padding: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """Backends with `chain_kind = "model"`: the candidate's own forward on `input_ids` ([B, T]),
-        building its own masks and positions, and every point's output on it (point id -> output,
+        building its own masks and positions (from `padding`'s `attention_mask` and `position_ids`,
+        [B, T], where the golden's batch is padded: what a serving stack passes the model), and
+        every point's output on it (point id -> output,
         structured as the golden's; a router's output is its routing). Backends that declare
         `steers_chain` call `steer(point, output, outputs_so_far)` as each point returns and go on
         with what it returns (it puts the rows of near-tie tokens back to the golden's). Backends

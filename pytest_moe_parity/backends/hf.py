@@ -105,11 +105,17 @@ class TorchBackend(Backend):
         return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)
 
     def run_model(
-        self, input_ids: torch.Tensor, points: list[Point], steer: Any = None, decode_tokens: list[int] = ()
+        self,
+        input_ids: torch.Tensor,
+        points: list[Point],
+        steer: Any = None,
+        decode_tokens: list[int] = (),
+        padding: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
-        """The candidate's own forward, its layers loaded as they run (a few in memory at once); with
-        `decode_tokens`, then one step per token on its own DynamicCache (the golden's tokens are fed,
-        so every step sees the same inputs as the golden's)."""
+        """The candidate's own forward, its layers loaded as they run (a few in memory at once), on a
+        padded batch with its attention mask and position ids; with `decode_tokens`, then one step
+        per token on its own DynamicCache (the golden's tokens are fed, so every step sees the same
+        inputs as the golden's)."""
         from transformers import DynamicCache
 
         from ..model.calls import OutputCapture
@@ -119,7 +125,13 @@ class TorchBackend(Backend):
         with lazy.streaming() as model, torch.no_grad():
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
-                model(input_ids=input_ids.to(self.device), use_cache=cache is not None, **{cache_kwarg(model): cache})
+                padded = {k: v.to(self.device) for k, v in (padding or {}).items()}
+                model(
+                    input_ids=input_ids.to(self.device),
+                    use_cache=cache is not None,
+                    **padded,
+                    **{cache_kwarg(model): cache},
+                )
             outputs.update(capture.outputs)
             for step, token in enumerate(decode_tokens, 1):
                 with OutputCapture(model, [p for p in points if p.step == step], steer) as capture:

@@ -205,6 +205,32 @@ class GoldenStore:
         """Tokens per row of the prefill."""
         return int(self.manifest["inputs"]["seq_len"])
 
+    @property
+    def sequences(self) -> int:
+        """Rows of the golden's batch (1 for a single prompt)."""
+        return len(self.manifest["inputs"]["input_ids"])
+
+    @property
+    def prompts(self) -> list[str]:
+        """Each prompt row's preview (`--prompts`); empty for a golden of one prompt."""
+        return list(self.manifest["inputs"].get("prompts", []))
+
+    @property
+    def padded(self) -> bool:
+        """Whether the batch holds padding (`--prompts` rows of unequal length, `--pad-to`, `--batch-size`)."""
+        mask = self.manifest["inputs"].get("attention_mask")
+        return bool(mask) and any(0 in row for row in mask)
+
+    def padding(self, point: Point | str) -> tuple[list[int], int] | None:
+        """The padding tokens of a point's tensors (as token indices over the batch's rows, row-major)
+        and how many tokens they have: (padding, tokens); None where the point has no padding (a
+        decode step feeds one real token per row)."""
+        if not self.padded or self.point(point).step is not None:
+            return None
+        mask = self.manifest["inputs"]["attention_mask"]
+        flat = [m for row in mask for m in row]
+        return [i for i, m in enumerate(flat) if not m], len(flat)
+
     def describe_steps(self) -> str:
         """The decode steps recorded, in words with their positions ("" for a golden without any)."""
         steps = self.recorded_steps

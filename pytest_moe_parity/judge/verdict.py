@@ -38,6 +38,8 @@ from .tolerances import (
     ToleranceKey,
 )
 
+REL_L2_LIMIT = next(k for k in TENSOR_LIMITS if k.figure == "rel_l2")
+
 HINTS = {
     "embedding": "embedding rows permuted or a different vocabulary mapping (or the wrong checkpoint)",
     "rotary": "RoPE: theta, scaling (rope_parameters) or the cos/sin layout differ",
@@ -140,6 +142,10 @@ class PointResult:
     # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
     noise: dict[str, Any] | None = None
     chained: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
+    padding_tokens: int = 0  # the batch's padding tokens, not judged
+    # a batch of several prompts: each row's figures over its real tokens ({"row", "tokens", "rel_l2",
+    # "max_token_rel_l2", "failed", and "prompt" where the golden has it})
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -255,6 +261,12 @@ class Judge:
         self._kept: dict[str, torch.Tensor] = {}  # per tensor with a row per token: the rows judged
         # chained runs: (tokens left out everywhere, the number of tokens), see _keep
         self.exclude = case.exclude if case.exclude and case.exclude[0] else None
+        # the batch's padding: left out as a chained run's flips are (only real tokens are judged)
+        self.padding = case.padding if case.padding and case.padding[0] else None
+        self.flipped = list(self.exclude[0]) if self.exclude is not None else []
+        if self.padding is not None:
+            self.exclude = (sorted(set(self.flipped) | set(self.padding[0])), self.padding[1])
+        self.sequences = case.sequences
         self.dtype = case.dtype
         router = case.router if case.router is not None else (point if point.component == ROUTER else None)
         self.rule = SelectionRule.of(router, case.dtype, tol.tie_factor, case.config)
@@ -616,13 +628,18 @@ class Judge:
                 full[keep] = sums.d2.to(torch.float32)
                 self.result.token_d2[target] = full
         r = self.result
-        if self.exclude is not None:
-            tokens = self.exclude[0]
+        if self.flipped:
+            tokens = self.flipped
             r.excluded_tokens = sorted(set(r.excluded_tokens) | set(tokens))
             r.notes.append(
                 f"{len(tokens)} token(s) left out: the candidate routed them unlike the golden at an earlier "
                 f"layer, so they follow other experts from there on: {tokens[:16]}"
             )
+        if self.padding is not None:
+            r.padding_tokens = len(self.padding[0])
+            r.notes.append(f"{len(self.padding[0])} padding token(s) of the batch are not judged: real tokens only")
+        if self.sequences > 1:
+            r.rows = self._row_figures()
         nothing_left = not r.checks and bool(self._kept) and not any(bool(k.any()) for k in self._kept.values())
         if nothing_left:  # every token routed unlike the golden before here: the flip was judged where it was
             r.notes.append(
@@ -633,6 +650,39 @@ class Judge:
         if not r.passed:
             r.hint = self._hint()
         return r
+
+    def _row_figures(self) -> list[dict[str, Any]]:
+        """Each row of the batch: its real tokens judged, its relative L2 error and worst token's over
+        them (the main tensor: the output, else the first with a row per token), and whether it fails
+        the dtype's limits for them (the rows a failure names)."""
+        target = "out" if "out" in self.row_sums else next(iter(self.row_sums), None)
+        if target is None:
+            return []
+        sums, keep = self.row_sums[target]
+        tokens = keep.numel() if keep is not None else sums.d2.numel()
+        if tokens % self.sequences:
+            return []
+        length = tokens // self.sequences
+        index = torch.nonzero(keep).flatten() if keep is not None else torch.arange(tokens)
+        rows = (index // length).unsqueeze(-1)
+        errors, counts = sums.group_errors(rows, self.sequences)
+        token_errors = sums.errors(TOKEN_FLOOR)
+        worst = torch.zeros(self.sequences, dtype=token_errors.dtype).scatter_reduce(
+            0, rows.flatten(), token_errors, reduce="amax", include_self=True
+        )
+        limit_rel, limit_token = self.tol.limit(REL_L2_LIMIT), self.tol.limit(TOKEN_LIMIT)
+        figures = []
+        for row in range(self.sequences):
+            n, rel, top = int(counts[row]), float(errors[row]), float(worst[row])
+            failed = n > 0 and (
+                (limit_rel is not None and not REL_L2_LIMIT.passes(rel, limit_rel))
+                or (limit_token is not None and length > 1 and not TOKEN_LIMIT.passes(top, limit_token))
+            )
+            figures.append(
+                {"row": row, "tokens": n, "rel_l2": json_safe(rel) if n else None,
+                 "max_token_rel_l2": json_safe(top) if n else None, "failed": bool(failed)}
+            )  # fmt: skip
+        return figures
 
     def _hint(self) -> str:
         comp = self.point.component
@@ -663,6 +713,10 @@ class Case:
             (``noise_factor`` bounds the ratio); ``noise_tokens``: its squared error per token.
         exclude: (tokens, number of tokens): tokens left out of every tensor with a row per token
             (a chained run's earlier routing flips).
+        padding: (tokens, number of tokens): the batch's padding tokens, left out the same way (only
+            real tokens are judged).
+        sequences: rows of the batch: with more than one, each row's own figures are kept and the
+            rows that fail are named.
         cache_write: (the golden's keys and values after a decode step, the candidate's CacheState or
             None), compared too.
     """
@@ -682,6 +736,8 @@ class Case:
     exclude: tuple[list[int], int] | None = None
     cache_write: tuple[tuple[torch.Tensor, torch.Tensor], Any] | None = None
     noise_tokens: dict[str, torch.Tensor] | None = None
+    padding: tuple[list[int], int] | None = None
+    sequences: int = 1
 
 
 def judge_point(case: Case) -> PointResult:

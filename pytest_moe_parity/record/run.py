@@ -32,6 +32,7 @@ from .capture import GoldenRecorder, SliceDone
 from .decode import DecodePlan, decode_cache, parse_positions, record_decode
 from .dispatch import dispatch_by_unit, does_not_fit
 from .memory import memory_line, peaks, placement, placement_line
+from .prompts import Batch, make_batch, read_prompts
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16
@@ -417,6 +418,10 @@ class GoldenRequest:
     trust_remote_code: bool = False
     decode_steps: int = 0
     decode_at: str | Sequence[int] | None = None  # absolute positions whose decode steps are recorded
+    prompts: Path | str | None = None  # a prompts file: several prompts recorded as one padded batch
+    padding_side: str = "right"
+    pad_to: int | None = None
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         self.model_dir, self.out = Path(self.model_dir), Path(self.out)
@@ -430,6 +435,10 @@ class GoldenRequest:
             raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
         config = load_config(model_dir, trust_remote_code=self.trust_remote_code)
         positions = parse_positions(self.decode_at)
+        if self.prompts is not None:
+            return self._check_batch(torch_dtype, config, positions)
+        if self.pad_to is not None or self.batch_size is not None:
+            raise BadInput("--pad-to and --batch-size shape a batch of --prompts FILE; add --prompts")
         seq_len = self.seq_len
         if positions and seq_len is None and self.prompt is None and self.input_ids is None:
             seq_len = positions[0]  # the prefill sized so that the first step lands there
@@ -443,6 +452,41 @@ class GoldenRequest:
             seq_len=seq_len,
             trust_remote_code=self.trust_remote_code,
         )
+        return self._checked(torch_dtype, config, ids, positions)
+
+    def _check_batch(self, torch_dtype: torch.dtype, config: Any, positions: list[int]) -> CheckedRequest:
+        """`--prompts FILE`: the prompts read, tokenized and padded into one batch."""
+        if self.prompt is not None or self.input_ids is not None:
+            raise BadInput("pass either --prompts or --prompt / --input-ids, not both")
+        prompts = read_prompts(self.prompts)
+        tokenize, pad_id = None, getattr(config, "pad_token_id", None)
+        if any(p.text is not None for p in prompts) and has_tokenizer(self.model_dir):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
+            tokenize = lambda text: list(tok(text)["input_ids"])  # noqa: E731
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else pad_id
+        batch = make_batch(
+            prompts,
+            tokenize,
+            vocab=int(getattr(config, "vocab_size", 0) or 0),
+            pad_id=int(pad_id) if isinstance(pad_id, int) else 0,
+            padding_side=self.padding_side,
+            pad_to=self.pad_to,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+        )
+        if batch.rows > 1 and (self.decode_steps or positions):
+            raise BadInput(
+                f"decode steps are recorded for one prompt, and --prompts gives a batch of {batch.rows} rows: "
+                "record the batch's prefill without --decode-steps/--decode-at, or one prompt with them"
+            )
+        return self._checked(torch_dtype, config, batch.input_ids[0], positions, batch)
+
+    def _checked(
+        self, torch_dtype: torch.dtype, config: Any, ids: list[int], positions: list[int], batch: Batch | None = None
+    ) -> CheckedRequest:
+        model_dir = self.model_dir
         context = getattr(config, "max_position_embeddings", None)
         decode = DecodePlan.make(len(ids), self.decode_steps, positions, context)
         check_context(context, len(ids), decode.run)
@@ -464,7 +508,7 @@ class GoldenRequest:
             )
         if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode)
+        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode, batch)
 
     def record(self, progress: Callable[[str], None] | None = None) -> RecordResult:
         """Record the golden directory; `progress` is told each step in one line."""
@@ -483,6 +527,25 @@ class CheckedRequest:
     layers: list[int] | None
     max_memory: dict[Any, int] | None
     decode: DecodePlan
+    batch: Batch | None = None  # --prompts: the padded batch (`ids` is its first row)
+
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The prefill's inputs: the prompt's ids, or the batch's ids, attention mask and positions."""
+        if self.batch is not None:
+            return self.batch.tensors(device)
+        return {"input_ids": torch.tensor([self.ids], dtype=torch.long, device=device)}
+
+    def manifest_inputs(self, prompt: str | None) -> dict[str, Any]:
+        if self.batch is None:
+            return {"input_ids": [self.ids], "prompt": prompt, "seq_len": len(self.ids)}
+        return {**self.batch.manifest(), "prompt": None, "seq_len": self.batch.length}
+
+    @property
+    def tokens(self) -> str:
+        if self.batch is None:
+            return f"{len(self.ids)} tokens"
+        side = f", padded {self.batch.padding_side}" if any(0 in row for row in self.batch.attention_mask) else ""
+        return f"{self.batch.rows} rows of {self.batch.length} tokens{side}"
 
 
 class _GoldenRun:
@@ -563,7 +626,7 @@ class _GoldenRun:
         then = f", then {decode.describe()} of {len(points)} points each" if decode.run else ""
         return (
             f"recording {req.model_dir} ({plan.model_type}, {what}, {len(points)} points, "
-            f"{len(checked.ids)} tokens, {dtype_name(checked.dtype)}{then}) -> {req.out}"
+            f"{checked.tokens}, {dtype_name(checked.dtype)}{then}) -> {req.out}"
         )
 
     def _on_group(self, group: str, records: list[Recorded]) -> None:
@@ -583,7 +646,7 @@ class _GoldenRun:
         """The prefill with every point hooked, then the decode steps: (points never called, the
         decode steps' record or None)."""
         model = ref.model
-        ids_tensor = torch.tensor([self.checked.ids], dtype=torch.long, device=ref.input_device)
+        inputs = self.checked.inputs(ref.input_device)
         # A slice that ends before the model's last layer needs no more of the forward (a decode step
         # needs the logits).
         decode = self.checked.decode
@@ -592,7 +655,7 @@ class _GoldenRun:
         with ref.running(), torch.no_grad():
             with GoldenRecorder(model, points, self._on_group, stop_after=stop_after) as rec:
                 try:
-                    model(input_ids=ids_tensor, use_cache=False)
+                    model(**inputs, use_cache=False)
                 except SliceDone:
                     self.say(f"note: the slice ends at {stop_after}; the rest of the forward was not run")
                 skipped = rec.finish()
@@ -601,7 +664,8 @@ class _GoldenRun:
             if not decode.run:
                 return skipped, None
             written = lambda: self.writer.bytes_written  # noqa: E731
-            return skipped, record_decode(model, points, ids_tensor, decode, self._on_group, self.say, written)
+            ids = inputs["input_ids"]
+            return skipped, record_decode(model, points, ids, decode, self._on_group, self.say, written)
 
     def _manifest(
         self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict
@@ -621,7 +685,7 @@ class _GoldenRun:
                 "config": json.loads(json.dumps(config_dict(model.config), default=str)),
                 "num_hidden_layers": self.n_layers,
             },
-            "inputs": {"input_ids": [checked.ids], "prompt": req.prompt, "seq_len": len(checked.ids)},
+            "inputs": checked.manifest_inputs(req.prompt),
             **({"decode": decode} if decode else {}),
             "record": {
                 "dtype": dtype_name(checked.dtype),

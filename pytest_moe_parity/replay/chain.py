@@ -112,7 +112,11 @@ class Chain:
     def disagreement(self, source: Point, own: Any) -> list[int]:
         """Tokens whose top-k experts in `own` (a router's output) differ from the golden router's."""
         router = source if source.component == ROUTER else self.golden.router_of(source)
-        return routing_disagreements(self.golden.load(router).output, own) if router is not None else []
+        if router is None:
+            return []
+        tokens = routing_disagreements(self.golden.load(router).output, own)
+        padding = self.golden.padding(source)  # a padding token's routing is not judged, nor does it taint
+        return [t for t in tokens if t not in set(padding[0])] if padding is not None and tokens else tokens
 
     def steer(self, point: Point, output: Any, routing: Any) -> Any:
         """A decoder layer's chained output with the rows of the tokens its routing sent unlike the
@@ -180,13 +184,17 @@ class ModelChain(Chain):
             ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
             self.setup.start(self.golden.points[0])
             started = time.perf_counter()
-            decode = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
+            extra = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
+            inputs = self.golden.manifest["inputs"]
+            if self.golden.padded:  # the batch's mask and positions, as a serving stack passes them
+                names = ("attention_mask", "position_ids")
+                extra["padding"] = {k: torch.tensor(inputs[k], dtype=torch.long) for k in names}
             points = [p for p in self.golden.points if p.step is None or self.decodes]
             try:
                 if self.steered:
-                    self._outputs = self.backend.run_model(ids, points, steer=self._steer, **decode)
+                    self._outputs = self.backend.run_model(ids, points, steer=self._steer, **extra)
                 else:
-                    self._outputs = self.backend.run_model(ids, points, **decode)
+                    self._outputs = self.backend.run_model(ids, points, **extra)
             except PointUnavailable:
                 raise
             except Exception as exc:

@@ -206,6 +206,8 @@ class ParityRunner:
                 exclude=(self.chain.tainted(point), self.chain.tokens(point)) if chained else None,
                 cache_write=_cache_write(record, cand),
                 noise_tokens=tokens,
+                padding=self.golden.padding(point),
+                sequences=self.golden.sequences,
             )
             result = judge_point(case)
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
@@ -221,6 +223,8 @@ class ParityRunner:
         result.seconds = cand.seconds
         result.golden_dtype = self.golden.dtype
         result.position = self.golden.position(point)
+        for row, prompt in zip(result.rows, self.golden.prompts, strict=False):
+            row["prompt"] = prompt
         result.backend = cand.info
         result.notes.extend(cand.info.get("notes", []))
         hint = cand.info.get("hint")

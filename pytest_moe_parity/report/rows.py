@@ -73,6 +73,8 @@ class Row:
     seconds: float = 0.0
     backend: JsonDict = field(default_factory=dict)  # what the backend said (graph, origin, ...)
     chained: Row | None = None  # --parity-mode both: the chained verdict of the same point
+    # a batch of several prompts: each row's figures over its real tokens (PointResult.rows)
+    rows: list[JsonDict] = field(default_factory=list)
     # an item that was not judged
     error: str | None = None
     reason: str | None = None
@@ -161,6 +163,7 @@ class Row:
             "seconds": self.seconds,
             "backend": self.backend,
             "chain": self.chained.to_json() if self.chained is not None else None,
+            **({"rows": self.rows} if self.rows else {}),
         }
 
     @classmethod
@@ -222,6 +225,7 @@ def point_row(result: PointResult) -> Row:
         seconds=round(result.seconds, 6),
         backend=result.backend,
         chained=point_row(result.chained) if result.chained is not None else None,
+        rows=result.rows,
     )
 
 

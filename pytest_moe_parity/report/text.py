@@ -94,6 +94,24 @@ def _noise_lines(noise: dict[str, Any]) -> list[str]:
     return _wrapped("  noise ratio (error / the reference's own in this dtype): ", ", ".join(parts))
 
 
+def _row_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A batch's rows that fail (over their real tokens), with their prompts: `rows 2, 5 of 8 fail:`."""
+    failed = [row for row in rows if row.get("failed")]
+    if not failed:
+        return [f"  rows: none of the {len(rows)} fails on its own (the error is spread over them)"] if rows else []
+    names = ", ".join(str(row["row"]) for row in failed)
+    lines = [f"  row{'s' * (len(failed) > 1)} {names} of {len(rows)} fail{'s' * (len(failed) == 1)}:"]
+    for row in failed[:8]:
+        prompt = f' prompt "{row["prompt"]}",' if row.get("prompt") else ""
+        lines.append(
+            f"    row {row['row']}:{prompt} {row['tokens']} tokens, rel_l2 {fmt(row['rel_l2'], 3)}, "
+            f"worst token {fmt(row['max_token_rel_l2'], 3)}"
+        )
+    if len(failed) > 8:
+        lines.append(f"    ... and {len(failed) - 8} more (the report's rows)")
+    return lines
+
+
 def _verdict_lines(r: PointResult) -> list[str]:
     lines = []
     for target, m in r.metrics.items():
@@ -136,7 +154,12 @@ def _verdict_lines(r: PointResult) -> list[str]:
         lines.append(f"    {'index':<22}{'golden':>14}{'candidate':>14}{'difference':>14}")
         for index, g, c, d in rows:
             lines.append(f"    {index!s:<22}{fmt(g):>14}{fmt(c):>14}{fmt(d):>14}")
-    if r.worst:
+    lines.extend(_row_lines(r.rows))
+    if r.worst and r.rows and r.token_errors and len(r.token_errors) % len(r.rows) == 0:
+        length = len(r.token_errors) // len(r.rows)  # token indices over the batch -> (row, position)
+        worst = ", ".join(f"row {t // length} pos {t % length} ({fmt(e, 3)})" for t, e in r.worst)
+        lines.extend(_wrapped("  worst tokens (rel error): ", worst))
+    elif r.worst:
         worst = ", ".join(f"{t} ({fmt(e, 3)})" for t, e in r.worst)
         lines.extend(_wrapped("  worst tokens (position, rel error): ", worst))
     if r.worst_experts:

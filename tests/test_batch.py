@@ -1,0 +1,175 @@
+"""Several prompts as one padded batch (`moe-parity golden --prompts FILE`): recorded with their
+attention mask and positions, judged on the real tokens only, and the rows that fail named."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+import faults
+import pytest
+from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity
+
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.record.prompts import Prompt, make_batch, positions_of, read_prompts
+from pytest_moe_parity.record.run import record_golden
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+
+TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+# three prompts of unequal length (the first the longest: its row holds no padding), as JSONL ids
+PROMPTS = [[5, 17, 23, 42, 8, 99, 64, 7], [11, 12, 13], [30, 31, 32, 33, 34, 35]]
+
+
+def _prompts_file(folder: Path, rows: list[list[int]] = PROMPTS) -> Path:
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch_golden(tiny_model, tmp_path_factory):
+    """batch_golden(arch, side, noise=None) -> a golden of the three PROMPTS padded on `side` (with the
+    reference's own error in `noise`), recorded once."""
+    from pytest_moe_parity.replay.noise import record_noise
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, side: str, noise: str | None = None) -> Path:
+        if (arch, side, noise) not in cache:
+            folder = tmp_path_factory.mktemp(f"batch-{arch}-{side}")
+            out = folder / "golden"
+            record_golden(tiny_model(arch), out, prompts=_prompts_file(folder), padding_side=side)
+            if noise is not None:
+                record_noise(out, noise, model_dir=tiny_model(arch))
+            cache[arch, side, noise] = out
+        return cache[arch, side, noise]
+
+    return make
+
+
+def test_a_prompts_file_reads_text_and_ids_lines(tmp_path: Path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text('The capital of France is\n\n{"ids": [1, 2, 3]}\n{"text": "2 + 2 ="}\n')
+    expected = [Prompt(text="The capital of France is"), Prompt(ids=(1, 2, 3)), Prompt(text="2 + 2 =")]
+    assert read_prompts(path) == expected
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_batch_is_padded_with_its_mask_and_positions_counted_over_real_tokens(side: str) -> None:
+    batch = make_batch([Prompt(ids=(5, 6, 7)), Prompt(ids=(8,))], None, vocab=50, pad_id=0, padding_side=side,
+                       pad_to=4, batch_size=3)  # fmt: skip
+    assert (batch.rows, batch.length) == (3, 4)
+    if side == "left":
+        assert batch.input_ids == [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0]]
+        assert batch.attention_mask == [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]]
+        assert batch.position_ids[:2] == [[1, 0, 1, 2], [1, 1, 1, 0]]
+    else:
+        assert batch.input_ids == [[5, 6, 7, 0], [8, 0, 0, 0], [0, 0, 0, 0]]
+        assert batch.position_ids[:2] == [[0, 1, 2, 1], [0, 1, 1, 1]]
+    assert positions_of(__import__("torch").tensor([[1, 1, 1]])).tolist() == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("arch", TABLE_ARCHS)
+def test_padded_batches_replay_bitwise_in_fp32(arch: str, side: str, batch_golden, tiny_model) -> None:
+    golden = batch_golden(arch, side)
+    store = GoldenStore(golden)
+    assert store.sequences == 3 and store.padded and store.prefill_tokens == 8
+    pads, tokens = store.padding("layer_0.attention")
+    assert tokens == 24 and len(pads) == (8 - 3) + (8 - 6)
+    assert store.manifest["inputs"]["padding_side"] == side
+    assert_replays_bitwise(golden, load_fp32(tiny_model(arch)))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", *(pytest.param(a, marks=pytest.mark.slow) for a in TABLE_ARCHS if a != "qwen3_moe")]
+)
+def test_a_clean_bf16_candidate_passes_a_padded_batch_in_both_modes(
+    arch: str, side: str, batch_golden, pytester: pytest.Pytester
+) -> None:
+    golden = batch_golden(arch, side, "bfloat16")
+    report = pytester.path / "report"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", "--parity-report", str(report)
+    )
+    rows = read_json(report / REPORT_FILE)["points"]
+    result.assert_outcomes(passed=len(rows))
+    judged = [r for r in rows if "verdicts" in r]
+    assert judged and all(len(r["rows"]) == 3 for r in judged)
+    attention = next(r for r in judged if r["id"] == "layer_0.attention")
+    assert [row["tokens"] for row in attention["rows"]] == [8, 3, 6]  # real tokens only
+    assert attention["rows"][1]["prompt"] == "ids 11, 12, 13"
+    assert any("padding token(s) of the batch are not judged" in n for n in attention["notes"])
+
+
+def test_positions_counted_from_the_pad_fail_only_the_padded_rows_at_rotary(
+    batch_golden, pytester: pytest.Pytester
+) -> None:
+    """A port whose model counts positions from the first column, pads included (it ignores the
+    position ids it is given): right on the golden's inputs, wrong on its own from the rotary point
+    on, in the left-padded rows only."""
+    golden = batch_golden("qwen3_moe", "left")
+    report = pytester.path / "report"
+    with faults.code_fault("positions_from_the_pad"):
+        result = run_parity(pytester, golden, "--parity-mode", "both", "--no-parity-weights",
+                            "--parity-report", str(report))  # fmt: skip
+    summary = read_json(report / SUMMARY_FILE)
+    assert summary["first_isolated_divergence"] is None
+    assert summary["first_chain_divergence"] == "rotary"
+    rows = read_json(report / REPORT_FILE)["points"]
+    rotary = next(r for r in rows if r["id"] == "rotary")["chain"]
+    assert [row["failed"] for row in rotary["rows"]] == [False, True, True]
+    assert rotary["rows"][0]["rel_l2"] == 0  # the row without padding is bitwise right
+    result.stdout.fnmatch_lines(
+        [
+            "rotary: candidate (float32) diverges from the golden (float32) on its own inputs",
+            "  rows 1, 2 of 3 fail:",
+            '    row 1: prompt "ids 11, 12, 13", 3 tokens, rel_l2 *',
+            "first chain divergence: rotary*",
+        ]
+    )
+
+
+def test_a_right_padded_batch_is_not_touched_by_positions_counted_from_the_pad(
+    batch_golden, pytester: pytest.Pytester
+) -> None:
+    """Right padding puts every row's real tokens first: positions counted from the first column are
+    right for them (only the excluded padding's differ), so the same port passes."""
+    golden = batch_golden("qwen3_moe", "right")
+    with faults.code_fault("positions_from_the_pad"):
+        result = run_parity(pytester, golden, "--parity-mode", "chain", "--no-parity-weights")
+    result.assert_outcomes(passed=len(GoldenStore(golden).points))
+
+
+@pytest.mark.parametrize(
+    ("lines", "args", "message"),
+    [
+        ("", [], "--prompts * holds no prompt; give one prompt per line*"),
+        ('{"ids": [1, 900]}\n', [], "--prompts: prompt 0 has token ids [[]900] outside the vocabulary of 256 tokens"),
+        ('{"ids": [5, 6, 7, 8]}\n', ["--pad-to", "3"], "--pad-to 3 is shorter than prompt 0 (4 tokens)*"),
+        ('{"ids": [5]}\n{"ids": [6]}\n', ["--batch-size", "1"], "--batch-size 1 is smaller than the 2 prompts*"),
+        ('{"ids": [5, 6, 7, 8]}\n', ["--seq-len", "2"], "--prompts: prompt 0 has 4 tokens, beyond --seq-len 2*"),
+        ('{"ids": 5}\n', [], '--prompts *, line 1: a JSON line needs a "text" string or an "ids" list of token ids'),
+        ("{oops\n", [], "--prompts *, line 1: not valid JSON*"),
+        ("hello\n", [], "--prompts: prompt 0 is text and the model has no tokenizer*"),
+        ('{"ids": [5]}\n{"ids": [6, 7]}\n', ["--decode-steps", "2"], "decode steps are recorded for one prompt*"),
+    ],
+)
+def test_bad_prompts_say_so_in_one_line(
+    lines: str, args: list[str], message: str, tmp_path: Path, tiny_model, capsys
+) -> None:
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "golden"
+    prompts.write_text(lines)
+    code, _, err = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", out, "--prompts", prompts, *args)
+    assert code == 2 and not out.exists()
+    said = err.strip().splitlines()
+    assert len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
+
+
+def test_pad_to_without_prompts_says_what_to_add(tmp_path: Path, tiny_model, capsys) -> None:
+    code, _, err = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", tmp_path / "g", "--pad-to", "8")
+    assert code == 2 and "--pad-to and --batch-size shape a batch of --prompts FILE; add --prompts" in err
