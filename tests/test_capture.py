@@ -307,3 +307,18 @@ def test_fit_trims_buckets_and_reshapes_only_what_is_layout() -> None:
     wrong = torch.zeros(2, 4, 5)
     out, note = fit(wrong, golden, batch=2, seq=4)
     assert out is wrong and note is None  # another hidden size: left for the verdict's shape check
+
+
+def test_fit_leaves_out_a_batch_padded_to_its_compiled_size() -> None:
+    golden = torch.Size([3, 4, 2])  # three prompts of 4 positions
+    compiled = torch.arange(8 * 6 * 2.0).reshape(8, 6, 2)  # batch 8, bucket 6
+    out, note = fit(compiled, golden, batch=3, seq=4)
+    assert torch.equal(out, compiled[:3, :4])
+    assert note == (
+        "the first 4 of 6 positions (bucket padding left out); "
+        "the first 3 of 8 rows (the batch's padding rows left out)"
+    )
+    flat = compiled[:, :4].reshape(32, 2)  # [compiled batch * positions, hidden] tokens
+    out, note = fit(flat, torch.Size([12, 2]), batch=3, seq=4)
+    assert torch.equal(out, compiled[:3, :4].reshape(12, 2)) and "first 3 of 8 rows" in note
+    assert fit(torch.zeros(2, 4, 2), golden, batch=3, seq=4)[1] is None  # fewer rows: the shape check says so

@@ -365,24 +365,35 @@ def _same(a: Any, b: Any) -> bool:
 def fit(candidate: torch.Tensor, golden: torch.Size, batch: int, seq: int) -> tuple[torch.Tensor, str | None]:
     """The candidate tensor in the golden's shape where only the layout differs: the same elements
     in other dimensions (a flattened batch), or more positions than the golden's `seq` along the
-    positions ([batch, positions, ...] or flattened [batch * positions, ...]: NxDI pads the context
-    to its bucket, at the end, so the first positions are the tokens). Anything else is left for
-    the verdict's shape check."""
+    positions, more rows than its `batch`, or both ([batch, positions, ...] or flattened
+    [batch * positions, ...]: NxDI pads the context to its bucket at the end, so the first positions
+    are the tokens, and the batch to its compiled size, so the first rows are the prompts'). Anything
+    else is left for the verdict's shape check."""
     if candidate.shape == golden or candidate.dim() == 0 or len(golden) == 0:
         return candidate, None
     shape = list(candidate.shape)
     if candidate.numel() == golden.numel():
         return candidate.reshape(golden), f"reshaped from {shape} to the golden's {list(golden)}"
-    if candidate.dim() == len(golden):
-        differ = [d for d in range(len(golden)) if candidate.shape[d] != golden[d]]
-        positions = 1 if len(golden) > 2 and golden[:2] == (batch, seq) else 0 if golden[0] == batch * seq else None
-        if differ == [positions] and candidate.shape[positions] > golden[positions]:
-            d, keep = positions, golden[positions]
-            if d == 0 and batch > 1 and candidate.shape[0] % batch == 0:
-                # [batch * bucket, ...] flattened tokens: the first positions of each sequence
-                per = candidate.reshape(batch, candidate.shape[0] // batch, *candidate.shape[1:])
-                trimmed = per[:, : keep // batch].reshape(golden)
-            else:
-                trimmed = candidate.narrow(d, 0, keep)
-            return trimmed, f"the first {keep} of {shape[d]} positions (bucket padding left out)"
+    if candidate.dim() != len(golden):
+        return candidate, None
+    if len(golden) > 2 and golden[:2] == (batch, seq) and candidate.shape[2:] == golden[2:]:
+        rows, positions = candidate.shape[0], candidate.shape[1]
+        if rows >= batch and positions >= seq:  # [batch, positions, ...]
+            return candidate[:batch, :seq], _padding_left_out(rows, positions, batch, seq)
+    elif golden[0] == batch * seq and candidate.shape[1:] == golden[1:]:  # [batch * positions, ...] tokens
+        n = candidate.shape[0]
+        if n % batch == 0 and n // batch >= seq:  # each sequence padded to a bucket
+            per = candidate.reshape(batch, n // batch, *candidate.shape[1:])
+            return per[:, :seq].reshape(golden), _padding_left_out(batch, n // batch, batch, seq)
+        if n % seq == 0 and n // seq >= batch:  # the batch padded to its compiled size
+            return candidate[: batch * seq], _padding_left_out(n // seq, seq, batch, seq)
     return candidate, None
+
+
+def _padding_left_out(rows: int, positions: int, batch: int, seq: int) -> str:
+    parts = []
+    if positions > seq:
+        parts.append(f"the first {seq} of {positions} positions (bucket padding left out)")
+    if rows > batch:
+        parts.append(f"the first {batch} of {rows} rows (the batch's padding rows left out)")
+    return "; ".join(parts)
