@@ -2,7 +2,7 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- backends <- replay <- drill <- report <- session <- plugin, cli
+points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- backends <- replay <- drill <- report <- session, scan <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
   call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config
@@ -15,7 +15,8 @@ points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- 
   backends: candidates (`--hw`); replay: one point run on a backend and judged
 - drill: below a point, op by op (`--parity-drill`): both sides' ops captured and matched, the op that
   introduced the divergence, golden substitution, repro files
-- report: failure text, summary and JSON reports; session: a whole parity run without pytest
+- report: failure text, summary and JSON reports; session: a whole parity run without pytest; scan:
+  prompts ranked by how far a candidate's next tokens leave the reference's (`moe-parity scan`)
 - plugin: the pytest glue; cli: the `moe-parity` command
 """
 

@@ -151,6 +151,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     golden.add_argument("-q", "--quiet", action="store_true", help="print only the closing line")
 
+    scan = sub.add_parser(
+        "scan",
+        help="find the prompts that show a problem: rank them by how far the candidate's next tokens leave the "
+        "reference's (exit 1 if any is beyond tolerance)",
+    )
+    scan.add_argument("--model", required=True, type=Path, help="reference checkpoint directory")
+    scan.add_argument("--candidate", required=True, type=Path, help="the candidate checkpoint (a converted port)")
+    scan.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='one prompt per line, text or JSONL ({"text": ...} or {"ids": [...]}); default: the built-in set '
+        "(lengths around 2^k, repeated tokens, a long-range copy; numbers, code, languages with a tokenizer)",
+    )
+    scan.add_argument("--dtype", default="bfloat16", help="the candidate's dtype (default: bfloat16)")
+    scan.add_argument("--device", default="cpu", help="device for the three runs (default: cpu)")
+    scan.add_argument(
+        "--new-tokens",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="tokens the reference continues each prompt with, greedily; all are judged teacher-forced (default: 8)",
+    )
+    scan.add_argument(
+        "--batch-size", type=_positive_int, default=8, metavar="B", help="prompts per forward (default: 8)"
+    )
+    scan.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every prompt's figures as JSON")
+    scan.add_argument("--plot", type=Path, default=None, metavar="FILE", help="a ranked bar chart (PNG; needs [plots])")
+    scan.add_argument(
+        "--record-worst", type=_positive_int, default=None, metavar="K", help="record goldens of the K worst prompts"
+    )
+    scan.add_argument("--out", type=Path, default=None, metavar="DIR", help="where --record-worst writes its goldens")
+    scan.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code")
+    scan.add_argument("-q", "--quiet", action="store_true", help="print only the table and the closing line")
+
     compare = sub.add_parser(
         "compare", help="compare tensors dumped by another framework with a golden (exit 1 on a divergence)"
     )
@@ -595,6 +631,48 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return EXIT_FAILED if result.findings else EXIT_OK
 
 
+def cmd_scan(args: argparse.Namespace) -> int:
+    from .errors import BadInput
+    from .scan import ScanRequest, plot, record_worst, table, write_json
+
+    _quiet_transformers()
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    if (args.record_worst is None) != (args.out is None):
+        return _fail("--record-worst K and --out DIR go together: the goldens of the K worst prompts go in DIR")
+    if args.out is not None and args.out.exists() and any(args.out.iterdir()):
+        return _fail(f"--out {args.out} is not empty; choose a new directory for the goldens")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _fail("--plot needs matplotlib: pip install -e '.[plots]'")
+    request = ScanRequest(
+        args.model, args.candidate, prompts=args.prompts, dtype=args.dtype, device=args.device,
+        new_tokens=args.new_tokens, batch_size=args.batch_size, trust_remote_code=args.trust_remote_code,
+    )  # fmt: skip
+    try:
+        results = request.run(say)
+        if args.record_worst:
+            record_worst(args.model, args.out, results, args.record_worst, say)
+    except BadInput as exc:
+        return _fail(str(exc))
+    for line in table(results):
+        print(line)
+    if args.json is not None:
+        meta = {"model": str(args.model), "candidate": str(args.candidate), "dtype": args.dtype,
+                "new_tokens": args.new_tokens, "prompts_file": str(args.prompts) if args.prompts else None}  # fmt: skip
+        write_json(args.json, results, meta)
+    if args.plot is not None:
+        from .dtypes import parse_dtype
+        from .judge.tolerances import default_tolerance
+
+        plot(args.plot, results, default_tolerance(parse_dtype(args.dtype), "logits").noise_factor)
+    beyond = [r for r in results if r.beyond]
+    worst = f"; worst: {beyond[0].name} ({'; '.join(beyond[0].why)})" if beyond else ""
+    print(f"scan: {len(beyond)} of {len(results)} prompts beyond tolerance{worst}")
+    return EXIT_FAILED if beyond else EXIT_OK
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Exit 1 when the placement given does not fit, 2 on bad input."""
     from .record.audit import estimate, estimate_lines
@@ -662,11 +740,12 @@ COMMANDS = {
     "diff": cmd_diff,
     "audit": cmd_audit,
     "estimate": cmd_estimate,
+    "scan": cmd_scan,
 }
 
 
 # Commands that run transformers' own modules of the golden's architecture (its transformers 5 layout)
-NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops"}
+NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops", "scan"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ LAYERS = [
     {"replay"},
     {"drill"},
     {"report"},
-    {"session"},
+    {"session", "scan"},
     {"plugin", "cli"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -38,6 +38,7 @@ ORDER = [
     "drill",
     "report",
     "session",
+    "scan",
     "plugin",
     "cli",
 ]  # how the docstring lists them

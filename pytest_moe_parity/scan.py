@@ -1,0 +1,341 @@
+"""`moe-parity scan`: find the prompt that shows a port's problem before recording a golden for it.
+
+Each prompt is continued greedily by the reference (float32), then the reference, the reference in
+the candidate's dtype (its own rounding: the noise floor) and the candidate each run once, teacher-
+forced, on the prompt and that continuation, in padded batches. Every position predicts the next
+token; per prompt the scan reports the first position whose next token really differs (a flip beyond
+the golden's rounding, not a near-tie), the top-1 agreement, the worst position's KL divergence, and
+the candidate's logits error against the reference's own error in that dtype (the noise ratio). A
+prompt is beyond tolerance when a next token really flips or the noise ratio exceeds the noise
+factor; the prompts are ranked worst first, and the worst can be recorded as goldens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .dtypes import dtype_name, json_safe
+from .errors import BadInput
+from .judge.logits import compare_logits
+from .judge.tolerances import default_tolerance
+from .model.calls import cache_kwarg
+from .points import LOGITS
+from .record.prompts import Prompt, make_batch, read_prompts
+from .record.run import has_tokenizer, load_config, load_model
+
+# A floor for the reference's own logits error: a reference whose low-precision run is exact (a
+# candidate in float32) would make any difference an infinite ratio.
+NOISE_FLOOR = 1e-7
+
+
+@dataclass
+class ScanPrompt:
+    """One prompt of a scan: its name, kind (where it came from) and token ids."""
+
+    name: str
+    kind: str
+    ids: list[int]
+    preview: str
+
+
+@dataclass
+class PromptResult:
+    """One prompt's figures (see the module docstring)."""
+
+    name: str
+    kind: str
+    preview: str
+    prompt_tokens: int
+    tokens: list[int]  # the prompt and the reference's greedy continuation, as fed teacher-forced
+    positions: int  # positions judged (each predicts the next token)
+    first_difference: int | None  # the first position whose next token really differs (None: none)
+    top1_agreement: float
+    real_flips: int
+    ties: int  # positions whose next token differs within rounding (a near-tie, or as the reference's own run)
+    kl_max: float
+    kl_worst_position: int | None
+    rel_l2: float  # the candidate's logits against the reference's, over the judged positions
+    noise_rel_l2: float  # the reference's own in the candidate's dtype
+    noise_ratio: float
+    beyond: bool = False
+    why: list[str] = field(default_factory=list)
+    golden: str | None = None  # --record-worst: the golden recorded for it
+
+    def to_json(self) -> dict[str, Any]:
+        return json_safe(asdict(self))
+
+
+def builtin_prompts(tokenize: Callable[[str], list[int]] | None, vocab: int, context: int | None) -> list[ScanPrompt]:
+    """A small set that exercises the usual breaking points: lengths around powers of two, repeated
+    tokens, a long-range copy, and (with a tokenizer) numbers, code and several languages. Token-id
+    prompts are drawn from a fixed seed, clear of the low ids where vocabularies keep special tokens."""
+    gen = torch.Generator().manual_seed(0)
+    low = min(4, max(vocab - 1, 0))
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(low, max(vocab, low + 1), (n,), generator=gen).tolist()
+
+    limit = (context or 4096) - 8
+    prompts = [
+        ScanPrompt(f"length_{n}", "length around 2^k", draw(n), f"{n} random ids")
+        for n in (15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129)
+    ]
+    one, two = draw(1)[0], draw(2)
+    prompts.append(ScanPrompt("repeat_one", "repeated tokens", [one] * 32, f"id {one} x32"))
+    prompts.append(ScanPrompt("repeat_pair", "repeated tokens", two * 16, f"ids {two[0]}, {two[1]} x16"))
+    seq = draw(24)
+    prompts.append(ScanPrompt("copy_24", "long-range copy", seq + draw(8) + seq, "24 ids, 8 others, the 24 again"))
+    if tokenize is not None:
+        texts = {
+            "numbers": ("numbers", "3.14159 2.71828 1.41421 1234567890 = 1,234,567,890; 7 x 8 = 56, 2^16 = 65536"),
+            "code": ("code", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib(20))"),
+            "english": ("languages", "The quick brown fox jumps over the lazy dog while the cat sleeps."),
+            "chinese": ("languages", "混合专家模型在推理时只激活一部分专家，因此移植时路由最容易出错。"),
+            "french": ("languages", "Le modèle de mélange d'experts choisit deux experts pour chaque jeton."),
+            "russian": ("languages", "Модель смеси экспертов выбирает двух экспертов для каждого токена."),
+        }
+        for name, (kind, text) in texts.items():
+            ids = tokenize(text)
+            if ids:
+                prompts.append(ScanPrompt(name, kind, ids, Prompt(text=text).preview()))
+    return [p for p in prompts if len(p.ids) <= limit]  # what fits the model's context with new tokens
+
+
+def file_prompts(path: Path, tokenize: Callable[[str], list[int]] | None) -> list[ScanPrompt]:
+    """The prompts of a `--prompts` file (text lines need the model's tokenizer)."""
+    out = []
+    for n, prompt in enumerate(read_prompts(path)):
+        if prompt.ids is not None:
+            ids = list(prompt.ids)
+        elif tokenize is None:
+            raise BadInput(f"--prompts: prompt {n} is text and the model has no tokenizer; give its token ids")
+        else:
+            ids = tokenize(prompt.text or "")
+        if not ids:
+            raise BadInput(f"--prompts: prompt {n} ({prompt.preview()!r}) tokenizes to nothing; give a longer one")
+        out.append(ScanPrompt(f"prompt_{n}", "file", ids, prompt.preview()))
+    return out
+
+
+def _logits(model: Any, rows: list[list[int]], device: str, batch_size: int) -> list[torch.Tensor]:
+    """Each row's logits [T_row, V] in float32, teacher-forced, `batch_size` rows per forward (padded
+    on the right, with the attention mask and positions over the real tokens)."""
+    out: list[torch.Tensor] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0)
+        with torch.no_grad():
+            logits = model(**batch.tensors(device), use_cache=False).logits
+        if logits is None:
+            raise BadInput("the candidate gives no logits (its forward returns none): scan needs a causal LM")
+        out += [logits[i, : len(r)].float().cpu() for i, r in enumerate(chunk)]
+    return out
+
+
+def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: str, batch_size: int) -> list[list[int]]:
+    """Each prompt followed by the reference's greedy continuation of `new_tokens - 1` tokens (the
+    last new token is predicted, never fed), from batched forwards with a KV cache (left padding)."""
+    if new_tokens <= 1:
+        return [list(p.ids) for p in prompts]
+    from transformers import DynamicCache
+
+    sequences: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [list(p.ids) for p in prompts[start : start + batch_size]]
+        batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0, padding_side="left")
+        inputs = batch.tensors(device)
+        mask, positions = inputs["attention_mask"], inputs["position_ids"]
+        cache = DynamicCache(config=model.config)
+        ids = inputs["input_ids"]
+        with torch.no_grad():
+            for _ in range(new_tokens - 1):
+                step = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
+                logits = model(**step, **{cache_kwarg(model): cache}).logits
+                token = logits[:, -1].float().argmax(-1, keepdim=True)
+                for row, t in zip(chunk, token.flatten().tolist(), strict=True):
+                    row.append(t)
+                ids = token
+                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+                positions = positions[:, -1:] + 1
+        sequences += chunk
+    return sequences
+
+
+def _judge(
+    prompt: ScanPrompt, tokens: list[int], ref: torch.Tensor, low: torch.Tensor, cand: torch.Tensor, dtype, tol
+) -> PromptResult:
+    if cand.shape != ref.shape:
+        raise BadInput(
+            f"the candidate's logits for {prompt.name} are {tuple(cand.shape)}, the reference's {tuple(ref.shape)}: "
+            "not the same vocabulary"
+        )
+    lm = compare_logits(ref, cand, dtype, tie_factor=tol.tie_factor)
+    # a flip the reference's own run in that dtype makes too is its rounding, not a finding
+    rounding = set(torch.nonzero(low.argmax(-1) != ref.argmax(-1)).flatten().tolist())
+    flips = [t for t in lm.top1.flipped_tokens if t not in rounding]
+    ties = len(lm.top1.ties) + len(lm.top1.flipped_tokens) - len(flips)
+    norm = float(ref.double().norm()) or 1.0
+    rel = float((cand.double() - ref.double()).norm()) / norm
+    noise = float((low.double() - ref.double()).norm()) / norm
+    ratio = rel / max(noise, NOISE_FLOOR)
+    worst = lm.kl_worst[0][0] if lm.kl_worst else None
+    result = PromptResult(
+        name=prompt.name, kind=prompt.kind, preview=prompt.preview, prompt_tokens=len(prompt.ids), tokens=tokens,
+        positions=ref.shape[0], first_difference=min(flips) if flips else None, top1_agreement=lm.top1_agreement,
+        real_flips=len(flips), ties=ties, kl_max=lm.kl_max, kl_worst_position=worst, rel_l2=rel,
+        noise_rel_l2=noise, noise_ratio=ratio,
+    )  # fmt: skip
+    if flips:
+        result.why.append(f"the next token really differs at {len(flips)} position(s), first at {min(flips)}")
+    if ratio > tol.noise_factor:
+        own = f"the reference's own in {dtype_name(dtype)}"
+        result.why.append(f"logits error {ratio:.3g}x {own} (> {tol.noise_factor})")
+    result.beyond = bool(result.why)
+    return result
+
+
+def rank(results: list[PromptResult]) -> list[PromptResult]:
+    """Worst first: beyond tolerance before within, then by noise ratio, then by the worst KL."""
+    return sorted(results, key=lambda r: (not r.beyond, -_finite(r.noise_ratio), -_finite(r.kl_max)))
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 1e300
+
+
+@dataclass
+class ScanRequest:
+    """A scan, as `moe-parity scan` is asked for it; `run()` checks it first (BadInput)."""
+
+    model_dir: Path
+    candidate_dir: Path
+    prompts: Path | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    new_tokens: int = 8
+    batch_size: int = 8
+    trust_remote_code: bool = False
+
+    def run(self, say: Callable[[str], None] = lambda msg: None) -> list[PromptResult]:
+        from .dtypes import parse_dtype
+
+        try:
+            dtype = parse_dtype(self.dtype)
+        except ValueError:
+            raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
+        if self.new_tokens < 1 or self.batch_size < 1:
+            raise BadInput("--new-tokens and --batch-size must be at least 1")
+        config = load_config(self.model_dir, trust_remote_code=self.trust_remote_code)
+        load_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
+        tokenize = None
+        if has_tokenizer(self.model_dir):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
+            tokenize = lambda text: list(tok(text)["input_ids"])  # noqa: E731
+        vocab = int(getattr(config, "vocab_size", 0) or 0)
+        context = getattr(config, "max_position_embeddings", None)
+        prompts = file_prompts(self.prompts, tokenize) if self.prompts else builtin_prompts(tokenize, vocab, context)
+        for p in prompts:
+            bad = [i for i in p.ids if not 0 <= i < vocab]
+            if bad:
+                raise BadInput(f"{p.name} has token ids {bad[:5]} outside the vocabulary of {vocab} tokens")
+            if isinstance(context, int) and len(p.ids) + self.new_tokens > context:
+                raise BadInput(
+                    f"{p.name}: {len(p.ids)} tokens and {self.new_tokens} new ones reach past the model's context of "
+                    f"{context} (max_position_embeddings): shorten it or ask for fewer --new-tokens"
+                )
+        source = f"{self.prompts}" if self.prompts else "the built-in set"
+        say(f"scan: {len(prompts)} prompts from {source}, {self.new_tokens} new tokens each, candidate "
+            f"{self.candidate_dir} in {dtype_name(dtype)} against {self.model_dir} (float32)")  # fmt: skip
+        load = dict(device=self.device, device_map=None, max_memory=None, trust_remote_code=self.trust_remote_code)
+        started = time.perf_counter()
+        reference = load_model(self.model_dir, dtype=torch.float32, **load)
+        sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size)
+        fed = sequences
+        ref_logits = _logits(reference, fed, self.device, self.batch_size)
+        del reference
+        low = load_model(self.model_dir, dtype=dtype, **load)
+        low_logits = _logits(low, fed, self.device, self.batch_size)
+        del low
+        candidate = load_model(self.candidate_dir, dtype=dtype, **load)
+        cand_logits = _logits(candidate, fed, self.device, self.batch_size)
+        del candidate
+        tol = default_tolerance(dtype, LOGITS)
+        results = []
+        for i, (p, seq) in enumerate(zip(prompts, fed, strict=True)):
+            r = _judge(p, seq, ref_logits[i], low_logits[i], cand_logits[i], dtype, tol)
+            results.append(r)
+            flag = "BEYOND" if r.beyond else "ok"
+            first = r.first_difference if r.first_difference is not None else "-"
+            say(f"  [{i + 1}/{len(prompts)}] {p.name:<14} {flag:<6} first difference {first}, top-1 "
+                f"{r.top1_agreement:.1%}, worst KL {r.kl_max:.3g}, noise ratio {r.noise_ratio:.3g}")  # fmt: skip
+        say(f"scan: {time.perf_counter() - started:.1f} s")
+        return rank(results)
+
+
+def table(results: list[PromptResult]) -> list[str]:
+    """The ranked table, worst first."""
+    lines = [f"{'rank':>4}  {'prompt':<14} {'verdict':<7} {'first diff':>10} {'top-1':>7} {'worst KL':>10} "
+             f"{'noise ratio':>11}  prompt text"]  # fmt: skip
+    for n, r in enumerate(results, 1):
+        first = str(r.first_difference) if r.first_difference is not None else "-"
+        lines.append(
+            f"{n:>4}  {r.name:<14} {'BEYOND' if r.beyond else 'ok':<7} {first:>10} {r.top1_agreement:>7.1%} "
+            f"{r.kl_max:>10.3g} {r.noise_ratio:>11.3g}  {r.preview}"
+        )
+    return lines
+
+
+def write_json(path: Path, results: list[PromptResult], meta: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**meta, "prompts": [r.to_json() for r in results]}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def plot(path: Path, results: list[PromptResult], limit: float | None = None) -> None:
+    """A ranked bar chart of the noise ratios (beyond tolerance in red; `limit`: the noise factor)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(results) + 2), 4))
+    values = [_finite(r.noise_ratio) for r in results]
+    ax.bar(range(len(results)), values, color=["#c0392b" if r.beyond else "#7f8c8d" for r in results])
+    ax.set_yscale("log")
+    if limit is not None:
+        ax.axhline(limit, color="#c0392b", linestyle="--", linewidth=1, label=f"noise factor {limit:g}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xticks(range(len(results)), [r.name for r in results], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("logits error / the reference's own")
+    ax.set_title("moe-parity scan: prompts ranked worst first (red: beyond tolerance)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def record_worst(model_dir: Path, out: Path, results: list[PromptResult], k: int, say) -> list[Path]:
+    """Goldens of the `k` worst prompts, one directory each (`out/01_<name>`): the prompt and the
+    reference's continuation up to the first position whose next token differs (so the golden's last
+    position is where it breaks), or the whole sequence."""
+    from .record.run import GoldenRequest
+
+    written = []
+    for n, r in enumerate(results[:k], 1):
+        end = r.first_difference + 1 if r.first_difference is not None else len(r.tokens)
+        target = out / f"{n:02d}_{r.name}"
+        GoldenRequest(model_dir, target, input_ids=r.tokens[:end]).record()
+        r.golden = str(target)
+        say(f"  golden for {r.name} ({end} tokens) -> {target}")
+        written.append(target)
+    return written

@@ -1,0 +1,111 @@
+"""`moe-parity scan`: prompts ranked by how far a candidate's next tokens leave the reference's, and
+goldens recorded for the worst."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import faults
+import pytest
+from helpers import cli, read_json
+
+from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.scan import builtin_prompts
+
+# four prompts of repeated tokens (ids 200-209) and eight of other ids (below 200, none repeated)
+REPEATS = [[200] * 12, [201, 202] * 6, [203] * 10, [204, 205, 206] * 4]
+OTHERS = [[(13 * i + 7 * j) % 190 + 5 for j in range(8 + i)] for i in range(8)]
+
+
+def _broken_on_repeats(src: Path, dst: Path) -> Path:
+    """A conversion that scaled the embedding rows of ids 200-209: only prompts using them break."""
+
+    def edit(t):
+        t["model.embed_tokens.weight"][200:210] *= 4.0
+
+    return faults.edit_checkpoint(src, dst, edit)
+
+
+def _prompts(path: Path) -> Path:
+    rows = [*OTHERS[:4], *REPEATS[:2], *OTHERS[4:], *REPEATS[2:]]  # the repeats in the middle and at the end
+    path.write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
+    return path
+
+
+def test_a_candidate_broken_on_repeated_tokens_ranks_those_prompts_first_and_records_them(
+    tmp_path: Path, tiny_model, capsys
+) -> None:
+    model = tiny_model("qwen3_moe")
+    candidate = _broken_on_repeats(model, tmp_path / "candidate")
+    out, report = tmp_path / "worst", tmp_path / "scan.json"
+    code, stdout, err = cli(capsys, "scan", "--model", model, "--candidate", candidate, "--prompts",
+                          _prompts(tmp_path / "p.jsonl"), "--new-tokens", "3", "--batch-size", "5", "--json", report,
+                          "--record-worst", "4", "--out", out)  # fmt: skip
+    assert code == 1, stdout + err
+    results = read_json(report)["prompts"]
+    assert len(results) == 12
+    repeated = {"prompt_4", "prompt_5", "prompt_10", "prompt_11"}
+    assert {r["name"] for r in results[:4]} == repeated and all(r["beyond"] for r in results[:4])
+    assert not any(r["beyond"] for r in results[4:])
+    assert all(r["noise_ratio"] > 10 for r in results[:4]) and all(r["noise_ratio"] < 1.5 for r in results[4:])
+    assert "scan: 4 of 12 prompts beyond tolerance; worst: prompt_" in stdout
+    goldens = sorted(out.iterdir())
+    assert [g.name.split("_", 1)[1] for g in goldens] == [r["name"] for r in results[:4]]
+    for golden, r in zip(goldens, results[:4], strict=True):
+        ids = GoldenStore(golden).manifest["inputs"]["input_ids"][0]
+        end = r["first_difference"] + 1 if r["first_difference"] is not None else len(r["tokens"])
+        assert ids == r["tokens"][:end] and r["golden"] == str(golden)
+        assert ids[: r["prompt_tokens"]] in [p[: len(ids)] for p in REPEATS]
+
+
+def test_a_clean_candidate_scans_clean_on_the_built_in_set(tmp_path: Path, tiny_model, capsys) -> None:
+    """The candidate is the reference's own checkpoint in bfloat16: every flip is the reference's own
+    rounding, and the noise ratio is 1."""
+    model = tiny_model("qwen3_moe")
+    code, stdout, _ = cli(capsys, "scan", "--model", model, "--candidate", model, "--new-tokens", "4",
+                          "--json", tmp_path / "s.json", "--plot", tmp_path / "s.png")  # fmt: skip
+    assert code == 0, stdout
+    results = read_json(tmp_path / "s.json")["prompts"]
+    kinds = {r["kind"] for r in results}
+    assert {"length around 2^k", "repeated tokens", "long-range copy"} <= kinds
+    assert all(not r["beyond"] and r["real_flips"] == 0 and r["noise_ratio"] == 1 for r in results)
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    assert stdout.strip().splitlines()[-1] == f"scan: 0 of {len(results)} prompts beyond tolerance"
+
+
+def test_the_built_in_set_covers_the_usual_breaking_points() -> None:
+    words = lambda text: [ord(c) % 250 + 4 for c in text]  # noqa: E731  a stand-in tokenizer
+    prompts = builtin_prompts(words, vocab=256, context=512)
+    kinds = {p.kind for p in prompts}
+    assert kinds == {"length around 2^k", "repeated tokens", "long-range copy", "numbers", "code", "languages"}
+    lengths = {len(p.ids) for p in prompts if p.kind == "length around 2^k"}
+    assert {15, 16, 17, 127, 128, 129} <= lengths
+    assert all(4 <= i < 256 for p in prompts for i in p.ids)
+    short = builtin_prompts(None, vocab=256, context=40)  # a short context keeps only what fits
+    assert max(len(p.ids) for p in short) <= 32 and "languages" not in {p.kind for p in short}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompts", "EMPTY"], "--prompts * holds no prompt*"),
+        (["--prompts", "OUTSIDE"], "prompt_0 has token ids [[]999] outside the vocabulary of 256 tokens"),
+        (["--record-worst", "2"], "--record-worst K and --out DIR go together*"),
+        (["--new-tokens", "600"], "length_15: 15 tokens and 600 new ones reach past the model's context of 512*"),
+        (["--candidate", "NOWHERE"], "model directory * does not exist"),
+    ],
+)
+def test_bad_scan_input_says_so_in_one_line(args: list[str], message: str, tmp_path: Path, tiny_model, capsys) -> None:
+    import fnmatch
+
+    (tmp_path / "empty.txt").write_text("\n")
+    (tmp_path / "outside.jsonl").write_text('{"ids": [5, 999]}\n')
+    swap = {"EMPTY": tmp_path / "empty.txt", "OUTSIDE": tmp_path / "outside.jsonl", "NOWHERE": tmp_path / "nowhere"}
+    argv = ["scan", "--model", tiny_model("qwen3_moe"), "--candidate", tiny_model("qwen3_moe")]
+    given = [swap.get(a, a) for a in args]
+    if "--candidate" in args:
+        argv = argv[:3]
+    code, _, err = cli(capsys, *argv, *given)
+    said = err.strip().splitlines()
+    assert code == 2 and len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
