@@ -239,7 +239,7 @@ def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time
     )  # fmt: skip
     assert code == 0, err
     lines = out.splitlines()
-    assert "then 1 decode step of 32 points each) ->" in lines[0]
+    assert "then 1 decode step (position 16) of 32 points each) ->" in lines[0]
     progress = [li for li in lines if li.startswith("  noise floor ")]
     assert [li.split()[2] for li in progress] == [f"layer_{i}" for i in range(4)] + [
         f"step_1.layer_{i}" for i in range(4)
@@ -258,6 +258,7 @@ def test_decode_steps_say_what_they_write_and_what_all_of_them_will(tmp_path: Pa
     assert code == 0, err
     first, second = (li for li in out.splitlines() if li.startswith("  step_"))
     assert re.fullmatch(
-        r"  step_1: token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far; all 2: at least [\d.]+ MB, \d+ s\]", first
+        r"  step_1 \(pos \d+\): token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far; all 2: at least [\d.]+ MB, \d+ s\]",
+        first,
     )
-    assert re.fullmatch(r"  step_2: token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far\]", second), second
+    assert re.fullmatch(r"  step_2 \(pos \d+\): token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far\]", second), second

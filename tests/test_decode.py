@@ -128,7 +128,7 @@ def test_k_for_a_step_the_golden_lacks_says_so(pytester: pytest.Pytester, golden
     result.stdout.fnmatch_lines(
         [
             "-k 'step_1' asks for step_1; this golden has no decode steps "
-            "(record them with `moe-parity golden ... --decode-steps N`)"
+            "(record them with `moe-parity golden ... --decode-steps N` or `--decode-at POSITIONS`)"
         ]
     )
 
@@ -155,7 +155,7 @@ def test_golden_cli_records_decode_steps(tmp_path: Path, tiny_model, capsys) -> 
     code, _, err = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "0")
     assert code == 2 and "argument --decode-steps: expected a number of at least 1, got 0" in err
     code, out, _ = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "2", "-q")
-    assert code == 0 and ", prefill and 2 decode steps, " in out
+    assert code == 0 and ", prefill and 2 decode steps (positions 16-17), " in out  # the default 16 tokens
     code, out, _ = cli(capsys, "show", tmp_path / "g", "--inputs")
     assert code == 0
     shown = r"kwargs\.(cache|past_key_values) +KV cache of layer 0: keys and values \(1, 2, 16, 16\)"

@@ -87,8 +87,9 @@ def decode_cache(model: Any) -> Any:
     other = sorted({type(layer).__name__ for layer in cache.layers if not isinstance(layer, DynamicLayer)})
     if other:
         raise BadInput(
-            f"decode steps: this model's cache has {', '.join(other)} layers (a recurrent state, not keys and "
-            "values); decode steps are recorded for attention KV caches only: record without --decode-steps/--decode-at"
+            f"--decode-steps: this model's cache has {', '.join(other)} layers (a recurrent state, not keys "
+            "and values); decode steps are recorded for attention KV caches only: record without --decode-steps "
+            "(and --decode-at)"
         )
     return cache
 
