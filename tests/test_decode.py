@@ -333,3 +333,28 @@ def test_decode_at_bad_input_says_so_in_one_line(
     assert code == 2 and not out.exists()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and fnmatch.fnmatch(lines[0], f"moe-parity: error: {message}"), err
+
+
+def test_the_drill_names_the_op_that_breaks_past_position_512(
+    past_512: Path, pytester: pytest.Pytester, tmp_path: Path, capsys
+) -> None:
+    """Below the failing step's attention, with the reference's ops stored first (`drill-ops`: the
+    code fault patches transformers, so the reference cannot be captured beside it): the first op
+    that leaves the reference's is the new token's rotation, at step 2 only."""
+    import shutil
+
+    golden = tmp_path / "golden"
+    shutil.copytree(past_512, golden)  # drill-ops writes beside the golden's points
+    model = Path(GoldenStore(past_512).manifest["model"]["path"])
+    code, _, err = cli(capsys, "drill-ops", golden, "--points", "step_*.layer_0.attention", "--dtype", "bfloat16",
+                       "--model", model)  # fmt: skip
+    assert code == 0, err
+    with faults.code_fault("decode_rope_table_ends_at_512"):
+        result = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "layer_0.attention and step_",
+                            "--parity-drill", "step_*.layer_0.attention", model=model)  # fmt: skip
+    result.stdout.fnmatch_lines(
+        [
+            "drill step_1.layer_0.attention: * 0 failed; no culprit",
+            "drill step_2.layer_0.attention: * failed; culprit apply_rotary_pos_emb.mul, *",
+        ]
+    )

@@ -120,10 +120,11 @@ def _verdict_lines(r: PointResult) -> list[str]:
             f"candidate {tuple(m.shape_candidate)} {m.dtype_candidate}"
         )
     lines.append("")
-    lines.append(f"  {'tensor':<9}{'metric':<16}{'value':>14}{'limit':>14}  verdict")
+    w = max([9, *(len(t) + 1 for t in r.metrics), *(len(c.target) + 1 for c in r.checks)])  # the tensor column
+    lines.append(f"  {'tensor':<{w}}{'metric':<16}{'value':>14}{'limit':>14}  verdict")
     for c in r.checks:
         limit = "-" if c.limit is None else f"{c.op} {fmt(c.limit)}"
-        lines.append(f"  {c.target:<9}{c.name:<16}{fmt(c.value):>14}{limit:>14}  {'ok' if c.passed else 'FAIL'}")
+        lines.append(f"  {c.target:<{w}}{c.name:<16}{fmt(c.value):>14}{limit:>14}  {'ok' if c.passed else 'FAIL'}")
     checked = {(c.target, c.name) for c in r.checks}
     for target, m in r.metrics.items():
         judged = "".join(
@@ -131,20 +132,20 @@ def _verdict_lines(r: PointResult) -> list[str]:
         )
         lines.extend(
             _wrapped(
-                f"  {target:<9}",
+                f"  {target:<{w}}",
                 f"{judged}snr {fmt(m.snr_db)} dB, pearson {fmt(m.pearson, 6)}, "
                 f"max_abs {fmt(m.max_abs)}, mean_abs {fmt(m.mean_abs)}, max_rel {fmt(m.max_rel)}",
-                indent=11,
+                indent=w + 2,
             )
         )
         if m.shape_match:
             share = m.mismatched / m.numel * 100 if m.numel else 0.0
             lines.append(
-                f"  {'':<9}outside atol={fmt(m.atol)}/rtol={fmt(m.rtol)}: {m.mismatched} / {m.numel} ({share:.2f}%)"
+                f"  {'':<{w}}outside atol={fmt(m.atol)}/rtol={fmt(m.rtol)}: {m.mismatched} / {m.numel} ({share:.2f}%)"
             )
         if m.nan_candidate or m.inf_candidate or m.nan_golden or m.inf_golden:
             lines.append(
-                f"  {'':<9}NaN/Inf: candidate {m.nan_candidate}/{m.inf_candidate}, "
+                f"  {'':<{w}}NaN/Inf: candidate {m.nan_candidate}/{m.inf_candidate}, "
                 f"golden {m.nan_golden}/{m.inf_golden}, first non-finite at {m.first_nonfinite}"
             )
     if r.noise:
