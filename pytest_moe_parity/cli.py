@@ -157,7 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
         "reference's (exit 1 if any is beyond tolerance)",
     )
     scan.add_argument("--model", required=True, type=Path, help="reference checkpoint directory")
-    scan.add_argument("--candidate", required=True, type=Path, help="the candidate checkpoint (a converted port)")
+    which = scan.add_mutually_exclusive_group(required=True)
+    which.add_argument("--candidate", type=Path, help="the candidate checkpoint (a converted port), run here")
+    which.add_argument(
+        "--write-inputs",
+        type=Path,
+        metavar="DIR",
+        help="write the teacher-forced sequences to DIR/inputs.jsonl for a port to run elsewhere (then --logits DIR)",
+    )
+    which.add_argument(
+        "--logits",
+        type=Path,
+        metavar="DIR",
+        help="the candidate is the logits a port wrote in DIR per prompt (<name>.safetensors or .pt, [tokens, vocab]) "
+        "for the sequences of DIR/inputs.jsonl",
+    )
     scan.add_argument(
         "--prompts",
         type=Path,
@@ -649,8 +663,14 @@ def cmd_scan(args: argparse.Namespace) -> int:
     request = ScanRequest(
         args.model, args.candidate, prompts=args.prompts, dtype=args.dtype, device=args.device,
         new_tokens=args.new_tokens, batch_size=args.batch_size, trust_remote_code=args.trust_remote_code,
+        logits_dir=args.logits,
     )  # fmt: skip
+    if args.logits is not None and args.prompts is not None:
+        return _fail("--logits reads the prompts of DIR/inputs.jsonl (written by --write-inputs); drop --prompts")
     try:
+        if args.write_inputs is not None:
+            request.write_inputs(args.write_inputs, lambda msg: print(msg, flush=True))
+            return EXIT_OK
         results = request.run(say)
         if args.record_worst:
             record_worst(args.model, args.out, results, args.record_worst, say)
@@ -659,7 +679,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
     for line in table(results):
         print(line)
     if args.json is not None:
-        meta = {"model": str(args.model), "candidate": str(args.candidate), "dtype": args.dtype,
+        meta = {"model": str(args.model), "candidate": str(args.candidate or args.logits), "dtype": args.dtype,
                 "new_tokens": args.new_tokens, "prompts_file": str(args.prompts) if args.prompts else None}  # fmt: skip
         write_json(args.json, results, meta)
     if args.plot is not None:

@@ -211,20 +211,26 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else 1e300
 
 
+INPUTS_FILE = "inputs.jsonl"
+
+
 @dataclass
 class ScanRequest:
-    """A scan, as `moe-parity scan` is asked for it; `run()` checks it first (BadInput)."""
+    """A scan, as `moe-parity scan` is asked for it; `run()` checks it first (BadInput). The candidate
+    is a checkpoint (`candidate_dir`, run with transformers here) or the logits a port wrote per prompt
+    (`logits_dir`, for the sequences `write_inputs` wrote there)."""
 
     model_dir: Path
-    candidate_dir: Path
+    candidate_dir: Path | None = None
     prompts: Path | None = None
     dtype: str = "bfloat16"
     device: str = "cpu"
     new_tokens: int = 8
     batch_size: int = 8
     trust_remote_code: bool = False
+    logits_dir: Path | None = None
 
-    def run(self, say: Callable[[str], None] = lambda msg: None) -> list[PromptResult]:
+    def _check(self) -> tuple[torch.dtype, Any]:
         from .dtypes import parse_dtype
 
         try:
@@ -234,7 +240,11 @@ class ScanRequest:
         if self.new_tokens < 1 or self.batch_size < 1:
             raise BadInput("--new-tokens and --batch-size must be at least 1")
         config = load_config(self.model_dir, trust_remote_code=self.trust_remote_code)
-        load_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
+        if self.candidate_dir is not None:
+            load_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
+        return dtype, config
+
+    def _prompts(self, config: Any) -> list[ScanPrompt]:
         tokenize = None
         if has_tokenizer(self.model_dir):
             from transformers import AutoTokenizer
@@ -253,25 +263,103 @@ class ScanRequest:
                     f"{p.name}: {len(p.ids)} tokens and {self.new_tokens} new ones reach past the model's context of "
                     f"{context} (max_position_embeddings): shorten it or ask for fewer --new-tokens"
                 )
-        source = f"{self.prompts}" if self.prompts else "the built-in set"
-        say(f"scan: {len(prompts)} prompts from {source}, {self.new_tokens} new tokens each, candidate "
-            f"{self.candidate_dir} in {dtype_name(dtype)} against {self.model_dir} (float32)")  # fmt: skip
+        return prompts
+
+    def _load(self, path: Path, dtype: torch.dtype) -> Any:
         load = dict(device=self.device, device_map=None, max_memory=None, trust_remote_code=self.trust_remote_code)
+        return load_model(path, dtype=dtype, **load)
+
+    def write_inputs(self, out: Path, say: Callable[[str], None] = lambda msg: None) -> Path:
+        """The teacher-forced sequences (each prompt and the reference's continuation), one JSON line
+        per prompt in `out/inputs.jsonl`, for a port to run and write its logits beside them."""
+        _, config = self._check()
+        prompts = self._prompts(config)
+        sequences = _continue(self._load(self.model_dir, torch.float32), prompts, self.new_tokens, self.device,
+                              self.batch_size)  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        lines = [
+            json.dumps({"name": p.name, "kind": p.kind, "preview": p.preview, "prompt_tokens": len(p.ids), "ids": seq})
+            for p, seq in zip(prompts, sequences, strict=True)
+        ]
+        path = out / INPUTS_FILE
+        path.write_text("\n".join(lines) + "\n")
+        say(f"scan: {len(prompts)} sequences -> {path}; run the port on each line's ids (one forward, no cache) and "
+            f"save its logits [tokens, vocabulary] as {out}/<name>.safetensors (key 'logits') or <name>.pt, then "
+            f"`moe-parity scan --model {self.model_dir} --logits {out}`")  # fmt: skip
+        return path
+
+    def _written(self) -> tuple[list[ScanPrompt], list[list[int]]]:
+        """The prompts and sequences `write_inputs` wrote in `logits_dir`."""
+        path = Path(self.logits_dir) / INPUTS_FILE
+        if not path.is_file():
+            raise BadInput(
+                f"--logits {self.logits_dir} has no {INPUTS_FILE}: write the sequences first with "
+                f"`moe-parity scan --model {self.model_dir} --write-inputs {self.logits_dir}`"
+            )
+        prompts, sequences = [], []
+        for line in filter(str.strip, path.read_text().splitlines()):
+            entry = json.loads(line)
+            ids = [int(i) for i in entry["ids"]]
+            prompts.append(ScanPrompt(entry["name"], entry.get("kind", "file"), ids[: entry["prompt_tokens"]],
+                                      entry.get("preview", entry["name"])))  # fmt: skip
+            sequences.append(ids)
+        return prompts, sequences
+
+    def _port_logits(self, prompts: list[ScanPrompt], sequences: list[list[int]]) -> list[torch.Tensor]:
+        """The logits the port wrote per prompt, [T, V] (a leading batch of one, and positions past the
+        sequence, e.g. a bucket's padding, are dropped)."""
+        from .dump.reader import DumpError, load_pt
+
+        out = []
+        for p, seq in zip(prompts, sequences, strict=True):
+            base = Path(self.logits_dir) / p.name
+            found = [f for f in (base.with_suffix(".safetensors"), base.with_suffix(".pt")) if f.is_file()]
+            if not found:
+                raise BadInput(f"--logits {self.logits_dir}: no logits for {p.name} ({p.name}.safetensors or .pt)")
+            if found[0].suffix == ".pt":
+                try:
+                    value = load_pt(found[0])
+                except DumpError as exc:
+                    raise BadInput(str(exc)) from None
+            else:
+                from safetensors.torch import load_file
+
+                tensors = load_file(str(found[0]))
+                value = tensors.get("logits", next(iter(tensors.values()), None))
+            logits = value if isinstance(value, torch.Tensor) else next(iter(value), None) if value else None
+            if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3) or logits.shape[-2] < len(seq):
+                shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(value).__name__
+                raise BadInput(
+                    f"--logits {found[0]} holds {shape}, not logits [tokens, vocabulary] for {p.name}'s {len(seq)} "
+                    "tokens; save the port's logits of one forward over the line's ids"
+                )
+            out.append(logits.reshape(-1, logits.shape[-2], logits.shape[-1])[0, : len(seq)].float())
+        return out
+
+    def run(self, say: Callable[[str], None] = lambda msg: None) -> list[PromptResult]:
+        dtype, config = self._check()
         started = time.perf_counter()
-        reference = load_model(self.model_dir, dtype=torch.float32, **load)
-        sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size)
-        fed = sequences
-        ref_logits = _logits(reference, fed, self.device, self.batch_size)
+        if self.logits_dir is not None:
+            prompts, sequences = self._written()
+            cand_logits = self._port_logits(prompts, sequences)
+            what = f"the logits in {self.logits_dir}"
+        else:
+            prompts = self._prompts(config)
+            what = f"candidate {self.candidate_dir}"
+        source = f"{self.prompts}" if self.prompts else self.logits_dir or "the built-in set"
+        say(f"scan: {len(prompts)} prompts from {source}, {self.new_tokens} new tokens each, {what} in "
+            f"{dtype_name(dtype)} against {self.model_dir} (float32)")  # fmt: skip
+        reference = self._load(self.model_dir, torch.float32)
+        if self.logits_dir is None:
+            sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size)
+        ref_logits = _logits(reference, sequences, self.device, self.batch_size)
         del reference
-        low = load_model(self.model_dir, dtype=dtype, **load)
-        low_logits = _logits(low, fed, self.device, self.batch_size)
-        del low
-        candidate = load_model(self.candidate_dir, dtype=dtype, **load)
-        cand_logits = _logits(candidate, fed, self.device, self.batch_size)
-        del candidate
+        low_logits = _logits(self._load(self.model_dir, dtype), sequences, self.device, self.batch_size)
+        if self.logits_dir is None:
+            cand_logits = _logits(self._load(self.candidate_dir, dtype), sequences, self.device, self.batch_size)
         tol = default_tolerance(dtype, LOGITS)
         results = []
-        for i, (p, seq) in enumerate(zip(prompts, fed, strict=True)):
+        for i, (p, seq) in enumerate(zip(prompts, sequences, strict=True)):
             r = _judge(p, seq, ref_logits[i], low_logits[i], cand_logits[i], dtype, tol)
             results.append(r)
             flag = "BEYOND" if r.beyond else "ok"

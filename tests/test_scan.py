@@ -109,3 +109,82 @@ def test_bad_scan_input_says_so_in_one_line(args: list[str], message: str, tmp_p
     code, _, err = cli(capsys, *argv, *given)
     said = err.strip().splitlines()
     assert code == 2 and len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
+
+
+def _port_writes_logits(model_dir: Path, folder: Path, *, skip: str | None = None, shape_off: bool = False) -> None:
+    """A port run elsewhere: the candidate checkpoint in bfloat16 over each line of inputs.jsonl, its
+    logits saved per prompt (one as .pt, the rest as safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pytest_moe_parity.record.run import load_model
+
+    model = load_model(model_dir, dtype=torch.bfloat16, device="cpu", device_map=None, max_memory=None)
+    for n, line in enumerate((folder / "inputs.jsonl").read_text().splitlines()):
+        entry = json.loads(line)
+        if entry["name"] == skip:
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([entry["ids"]])).logits.float()
+        if shape_off:
+            logits = logits[:, :-1]
+        if n == 0:
+            torch.save(logits, folder / f"{entry['name']}.pt")  # [1, T, V]
+        else:
+            save_file({"logits": logits[0].contiguous()}, str(folder / f"{entry['name']}.safetensors"))
+
+
+def test_logits_a_port_wrote_per_prompt_are_scanned(tmp_path: Path, tiny_model, capsys) -> None:
+    """`--write-inputs DIR` writes the sequences; the port writes its logits beside them; `--logits DIR`
+    judges them as a checkpoint candidate is judged."""
+    model = tiny_model("qwen3_moe")
+    candidate = _broken_on_repeats(model, tmp_path / "candidate")
+    port = tmp_path / "port"
+    code, out, err = cli(capsys, "scan", "--model", model, "--prompts", _prompts(tmp_path / "p.jsonl"),
+                         "--new-tokens", "3", "--write-inputs", port)  # fmt: skip
+    assert code == 0 and "12 sequences -> " in out, err
+    lines = [json.loads(li) for li in (port / "inputs.jsonl").read_text().splitlines()]
+    assert [len(e["ids"]) - e["prompt_tokens"] for e in lines] == [2] * 12  # new tokens - 1 are fed
+    _port_writes_logits(candidate, port)
+    code, out, err = cli(capsys, "scan", "--model", model, "--logits", port, "--json", tmp_path / "s.json")
+    assert code == 1, out + err
+    results = read_json(tmp_path / "s.json")["prompts"]
+    assert {r["name"] for r in results[:4]} == {"prompt_4", "prompt_5", "prompt_10", "prompt_11"}
+    assert [r["beyond"] for r in results] == [True] * 4 + [False] * 8
+    assert [r["tokens"] for r in sorted(results, key=lambda r: r["name"])] == [
+        e["ids"] for e in sorted(lines, key=lambda e: e["name"])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("port", "message"),
+    [
+        (
+            "none",
+            "--logits * has no inputs.jsonl: write the sequences first with `moe-parity scan --model * "
+            "--write-inputs *`",
+        ),
+        ("missing", "--logits *: no logits for prompt_3 (prompt_3.safetensors or .pt)"),
+        (
+            "short",
+            "--logits */prompt_0.pt holds (1, 9, 256), not logits [[]tokens, vocabulary] for prompt_0's 10 tokens*",
+        ),
+    ],
+)
+def test_logits_that_cannot_be_judged_say_so_in_one_line(
+    port: str, message: str, tmp_path: Path, tiny_model, capsys
+) -> None:
+    import fnmatch
+
+    model, folder = tiny_model("qwen3_moe"), tmp_path / "port"
+    folder.mkdir()
+    if port != "none":
+        rows = [list(range(5, 13)), list(range(20, 29)), list(range(30, 35)), list(range(40, 50))]
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps({"ids": r}) + "\n" for r in rows))
+        code, _, err = cli(capsys, "scan", "--model", model, "--prompts", tmp_path / "p.jsonl", "--new-tokens", "3",
+                           "--write-inputs", folder)  # fmt: skip
+        assert code == 0, err
+        _port_writes_logits(model, folder, skip="prompt_3" if port == "missing" else None, shape_off=port == "short")
+    code, _, err = cli(capsys, "scan", "--model", model, "--logits", folder)
+    said = err.strip().splitlines()
+    assert code == 2 and len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
