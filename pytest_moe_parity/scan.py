@@ -125,19 +125,25 @@ def file_prompts(path: Path, tokenize: Callable[[str], list[int]] | None) -> lis
     return out
 
 
+def _by_length(rows: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Batches of row indices, rows of similar length together (the least padding)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
 def _logits(model: Any, rows: list[list[int]], device: str, batch_size: int) -> list[torch.Tensor]:
-    """Each row's logits [T_row, V] in float32, teacher-forced, `batch_size` rows per forward (padded
-    on the right, with the attention mask and positions over the real tokens)."""
-    out: list[torch.Tensor] = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0)
+    """Each row's logits [T_row, V] in float32, teacher-forced, `batch_size` rows of similar length per
+    forward (padded on the right, with the attention mask and positions over the real tokens)."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for chunk in _by_length(rows, batch_size):
+        batch = make_batch([Prompt(ids=tuple(rows[i])) for i in chunk], None, vocab=1 << 62, pad_id=0)
         with torch.no_grad():
             logits = model(**batch.tensors(device), use_cache=False).logits
         if logits is None:
             raise BadInput("the candidate gives no logits (its forward returns none): scan needs a causal LM")
-        out += [logits[i, : len(r)].float().cpu() for i, r in enumerate(chunk)]
-    return out
+        for n, i in enumerate(chunk):
+            out[i] = logits[n, : len(rows[i])].float().cpu()
+    return out  # type: ignore[return-value]
 
 
 def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: str, batch_size: int) -> list[list[int]]:
@@ -147,9 +153,9 @@ def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: st
         return [list(p.ids) for p in prompts]
     from transformers import DynamicCache
 
-    sequences: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = [list(p.ids) for p in prompts[start : start + batch_size]]
+    sequences: list[list[int]] = [list(p.ids) for p in prompts]
+    for indices in _by_length(sequences, batch_size):
+        chunk = [sequences[i] for i in indices]  # continued in place
         batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0, padding_side="left")
         inputs = batch.tensors(device)
         mask, positions = inputs["attention_mask"], inputs["position_ids"]
@@ -165,7 +171,6 @@ def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: st
                 ids = token
                 mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
                 positions = positions[:, -1:] + 1
-        sequences += chunk
     return sequences
 
 
