@@ -416,7 +416,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     model = m["model"]
     print(f"{args.golden}: {model['model_type']} from {model['path']}")
     print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
-    print(f"  {m['inputs']['seq_len']} tokens, recorded in {m['record']['dtype']} on {m['record']['devices']}")
+    rows = f"{store.sequences} rows of " if store.sequences > 1 else ""
+    padded = f", padded {m['inputs'].get('padding_side')}" if store.padded else ""
+    print(f"  {rows}{m['inputs']['seq_len']} tokens{padded}, recorded in {m['record']['dtype']} on "
+          f"{m['record']['devices']}")  # fmt: skip
+    for i, prompt in enumerate(store.prompts):
+        print(f"    row {i}: {prompt}")
     if "layers" in m["record"]:
         print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
     if store.decode_steps:

@@ -116,7 +116,7 @@ def test_positions_counted_from_the_pad_fail_only_the_padded_rows_at_rotary(
     report = pytester.path / "report"
     with faults.code_fault("positions_from_the_pad"):
         result = run_parity(pytester, golden, "--parity-mode", "both", "--no-parity-weights",
-                            "--parity-report", str(report))  # fmt: skip
+                            "--parity-report", str(report), "--junit-xml", str(pytester.path / "j.xml"))  # fmt: skip
     summary = read_json(report / SUMMARY_FILE)
     assert summary["first_isolated_divergence"] is None
     assert summary["first_chain_divergence"] == "rotary"
@@ -124,11 +124,14 @@ def test_positions_counted_from_the_pad_fail_only_the_padded_rows_at_rotary(
     rotary = next(r for r in rows if r["id"] == "rotary")["chain"]
     assert [row["failed"] for row in rotary["rows"]] == [False, True, True]
     assert rotary["rows"][0]["rel_l2"] == 0  # the row without padding is bitwise right
+    junit = (pytester.path / "j.xml").read_text()
+    assert '<property name="chain_failing_rows" value="1,2"' in junit
     result.stdout.fnmatch_lines(
         [
             "rotary: candidate (float32) diverges from the golden (float32) on its own inputs",
             "  rows 1, 2 of 3 fail:",
             '    row 1: prompt "ids 11, 12, 13", 3 tokens, rel_l2 *',
+            "rotary * failed * rows 1, 2 of 3",
             "first chain divergence: rotary*",
         ]
     )

@@ -189,6 +189,9 @@ class PointResult:
                 props.extend((prefix + name, getattr(result.main, name)) for name in JUNIT_FIGURES)
             if result.noise_ratio is not None:
                 props.append((prefix + "noise_ratio", result.noise_ratio))
+            failing = [str(row["row"]) for row in result.rows if row.get("failed")]
+            if failing:  # a batch of several prompts: the rows that fail alone
+                props.append((prefix + "failing_rows", ",".join(failing)))
         return [*props, ("parity_status", self.status)]
 
     def remedy(self) -> str | None:

@@ -46,6 +46,9 @@ def row_note(row: Row) -> str:
         failed = [f"{c['target']}.{c['name']}" for c in row.checks if not c.get("passed")]
         if failed:
             parts.append("failed " + ", ".join(failed))
+        batch = next((r.rows for r in (row, row.chained) if r is not None and any(x.get("failed") for x in r.rows)), [])
+        if batch:  # a batch of several prompts: the rows that fail alone
+            parts.append(f"rows {', '.join(str(x['row']) for x in batch if x.get('failed'))} of {len(batch)}")
         if row.error:
             parts.append(row.error[:60])
         if row.reason:
