@@ -136,7 +136,7 @@ def write_checkpoint(root: Path, layers: int) -> Path:
             num_key_value_heads=8,
             num_local_experts=16,
             num_experts_per_tok=2,
-            max_position_embeddings=256,
+            max_position_embeddings=32768,
             tie_word_embeddings=False,
         )
         torch.manual_seed(0)
