@@ -29,7 +29,7 @@ from .judge.tolerances import default_tolerance
 from .model.calls import cache_kwarg
 from .points import LOGITS
 from .record.prompts import Prompt, make_batch, read_prompts
-from .record.run import has_tokenizer, load_config, load_model
+from .record.run import load_config, load_model, tokenizer_of
 
 # A floor for the reference's own logits error: a reference whose low-precision run is exact (a
 # candidate in float32) would make any difference an infinite ratio.
@@ -250,12 +250,7 @@ class ScanRequest:
         return dtype, config
 
     def _prompts(self, config: Any) -> list[ScanPrompt]:
-        tokenize = None
-        if has_tokenizer(self.model_dir):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
-            tokenize = lambda text: list(tok(text)["input_ids"])  # noqa: E731
+        tokenize, _ = tokenizer_of(self.model_dir, trust_remote_code=self.trust_remote_code)
         vocab = int(getattr(config, "vocab_size", 0) or 0)
         context = getattr(config, "max_position_embeddings", None)
         prompts = file_prompts(self.prompts, tokenize) if self.prompts else builtin_prompts(tokenize, vocab, context)

@@ -111,3 +111,20 @@ def cache_kwarg(kwargs: dict[str, Any]) -> str:
     `past_key_values` before (exactly one of them)."""
     (name,) = [k for k in CACHE_KWARGS if k in kwargs]
     return name
+
+
+def with_word_tokenizer(model: Path, dst: Path) -> Path:
+    """A copy of a tiny checkpoint with a word-level tokenizer of its own (ids below its vocabulary;
+    `[PAD]` is id 1), saved as transformers saves a fast tokenizer."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(model, dst)
+    words = ["the", "of", "capital", "france", "is", "paris", "1", "2", "3", "+", "="]
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(dst)
+    return dst

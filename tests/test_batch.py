@@ -9,7 +9,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity
+from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity, with_word_tokenizer
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.prompts import Prompt, make_batch, positions_of, read_prompts
@@ -176,3 +176,14 @@ def test_bad_prompts_say_so_in_one_line(
 def test_pad_to_without_prompts_says_what_to_add(tmp_path: Path, tiny_model, capsys) -> None:
     code, _, err = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", tmp_path / "g", "--pad-to", "8")
     assert code == 2 and "--pad-to and --batch-size shape a batch of --prompts FILE; add --prompts" in err
+
+
+def test_text_prompts_are_tokenized_and_padded_with_the_tokenizer_s_pad_id(tmp_path: Path, tiny_model) -> None:
+    model = with_word_tokenizer(tiny_model("qwen3_moe"), tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('the capital of france is paris\n{"text": "1 + 2 = 3"}\n{"ids": [9, 9]}\n')
+    record_golden(model, tmp_path / "golden", prompts=prompts, padding_side="left")
+    inputs = GoldenStore(tmp_path / "golden").manifest["inputs"]
+    assert inputs["input_ids"] == [[4, 6, 5, 7, 8, 9], [1, 10, 13, 11, 14, 12], [1, 1, 1, 1, 9, 9]]
+    assert inputs["pad_token_id"] == 1
+    assert inputs["prompts"] == ["the capital of france is paris", "1 + 2 = 3", "ids 9, 9"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import cli, read_json
+from helpers import cli, read_json, with_word_tokenizer
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.scan import builtin_prompts
@@ -188,3 +188,14 @@ def test_logits_that_cannot_be_judged_say_so_in_one_line(
     code, _, err = cli(capsys, "scan", "--model", model, "--logits", folder)
     said = err.strip().splitlines()
     assert code == 2 and len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
+
+
+def test_with_a_tokenizer_the_built_in_set_adds_numbers_code_and_languages(tmp_path: Path, tiny_model, capsys) -> None:
+    model = with_word_tokenizer(tiny_model("qwen3_moe"), tmp_path / "model")
+    code, out, err = cli(capsys, "scan", "--model", model, "--candidate", model, "--new-tokens", "2",
+                         "--json", tmp_path / "s.json", "-q")  # fmt: skip
+    assert code == 0, out + err
+    results = read_json(tmp_path / "s.json")["prompts"]
+    assert {"numbers", "code", "languages"} <= {r["kind"] for r in results}
+    english = next(r for r in results if r["name"] == "english")
+    assert english["preview"].startswith("The quick brown fox") and english["prompt_tokens"] > 5

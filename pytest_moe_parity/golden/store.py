@@ -67,6 +67,7 @@ class GoldenStore:
         self.opened_files: dict[str, None] = {}  # file names in the order first read
         self._verified: set[str] = set()
         self._safe_paths: dict[str, Path] = {}  # file name -> its checked path (resolved once)
+        self._padding: tuple[list[int], int] | None = None  # the batch's padding tokens (see padding)
         self._noise_keys: dict[str, dict[tuple[str, str], list[str]]] = {}  # see noise_tokens
         self.manifest = self._read_manifest()
         self._entries = {p["id"]: p for p in self.manifest["points"]}
@@ -227,9 +228,10 @@ class GoldenStore:
         decode step feeds one real token per row)."""
         if not self.padded or self.point(point).step is not None:
             return None
-        mask = self.manifest["inputs"]["attention_mask"]
-        flat = [m for row in mask for m in row]
-        return [i for i, m in enumerate(flat) if not m], len(flat)
+        if self._padding is None:  # the same for every prefill point: worked out once
+            flat = [m for row in self.manifest["inputs"]["attention_mask"] for m in row]
+            self._padding = ([i for i, m in enumerate(flat) if not m], len(flat))
+        return self._padding
 
     def describe_steps(self) -> str:
         """The decode steps recorded, in words with their positions ("" for a golden without any)."""

@@ -142,7 +142,6 @@ class PointResult:
     # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
     noise: dict[str, Any] | None = None
     chained: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
-    padding_tokens: int = 0  # the batch's padding tokens, not judged
     # a batch of several prompts: each row's figures over its real tokens ({"row", "tokens", "rel_l2",
     # "max_token_rel_l2", "failed", and "prompt" where the golden has it})
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -639,7 +638,6 @@ class Judge:
                 f"layer, so they follow other experts from there on: {tokens[:16]}"
             )
         if self.padding is not None:
-            r.padding_tokens = len(self.padding[0])
             r.notes.append(f"{len(self.padding[0])} padding token(s) of the batch are not judged: real tokens only")
         if self.sequences > 1:
             r.rows = self._row_figures()

@@ -84,6 +84,17 @@ def has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
 
 
+def tokenizer_of(model_dir: Path, *, trust_remote_code: bool = False) -> tuple[Callable | None, int | None]:
+    """The model's tokenizer as a function of a text to its token ids, and its pad id; (None, None)
+    where the model directory has no tokenizer."""
+    if not has_tokenizer(model_dir):
+        return None, None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return (lambda text: list(tok(text)["input_ids"])), tok.pad_token_id
+
+
 def resolve_input_ids(
     model_dir: Path,
     config,
@@ -459,13 +470,10 @@ class GoldenRequest:
         if self.prompt is not None or self.input_ids is not None:
             raise BadInput("pass either --prompts or --prompt / --input-ids, not both")
         prompts = read_prompts(self.prompts)
-        tokenize, pad_id = None, getattr(config, "pad_token_id", None)
-        if any(p.text is not None for p in prompts) and has_tokenizer(self.model_dir):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=self.trust_remote_code)
-            tokenize = lambda text: list(tok(text)["input_ids"])  # noqa: E731
-            pad_id = tok.pad_token_id if tok.pad_token_id is not None else pad_id
+        tokenize, pad_id = None, None
+        if any(p.text is not None for p in prompts):
+            tokenize, pad_id = tokenizer_of(self.model_dir, trust_remote_code=self.trust_remote_code)
+        pad_id = pad_id if pad_id is not None else getattr(config, "pad_token_id", None)
         batch = make_batch(
             prompts,
             tokenize,

@@ -116,7 +116,10 @@ class Chain:
             return []
         tokens = routing_disagreements(self.golden.load(router).output, own)
         padding = self.golden.padding(source)  # a padding token's routing is not judged, nor does it taint
-        return [t for t in tokens if t not in set(padding[0])] if padding is not None and tokens else tokens
+        if padding is None or not tokens:
+            return tokens
+        pads = set(padding[0])
+        return [t for t in tokens if t not in pads]
 
     def steer(self, point: Point, output: Any, routing: Any) -> Any:
         """A decoder layer's chained output with the rows of the tokens its routing sent unlike the
