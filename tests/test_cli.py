@@ -262,3 +262,17 @@ def test_decode_steps_say_what_they_write_and_what_all_of_them_will(tmp_path: Pa
         first,
     )
     assert re.fullmatch(r"  step_2 \(pos \d+\): token \d+, 32 points \[[\d.]+ MB, [\d.]+s so far\]", second), second
+
+
+def test_golden_says_what_its_captures_will_take_before_the_forward(tmp_path: Path, tiny_model, capsys) -> None:
+    model, out_dir = tiny_model("qwen3_moe"), tmp_path / "g"
+    code, out, err = run(capsys, "golden", "--model", model, "--out", out_dir, "--seq-len", "200")
+    assert code == 0, err
+    lines = out.splitlines()
+    size = next(i for i, li in enumerate(lines) if li.startswith("captures: about "))
+    assert size < next(i for i, li in enumerate(lines) if li.startswith("  layer_0:"))
+    said = lines[size].split("for the prefill")[0].rsplit(", ", 1)[1]  # "10.2 MiB "
+    value, unit = said.split()
+    estimated = float(value) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+    written = sum(f.stat().st_size for f in (tmp_path / "g").glob("*.safetensors"))
+    assert 0.7 < estimated / written < 1.3, (estimated, written)

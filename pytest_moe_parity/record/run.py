@@ -27,7 +27,7 @@ from ..model.archs import plan_points
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, malloc_trim, own_memory
 from ..points import Point, describe_layers, parse_layers
-from .audit import check_context, gib, parse_memory
+from .audit import Shape, check_context, gib, parse_memory
 from .capture import GoldenRecorder, SliceDone
 from .decode import DecodePlan, decode_cache, parse_positions, record_decode
 from .dispatch import dispatch_by_unit, does_not_fit
@@ -601,6 +601,9 @@ class _GoldenRun:
             self.n_layers = len({p.layer for p in plan.points if p.layer is not None})
             self.slice_layers = sorted({p.layer for p in points if p.layer is not None})
             self.say(self._opening_line(plan, points))
+            size = self._size_line(points)
+            if size:
+                self.say(size)
             placed = ref.placement()
             self.say(ref.placement_line(placed))
             load_seconds = time.perf_counter() - load_started
@@ -635,6 +638,26 @@ class _GoldenRun:
         return (
             f"recording {req.model_dir} ({plan.model_type}, {what}, {len(points)} points, "
             f"{checked.tokens}, {dtype_name(checked.dtype)}{then}) -> {req.out}"
+        )
+
+    def _size_line(self, points: list[Point]) -> str | None:
+        """What the prefill's captures will take, before the forward runs: `moe-parity estimate`'s
+        figures for this many tokens and rows (None where the config lacks a size they need)."""
+        checked = self.checked
+        config = checked.config.to_dict()
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        try:
+            shape = Shape.from_config(text)
+        except BadInput:
+            return None
+        rows = checked.batch.rows if checked.batch is not None else 1
+        tokens = len(checked.ids)
+        per_layer = shape.capture(tokens) * rows
+        model_level = any(p.layer is None for p in points)
+        total = per_layer * len(self.slice_layers) + (shape.model_level_capture(tokens) * rows if model_level else 0)
+        return (
+            f"captures: about {gib(per_layer)} per decoder layer, {gib(total)} for the prefill "
+            f"(as `moe-parity estimate --seq-len {tokens}` counts them, float32)"
         )
 
     def _on_group(self, group: str, records: list[Recorded]) -> None:
