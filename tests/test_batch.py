@@ -9,6 +9,7 @@ from pathlib import Path
 
 import faults
 import pytest
+import torch
 from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity, with_word_tokenizer
 
 from pytest_moe_parity.golden import GoldenStore
@@ -187,3 +188,23 @@ def test_text_prompts_are_tokenized_and_padded_with_the_tokenizer_s_pad_id(tmp_p
     assert inputs["input_ids"] == [[4, 6, 5, 7, 8, 9], [1, 10, 13, 11, 14, 12], [1, 1, 1, 1, 9, 9]]
     assert inputs["pad_token_id"] == 1
     assert inputs["prompts"] == ["the capital of france is paris", "1 + 2 = 3", "ids 9, 9"]
+
+
+def test_a_causal_mask_is_made_again_not_stored(batch_golden, golden_dir, tiny_model) -> None:
+    """A `[B, 1, T, T]` mask is T^2 values a layer (1 GiB at 16k tokens in float32): where it is exactly
+    the causal mask over the batch's padding, the golden keeps a spec of it and makes it again on load;
+    any other mask (gpt_oss's sliding window) is stored as it is."""
+    from pytest_moe_parity.golden.spec import causal_mask
+
+    for golden in (batch_golden("qwen3_moe", "left"), golden_dir("qwen3_moe")):
+        store = GoldenStore(golden)
+        entry = store.entry("layer_0.attention")
+        assert entry["inputs"]["kwargs"]["attention_mask"]["t"] == "causal_mask"
+        assert not any("attention_mask" in key for key in entry["tensors"])
+        mask = store.load("layer_0.attention").kwargs["attention_mask"]
+        padding = store.manifest["inputs"].get("attention_mask")
+        assert torch.equal(mask, causal_mask(tuple(mask.shape), mask.dtype, padding))
+    sliding = GoldenStore(golden_dir("gpt_oss"))
+    specs = {p.id: sliding.entry(p)["inputs"]["kwargs"].get("attention_mask", {}).get("t") for p in sliding.points
+             if p.component == "attention"}  # fmt: skip
+    assert set(specs.values()) == {"causal_mask", "tensor"}  # full layers made again, sliding ones stored

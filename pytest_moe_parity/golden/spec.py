@@ -34,20 +34,57 @@ def _scalar_spec(value: Any) -> Spec:
     return {"t": "value", "value": value}
 
 
+def causal_mask(
+    shape: tuple[int, ...] | list[int], dtype: torch.dtype, padding: list[list[int]] | None
+) -> torch.Tensor:
+    """The causal attention mask `[B | 1, 1, Q, K]` transformers' eager attention takes: query `i` (at key
+    position `K - Q + i`) sees the keys up to its own that are real tokens (`padding`: the batch's
+    attention mask `[B, K]`, 1 for a real token); allowed entries 0 and the others the dtype's minimum
+    (or True / False for a boolean mask)."""
+    b, h, q, k = shape
+    allowed = (torch.arange(k)[None, :] <= torch.arange(q)[:, None] + (k - q))[None, None]
+    if padding is not None:
+        allowed = allowed & torch.tensor(padding, dtype=torch.bool)[:, None, None, :k]
+    allowed = allowed.expand(b, h, q, k)
+    if dtype == torch.bool:
+        return allowed.contiguous()
+    masked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(allowed, torch.zeros((), dtype=dtype), masked).contiguous()
+
+
+def causal_mask_spec(t: torch.Tensor, padding: list[list[int]] | None) -> Spec | None:
+    """A spec that rebuilds `t` where it is exactly the causal mask of its shape over the batch's
+    padding (`causal_mask`): a `[1, 1, T, T]` float32 mask is T^2 * 4 bytes per layer (1 GiB at 16k
+    tokens), its spec a line; None for any other tensor."""
+    if t.dim() != 4 or t.shape[1] != 1 or t.shape[2] > t.shape[3] or t.numel() < 64:
+        return None
+    if not (t.dtype == torch.bool or t.is_floating_point()) or t.device.type == "meta":
+        return None
+    rows = len(padding) if padding is not None else 1
+    if padding is not None and (t.shape[0] != rows or len(padding[0]) < t.shape[3]):
+        padding = None  # another batch than the recorded one's: compared without it
+    if not torch.equal(t.detach().cpu(), causal_mask(tuple(t.shape), t.dtype, padding)):
+        return None
+    return {"t": "causal_mask", "shape": list(t.shape), "dtype": dtype_name(t.dtype), "padded": padding is not None}
+
+
 class Flattener:
     """Turns a nested call structure into a spec, copying tensors to CPU under stable keys.
     `source(tensor)` may name the earlier point output a tensor is (see `record.capture`): the spec
     keeps it under "from", for chained replay. `param_name(tensor)` names a tensor that is one of the
-    model's parameters or buffers (recorded by name, not by value), else None."""
+    model's parameters or buffers (recorded by name, not by value), else None. `compact(tensor)` may
+    give a spec that rebuilds it without storing it (a causal mask: `causal_mask_spec`)."""
 
     def __init__(
         self,
         param_name: Callable[[torch.Tensor], str | None],
         keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: Callable[[torch.Tensor], Spec | None] | None = None,
+        compact: Callable[[torch.Tensor], Spec | None] | None = None,
     ):
         self.param_name = param_name
         self.source = source
+        self.compact = compact
         self.tensors: dict[str, torch.Tensor] = {}
         # (id, version) of a tensor already stored -> key; the original is kept alive so that its
         # id cannot be reused by another tensor while this flattener lives.
@@ -59,6 +96,9 @@ class Flattener:
             name = self.param_name(obj)
             if name is not None:
                 return {"t": "param", "name": name}
+            compact = self.compact(obj) if self.compact is not None else None
+            if compact is not None:
+                return compact
             seen = self._seen.get((id(obj), obj._version))
             if seen is not None:
                 spec = {"t": "tensor", "key": seen[0]}
@@ -113,12 +153,18 @@ def spec_tensor_keys(spec: Spec) -> Iterator[str]:
 
 
 def build(
-    spec: Spec, tensors: dict[str, torch.Tensor], chained: Callable[[Spec], torch.Tensor | None] | None = None
+    spec: Spec,
+    tensors: dict[str, torch.Tensor],
+    chained: Callable[[Spec], torch.Tensor | None] | None = None,
+    padding: list[list[int]] | None = None,
 ) -> Any:
     """Rebuild a recorded structure; parameters come back as ParamRef placeholders. With `chained`,
     a tensor recorded as an earlier point's output ("from") is `chained(origin)` where that gives
-    a tensor (the candidate's own output, in chain mode), the golden's otherwise."""
+    a tensor (the candidate's own output, in chain mode), the golden's otherwise. A causal mask is
+    made again over `padding` (the golden's batch attention mask)."""
     kind = spec["t"]
+    if kind == "causal_mask":
+        return causal_mask(spec["shape"], getattr(torch, spec["dtype"]), padding if spec.get("padded") else None)
     if kind == "tensor":
         golden = tensors[spec["key"]]
         if chained is not None and "from" in spec:
@@ -142,10 +188,10 @@ def build(
         keys, values = build(spec["keys"], tensors), build(spec["values"], tensors)
         return CacheState(spec["layer"], keys, values, window=spec.get("window"), seen=spec.get("seen"))
     if kind in ("tuple", "list"):
-        items = [build(s, tensors, chained) for s in spec["items"]]
+        items = [build(s, tensors, chained, padding) for s in spec["items"]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {k: build(s, tensors, chained) for k, s in spec["items"].items()}
+        return {k: build(s, tensors, chained, padding) for k, s in spec["items"].items()}
     raise ValueError(f"unknown spec kind {kind!r}")
 
 
@@ -202,6 +248,9 @@ def describe(spec: Spec, tensors: dict[str, dict[str, Any]], path: str) -> list[
         return [row for k, item in spec["items"].items() for row in describe(item, tensors, f"{path}.{k}")]
     if kind == "omitted":
         return [(path, "omitted (not recorded, not compared)")]
+    if kind == "causal_mask":
+        over = " over the batch's padding" if spec.get("padded") else ""
+        return [(path, f"causal mask {tuple(spec['shape'])} {spec['dtype']}{over} (made again, not stored)")]
     if kind == "cache":
         meta = tensors.get(spec["keys"].get("key", ""), {})
         window = f", window {spec['window']}, {spec['seen']} positions seen" if spec.get("window") else ""

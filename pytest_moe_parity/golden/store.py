@@ -400,7 +400,8 @@ class GoldenStore:
         point = self.point(pid)
         entry = self._entries[point.id]
         tensors = self.tensors(point)
-        args = [build(s, tensors, chained) for s in entry["inputs"]["args"]]
-        kwargs = {k: build(s, tensors, chained) for k, s in entry["inputs"]["kwargs"].items()}
+        padding = self.manifest.get("inputs", {}).get("attention_mask")  # a causal mask is made again over it
+        args = [build(s, tensors, chained, padding) for s in entry["inputs"]["args"]]
+        kwargs = {k: build(s, tensors, chained, padding) for k, s in entry["inputs"]["kwargs"].items()}
         extras = {name: tensors[key] for name, key in entry.get("extras", {}).items()}
         return GoldenRecord(point, args, kwargs, build(entry["output"], tensors), extras)

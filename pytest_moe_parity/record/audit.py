@@ -281,10 +281,11 @@ class Shape:
         """What a golden stores per decoder layer, in float32: ten hidden-size tensors (the layer's
         input, the outputs of its input norm, attention, post-attention norm, experts, MoE block
         and layer, and the inputs of the post-attention norm and router; shared experts add one),
-        the router's logits, weights and ids, and the inputs stored once per layer (the mask, the
-        rotary tables, the positions)."""
+        the router's logits, weights and ids, and the inputs stored once per layer (the rotary tables,
+        the positions). A causal attention mask is not stored but made again on replay (a mask of
+        another shape, e.g. a sliding window's, adds T^2 * 4 bytes to its layer)."""
         t = tokens
-        return (10 * t * self.hidden + t * self.experts + t * t + 2 * t * self.head_dim) * 4 + t * (self.top_k * 12 + 8)
+        return (10 * t * self.hidden + t * self.experts + 2 * t * self.head_dim) * 4 + t * (self.top_k * 12 + 8)
 
     def model_level_capture(self, tokens: int) -> int:
         """Five hidden-size tensors (the embedding's output, the rotary's and the final norm's and the

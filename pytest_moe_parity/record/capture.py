@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import RecordError
-from ..golden.spec import Flattener, Spec, named_tensor, spec_tensor_keys
+from ..golden.spec import Flattener, Spec, causal_mask_spec, named_tensor, spec_tensor_keys
 from ..golden.writer import Recorded
 from ..model.calls import cache_state, is_cache, output_tensors
 from ..points import ATTENTION, Point
@@ -140,9 +140,14 @@ class GoldenRecorder:
         points: list[Point],
         on_group: Callable[[str, list[Recorded]], None],
         stop_after: str | None = None,
+        padding: list[list[int]] | None = None,
     ):
         self.model = model
         self.stop_after = stop_after
+        self.padding = padding  # the batch's attention mask, over which a causal mask is made again
+        # each input tensor checked once for a causal mask (the same mask reaches every layer): its
+        # spec or None, and the tensor itself (so that its id is not reused while the recorder lives)
+        self._masks: dict[tuple[int, int], tuple[Spec | None, torch.Tensor]] = {}
         self.points = points
         self.on_group = on_group
         self.param_names = ParamNames(model)
@@ -175,14 +180,23 @@ class GoldenRecorder:
         return fl
 
     def _inputs_flattener(self, group: str) -> Flattener:
-        """The group's flattener, naming the origin of each input tensor."""
+        """The group's flattener, naming the origin of each input tensor and storing a causal mask
+        as the spec that makes it again."""
         fl = self._flattener(group)
         fl.source = self.origins.find
+        fl.compact = self._mask_spec
         return fl
+
+    def _mask_spec(self, t: torch.Tensor) -> Spec | None:
+        found = self._masks.get((id(t), t._version))
+        if found is None:
+            found = self._masks[id(t), t._version] = (causal_mask_spec(t, self.padding), t)
+        return dict(found[0]) if found[0] is not None else None
 
     def _outputs_flattener(self, group: str) -> Flattener:
         fl = self._flattener(group)
         fl.source = None
+        fl.compact = None
         return fl
 
     def _pre(self, point: Point):

@@ -684,7 +684,8 @@ class _GoldenRun:
         sliced_prefill = self.checked.layers is not None and not decode.run and points[-1].layer is not None
         stop_after = points[-1].group if sliced_prefill else None
         with ref.running(), torch.no_grad():
-            with GoldenRecorder(model, points, self._on_group, stop_after=stop_after) as rec:
+            padding = self.checked.batch.attention_mask if self.checked.batch is not None else None
+            with GoldenRecorder(model, points, self._on_group, stop_after=stop_after, padding=padding) as rec:
                 try:
                     model(**inputs, use_cache=False)
                 except SliceDone:
