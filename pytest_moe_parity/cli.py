@@ -672,13 +672,16 @@ def cmd_scan(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.logits is not None and args.prompts is not None:
         return _fail("--logits reads the prompts of DIR/inputs.jsonl (written by --write-inputs); drop --prompts")
+    if args.write_inputs is not None and (args.record_worst or args.json or args.plot):
+        return _fail("--write-inputs only writes the sequences; --record-worst, --json and --plot go with the scan "
+                     "itself (--candidate, or --logits once the port wrote them)")  # fmt: skip
     try:
         if args.write_inputs is not None:
             request.write_inputs(args.write_inputs, lambda msg: print(msg, flush=True))
             return EXIT_OK
         results = request.run(say)
         if args.record_worst:
-            record_worst(args.model, args.out, results, args.record_worst, say)
+            record_worst(args.model, args.out, results, args.record_worst, say, device=args.device)
     except BadInput as exc:
         return _fail(str(exc))
     for line in table(results):

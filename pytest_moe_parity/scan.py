@@ -412,7 +412,9 @@ def plot(path: Path, results: list[PromptResult], limit: float | None = None) ->
     plt.close(fig)
 
 
-def record_worst(model_dir: Path, out: Path, results: list[PromptResult], k: int, say) -> list[Path]:
+def record_worst(
+    model_dir: Path, out: Path, results: list[PromptResult], k: int, say, device: str = "cpu"
+) -> list[Path]:
     """Goldens of the `k` worst prompts, one directory each (`out/01_<name>`): the prompt and the
     reference's continuation up to the first position whose next token differs (so the golden's last
     position is where it breaks), or the whole sequence."""
@@ -422,7 +424,7 @@ def record_worst(model_dir: Path, out: Path, results: list[PromptResult], k: int
     for n, r in enumerate(results[:k], 1):
         end = r.first_difference + 1 if r.first_difference is not None else len(r.tokens)
         target = out / f"{n:02d}_{r.name}"
-        GoldenRequest(model_dir, target, input_ids=r.tokens[:end]).record()
+        GoldenRequest(model_dir, target, input_ids=r.tokens[:end], device=device).record()
         r.golden = str(target)
         say(f"  golden for {r.name} ({end} tokens) -> {target}")
         written.append(target)

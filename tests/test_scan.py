@@ -92,6 +92,7 @@ def test_the_built_in_set_covers_the_usual_breaking_points() -> None:
         (["--prompts", "EMPTY"], "--prompts * holds no prompt*"),
         (["--prompts", "OUTSIDE"], "prompt_0 has token ids [[]999] outside the vocabulary of 256 tokens"),
         (["--record-worst", "2"], "--record-worst K and --out DIR go together*"),
+        (["--write-inputs", "NOWHERE", "--json", "s.json"], "--write-inputs only writes the sequences; *"),
         (["--new-tokens", "600"], "length_15: 15 tokens and 600 new ones reach past the model's context of 512*"),
         (["--candidate", "NOWHERE"], "model directory * does not exist"),
     ],
@@ -104,7 +105,7 @@ def test_bad_scan_input_says_so_in_one_line(args: list[str], message: str, tmp_p
     swap = {"EMPTY": tmp_path / "empty.txt", "OUTSIDE": tmp_path / "outside.jsonl", "NOWHERE": tmp_path / "nowhere"}
     argv = ["scan", "--model", tiny_model("qwen3_moe"), "--candidate", tiny_model("qwen3_moe")]
     given = [swap.get(a, a) for a in args]
-    if "--candidate" in args:
+    if "--candidate" in args or "--write-inputs" in args:
         argv = argv[:3]
     code, _, err = cli(capsys, *argv, *given)
     said = err.strip().splitlines()
