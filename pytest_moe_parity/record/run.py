@@ -484,10 +484,12 @@ class GoldenRequest:
             batch_size=self.batch_size,
             seq_len=self.seq_len,
         )
-        if batch.rows > 1 and (self.decode_steps or positions):
+        padded = any(0 in row for row in batch.attention_mask)
+        if (batch.rows > 1 or padded) and (self.decode_steps or positions):
+            shape = f"a batch of {batch.rows} rows" if batch.rows > 1 else "a padded prompt"
             raise BadInput(
-                f"decode steps are recorded for one prompt, and --prompts gives a batch of {batch.rows} rows: "
-                "record the batch's prefill without --decode-steps/--decode-at, or one prompt with them"
+                f"decode steps are recorded for one unpadded prompt, and --prompts gives {shape}: record the "
+                "batch's prefill without --decode-steps/--decode-at, or one prompt with them"
             )
         return self._checked(torch_dtype, config, batch.input_ids[0], positions, batch)
 
