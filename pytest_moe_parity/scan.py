@@ -131,9 +131,12 @@ def _by_length(rows: list[list[int]], batch_size: int) -> list[list[int]]:
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
-def _logits(model: Any, rows: list[list[int]], device: str, batch_size: int) -> list[torch.Tensor]:
+def _logits(
+    model: Any, rows: list[list[int]], device: str, batch_size: int, done: Callable[[int], None] = lambda n: None
+) -> list[torch.Tensor]:
     """Each row's logits [T_row, V] in float32, teacher-forced, `batch_size` rows of similar length per
-    forward (padded on the right, with the attention mask and positions over the real tokens)."""
+    forward (padded on the right, with the attention mask and positions over the real tokens); `done`
+    is told how many rows are through after each forward."""
     out: list[torch.Tensor | None] = [None] * len(rows)
     for chunk in _by_length(rows, batch_size):
         batch = make_batch([Prompt(ids=tuple(rows[i])) for i in chunk], None, vocab=1 << 62, pad_id=0)
@@ -143,17 +146,27 @@ def _logits(model: Any, rows: list[list[int]], device: str, batch_size: int) -> 
             raise BadInput("the candidate gives no logits (its forward returns none): scan needs a causal LM")
         for n, i in enumerate(chunk):
             out[i] = logits[n, : len(rows[i])].float().cpu()
+        done(sum(t is not None for t in out))
     return out  # type: ignore[return-value]
 
 
-def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: str, batch_size: int) -> list[list[int]]:
+def _continue(
+    model: Any,
+    prompts: list[ScanPrompt],
+    new_tokens: int,
+    device: str,
+    batch_size: int,
+    done: Callable[[int], None] = lambda n: None,
+) -> list[list[int]]:
     """Each prompt followed by the reference's greedy continuation of `new_tokens - 1` tokens (the
-    last new token is predicted, never fed), from batched forwards with a KV cache (left padding)."""
+    last new token is predicted, never fed), from batched forwards with a KV cache (left padding);
+    `done` is told how many prompts are through after each batch."""
     if new_tokens <= 1:
         return [list(p.ids) for p in prompts]
     from transformers import DynamicCache
 
     sequences: list[list[int]] = [list(p.ids) for p in prompts]
+    finished = 0
     for indices in _by_length(sequences, batch_size):
         chunk = [sequences[i] for i in indices]  # continued in place
         batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0, padding_side="left")
@@ -171,6 +184,8 @@ def _continue(model: Any, prompts: list[ScanPrompt], new_tokens: int, device: st
                 ids = token
                 mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
                 positions = positions[:, -1:] + 1
+        finished += len(indices)
+        done(finished)
     return sequences
 
 
@@ -349,14 +364,24 @@ class ScanRequest:
         source = f"{self.prompts}" if self.prompts else self.logits_dir or "the built-in set"
         say(f"scan: {len(prompts)} prompts from {source}, {self.new_tokens} new tokens each, {what} in "
             f"{dtype_name(dtype)} against {self.model_dir} (float32)")  # fmt: skip
+        total = len(prompts)
+
+        def progress(stage: str) -> Callable[[int], None]:
+            return lambda n: say(f"  {stage}: {n}/{total} prompts [{time.perf_counter() - started:.1f}s]")
+
         reference = self._load(self.model_dir, torch.float32)
         if self.logits_dir is None:
-            sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size)
-        ref_logits = _logits(reference, sequences, self.device, self.batch_size)
+            sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size,
+                                  progress("the reference's continuation"))  # fmt: skip
+        ref_logits = _logits(reference, sequences, self.device, self.batch_size, progress("the reference (float32)"))
         del reference
-        low_logits = _logits(self._load(self.model_dir, dtype), sequences, self.device, self.batch_size)
+        low = self._load(self.model_dir, dtype)
+        low_logits = _logits(low, sequences, self.device, self.batch_size, progress(f"the reference ({self.dtype})"))
+        del low
         if self.logits_dir is None:
-            cand_logits = _logits(self._load(self.candidate_dir, dtype), sequences, self.device, self.batch_size)
+            candidate = self._load(self.candidate_dir, dtype)
+            cand_logits = _logits(candidate, sequences, self.device, self.batch_size, progress("the candidate"))
+            del candidate
         tol = default_tolerance(dtype, LOGITS)
         results = []
         for i, (p, seq) in enumerate(zip(prompts, sequences, strict=True)):
