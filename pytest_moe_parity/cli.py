@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill is sized to the first (without --prompt, --input-ids or --seq-len) and the steps between are run, "
         "not recorded; with --decode-steps N, steps 1..N are recorded too",
     )
+    golden.add_argument(
+        "--capture-tokens",
+        default=None,
+        metavar="SPEC",
+        help="keep only these token positions of every prefill point's output (e.g. 0-63,last-64) and none of "
+        "their inputs: a long context's golden on a disk budget, judged in --parity-mode chain",
+    )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(
         "--trust-remote-code",
@@ -218,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--mode",
         choices=("isolated", "chain"),
-        default="isolated",
+        default=None,
         help="isolated: the dump was taken on the golden's inputs; chain: it is the candidate's own whole-model run, "
         "judged against the reference's own error (needs a golden recorded with --noise-dtype)",
     )
@@ -375,6 +382,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
             padding_side=args.padding_side,
             pad_to=args.pad_to,
             batch_size=args.batch_size,
+            capture_tokens=args.capture_tokens,
         )
         result = request.record(progress=say)
         seconds = result.seconds

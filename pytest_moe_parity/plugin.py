@@ -144,7 +144,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 cli_tolerances=config.getoption("parity_tol"),
                 ini_tolerances=ini_tolerances,
                 layers=config.getoption("parity_layers") or config.getini("parity_layers"),
-                mode=config.getoption("parity_mode") or config.getini("parity_mode") or "isolated",
+                mode=config.getoption("parity_mode") or config.getini("parity_mode") or None,
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 plots=plots == "yes",
                 threads=threads,

@@ -76,7 +76,7 @@ class RunOptions:
     cli_tolerances: Sequence[Override] = ()
     ini_tolerances: Sequence[Override] = ()
     layers: str | None = None
-    mode: str = "isolated"  # isolated, chain or both
+    mode: str | None = None  # isolated, chain or both (None: isolated, or chain for a --capture-tokens golden)
     report_dir: Path | None = None
     plots: bool = True  # the report's pictures beside its JSON
     trust_remote_code: bool = False
@@ -236,6 +236,11 @@ class ParitySession:
     # -- setup ----------------------------------------------------------------------------------
     def _driller(self, cls: type) -> Driller:
         flags, patterns = self.options.flags, self.drill_patterns
+        if self.golden.captured_tokens is not None:
+            raise SetupError(
+                f"{flags['drill']} runs a point on its recorded inputs, which {self.golden.root} does not keep "
+                "(moe-parity golden --capture-tokens): drill with a golden that keeps every token"
+            )
         if not patterns:
             raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} ...")
         if cls.drill_call is Backend.drill_call:
@@ -347,9 +352,15 @@ class ParitySession:
         return layers
 
     def _mode(self, cls: type) -> str:
-        flag, mode = self.options.flags["mode"], self.options.mode or "isolated"
+        captured = self.golden.describe_captured()  # --capture-tokens: judged chained only
+        flag, mode = self.options.flags["mode"], self.options.mode or ("chain" if captured else "isolated")
         if mode not in MODES:
             raise SetupError(f"{flag} {mode!r} is not a mode; use one of {', '.join(MODES)}")
+        if captured and mode != "chain":
+            raise SetupError(
+                f"{flag} {mode}: {self.golden.root} keeps only the {captured} in its points' outputs, and none "
+                f"of their inputs (moe-parity golden --capture-tokens): it is judged with {flag} chain"
+            )
         if mode == "isolated":
             return mode
         if cls.chain_kind is None:

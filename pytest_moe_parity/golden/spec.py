@@ -68,6 +68,42 @@ def causal_mask_spec(t: torch.Tensor, padding: list[list[int]] | None) -> Spec |
     return {"t": "causal_mask", "shape": list(t.shape), "dtype": dtype_name(t.dtype), "padded": padding is not None}
 
 
+def parse_token_spec(text: str, tokens: int) -> list[int]:
+    """`0-63,last-64` -> the positions it names among `tokens` (sorted, each once): `A-B` (inclusive),
+    `N`, `last-K` (the last K); ValueError naming the part that is not one of them or out of range."""
+    positions: set[int] = set()
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        low, dash, high = part.partition("-")
+        try:
+            if low == "last":
+                first, last = tokens - int(high), tokens - 1
+            else:
+                first = int(low)
+                last = int(high) if dash else first
+        except ValueError:
+            raise ValueError(f"{part!r} is not a position, a range A-B or last-K") from None
+        if first < 0 or last < first or last >= tokens:
+            raise ValueError(f"{part!r} is not within the {tokens} tokens (positions 0-{tokens - 1})")
+        positions.update(range(first, last + 1))
+    if not positions:
+        raise ValueError(f"{text!r} names no position; e.g. 0-63,last-64")
+    return sorted(positions)
+
+
+def select_tokens(t: Any, batch: int, seq: int, positions: list[int]) -> Any:
+    """A tensor with a token dimension (`[batch, seq, ...]`, or flattened `[batch * seq, ...]`) at the
+    token `positions` only; anything else as it is."""
+    if not isinstance(t, torch.Tensor) or seq <= 1:
+        return t
+    index = torch.tensor(positions, dtype=torch.long, device=t.device)
+    if t.dim() >= 2 and t.shape[0] == batch and t.shape[1] == seq:
+        return t.index_select(1, index)
+    if t.dim() >= 1 and t.shape[0] == batch * seq:
+        per = t.reshape(batch, seq, *t.shape[1:]).index_select(1, index)
+        return per.reshape(batch * len(positions), *t.shape[1:])
+    return t
+
+
 class Flattener:
     """Turns a nested call structure into a spec, copying tensors to CPU under stable keys.
     `source(tensor)` may name the earlier point output a tensor is (see `record.capture`): the spec

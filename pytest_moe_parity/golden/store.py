@@ -17,8 +17,9 @@ from safetensors import SafetensorError, safe_open
 
 from ..dtypes import SAFETENSORS_DTYPES, dtype_name
 from ..errors import GoldenError
-from ..points import Point, describe_steps
-from .spec import Spec, build
+from ..points import Point, describe_layers, describe_steps
+from ..tree import map_structure
+from .spec import Spec, build, select_tokens
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -229,9 +230,31 @@ class GoldenStore:
         if not self.padded or self.point(point).step is not None:
             return None
         if self._padding is None:  # the same for every prefill point: worked out once
-            flat = [m for row in self.manifest["inputs"]["attention_mask"] for m in row]
+            kept = self.captured_tokens  # (over the positions a --capture-tokens golden keeps)
+            rows = self.manifest["inputs"]["attention_mask"]
+            flat = [row[p] for row in rows for p in kept] if kept is not None else [m for row in rows for m in row]
             self._padding = ([i for i, m in enumerate(flat) if not m], len(flat))
         return self._padding
+
+    @property
+    def captured_tokens(self) -> list[int] | None:
+        """`--capture-tokens`: the token positions whose outputs the golden keeps (none of the points'
+        inputs: it is judged chained); None where it keeps every token and every input."""
+        entry = self.manifest.get("capture_tokens")
+        return list(entry["positions"]) if entry else None
+
+    def describe_captured(self) -> str:
+        """`tokens 0-3, 60-63 of 64`, or "" for a golden that keeps every token."""
+        kept = self.captured_tokens
+        return f"tokens {describe_layers(kept)} of {self.prefill_tokens}" if kept is not None else ""
+
+    def keep_tokens(self, point: Point | str, output: Any) -> Any:
+        """A candidate's output of a prefill point at the token positions the golden keeps (as it is
+        for a golden that keeps every token, and for a decode step)."""
+        kept = self.captured_tokens
+        if kept is None or output is None or self.point(point).step is not None:
+            return output
+        return map_structure(output, lambda t: select_tokens(t, self.sequences, self.prefill_tokens, kept))
 
     def describe_steps(self) -> str:
         """The decode steps recorded, in words with their positions ("" for a golden without any)."""

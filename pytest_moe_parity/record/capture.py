@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from ..errors import RecordError
-from ..golden.spec import Flattener, Spec, causal_mask_spec, named_tensor, spec_tensor_keys
+from ..golden.spec import Flattener, Spec, causal_mask_spec, named_tensor, select_tokens, spec_tensor_keys
 from ..golden.writer import Recorded
 from ..model.calls import cache_state, is_cache, output_tensors
 from ..points import ATTENTION, Point
+from ..tree import map_structure
 
 # How many of the most recent point outputs a residual sum is looked for among.
 _SUM_CANDIDATES = 12
@@ -141,9 +142,12 @@ class GoldenRecorder:
         on_group: Callable[[str, list[Recorded]], None],
         stop_after: str | None = None,
         padding: list[list[int]] | None = None,
+        tokens: tuple[int, int, list[int]] | None = None,
     ):
         self.model = model
         self.stop_after = stop_after
+        # --capture-tokens: (batch, tokens, positions): outputs kept at those positions, inputs not stored
+        self.tokens = tokens
         self.padding = padding  # the batch's attention mask, over which a causal mask is made again
         # each input tensor checked once for a causal mask (the same mask reaches every layer): its
         # spec or None, and the tensor itself (so that its id is not reused while the recorder lives)
@@ -208,6 +212,9 @@ class GoldenRecorder:
                 return
             fl = self._inputs_flattener(point.group)
             self.param_names.enter(point.module)
+            if self.tokens is not None:  # --capture-tokens: a golden judged chained, on its own run's inputs
+                self._pending[point.id] = ([], {}, fl, time.perf_counter())
+                return
             if point.step is not None:  # a decode step: the cache as the tensors of this layer
                 args = tuple(cache_state(a, point.layer) if is_cache(a) else a for a in args)
                 kwargs = {k: cache_state(v, point.layer) if is_cache(v) else v for k, v in kwargs.items()}
@@ -225,6 +232,9 @@ class GoldenRecorder:
             arg_specs, kw_specs, fl, started = pending
             fl = self._outputs_flattener(point.group)
             self.param_names.enter(point.module)
+            if self.tokens is not None:
+                batch, seq, positions = self.tokens
+                output = map_structure(output, lambda t: select_tokens(t, batch, seq, positions))
             if point.component == ATTENTION and isinstance(output, tuple) and len(output) > 1:
                 # (out, attn_weights): the weights are O(heads·T²) and never compared.
                 out_spec = {
@@ -245,7 +255,8 @@ class GoldenRecorder:
                     key = f"{point.id}/cache_after.{name}"
                     fl.tensors[key] = fl.keep(getattr(after, name))
                     rec.extras[f"cache_after.{name}"] = key
-            self.origins.add(point, output if point.component != "attention" else output_tensors(output)[:1])
+            if self.tokens is None:  # (--capture-tokens stores no inputs to name the origins of)
+                self.origins.add(point, output if point.component != "attention" else output_tensors(output)[:1])
             self._recorded[point.id] = rec
             self._group_records.setdefault(point.group, []).append(rec)
             if self._closing[point.group] == point.id:

@@ -23,6 +23,7 @@ from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
+from ..golden.spec import parse_token_spec
 from ..model.archs import plan_points
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, malloc_trim, own_memory
@@ -433,6 +434,7 @@ class GoldenRequest:
     padding_side: str = "right"
     pad_to: int | None = None
     batch_size: int | None = None
+    capture_tokens: str | None = None  # the token positions kept of every prefill point's output
 
     def __post_init__(self) -> None:
         self.model_dir, self.out = Path(self.model_dir), Path(self.out)
@@ -500,6 +502,12 @@ class GoldenRequest:
         context = getattr(config, "max_position_embeddings", None)
         decode = DecodePlan.make(len(ids), self.decode_steps, positions, context)
         check_context(context, len(ids), decode.run)
+        kept = None
+        if self.capture_tokens is not None:
+            try:
+                kept = parse_token_spec(self.capture_tokens, len(ids))
+            except ValueError as exc:
+                raise BadInput(f"--capture-tokens {self.capture_tokens}: {exc}") from None
         if self.out.resolve() == model_dir.resolve():
             raise BadInput("--out must not be the model directory")
         wanted_layers = layer_slice(self.layers, getattr(config, "num_hidden_layers", None))
@@ -518,7 +526,7 @@ class GoldenRequest:
             )
         if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode, batch)
+        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode, batch, kept)
 
     def record(self, progress: Callable[[str], None] | None = None) -> RecordResult:
         """Record the golden directory; `progress` is told each step in one line."""
@@ -538,6 +546,14 @@ class CheckedRequest:
     max_memory: dict[Any, int] | None
     decode: DecodePlan
     batch: Batch | None = None  # --prompts: the padded batch (`ids` is its first row)
+    kept: list[int] | None = None  # --capture-tokens: the positions kept of the prefill's outputs
+
+    @property
+    def token_slice(self) -> tuple[int, int, list[int]] | None:
+        """(rows, tokens, positions kept) for the recorder, with --capture-tokens."""
+        if self.kept is None:
+            return None
+        return (self.batch.rows if self.batch is not None else 1), len(self.ids), self.kept
 
     def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The prefill's inputs: the prompt's ids, or the batch's ids, attention mask and positions."""
@@ -552,10 +568,11 @@ class CheckedRequest:
 
     @property
     def tokens(self) -> str:
+        kept = f" ({len(self.kept)} kept: --capture-tokens)" if self.kept is not None else ""
         if self.batch is None:
-            return f"{len(self.ids)} tokens"
+            return f"{len(self.ids)} tokens{kept}"
         side = f", padded {self.batch.padding_side}" if any(0 in row for row in self.batch.attention_mask) else ""
-        return f"{self.batch.rows} rows of {self.batch.length} tokens{side}"
+        return f"{self.batch.rows} rows of {self.batch.length} tokens{side}{kept}"
 
 
 class _GoldenRun:
@@ -687,7 +704,8 @@ class _GoldenRun:
         stop_after = points[-1].group if sliced_prefill else None
         with ref.running(), torch.no_grad():
             padding = self.checked.batch.attention_mask if self.checked.batch is not None else None
-            with GoldenRecorder(model, points, self._on_group, stop_after=stop_after, padding=padding) as rec:
+            tokens = self.checked.token_slice
+            with GoldenRecorder(model, points, self._on_group, stop_after, padding, tokens) as rec:
                 try:
                     model(**inputs, use_cache=False)
                 except SliceDone:
@@ -720,6 +738,11 @@ class _GoldenRun:
                 "num_hidden_layers": self.n_layers,
             },
             "inputs": checked.manifest_inputs(req.prompt),
+            **(
+                {"capture_tokens": {"spec": req.capture_tokens, "positions": checked.kept}}
+                if checked.kept is not None
+                else {}
+            ),
             **({"decode": decode} if decode else {}),
             "record": {
                 "dtype": dtype_name(checked.dtype),

@@ -67,7 +67,8 @@ class Chain:
         self._taint: dict[str, list[int]] = {}  # routing point id -> tokens routed unlike the golden there
         ids = self.golden.manifest["inputs"]["input_ids"]
         self._sequences = len(ids)
-        self._seq_len = len(ids[0]) if ids else 0
+        kept = self.golden.captured_tokens  # --capture-tokens: the positions a prefill point keeps
+        self._seq_len = len(kept) if kept is not None else len(ids[0]) if ids else 0
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         raise NotImplementedError
@@ -114,6 +115,7 @@ class Chain:
         router = source if source.component == ROUTER else self.golden.router_of(source)
         if router is None:
             return []
+        own = self.golden.keep_tokens(source, own)  # (the positions a --capture-tokens golden keeps)
         tokens = routing_disagreements(self.golden.load(router).output, own)
         padding = self.golden.padding(source)  # a padding token's routing is not judged, nor does it taint
         if padding is None or not tokens:
@@ -173,7 +175,9 @@ class ModelChain(Chain):
 
     def __init__(self, setup: ChainSetup):
         super().__init__(setup)
-        self.steered = bool(getattr(self.backend, "steers_chain", False)) and setup.steer
+        # a --capture-tokens golden keeps no rows to put back: its chain runs free
+        can_steer = setup.steer and self.golden.captured_tokens is None
+        self.steered = bool(getattr(self.backend, "steers_chain", False)) and can_steer
         self.decodes = bool(getattr(self.backend, "chains_decode", False)) and self.golden.decode_steps > 0
         self._outputs: dict[str, Any] | None = None
         self.seconds = 0.0

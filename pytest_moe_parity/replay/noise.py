@@ -71,7 +71,10 @@ def record_noise(
     model = Path(model_dir) if model_dir is not None else Path(golden.manifest["model"]["path"])
     setup = BackendSetup(golden, model, torch_dtype, options={"device": device}, trust_remote_code=trust_remote_code)
     backend = TorchBackend(setup)
-    runner = ParityRunner(golden, backend, mode="both")
+    # a --capture-tokens golden keeps no inputs: its points are judged chained only, on a chain that
+    # cannot be steered (the free run's figures are the chained ones)
+    captured = golden.captured_tokens is not None
+    runner = ParityRunner(golden, backend, mode="chain" if captured else "both", steer=not captured)
     free = ParityRunner(golden, backend, mode="chain", steer=False)  # the same model, a chain nobody steers
     started = time.perf_counter()
     say(f"noise floor: the reference in {name}, isolated and chained (steered, free), at {len(golden.points)} points")

@@ -177,6 +177,10 @@ class ParityRunner:
         (and the noise ratio where the golden has the reference's own error); chained, the noise
         ratio (the dtype's limits where the golden has no noise figures)."""
         tol, sources = self.tolerance(point, marker)
+        kept = self.golden.captured_tokens is not None and point.step is None
+        if kept:  # --capture-tokens: the candidate's output at the token positions the golden keeps
+            cand = replace(cand, output=self.golden.keep_tokens(point, cand.output),
+                           routing=self.golden.keep_tokens(point, cand.routing))  # fmt: skip
         router = self.golden.router_of(point)
         golden_router = bias = None
         figures = self.noise_figures_for(mode)
@@ -218,6 +222,8 @@ class ParityRunner:
             result.notes.append(
                 f"decode steps are judged on the golden's inputs: the {self.backend.name} backend does not chain them"
             )
+        if kept:
+            result.notes.append(f"judged on the {self.golden.describe_captured()} the golden keeps (--capture-tokens)")
         result.mode = mode
         result.tolerance_sources = sources
         result.seconds = cand.seconds
