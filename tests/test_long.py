@@ -127,3 +127,21 @@ def test_a_padded_batch_keeps_its_padding_out_of_the_kept_tokens(tmp_path: Path,
     result.assert_outcomes(passed=len(rows))
     attention = next(r for r in rows if r["id"] == "layer_0.attention")
     assert [row["tokens"] for row in attention["rows"]] == [4, 2]
+
+
+def test_a_dump_of_every_token_is_judged_on_the_kept_ones(tmp_path: Path, tiny_model, golden_dir, capsys) -> None:
+    """A port's dump holds every token (and, from NxDI, a bucket's padding): fitted to the golden's
+    every-token shape, then judged on the positions the golden keeps."""
+    from test_dump import write_dump
+
+    model = tiny_model("qwen3_moe")
+    kept = tmp_path / "kept"
+    record_golden(model, kept, seq_len=SEQ, capture_tokens=KEPT)
+    record_noise(kept, "bfloat16", model_dir=model)
+    dump = write_dump(golden_dir("qwen3_moe", seq_len=SEQ), model, tmp_path / "dump")
+    code, out, err = cli(capsys, "compare", kept, dump, "--dtype", "bfloat16", "--report", tmp_path / "r")
+    assert code == 0, out + err
+    n = len(GoldenStore(kept).point_ids)
+    assert f"{n} points: {n} passed, 0 failed, 0 errors" in out
+    rows = read_json(tmp_path / "r" / REPORT_FILE)["points"]
+    assert all(r["mode"] == "chain" for r in rows)

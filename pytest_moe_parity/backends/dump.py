@@ -152,10 +152,22 @@ class DumpBackend(Backend):
         return self.seq if point.step is None else 1
 
     def _golden_shape(self, point: Point) -> torch.Size | None:
-        """The shape of the golden's (first) output tensor, from the manifest: no tensor is read."""
+        """The shape of the golden's (first) output tensor, from the manifest: no tensor is read. A
+        `--capture-tokens` golden's prefill outputs are the shape of every token (the dumped output is
+        fitted to that; the verdict then takes the positions the golden keeps)."""
         entry = self.golden.entry(point)
         key = next(spec_tensor_keys(entry["output"]), None) if entry.get("output") else None
-        return torch.Size(entry["tensors"][key]["shape"]) if key is not None else None
+        if key is None:
+            return None
+        shape = list(entry["tensors"][key]["shape"])
+        kept = self.golden.captured_tokens
+        if kept is not None and point.step is None:
+            every = self.batch * self.seq
+            if len(shape) >= 2 and shape[:2] == [self.batch, len(kept)]:
+                shape[1] = self.seq
+            elif shape and shape[0] == self.batch * len(kept):
+                shape[0] = every
+        return torch.Size(shape)
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         compared = [r for r in rows if r["status"] in ("passed", "failed")]
