@@ -354,6 +354,8 @@ def _noise_dtype(text: str | None, golden_dtype: str) -> str | None:
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from .record.run import BadInput, GoldenRequest
     from .replay.noise import record_noise
 
@@ -361,29 +363,9 @@ def cmd_golden(args: argparse.Namespace) -> int:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     try:
         noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
-        request = GoldenRequest(
-            args.model,
-            args.out,
-            prompt=args.prompt,
-            input_ids=args.input_ids,
-            seq_len=args.seq_len,
-            dtype=args.dtype,
-            device=args.device,
-            device_map=args.device_map,
-            max_memory=args.max_memory,
-            offload_folder=args.offload_folder,
-            layers=args.layers,
-            stream=args.stream,
-            overwrite=args.overwrite,
-            trust_remote_code=args.trust_remote_code,
-            decode_steps=args.decode_steps or 0,
-            decode_at=args.decode_at,
-            prompts=args.prompts,
-            padding_side=args.padding_side,
-            pad_to=args.pad_to,
-            batch_size=args.batch_size,
-            capture_tokens=args.capture_tokens,
-        )
+        # the request's options are the command line's, by the same names
+        named = {f.name: getattr(args, f.name) for f in fields(GoldenRequest) if f.name not in ("model_dir", "out")}
+        request = GoldenRequest(args.model, args.out, **{**named, "decode_steps": args.decode_steps or 0})
         result = request.record(progress=say)
         seconds = result.seconds
         if noise_dtype is not None:
