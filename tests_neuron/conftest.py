@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity,
 
 ARCHS = ("qwen3_moe", "mixtral")
 GOLDENS = "MOE_PARITY_T5_GOLDENS"
+BATCH = "qwen3_moe-batch"  # three prompts of unequal length padded on the left (fixtures/prompts/padded.jsonl)
 
 
 def _targeted(config: pytest.Config) -> bool:
@@ -53,7 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
             "(`bash .ci/neuron-leg` unpacks the pinned snapshots)"
         ) from None
     root = os.environ.get(GOLDENS)
-    missing = [a for a in ARCHS if not root or not (Path(root) / f"{a}-golden" / "manifest.json").is_file()]
+    wanted = [f"{a}-golden" for a in ARCHS] + [BATCH]
+    missing = [g for g in wanted if not root or not (Path(root) / g / "manifest.json").is_file()]
     if missing:
         raise pytest.UsageError(
             f"{GOLDENS} must name a directory of goldens recorded under transformers 5 ({', '.join(missing)} "

@@ -255,3 +255,21 @@ def test_a_dump_compares_on_the_neuron_stack(t5: Path, tmp_path: Path, capsys: p
     assert main(["compare", str(t5 / "mixtral-golden"), str(tmp_path / "dump")]) == 0
     out = capsys.readouterr().out
     assert "first divergence: none" in out and " 0 failed, 0 errors" in out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_left_padded_batch_passes_on_nxdi_s_real_modules(
+    tp: int, t5: Path, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """Three prompts of unequal length padded on the left into one batch (`moe-parity golden
+    --prompts`): NxDI's modules take the batch with its mask, and every point passes in bfloat16,
+    judged on the real tokens of each row."""
+    golden = t5 / "qwen3_moe-batch"
+    report = tmp_path / "r"
+    result = run_parity(pytester, golden, *CPU, "--hw-option", f"tp_degree={tp}", "--dtype", "bfloat16",
+                        "--parity-report", str(report), "-W", "error", model=t5 / "qwen3_moe-model")  # fmt: skip
+    ids = points(golden)
+    result.assert_outcomes(passed=len(ids) - 1, skipped=1)  # the rotary embedding: inside NxDI's attention
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert [row["tokens"] for row in rows["layer_1.attention"]["rows"]] == [8, 3, 6]
+    assert any("padding token(s) of the batch are not judged" in n for n in rows["layer_1.moe"]["notes"])
