@@ -28,7 +28,7 @@ from .judge.logits import compare_logits
 from .judge.tolerances import default_tolerance
 from .model.calls import cache_kwarg
 from .points import LOGITS
-from .record.prompts import Prompt, make_batch, read_prompts
+from .record.prompts import Prompt, make_batch, prompt_ids, read_prompts
 from .record.run import load_config, load_model, tokenizer_of
 
 # A floor for the reference's own logits error: a reference whose low-precision run is exact (a
@@ -111,24 +111,21 @@ def builtin_prompts(tokenize: Callable[[str], list[int]] | None, vocab: int, con
 
 def file_prompts(path: Path, tokenize: Callable[[str], list[int]] | None) -> list[ScanPrompt]:
     """The prompts of a `--prompts` file (text lines need the model's tokenizer)."""
-    out = []
-    for n, prompt in enumerate(read_prompts(path)):
-        if prompt.ids is not None:
-            ids = list(prompt.ids)
-        elif tokenize is None:
-            raise BadInput(f"--prompts: prompt {n} is text and the model has no tokenizer; give its token ids")
-        else:
-            ids = tokenize(prompt.text or "")
-        if not ids:
-            raise BadInput(f"--prompts: prompt {n} ({prompt.preview()!r}) tokenizes to nothing; give a longer one")
-        out.append(ScanPrompt(f"prompt_{n}", "file", ids, prompt.preview()))
-    return out
+    return [
+        ScanPrompt(f"prompt_{n}", "file", prompt_ids(prompt, n, tokenize), prompt.preview())
+        for n, prompt in enumerate(read_prompts(path))
+    ]
 
 
 def _by_length(rows: list[list[int]], batch_size: int) -> list[list[int]]:
     """Batches of row indices, rows of similar length together (the least padding)."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _padded(rows: list[list[int]], side: str = "right") -> Any:
+    """Token-id rows as one padded batch (ids already checked against the vocabulary)."""
+    return make_batch([Prompt(ids=tuple(r)) for r in rows], None, vocab=1 << 62, pad_id=0, padding_side=side)
 
 
 def _logits(
@@ -138,15 +135,17 @@ def _logits(
     forward (padded on the right, with the attention mask and positions over the real tokens); `done`
     is told how many rows are through after each forward."""
     out: list[torch.Tensor | None] = [None] * len(rows)
+    finished = 0
     for chunk in _by_length(rows, batch_size):
-        batch = make_batch([Prompt(ids=tuple(rows[i])) for i in chunk], None, vocab=1 << 62, pad_id=0)
+        batch = _padded([rows[i] for i in chunk])
         with torch.no_grad():
             logits = model(**batch.tensors(device), use_cache=False).logits
         if logits is None:
             raise BadInput("the candidate gives no logits (its forward returns none): scan needs a causal LM")
         for n, i in enumerate(chunk):
             out[i] = logits[n, : len(rows[i])].float().cpu()
-        done(sum(t is not None for t in out))
+        finished += len(chunk)
+        done(finished)
     return out  # type: ignore[return-value]
 
 
@@ -169,8 +168,7 @@ def _continue(
     finished = 0
     for indices in _by_length(sequences, batch_size):
         chunk = [sequences[i] for i in indices]  # continued in place
-        batch = make_batch([Prompt(ids=tuple(r)) for r in chunk], None, vocab=1 << 62, pad_id=0, padding_side="left")
-        inputs = batch.tensors(device)
+        inputs = _padded(chunk, "left").tensors(device)
         mask, positions = inputs["attention_mask"], inputs["position_ids"]
         cache = DynamicCache(config=model.config)
         ids = inputs["input_ids"]

@@ -162,11 +162,10 @@ class DumpBackend(Backend):
         shape = list(entry["tensors"][key]["shape"])
         kept = self.golden.captured_tokens
         if kept is not None and point.step is None:
-            every = self.batch * self.seq
             if len(shape) >= 2 and shape[:2] == [self.batch, len(kept)]:
                 shape[1] = self.seq
             elif shape and shape[0] == self.batch * len(kept):
-                shape[0] = every
+                shape[0] = self.batch * self.seq
         return torch.Size(shape)
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:

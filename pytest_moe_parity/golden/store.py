@@ -4,6 +4,7 @@ sha256 once, and hands out owned copies of the tensors (no file stays mapped).""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -236,10 +237,11 @@ class GoldenStore:
             self._padding = ([i for i, m in enumerate(flat) if not m], len(flat))
         return self._padding
 
-    @property
+    @functools.cached_property
     def captured_tokens(self) -> list[int] | None:
         """`--capture-tokens`: the token positions whose outputs the golden keeps (none of the points'
-        inputs: it is judged chained); None where it keeps every token and every input."""
+        inputs: it is judged chained); None where it keeps every token and every input. Read once:
+        every prefill point's verdict asks."""
         entry = self.manifest.get("capture_tokens")
         return list(entry["positions"]) if entry else None
 

@@ -84,6 +84,11 @@ class Batch:
     def length(self) -> int:
         return len(self.input_ids[0])
 
+    @property
+    def padded(self) -> bool:
+        """Whether any row holds padding."""
+        return any(0 in row for row in self.attention_mask)
+
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The forward's inputs: input_ids, attention_mask and position_ids."""
         return {
@@ -104,6 +109,22 @@ class Batch:
             "pad_token_id": self.pad_id,
             "prompts": self.previews,
         }
+
+
+def prompt_ids(prompt: Prompt, n: int, tokenize: Callable[[str], list[int]] | None) -> list[int]:
+    """Prompt `n`'s token ids: as given, or its text tokenized; BadInput for text without a tokenizer,
+    or text that tokenizes to nothing."""
+    if prompt.ids is not None:
+        return list(prompt.ids)
+    if tokenize is None:
+        raise BadInput(
+            f"--prompts: prompt {n} is text and the model has no tokenizer; give its token ids "
+            '(a JSONL line {"ids": [...]})'
+        )
+    ids = tokenize(prompt.text or "")
+    if not ids:
+        raise BadInput(f"--prompts: prompt {n} ({prompt.preview()!r}) tokenizes to nothing; give a longer one")
+    return ids
 
 
 def positions_of(mask: torch.Tensor) -> torch.Tensor:
@@ -131,17 +152,7 @@ def make_batch(
         raise BadInput(f"--padding-side {padding_side!r}: choose left or right")
     rows: list[list[int]] = []
     for n, prompt in enumerate(prompts):
-        if prompt.ids is not None:
-            ids = list(prompt.ids)
-        elif tokenize is None:
-            raise BadInput(
-                f"--prompts: prompt {n} is text and the model has no tokenizer; give its token ids "
-                '(a JSONL line {"ids": [...]})'
-            )
-        else:
-            ids = tokenize(prompt.text or "")
-            if not ids:
-                raise BadInput(f"--prompts: prompt {n} ({prompt.preview()!r}) tokenizes to nothing; give a longer one")
+        ids = prompt_ids(prompt, n, tokenize)
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise BadInput(f"--prompts: prompt {n} has token ids {bad[:5]} outside the vocabulary of {vocab} tokens")

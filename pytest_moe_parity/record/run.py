@@ -486,8 +486,7 @@ class GoldenRequest:
             batch_size=self.batch_size,
             seq_len=self.seq_len,
         )
-        padded = any(0 in row for row in batch.attention_mask)
-        if (batch.rows > 1 or padded) and (self.decode_steps or positions):
+        if (batch.rows > 1 or batch.padded) and (self.decode_steps or positions):
             shape = f"a batch of {batch.rows} rows" if batch.rows > 1 else "a padded prompt"
             raise BadInput(
                 f"decode steps are recorded for one unpadded prompt, and --prompts gives {shape}: record the "
@@ -571,7 +570,7 @@ class CheckedRequest:
         kept = f" ({len(self.kept)} kept: --capture-tokens)" if self.kept is not None else ""
         if self.batch is None:
             return f"{len(self.ids)} tokens{kept}"
-        side = f", padded {self.batch.padding_side}" if any(0 in row for row in self.batch.attention_mask) else ""
+        side = f", padded {self.batch.padding_side}" if self.batch.padded else ""
         return f"{self.batch.rows} rows of {self.batch.length} tokens{side}{kept}"
 
 
