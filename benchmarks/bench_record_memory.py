@@ -58,7 +58,9 @@ def record(model_dir: Path, golden: Path, seq_len: int, *extra: str) -> dict:
     host = manifest["stats"]["host_weight_bytes"]
     captures = max(p.stat().st_size for p in golden.glob("layer_*.safetensors"))
     overhead = out["peak"] - out["baseline"] - host - 2 * captures
-    return {**out, "host": host, "captures": captures, "overhead": overhead, "golden_bytes": manifest["stats"]["bytes"]}
+    stats = manifest["stats"]
+    return {**out, "host": host, "captures": captures, "overhead": overhead, "golden_bytes": stats["bytes"],
+            "seconds": stats["seconds"]}  # fmt: skip
 
 
 def main() -> None:
@@ -67,6 +69,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--overhead-mb", type=float, default=256.0)
     ap.add_argument("--keep", type=Path, default=None, help="write (and reuse) the checkpoints here")
+    ap.add_argument(
+        "--placements",
+        default="memory,stream,offload",
+        help="which of the three ways to record (memory, stream, offload; comma-separated)",
+    )
     args = ap.parse_args()
     mb = 2**20
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,11 +85,11 @@ def main() -> None:
         for layers in (int(n) for n in args.layers.split(",")):
             model_dir = write_checkpoint(root, layers)
             runs = {
-                "in memory": (),
-                "--stream": ("--stream",),
-                "disk offload": ("--max-memory", "cpu:256MB", "--offload-folder", str(root / "offload")),
+                "memory": ("in memory", ()),
+                "stream": ("--stream", ("--stream",)),
+                "offload": ("disk offload", ("--max-memory", "cpu:256MB", "--offload-folder", str(root / "offload"))),
             }
-            for name, extra in runs.items():
+            for name, extra in (runs[k] for k in args.placements.split(",")):
                 golden = root / f"golden-mem-{layers}"
                 r = record(model_dir, golden, args.seq_len, *extra)
                 shutil.rmtree(golden, ignore_errors=True)
@@ -90,7 +97,8 @@ def main() -> None:
                 worst = max(worst, r["overhead"] / mb)
                 print(f"{layers:>6} {name:<12} {r['peak'] / mb:7.0f}MB {r['baseline'] / mb:7.0f}MB "
                       f"{r['host'] / mb:7.0f}MB {r['captures'] / mb:6.1f}MB {r['overhead'] / mb:7.0f}MB  "
-                      f"{'holds' if ok else 'EXCEEDED'}")  # fmt: skip
+                      f"{'holds' if ok else 'EXCEEDED'}  ({r['seconds']:.0f} s, {r['golden_bytes'] / 1e9:.1f} GB)",
+                      flush=True)  # fmt: skip
         print(f"largest overhead {worst:.0f} MB (bound {args.overhead_mb:.0f} MB)")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import compat
+from .model.attention import DEFAULT_BUDGET_MIB
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -150,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep only these token positions of every prefill point's output (e.g. 0-63,last-64) and none of "
         "their inputs: a long context's golden on a disk budget, judged in --parity-mode chain",
     )
+    golden.add_argument(
+        "--attention-budget",
+        dest="attention_budget_mb",
+        type=float,
+        default=DEFAULT_BUDGET_MIB,
+        metavar="MIB",
+        help=f"the most eager attention's score arrays may hold at once (default {DEFAULT_BUDGET_MIB:g}): a longer "
+        "prompt runs the "
+        "model's own eager attention a block of query rows at a time, so recording 16k tokens holds no T x T "
+        "scores; 0 runs it whole",
+    )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(
         "--trust-remote-code",
@@ -186,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help='one prompt per line, text or JSONL ({"text": ...} or {"ids": [...]}); default: the built-in set '
         "(lengths around 2^k, repeated tokens, a long-range copy; numbers, code, languages with a tokenizer)",
+    )
+    scan.add_argument(
+        "--hw",
+        default=None,
+        metavar="NAME",
+        help="run --candidate through this backend's whole-model run (cpu, cuda, or a third-party backend whose "
+        "chain_kind is 'model') instead of with transformers on --device",
+    )
+    scan.add_argument(
+        "--hw-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the --hw backend (repeatable), as pytest's --hw-option",
     )
     scan.add_argument("--dtype", default="bfloat16", help="the candidate's dtype (default: bfloat16)")
     scan.add_argument("--device", default="cpu", help="device for the three runs (default: cpu)")
@@ -658,8 +684,10 @@ def cmd_scan(args: argparse.Namespace) -> int:
     request = ScanRequest(
         args.model, args.candidate, prompts=args.prompts, dtype=args.dtype, device=args.device,
         new_tokens=args.new_tokens, batch_size=args.batch_size, trust_remote_code=args.trust_remote_code,
-        logits_dir=args.logits,
+        logits_dir=args.logits, hw=args.hw, hw_options=args.hw_option,
     )  # fmt: skip
+    if args.hw is None and args.hw_option:
+        return _fail("--hw-option sets the --hw backend's options: add --hw NAME")
     if args.logits is not None and args.prompts is not None:
         return _fail("--logits reads the prompts of DIR/inputs.jsonl (written by --write-inputs); drop --prompts")
     if args.write_inputs is not None and (args.record_worst or args.json or args.plot):

@@ -15,20 +15,22 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .backends import Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .dtypes import dtype_name, json_safe
-from .errors import BadInput
+from .errors import BackendError, BadInput
 from .judge.logits import compare_logits
 from .judge.tolerances import default_tolerance
+from .model.archs import plan_points
 from .model.calls import cache_kwarg
 from .points import LOGITS
-from .record.prompts import Prompt, make_batch, prompt_ids, read_prompts
+from .record.prompts import Batch, Prompt, make_batch, prompt_ids, read_prompts
 from .record.run import load_config, load_model, tokenizer_of
 
 # A floor for the reference's own logits error: a reference whose low-precision run is exact (a
@@ -128,8 +130,21 @@ def _padded(rows: list[list[int]], side: str = "right") -> Any:
     return make_batch([Prompt(ids=tuple(r)) for r in rows], None, vocab=1 << 62, pad_id=0, padding_side=side)
 
 
+def model_forward(model: Any, device: str) -> Callable[[Batch], torch.Tensor | None]:
+    """A transformers causal LM's logits [B, T, V] on a padded batch (one forward, no cache)."""
+
+    def forward(batch: Batch) -> torch.Tensor | None:
+        with torch.no_grad():
+            return model(**batch.tensors(device), use_cache=False).logits
+
+    return forward
+
+
 def _logits(
-    model: Any, rows: list[list[int]], device: str, batch_size: int, done: Callable[[int], None] = lambda n: None
+    forward: Callable[[Batch], torch.Tensor | None],
+    rows: list[list[int]],
+    batch_size: int,
+    done: Callable[[int], None] = lambda n: None,
 ) -> list[torch.Tensor]:
     """Each row's logits [T_row, V] in float32, teacher-forced, `batch_size` rows of similar length per
     forward (padded on the right, with the attention mask and positions over the real tokens); `done`
@@ -137,9 +152,7 @@ def _logits(
     out: list[torch.Tensor | None] = [None] * len(rows)
     finished = 0
     for chunk in _by_length(rows, batch_size):
-        batch = _padded([rows[i] for i in chunk])
-        with torch.no_grad():
-            logits = model(**batch.tensors(device), use_cache=False).logits
+        logits = forward(_padded([rows[i] for i in chunk]))
         if logits is None:
             raise BadInput("the candidate gives no logits (its forward returns none): scan needs a causal LM")
         for n, i in enumerate(chunk):
@@ -232,6 +245,44 @@ def _finite(x: float) -> float:
 INPUTS_FILE = "inputs.jsonl"
 
 
+def whole_model_backend_class(name: str, options: Sequence[str]) -> type[Backend]:
+    """The backend `name`, checked before any run: it exists, has a whole-model run and takes these
+    options (BadInput in one line otherwise)."""
+    backends = registry()
+    if name not in backends:
+        raise BadInput(f"--hw {name!r} is not a known backend; available: {', '.join(sorted(backends))}")
+    try:
+        cls = backend_class(name)
+        cls.parse_options(parse_hw_options(options))
+    except (ValueError, BackendError) as exc:
+        raise BadInput(str(exc) if str(exc).startswith("--") else f"--hw {name}: {exc}") from None
+    if cls.chain_kind != "model":
+        raise BadInput(
+            f"--hw {name} has no whole-model run (its chain is {cls.chain_kind or 'none'}): scan runs a backend whose "
+            "chain_kind is 'model' (cpu, cuda); for another port, --write-inputs DIR, then --logits DIR"
+        )
+    return cls
+
+
+def whole_model_backend(
+    name: str, options: Sequence[str], candidate: Path, dtype: torch.dtype, trust_remote_code: bool
+) -> Backend:
+    """The backend `name` built on the candidate checkpoint for its whole-model run, with no golden
+    (`BackendSetup.golden` is None: a scan has none); BadInput in one line where it cannot be."""
+    cls = whole_model_backend_class(name, options)
+    try:
+        setup = BackendSetup(None, candidate, dtype, options=parse_hw_options(options),  # type: ignore[arg-type]
+                             trust_remote_code=trust_remote_code)  # fmt: skip
+        backend = cls(setup)
+        backend.start()
+    except (ValueError, BackendError) as exc:
+        raise BadInput(str(exc) if str(exc).startswith("--") else f"--hw {name}: {exc}") from None
+    except AttributeError as exc:
+        raise BadInput(f"--hw {name} cannot be built without a golden ({exc}); scan it with --write-inputs DIR, "
+                       "then --logits DIR") from None  # fmt: skip
+    return backend
+
+
 @dataclass
 class ScanRequest:
     """A scan, as `moe-parity scan` is asked for it; `run()` checks it first (BadInput). The candidate
@@ -247,6 +298,8 @@ class ScanRequest:
     batch_size: int = 8
     trust_remote_code: bool = False
     logits_dir: Path | None = None
+    hw: str | None = None  # the candidate checkpoint run through this backend's whole-model run
+    hw_options: Sequence[str] = ()  # its --hw-option KEY=VALUE settings
 
     def _check(self) -> tuple[torch.dtype, Any]:
         from .dtypes import parse_dtype
@@ -260,6 +313,13 @@ class ScanRequest:
         config = load_config(self.model_dir, trust_remote_code=self.trust_remote_code)
         if self.candidate_dir is not None:
             load_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
+        if self.hw is not None:
+            if self.candidate_dir is None:
+                raise BadInput(
+                    f"--hw {self.hw} runs the --candidate checkpoint; --write-inputs and --logits are for a port run "
+                    "elsewhere: drop one"
+                )
+            whole_model_backend_class(self.hw, self.hw_options)  # before anything runs
         return dtype, config
 
     def _prompts(self, config: Any) -> list[ScanPrompt]:
@@ -281,6 +341,29 @@ class ScanRequest:
     def _load(self, path: Path, dtype: torch.dtype) -> Any:
         load = dict(device=self.device, device_map=None, max_memory=None, trust_remote_code=self.trust_remote_code)
         return load_model(path, dtype=dtype, **load)
+
+    def _candidate(self, dtype: torch.dtype, plan: Any) -> tuple[Callable[[Batch], torch.Tensor | None], Callable]:
+        """How the candidate gives logits (and how it is let go): its checkpoint loaded here with
+        transformers, or, with `hw`, that backend's whole-model run (`Backend.run_model`) on it."""
+        if self.hw is None:
+            candidate = self._load(self.candidate_dir, dtype)
+            return model_forward(candidate, self.device), lambda: None
+        backend = whole_model_backend(self.hw, self.hw_options, self.candidate_dir, dtype, self.trust_remote_code)
+        logits = next((p for p in plan.points if p.component == LOGITS), None)
+        if logits is None:
+            raise BadInput(f"{self.model_dir}: no logits point found in its architecture; scan it with --candidate")
+
+        def forward(batch: Batch) -> torch.Tensor | None:
+            t = batch.tensors("cpu")
+            padding = {"attention_mask": t["attention_mask"], "position_ids": t["position_ids"]}
+            try:
+                out = backend.run_model(t["input_ids"], [logits], padding=padding)
+            except BackendError as exc:
+                raise BadInput(f"--hw {self.hw}: {exc}") from None
+            value = out.get(logits.id)
+            return value[0] if isinstance(value, tuple | list) else value
+
+        return forward, backend.close
 
     def write_inputs(self, out: Path, say: Callable[[str], None] = lambda msg: None) -> Path:
         """The teacher-forced sequences (each prompt and the reference's continuation), one JSON line
@@ -358,7 +441,7 @@ class ScanRequest:
             what = f"the logits in {self.logits_dir}"
         else:
             prompts = self._prompts(config)
-            what = f"candidate {self.candidate_dir}"
+            what = f"candidate {self.candidate_dir}" + (f" (--hw {self.hw})" if self.hw else "")
         source = f"{self.prompts}" if self.prompts else self.logits_dir or "the built-in set"
         say(f"scan: {len(prompts)} prompts from {source}, {self.new_tokens} new tokens each, {what} in "
             f"{dtype_name(dtype)} against {self.model_dir} (float32)")  # fmt: skip
@@ -371,15 +454,20 @@ class ScanRequest:
         if self.logits_dir is None:
             sequences = _continue(reference, prompts, self.new_tokens, self.device, self.batch_size,
                                   progress("the reference's continuation"))  # fmt: skip
-        ref_logits = _logits(reference, sequences, self.device, self.batch_size, progress("the reference (float32)"))
+        ref_logits = _logits(model_forward(reference, self.device), sequences, self.batch_size,
+                             progress("the reference (float32)"))  # fmt: skip
+        plan = plan_points(reference) if self.hw is not None else None
         del reference
         low = self._load(self.model_dir, dtype)
-        low_logits = _logits(low, sequences, self.device, self.batch_size, progress(f"the reference ({self.dtype})"))
+        low_logits = _logits(model_forward(low, self.device), sequences, self.batch_size,
+                             progress(f"the reference ({self.dtype})"))  # fmt: skip
         del low
         if self.logits_dir is None:
-            candidate = self._load(self.candidate_dir, dtype)
-            cand_logits = _logits(candidate, sequences, self.device, self.batch_size, progress("the candidate"))
-            del candidate
+            forward, close = self._candidate(dtype, plan)
+            try:
+                cand_logits = _logits(forward, sequences, self.batch_size, progress("the candidate"))
+            finally:
+                close()
         tol = default_tolerance(dtype, LOGITS)
         results = []
         for i, (p, seq) in enumerate(zip(prompts, sequences, strict=True)):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import faults
 import pytest
+import torch
 from helpers import cli, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
@@ -145,3 +146,111 @@ def test_a_dump_of_every_token_is_judged_on_the_kept_ones(tmp_path: Path, tiny_m
     assert f"{n} points: {n} passed, 0 failed, 0 errors" in out
     rows = read_json(tmp_path / "r" / REPORT_FILE)["points"]
     assert all(r["mode"] == "chain" for r in rows)
+
+
+# --- eager attention a block of query rows at a time (--attention-budget) ----------------------------
+
+TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+ONE_ROW = 1e-9  # MiB: a budget no score array fits, so that every block is one query row
+
+
+def _tensors(golden: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{f.name}:{k}": t for f in sorted(golden.glob("*.safetensors")) for k, t in load_file(f).items()}
+
+
+def _specs(golden: Path) -> list:
+    return [(p["id"], p["inputs"], p["output"], p["extras"]) for p in read_json(golden / "manifest.json")["points"]]
+
+
+@pytest.mark.parametrize("arch", TABLE_ARCHS)
+def test_attention_in_row_blocks_records_what_whole_eager_attention_records(
+    arch: str, tmp_path: Path, tiny_model, monkeypatch
+) -> None:
+    """The model's own eager attention run one query row at a time (a 16k prompt's scores would not
+    fit) records the golden whole eager attention records: the same points, the same specs (the
+    causal mask kept as its spec, gpt_oss's sliding-window mask made whole and stored), tensors
+    within float32 rounding; over a left-padded batch, and over one prompt with decode steps."""
+    from pytest_moe_parity.model import attention
+
+    calls = []
+    eager_of = attention.eager_of
+    monkeypatch.setattr(attention, "eager_of", lambda m: calls.append(m) or eager_of(m))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": r}) + "\n" for r in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14])))
+    for name, options in {
+        "batch": {"prompts": prompts, "padding_side": "left"},
+        "decode": {"seq_len": 9, "decode_steps": 2},
+    }.items():
+        whole, blocks = tmp_path / f"{name}-whole", tmp_path / f"{name}-blocks"
+        record_golden(tiny_model(arch), whole, **options)
+        assert not calls  # a short prompt's scores fit the default budget: eager attention whole
+        record_golden(tiny_model(arch), blocks, attention_budget_mb=ONE_ROW, **options)
+        assert calls, "the attention never ran in blocks"
+        calls.clear()
+        assert read_json(blocks / "manifest.json")["record"]["attention_query_rows"] == 1
+        assert "attention_query_rows" not in read_json(whole / "manifest.json")["record"]
+        assert _specs(blocks) == _specs(whole)
+        a, b = _tensors(whole), _tensors(blocks)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-6), key
+    masks = [kw["attention_mask"]["t"] for _, inputs, _, _ in _specs(tmp_path / "batch-blocks")
+             for kw in [inputs["kwargs"]] if "attention_mask" in kw]  # fmt: skip
+    assert "causal_mask" in masks
+
+
+@pytest.mark.parametrize("budget", [None, "1e-9"])
+def test_a_golden_recorded_in_row_blocks_replays_in_both_modes(
+    budget: str | None, tmp_path: Path, tiny_model, pytester, monkeypatch
+) -> None:
+    """Replayed by `--hw cpu` with its attention whole (a short prompt) or a row at a time
+    (`--hw-option attention_budget`, as a long prompt's replay runs: isolated points and the chain's
+    whole-model run)."""
+    from pytest_moe_parity.model import attention
+
+    golden = tmp_path / "golden"
+    record_golden(tiny_model("qwen3_moe"), golden, seq_len=24, decode_steps=1, attention_budget_mb=ONE_ROW)
+    calls = []
+    eager_of = attention.eager_of
+    monkeypatch.setattr(attention, "eager_of", lambda m: calls.append(m) or eager_of(m))
+    report = pytester.path / "report"
+    options = ["--hw-option", f"attention_budget={budget}"] if budget else []
+    result = run_parity(pytester, golden, "--parity-mode", "both", "--parity-report", str(report), *options)
+    result.assert_outcomes(passed=len(read_json(report / REPORT_FILE)["points"]))
+    assert bool(calls) == bool(budget)
+
+
+def test_golden_says_when_attention_runs_in_row_blocks(tmp_path: Path, tiny_model, capsys) -> None:
+    model = tiny_model("qwen3_moe")
+    code, out, _ = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--seq-len", 64,
+                       "--attention-budget", "0.01")  # fmt: skip
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("attention:"))
+    assert fnmatch.fnmatch(line, "attention: eager, * query rows at a time (whole, its score arrays would hold "
+                                 "* per layer at 64 tokens; --attention-budget 0.01 MiB)"), line  # fmt: skip
+    code, _, err = cli(capsys, "golden", "--model", model, "--out", tmp_path / "h", "--attention-budget", "-1")
+    assert code == 2 and not (tmp_path / "h").exists()
+    said = "--attention-budget -1: give the MiB attention's scores may hold, 0 or more"
+    assert err.strip() == f"moe-parity: error: {said}"
+
+
+def test_a_row_mask_is_the_eager_mask_a_block_at_a_time() -> None:
+    """`LazyMask` rows are the rows of the mask transformers gives eager attention, and a causal one
+    is found causal without being made whole."""
+    from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
+
+    from pytest_moe_parity.golden.spec import causal_mask_spec
+    from pytest_moe_parity.model.attention import LazyMask
+
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    kwargs = {"batch_size": 2, "q_length": 8, "kv_length": 8, "attention_mask": padding, "dtype": torch.float32}
+    whole = eager_mask(**kwargs)
+    lazy = LazyMask(eager_mask, kwargs)
+    assert lazy.shape == tuple(whole.shape) and torch.equal(lazy.materialize(), whole)
+    assert torch.equal(torch.cat([lazy.rows(0, 3), lazy.rows(3, 8)], dim=2), whole)
+    assert causal_mask_spec(lazy, padding.int().tolist()) == causal_mask_spec(whole, padding.int().tolist())
+    assert causal_mask_spec(lazy, padding.int().tolist())["t"] == "causal_mask"
+    window = LazyMask(eager_mask, {**kwargs, "mask_function": sliding_window_causal_mask_function(3)})
+    assert causal_mask_spec(window, padding.int().tolist()) is None  # not causal: stored whole

@@ -59,6 +59,44 @@ def test_a_candidate_broken_on_repeated_tokens_ranks_those_prompts_first_and_rec
         assert ids[: r["prompt_tokens"]] in [p[: len(ids)] for p in REPEATS]
 
 
+def test_a_backend_s_whole_model_run_is_a_scan_candidate(tmp_path: Path, tiny_model, capsys) -> None:
+    """`--hw cpu` runs the candidate through the backend's own whole-model run (`run_model`, its layers
+    read as they run): the same prompts rank first, beyond tolerance, as with --candidate alone."""
+    model = tiny_model("qwen3_moe")
+    candidate = _broken_on_repeats(model, tmp_path / "candidate")
+    code, stdout, err = cli(capsys, "scan", "--model", model, "--candidate", candidate, "--hw", "cpu", "--hw-option",
+                            "max_layers=1", "--prompts", _prompts(tmp_path / "p.jsonl"), "--new-tokens", "3",
+                            "--json", tmp_path / "s.json")  # fmt: skip
+    assert code == 1, stdout + err
+    assert f"candidate {candidate} (--hw cpu) in bfloat16" in stdout
+    results = read_json(tmp_path / "s.json")["prompts"]
+    assert {r["name"] for r in results[:4]} == {"prompt_4", "prompt_5", "prompt_10", "prompt_11"}
+    assert all(r["beyond"] for r in results[:4]) and not any(r["beyond"] for r in results[4:])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hw", "trace"], "--hw trace has no whole-model run (its chain is points): scan runs a backend whose *"),
+        (["--hw", "nowhere"], "--hw 'nowhere' is not a known backend; available: *cpu*"),
+        (["--hw", "cpu", "--hw-option", "bogus=1"], "--hw-option bogus=1: the cpu backend has no option 'bogus'*"),
+        (["--hw-option", "max_layers=1"], "--hw-option sets the --hw backend's options: add --hw NAME"),
+        (["--logits", "DIR", "--hw", "cpu"], "--hw cpu runs the --candidate checkpoint; --write-inputs and --logits *"),
+    ],
+)
+def test_a_scan_backend_that_cannot_run_says_so_in_one_line(
+    args: list[str], message: str, tmp_path: Path, tiny_model, capsys
+) -> None:
+    import fnmatch
+
+    model = tiny_model("qwen3_moe")
+    candidate = [] if "--logits" in args else ["--candidate", model]
+    args = [str(tmp_path) if a == "DIR" else a for a in args]
+    code, _, err = cli(capsys, "scan", "--model", model, *candidate, "--new-tokens", "2", *args)
+    said = err.strip().splitlines()
+    assert code == 2 and len(said) == 1 and fnmatch.fnmatch(said[0], f"moe-parity: error: {message}"), err
+
+
 def test_a_clean_candidate_scans_clean_on_the_built_in_set(tmp_path: Path, tiny_model, capsys) -> None:
     """The candidate is the reference's own checkpoint in bfloat16: every flip is the reference's own
     rounding, and the noise ratio is 1."""

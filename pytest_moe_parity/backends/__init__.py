@@ -82,6 +82,8 @@ class HwOption:
 class BackendSetup:
     """What a backend is built from."""
 
+    # None where the backend is built for its whole-model run alone (`moe-parity scan --hw`, which has
+    # no golden): a backend with chain_kind "model" must not need it to start or for `run_model`
     golden: GoldenStore
     model_dir: Path | None  # the candidate (--model): a checkpoint, or a directory of dumped tensors
     dtype: torch.dtype | None = None  # --dtype; None: the backend's native dtype, else the golden's
@@ -267,6 +269,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """An HwOption parser: a number of at least 0."""
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"expected a number of at least 0, got {text!r}")
     return value
 
 

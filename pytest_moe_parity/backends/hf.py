@@ -3,6 +3,7 @@ per layer on demand (see `model.lazy_model`)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -12,11 +13,12 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
+from ..model.attention import DEFAULT_BUDGET_MIB, chunked_attention, chunking
 from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
-from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, positive_int
+from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
 
 
 class TorchBackend(Backend):
@@ -34,6 +36,13 @@ class TorchBackend(Backend):
             "threads",
             "intra-op threads of the forwards (default: torch's, less one while the next layer is read ahead)",
             positive_int,
+        ),
+        HwOption(
+            "attention_budget",
+            f"MiB eager attention's score arrays may hold at once; a longer prompt runs the attention a block of "
+            f"query rows at a time, as `moe-parity golden` records it (default: {DEFAULT_BUDGET_MIB:g}; 0: whole)",
+            non_negative,
+            DEFAULT_BUDGET_MIB,
         ),
     )
     device_type = "cpu"
@@ -77,6 +86,16 @@ class TorchBackend(Backend):
         assert self.lazy is not None
         return self.lazy
 
+    def _attention(self, rows: int, tokens: int) -> contextlib.AbstractContextManager:
+        """Eager attention whole, or a block of query rows at a time where the score arrays of `rows` x
+        `tokens` queries would exceed the `attention_budget` option (`model.attention`)."""
+        mib = self.hw_options["attention_budget"]
+        budget = max(1, int(mib * 2**20)) if mib > 0 else 0
+        model = self._model().model
+        if not budget or chunking(model.config, tokens, rows, budget) is None:
+            return contextlib.nullcontext()
+        return chunked_attention(model, budget)
+
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         lazy = self._model()
         module = lazy.module(point.module)
@@ -90,7 +109,7 @@ class TorchBackend(Backend):
             handle = lazy.module(router.module).register_forward_hook(lambda m, a, out: routing.append(out))
         started = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._attention(self.golden.sequences, self.golden.prefill_tokens):
                 output = module(*args, **kwargs)
         finally:
             if handle is not None:
@@ -122,7 +141,7 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
-        with lazy.streaming() as model, torch.no_grad():
+        with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape):
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
                 padded = {k: v.to(self.device) for k, v in (padding or {}).items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,38 +34,73 @@ def _scalar_spec(value: Any) -> Spec:
     return {"t": "value", "value": value}
 
 
+@runtime_checkable
+class RowMask(Protocol):
+    """A 4-D attention mask made a block of query rows at a time, never whole unless asked
+    (`model.attention.LazyMask`: eager attention run in blocks of query rows on a long prompt)."""
+
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor | None: ...
+
+    def materialize(self) -> torch.Tensor | None: ...
+
+
 def causal_mask(
-    shape: tuple[int, ...] | list[int], dtype: torch.dtype, padding: list[list[int]] | None
+    shape: tuple[int, ...] | list[int],
+    dtype: torch.dtype,
+    padding: list[list[int]] | None,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The causal attention mask `[B | 1, 1, Q, K]` transformers' eager attention takes: query `i` (at key
     position `K - Q + i`) sees the keys up to its own that are real tokens (`padding`: the batch's
     attention mask `[B, K]`, 1 for a real token); allowed entries 0 and the others the dtype's minimum
-    (or True / False for a boolean mask)."""
+    (or True / False for a boolean mask). `rows=(start, stop)`: those query rows only."""
     b, h, q, k = shape
-    allowed = (torch.arange(k)[None, :] <= torch.arange(q)[:, None] + (k - q))[None, None]
+    start, stop = rows if rows is not None else (0, q)
+    allowed = (torch.arange(k)[None, :] <= torch.arange(start, stop)[:, None] + (k - q))[None, None]
     if padding is not None:
         allowed = allowed & torch.tensor(padding, dtype=torch.bool)[:, None, None, :k]
-    allowed = allowed.expand(b, h, q, k)
+    allowed = allowed.expand(b, h, stop - start, k)
     if dtype == torch.bool:
         return allowed.contiguous()
     masked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     return torch.where(allowed, torch.zeros((), dtype=dtype), masked).contiguous()
 
 
-def causal_mask_spec(t: torch.Tensor, padding: list[list[int]] | None) -> Spec | None:
+MASK_BLOCK_BYTES = 16 * 2**20  # a mask too large for this is compared with the causal one a block of rows at a time
+
+
+def mask_shaped(t: torch.Tensor | RowMask) -> bool:
+    """Whether `t` has the shape and dtype of an attention mask `[B, 1, Q, K]` (Q <= K) worth a spec."""
+    shape = tuple(t.shape)
+    if len(shape) != 4 or shape[1] != 1 or shape[2] > shape[3] or math.prod(shape) < 64:
+        return False
+    return not isinstance(t, torch.Tensor) or (
+        (t.dtype == torch.bool or t.is_floating_point()) and t.device.type != "meta"
+    )
+
+
+def causal_mask_spec(t: torch.Tensor | RowMask, padding: list[list[int]] | None) -> Spec | None:
     """A spec that rebuilds `t` where it is exactly the causal mask of its shape over the batch's
     padding (`causal_mask`): a `[1, 1, T, T]` float32 mask is T^2 * 4 bytes per layer (1 GiB at 16k
-    tokens), its spec a line; None for any other tensor."""
-    if t.dim() != 4 or t.shape[1] != 1 or t.shape[2] > t.shape[3] or t.numel() < 64:
+    tokens), its spec a line; None for any other tensor. A `RowMask` is compared a block of rows at
+    a time, without being made whole."""
+    if not mask_shaped(t):
         return None
-    if not (t.dtype == torch.bool or t.is_floating_point()) or t.device.type == "meta":
-        return None
+    shape = tuple(t.shape)
     rows = len(padding) if padding is not None else 1
-    if padding is not None and (t.shape[0] != rows or len(padding[0]) < t.shape[3]):
+    if padding is not None and (shape[0] != rows or len(padding[0]) < shape[3]):
         padding = None  # another batch than the recorded one's: compared without it
-    if not torch.equal(t.detach().cpu(), causal_mask(tuple(t.shape), t.dtype, padding)):
-        return None
-    return {"t": "causal_mask", "shape": list(t.shape), "dtype": dtype_name(t.dtype), "padded": padding is not None}
+    q = shape[2]
+    step = max(1, MASK_BLOCK_BYTES // max(1, shape[0] * shape[3] * 4))
+    for start in range(0, q, step):
+        stop = min(q, start + step)
+        got = t.rows(start, stop) if isinstance(t, RowMask) else t[:, :, start:stop]
+        if got is None or not torch.equal(got.detach().cpu(), causal_mask(shape, t.dtype, padding, (start, stop))):
+            return None
+    return {"t": "causal_mask", "shape": list(shape), "dtype": dtype_name(t.dtype), "padded": padding is not None}
 
 
 def parse_token_spec(text: str, tokens: int) -> list[int]:
@@ -148,6 +183,9 @@ class Flattener:
             return spec
         if obj is None:
             return {"t": "none"}
+        if isinstance(obj, RowMask):  # kept as the spec that makes it, else made whole and stored
+            compact = self.compact(obj) if self.compact is not None else None
+            return compact if compact is not None else self.flatten(obj.materialize(), key)
         if isinstance(obj, CacheState):
             return {
                 "t": "cache",

@@ -199,5 +199,5 @@ def content_digest(tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[key].detach().to("cpu").contiguous()
         h.update(f"{key}|{dtype_name(t.dtype)}|{list(t.shape)}\n".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # hashed in place, not copied
     return h.hexdigest()

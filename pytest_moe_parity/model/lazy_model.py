@@ -62,6 +62,19 @@ def malloc_trim() -> None:
         _LIBC.malloc_trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_allocations(threshold: int = 2**20) -> None:
+    """Serve every allocation of `threshold` bytes or more from its own mapping, handed back to the OS
+    when freed (glibc; a no-op elsewhere). glibc otherwise raises its mmap threshold to the size of
+    each large block freed, and a long prompt's activations (tens of MB each) then come from a heap
+    whose freed pages stay resident: at 4096 tokens that moved a recording's peak between 0.95 and
+    1.35 GB from run to run, against 0.84 GB with this. Process-wide, and left set."""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(M_MMAP_THRESHOLD, int(threshold))
+
+
 def _rss_bytes() -> int | None:
     """This process's resident set size (Linux), or None."""
     try:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput, CheckpointError
+from ..model.attention import DEFAULT_BUDGET_MIB, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_tensors
 
 NAMES = SAFETENSORS_FLOATS
@@ -268,14 +269,16 @@ class Shape:
             expert_inter=first("moe_intermediate_size", "intermediate_size"),
         )
 
-    def activations(self, tokens: int, size: int) -> int:
+    def activations(self, tokens: int, size: int, attention_budget: int = int(DEFAULT_BUDGET_MIB * 2**20)) -> int:
         """Peak activations of one decoder layer's forward, batch 1: a few hidden-size tensors, the
-        eager attention's scores and probabilities, the routed tokens' expert intermediates, the
-        router logits in float32."""
+        eager attention's score arrays (whole, or within `attention_budget` where recording runs them
+        a block of query rows at a time: `model.attention`), the routed tokens' expert intermediates,
+        the router logits in float32."""
         t = tokens
-        return (6 * t * self.hidden + 2 * self.heads * t * t + 3 * t * self.top_k * self.expert_inter) * size + (
-            t * self.experts * 4
-        )
+        scores = score_bytes(self.heads, t)
+        if attention_budget:
+            scores = min(scores, attention_budget)
+        return (6 * t * self.hidden + 3 * t * self.top_k * self.expert_inter) * size + scores + t * self.experts * 4
 
     def capture(self, tokens: int) -> int:
         """What a golden stores per decoder layer, in float32: ten hidden-size tensors (the layer's

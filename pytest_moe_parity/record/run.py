@@ -25,8 +25,9 @@ from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..golden.spec import parse_token_spec
 from ..model.archs import plan_points
+from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, chunked_attention, chunking, score_bytes
 from ..model.checkpoint import quantization, safetensors_files
-from ..model.lazy_model import LazyModel, malloc_trim, own_memory
+from ..model.lazy_model import LazyModel, malloc_trim, map_large_allocations, own_memory
 from ..points import Point, describe_layers, parse_layers
 from .audit import Shape, check_context, gib, parse_memory
 from .capture import GoldenRecorder, SliceDone
@@ -435,6 +436,9 @@ class GoldenRequest:
     pad_to: int | None = None
     batch_size: int | None = None
     capture_tokens: str | None = None  # the token positions kept of every prefill point's output
+    # The most bytes eager attention's score arrays may hold at once (float32): a longer prompt runs
+    # eager attention a block of query rows at a time (`model.attention`); 0 runs it whole.
+    attention_budget_mb: float = DEFAULT_BUDGET_MIB
 
     def __post_init__(self) -> None:
         self.model_dir, self.out = Path(self.model_dir), Path(self.out)
@@ -507,6 +511,10 @@ class GoldenRequest:
                 kept = parse_token_spec(self.capture_tokens, len(ids))
             except ValueError as exc:
                 raise BadInput(f"--capture-tokens {self.capture_tokens}: {exc}") from None
+        if not self.attention_budget_mb >= 0:
+            raise BadInput(
+                f"--attention-budget {self.attention_budget_mb:g}: give the MiB attention's scores may hold, 0 or more"
+            )
         if self.out.resolve() == model_dir.resolve():
             raise BadInput("--out must not be the model directory")
         wanted_layers = layer_slice(self.layers, getattr(config, "num_hidden_layers", None))
@@ -587,6 +595,7 @@ class _GoldenRun:
 
     def run(self) -> RecordResult:
         req, checked = self.request, self.checked
+        map_large_allocations()  # the peak is then what the recording holds, not what the heap kept
         with (
             offload_dir(req.offload_folder, req.out, req.model_dir) as offload,
             golden_writer(req.out, req.overwrite) as writer,
@@ -701,7 +710,7 @@ class _GoldenRun:
         decode = self.checked.decode
         sliced_prefill = self.checked.layers is not None and not decode.run and points[-1].layer is not None
         stop_after = points[-1].group if sliced_prefill else None
-        with ref.running(), torch.no_grad():
+        with ref.running(), torch.no_grad(), self._attention(model, inputs["input_ids"].shape):
             padding = self.checked.batch.attention_mask if self.checked.batch is not None else None
             tokens = self.checked.token_slice
             with GoldenRecorder(model, points, self._on_group, stop_after, padding, tokens) as rec:
@@ -717,6 +726,23 @@ class _GoldenRun:
             written = lambda: self.writer.bytes_written  # noqa: E731
             ids = inputs["input_ids"]
             return skipped, record_decode(model, points, ids, decode, self._on_group, self.say, written)
+
+    def _attention(self, model: Any, shape: torch.Size) -> contextlib.AbstractContextManager:
+        """Eager attention whole, or a block of query rows at a time where a prompt's score arrays
+        would exceed --attention-budget (and said so, with the rows per block)."""
+        mib = self.request.attention_budget_mb
+        budget = max(1, int(mib * 2**20)) if mib > 0 else 0
+        rows, tokens = shape
+        block = chunking(model.config, tokens, rows, budget) if budget else None
+        self.attention_rows = block
+        if block is None:
+            return contextlib.nullcontext()
+        whole = score_bytes(attention_heads(model.config), tokens, rows)
+        self.say(
+            f"attention: eager, {block} query rows at a time (whole, its score arrays would hold {gib(whole)} "
+            f"per layer at {tokens} tokens; --attention-budget {self.request.attention_budget_mb:g} MiB)"
+        )
+        return chunked_attention(model, budget)
 
     def _manifest(
         self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict
@@ -754,6 +780,7 @@ class _GoldenRun:
                 "loading": where["loading"],
                 **({"layers": self.slice_layers} if checked.layers is not None else {}),
                 "attn_implementation": "eager",
+                **({"attention_query_rows": self.attention_rows} if self.attention_rows else {}),
                 "experts_implementation": "eager",
                 "use_cache": False,
                 "argv": sys.argv[1:],
