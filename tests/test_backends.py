@@ -43,11 +43,15 @@ def test_hw_options_are_parsed_and_validated(golden_dir, tiny_model) -> None:
     with pytest.raises(ValueError, match="is not KEY=VALUE"):
         parse_hw_options(["=3"])
     setup = BackendSetup(GoldenStore(golden_dir("olmoe")), tiny_model("olmoe"), options={"max_layers": "3"})
-    assert TorchBackend(setup).hw_options == {"device": None, "max_layers": 3, "threads": None}
-    with pytest.raises(BackendError, match="no option 'speed'; its options: device, max_layers, threads"):
+    assert TorchBackend(setup).hw_options == {
+        "device": None, "max_layers": 3, "threads": None, "attention_budget": 48.0
+    }  # fmt: skip
+    with pytest.raises(BackendError, match="no option 'speed'; its options: device, max_layers, threads, attention_b"):
         TorchBackend(BackendSetup(setup.golden, setup.model_dir, options={"speed": "1"}))
     with pytest.raises(BackendError, match="threads"):
         TorchBackend(BackendSetup(setup.golden, setup.model_dir, options={"threads": "0"}))
+    with pytest.raises(BackendError, match="attention_budget=-1: expected a number of at least 0"):
+        TorchBackend(BackendSetup(setup.golden, setup.model_dir, options={"attention_budget": "-1"}))
 
 
 def test_construction_is_cheap_and_loading_lazy(golden_dir, tiny_model) -> None:

@@ -110,6 +110,50 @@ def test_the_capture_runs_under_pytest_too(pytester: pytest.Pytester, tmp_path: 
     result.stdout.fnmatch_lines(["*logits: not in the NxDI capture: under on-device sampling*"])
 
 
+def _placeholder(capture: Path, name: str, metadata: bool = True) -> None:
+    """NxDI's fallback where it found no tensor for a module (`_find_first_captured_tensor_for_module`)."""
+    torch.save(torch.zeros(1, dtype=torch.bfloat16), capture / name)
+    meta_file = capture / "capture_metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["tensors"][name].update(tensor_shape=[1], tensor_dtype="torch.bfloat16")
+    meta_file.write_text(json.dumps(meta))
+    if not metadata:
+        meta_file.unlink()
+
+
+@pytest.mark.parametrize("metadata", [True, False])
+def test_nxdi_s_placeholder_for_a_module_it_captured_nothing_from_is_said(
+    metadata: bool, tmp_path: Path, golden_dir, tiny_model, capsys
+) -> None:
+    """A module NxDI captured nothing from (a name it did not find) comes as its placeholder,
+    `zeros(1)` in bfloat16: that point is left out and says why, not failed as a wrong shape with
+    a misleading cause; a capture of placeholders only is one line, exit 2."""
+    golden = golden_dir("qwen3_moe")
+    capture = write_capture(golden, tiny_model("qwen3_moe"), tmp_path / "capture", arch="qwen3_moe")
+    _placeholder(capture, "captured_tensors_cte_step_1_module_layers.1.mlp_output.pt", metadata)
+    code, out, err = cli(capsys, "compare", golden, capture, "--dtype", "bfloat16", "--report", tmp_path / "r")
+    assert code == 0, out + err
+    rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    assert rows["layer_1.moe"]["status"] == "skipped"
+    assert rows["layer_1.moe"]["reason"].startswith(
+        "layer_1.moe: not in the NxDI capture: NxDI wrote its placeholder (zeros(1), bfloat16) for layers.1.mlp: "
+        "it captured nothing there"
+    )
+    assert {pid for pid, r in rows.items() if r["status"] == "skipped"} == {"rotary", "logits", "layer_1.moe"}
+    assert all(r["status"] == "passed" for pid, r in rows.items() if pid not in ("rotary", "logits", "layer_1.moe"))
+
+    for name in [f.name for f in capture.glob("captured_tensors_*.pt")]:
+        torch.save(torch.zeros(1, dtype=torch.bfloat16), capture / name)
+    (capture / "capture_metadata.json").unlink(missing_ok=True)
+    code, _, err = cli(capsys, "compare", golden, capture)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        "holds only NxDI's placeholders (zeros(1), bfloat16), for embed_tokens, layers.0, layers.0.input_layernorm ..."
+        in err
+    )
+    assert "nothing was captured; NxDI returns captured tensors only with on-device sampling" in err
+
+
 def test_a_capture_names_its_problems_in_one_line(
     pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model, capsys
 ) -> None:

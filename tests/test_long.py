@@ -236,6 +236,22 @@ def test_golden_says_when_attention_runs_in_row_blocks(tmp_path: Path, tiny_mode
     assert err.strip() == f"moe-parity: error: {said}"
 
 
+def test_a_model_without_an_eager_function_says_so_in_one_line(tmp_path: Path, tiny_model, capsys, monkeypatch) -> None:
+    """A remote-code model whose modeling file has no `eager_attention_forward` cannot run its attention
+    in blocks: one line naming the way out, and no golden."""
+    from pytest_moe_parity.model import attention
+
+    monkeypatch.setattr(attention, "eager_of", lambda module: None)
+    out = tmp_path / "g"
+    code, _, err = cli(capsys, "golden", "--model", tiny_model("qwen3_moe"), "--out", out, "--attention-budget", "0.01")
+    assert code == 2 and not (out / "manifest.json").exists(), err
+    assert err.strip().splitlines() == [
+        "moe-parity: error: Qwen3MoeAttention: its modeling file (transformers.models.qwen3_moe.modeling_qwen3_moe) "
+        "has no eager_attention_forward to run a long prompt's attention a block of query rows at a time; pass "
+        "--attention-budget 0"
+    ]
+
+
 def test_a_row_mask_is_the_eager_mask_a_block_at_a_time() -> None:
     """`LazyMask` rows are the rows of the mask transformers gives eager attention, and a causal one
     is found causal without being made whole."""

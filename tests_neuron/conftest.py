@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity,
 ARCHS = ("qwen3_moe", "mixtral")
 GOLDENS = "MOE_PARITY_T5_GOLDENS"
 BATCH = "qwen3_moe-batch"  # three prompts of unequal length padded on the left (fixtures/prompts/padded.jsonl)
+BUCKET = "qwen3_moe-bucket"  # the same, left-padded to a bucket of 16 tokens (NxDI's application takes it so)
 
 
 def _targeted(config: pytest.Config) -> bool:
@@ -54,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
             "(`bash .ci/neuron-leg` unpacks the pinned snapshots)"
         ) from None
     root = os.environ.get(GOLDENS)
-    wanted = [f"{a}-golden" for a in ARCHS] + [BATCH]
+    wanted = [f"{a}-golden" for a in ARCHS] + [BATCH, BUCKET]
     missing = [g for g in wanted if not root or not (Path(root) / g / "manifest.json").is_file()]
     if missing:
         raise pytest.UsageError(

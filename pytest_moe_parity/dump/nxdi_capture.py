@@ -98,6 +98,33 @@ class Capture:
     dtypes: dict[str, str]  # dump name -> dtype from the metadata (e.g. "torch.bfloat16")
     modules: set[str]  # the captured module names, without steps
     ignored: int  # inputs and manual tensors: not point outputs
+    # dump name -> module, for NxDI's placeholder (`zeros(1)` in bfloat16: a module it captured nothing
+    # from, a name it did not find or capture off); not a point's output
+    placeholders: dict[str, str] = field(default_factory=dict)
+
+
+PLACEHOLDER = (
+    "NxDI wrote its placeholder (zeros(1), bfloat16) for {module}: it captured nothing there (a name it did not "
+    "find in the model, or capture not enabled in that graph); list the names it takes with "
+    "list_capturable_modules_in_application"
+)
+
+
+def _placeholder(path: Path, meta: dict[str, Any]) -> bool:
+    """Whether a capture file is NxDI's fallback for a module it found no tensor of
+    (`NeuronBaseModel._find_first_captured_tensor_for_module`: `torch.zeros(1, dtype=torch.bfloat16)`),
+    by its metadata, else (a file of a few bytes only) by its contents."""
+    if "tensor_shape" in meta:
+        return list(meta["tensor_shape"]) == [1] and "bfloat16" in str(meta.get("tensor_dtype", "bfloat16"))
+    if path.stat().st_size > 4096:
+        return False
+    import torch
+
+    try:
+        t = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return isinstance(t, torch.Tensor) and t.numel() == 1 and t.dtype == torch.bfloat16 and not t.any()
 
 
 def read_capture(root: Path) -> Capture:
@@ -111,6 +138,7 @@ def read_capture(root: Path) -> Capture:
     files: dict[str, Path] = {}
     dtypes: dict[str, str] = {}
     modules: set[str] = set()
+    placeholders: dict[str, str] = {}
     ignored = 0
     for path in sorted(root.glob("captured_tensors_*.pt")):
         m = CAPTURE_RE.match(path.name)
@@ -126,11 +154,21 @@ def read_capture(root: Path) -> Capture:
                 "was this capture made with capture_indices, or renamed?"
             )
         name = in_step(module, None if step == 1 else step - 1)  # NxDI's step 1 is the prefill
+        if _placeholder(path, metadata.get(path.name, {})):
+            placeholders[name] = module
+            continue
         files[name] = path
         modules.add(module)
         if "tensor_dtype" in metadata.get(path.name, {}):
             dtypes[name] = str(metadata[path.name]["tensor_dtype"])
+    if not files and placeholders:
+        some = sorted(set(placeholders.values()))
+        raise BackendError(
+            f"the NxDI capture {root} holds only NxDI's placeholders (zeros(1), bfloat16), for {', '.join(some[:3])}"
+            f"{' ...' if len(some) > 3 else ''}: nothing was captured; {HOW_TO_CAPTURE}, and modules_to_capture takes "
+            "the names list_capturable_modules_in_application gives"
+        )
     if not files:
         found = f"{ignored} inputs or manual tensors only" if ignored else "no captured module output"
         raise BackendError(f"the NxDI capture {root} holds {found}: {HOW_TO_CAPTURE}")
-    return Capture(root, files, dtypes, modules, ignored)
+    return Capture(root, files, dtypes, modules, ignored, placeholders)

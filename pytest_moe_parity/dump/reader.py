@@ -34,7 +34,7 @@ from ..dtypes import SAFETENSORS_FLOATS, dtype_name
 from ..errors import BackendError, PointUnavailable
 from ..points import TEMPLATE_EXAMPLES, Point, is_point_template, step_prefix
 from ..tree import leaves
-from .nxdi_capture import Capture, available_tables, is_capture_dir, load_table, read_capture
+from .nxdi_capture import PLACEHOLDER, Capture, available_tables, is_capture_dir, load_table, read_capture
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 _SAFETENSORS_FLOATS = {code: SAFETENSORS_FLOATS[code] for code in ("F64", "F32", "F16", "BF16")}
@@ -294,9 +294,14 @@ class DumpDir:
         return name, tuple(parts), notes
 
     def why_missing(self, point: Point) -> str | None:
-        """Why the capture cannot give `point` (NxDI has no module for it), if the table says."""
+        """Why the capture cannot give `point`: NxDI has no module for it (the table says so), or it
+        wrote its placeholder for the module (it captured nothing there)."""
         base, _ = _base(point)
-        return next((why for k, why in self.unavailable.items() if _template(k).fullmatch(base)), None)
+        why = next((why for k, why in self.unavailable.items() if _template(k).fullmatch(base)), None)
+        if why is None and self.capture is not None:
+            held = [self.capture.placeholders[n] for n in self.candidates(point) if n in self.capture.placeholders]
+            why = PLACEHOLDER.format(module=held[0]) if held else None
+        return why
 
     def nearest(self, names: list[str], n: int = 3) -> list[str]:
         """The dump's names closest to `names` (for a message)."""

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..errors import BadInput
+
 if TYPE_CHECKING:  # torch is imported where it runs: `moe-parity --help` reads the default budget here
     import torch
 
@@ -91,7 +93,11 @@ class _Chunked:
 
         eager = eager_of(module)
         if eager is None:
-            raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward in {type(module).__module__}")
+            raise BadInput(
+                f"{type(module).__name__}: its modeling file ({type(module).__module__}) has no "
+                "eager_attention_forward to run a long prompt's attention a block of query rows at a time; "
+                "pass --attention-budget 0"
+            )
         batch, heads, q, _ = query.shape
         rows = query_rows(batch, heads, key.shape[-2], self.budget)
         outputs = []
@@ -99,10 +105,12 @@ class _Chunked:
             stop = min(q, start + rows)
             if isinstance(attention_mask, LazyMask):
                 mask = attention_mask.rows(start, stop)
-            elif attention_mask is not None:
+            elif (
+                isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[2] == q
+            ):
                 mask = attention_mask[:, :, start:stop]
-            else:
-                mask = None
+            else:  # none, or one that broadcasts over the queries
+                mask = attention_mask
             out, _ = eager(module, query[:, :, start:stop], key, value, mask, **kwargs)
             outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], None
