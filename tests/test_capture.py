@@ -353,6 +353,19 @@ def test_fit_trims_buckets_and_reshapes_only_what_is_layout() -> None:
     assert out is wrong and note is None  # another hidden size: left for the verdict's shape check
 
 
+def test_fit_keeps_the_last_positions_of_a_bucket_padded_on_the_left() -> None:
+    """Prompts padded on the left (NxDI's padding_side="left" takes them left-padded to the bucket):
+    the bucket's padding is at the start, and the last positions are the golden's."""
+    golden = torch.Size([2, 4, 3])
+    padded = torch.arange(2 * 6 * 3.0).reshape(2, 6, 3)
+    out, note = fit(padded, golden, batch=2, seq=4, left=True)
+    assert (
+        torch.equal(out, padded[:, 2:]) and note == "the last 4 of 6 positions (bucket padding at the start left out)"
+    )
+    out, _ = fit(padded.reshape(12, 3), torch.Size([8, 3]), batch=2, seq=4, left=True)
+    assert torch.equal(out, padded[:, 2:].reshape(8, 3))
+
+
 def test_fit_leaves_out_a_batch_padded_to_its_compiled_size() -> None:
     golden = torch.Size([3, 4, 2])  # three prompts of 4 positions
     compiled = torch.arange(8 * 6 * 2.0).reshape(8, 6, 2)  # batch 8, bucket 6

@@ -27,6 +27,7 @@ from pytest_moe_parity.model.checkpoint import weight_map
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 BUCKET = "qwen3_moe-bucket"  # padded.jsonl's prompts, left-padded to 16 tokens (`moe-parity golden --pad-to 16`)
+BATCH = "qwen3_moe-batch"  # the same prompts left-padded to the longest (8 tokens)
 ROWS = [8, 3, 6]  # the prompts' real tokens
 # NxD's and NxDI's own notices on the way (the attention's q, k, v keys left over once NxDI's conversion
 # has moved them into qkv_proj; an indexing style torch deprecates, in NxDI's KV cache): about their code
@@ -46,10 +47,10 @@ def modules_to_capture(layers: int) -> list[str]:
     return [n.format(layer=i) for n in names for i in (range(layers) if "{layer}" in n else [0])]
 
 
-def nxdi_capture(model: Path, golden: GoldenStore, out: Path) -> Path:
+def nxdi_capture(model: Path, golden: GoldenStore, out: Path, bucket: int | None = None) -> Path:
     """NxDI's application on `model` generates one token (the context encoding only) from the
-    golden's batch as given, already left-padded to the bucket (which NxDI's padding_side="left"
-    expects of its caller), and writes its tensor capture to `out`."""
+    golden's batch left-padded to the bucket (which NxDI's padding_side="left" expects of its
+    caller: the golden's own width, or `bucket` positions), and writes its tensor capture to `out`."""
     from neuronx_distributed.utils.tensor_capture import disable_tensor_capture, enable_tensor_capture
     from neuronx_distributed.utils.tensor_capture.registry import TensorRegistry
     from neuronx_distributed_inference.models.config import OnDeviceSamplingConfig, TensorCaptureConfig
@@ -60,6 +61,9 @@ def nxdi_capture(model: Path, golden: GoldenStore, out: Path) -> Path:
     table = nxdi.load_module_table("qwen3_moe")
     ids = torch.tensor(golden.manifest["inputs"]["input_ids"])
     mask = torch.tensor(golden.manifest["inputs"]["attention_mask"])
+    if bucket is not None:  # more padding on the left, up to the bucket
+        ids = torch.nn.functional.pad(ids, (bucket - ids.shape[1], 0), value=0)
+        mask = torch.nn.functional.pad(mask, (bucket - mask.shape[1], 0), value=0)
     batch, bucket = ids.shape
     hf_config = nxdi.nxdi_hf_config(model)
     capture = TensorCaptureConfig(modules_to_capture=modules_to_capture(hf_config.num_hidden_layers))
@@ -219,3 +223,24 @@ def test_a_fault_in_one_expert_of_the_checkpoint_diverges_first_at_the_experts(
     after = [p for p in order[order.index("layer_0.experts") :] if p not in unavailable]
     assert [rows[p]["status"] for p in after] == ["failed"] * len(after)
     assert {p: [r["failed"] for r in rows[p]["rows"]] for p in after} == dict.fromkeys(after, routed[expert])
+
+
+@upstream_notices[0]
+@upstream_notices[1]
+def test_a_capture_at_a_larger_bucket_is_fitted_to_a_golden_padded_to_its_longest_prompt(
+    t5: Path, tmp_path: Path, cpu_process_group, capsys: pytest.CaptureFixture
+) -> None:
+    """The golden's batch is left-padded to its longest prompt (8 tokens), and NxDI takes it
+    left-padded to its bucket of 16: the capture's first 8 positions are the bucket's padding, left
+    out (the golden pads on the left, so the bucket does too), and every point passes on the rows'
+    real tokens."""
+    golden = GoldenStore(t5 / BATCH)
+    out = nxdi_capture(t5 / "qwen3_moe-model", golden, tmp_path / "capture", bucket=16)
+    code, text, rows = compare(t5 / BATCH, out, tmp_path / "r", capsys)
+    assert code == 0 and "first divergence: none" in text, text
+    unavailable = capture_table()["unavailable"]
+    judged = {p: r for p, r in rows.items() if p not in unavailable}
+    assert judged and all(r["status"] == "passed" for r in judged.values()), text
+    assert all([r["tokens"] for r in row["rows"]] == ROWS for row in judged.values())
+    for pid in ("layer_1.moe", "layer_1.router"):  # [batch, positions, ...] and [batch * positions, ...]
+        assert "the last 8 of 16 positions (bucket padding at the start left out)" in " ".join(rows[pid]["notes"])

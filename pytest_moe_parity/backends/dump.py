@@ -35,6 +35,8 @@ class DumpBackend(Backend):
         self.dump = DumpDir(setup.model_dir, self.hw_options["map"], self.golden.model_type)
         self.batch = _batch(self.golden)
         self.seq = int(self.golden.manifest["inputs"]["seq_len"])
+        # prompts padded on the left: a bucket's padding is at the start too (NxDI's padding_side="left")
+        self.left = self.golden.manifest["inputs"].get("padding_side") == "left"
         self._check_coverage()
         self._dtype_from = ""
         if setup.dtype is None:
@@ -119,7 +121,7 @@ class DumpBackend(Backend):
         shape = self._golden_shape(point)
         note = None
         if isinstance(output, torch.Tensor) and shape is not None:
-            output, note = fit(output, shape, self.batch, self._positions(point))
+            output, note = fit(output, shape, self.batch, self._positions(point), self.left)
         if note:
             notes.append(f"{name}: {note}")
         routing = None
@@ -130,7 +132,9 @@ class DumpBackend(Backend):
                 routing = tuple(dumped[1])
             elif dumped is not None:  # its logits only (a capture): the verdict picks the top k from them
                 shape = self._golden_shape(router)
-                logits = fit(dumped[1], shape, self.batch, self._positions(point))[0] if shape else dumped[1]
+                logits = dumped[1]
+                if shape:
+                    logits = fit(logits, shape, self.batch, self._positions(point), self.left)[0]
                 routing = (logits,)
         return CandidateOutput(
             output, routing, info={"dumped_as": name, "notes": notes}, cache=self._cache(point, name)

@@ -367,13 +367,18 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def fit(candidate: torch.Tensor, golden: torch.Size, batch: int, seq: int) -> tuple[torch.Tensor, str | None]:
+def fit(
+    candidate: torch.Tensor, golden: torch.Size, batch: int, seq: int, left: bool = False
+) -> tuple[torch.Tensor, str | None]:
     """The candidate tensor in the golden's shape where only the layout differs: the same elements
     in other dimensions (a flattened batch), or more positions than the golden's `seq` along the
     positions, more rows than its `batch`, or both ([batch, positions, ...] or flattened
     [batch * positions, ...]: NxDI pads the context to its bucket at the end, so the first positions
-    are the tokens, and the batch to its compiled size, so the first rows are the prompts'). Anything
-    else is left for the verdict's shape check."""
+    are the tokens, and the batch to its compiled size, so the first rows are the prompts'). With
+    `left` (a golden whose batch is left-padded, as NxDI's `padding_side="left"` takes prompts
+    left-padded to the bucket) the bucket's padding is at the start: the last positions are kept.
+    Anything else is left for the verdict's shape check."""
+    keep = slice(-seq, None) if left else slice(None, seq)
     if candidate.shape == golden or candidate.dim() == 0 or len(golden) == 0:
         return candidate, None
     shape = list(candidate.shape)
@@ -384,21 +389,22 @@ def fit(candidate: torch.Tensor, golden: torch.Size, batch: int, seq: int) -> tu
     if len(golden) > 2 and golden[:2] == (batch, seq) and candidate.shape[2:] == golden[2:]:
         rows, positions = candidate.shape[0], candidate.shape[1]
         if rows >= batch and positions >= seq:  # [batch, positions, ...]
-            return candidate[:batch, :seq], _padding_left_out(rows, positions, batch, seq)
+            return candidate[:batch, keep], _padding_left_out(rows, positions, batch, seq, left)
     elif golden[0] == batch * seq and candidate.shape[1:] == golden[1:]:  # [batch * positions, ...] tokens
         n = candidate.shape[0]
         if n % batch == 0 and n // batch >= seq:  # each sequence padded to a bucket
             per = candidate.reshape(batch, n // batch, *candidate.shape[1:])
-            return per[:, :seq].reshape(golden), _padding_left_out(batch, n // batch, batch, seq)
+            return per[:, keep].reshape(golden), _padding_left_out(batch, n // batch, batch, seq, left)
         if n % seq == 0 and n // seq >= batch:  # the batch padded to its compiled size
             return candidate[: batch * seq], _padding_left_out(n // seq, seq, batch, seq)
     return candidate, None
 
 
-def _padding_left_out(rows: int, positions: int, batch: int, seq: int) -> str:
+def _padding_left_out(rows: int, positions: int, batch: int, seq: int, left: bool = False) -> str:
     parts = []
     if positions > seq:
-        parts.append(f"the first {seq} of {positions} positions (bucket padding left out)")
+        which, padding = ("last", "bucket padding at the start") if left else ("first", "bucket padding")
+        parts.append(f"the {which} {seq} of {positions} positions ({padding} left out)")
     if rows > batch:
         parts.append(f"the first {batch} of {rows} rows (the batch's padding rows left out)")
     return "; ".join(parts)
