@@ -351,7 +351,7 @@ class ScanRequest:
         backend = whole_model_backend(self.hw, self.hw_options, self.candidate_dir, dtype, self.trust_remote_code)
         logits = next((p for p in plan.points if p.component == LOGITS), None)
         if logits is None:
-            raise BadInput(f"{self.model_dir}: no logits point found in its architecture; scan it with --candidate")
+            raise BadInput(f"{self.model_dir}: no logits point found in its architecture; scan it without --hw")
 
         def forward(batch: Batch) -> torch.Tensor | None:
             t = batch.tensors("cpu")
@@ -468,6 +468,7 @@ class ScanRequest:
                 cand_logits = _logits(forward, sequences, self.batch_size, progress("the candidate"))
             finally:
                 close()
+                del forward  # the candidate with it
         tol = default_tolerance(dtype, LOGITS)
         results = []
         for i, (p, seq) in enumerate(zip(prompts, sequences, strict=True)):

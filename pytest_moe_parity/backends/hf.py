@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
-from ..model.attention import DEFAULT_BUDGET_MIB, chunked_attention, chunking
+from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
 from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
@@ -89,12 +89,7 @@ class TorchBackend(Backend):
     def _attention(self, rows: int, tokens: int) -> contextlib.AbstractContextManager:
         """Eager attention whole, or a block of query rows at a time where the score arrays of `rows` x
         `tokens` queries would exceed the `attention_budget` option (`model.attention`)."""
-        mib = self.hw_options["attention_budget"]
-        budget = max(1, int(mib * 2**20)) if mib > 0 else 0
-        model = self._model().model
-        if not budget or chunking(model.config, tokens, rows, budget) is None:
-            return contextlib.nullcontext()
-        return chunked_attention(model, budget)
+        return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])[0]
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         lazy = self._model()

@@ -141,6 +141,20 @@ def chunking(config: Any, tokens: int, rows: int, budget: int) -> int | None:
     return query_rows(rows, heads, tokens, budget)
 
 
+def budget_bytes(mib: float) -> int:
+    """`--attention-budget` in bytes (0: attention whole; any budget above 0 allows one row at least)."""
+    return max(1, int(mib * 2**20)) if mib > 0 else 0
+
+
+def attention_within(model: torch.nn.Module, tokens: int, rows: int, mib: float) -> tuple[Any, int | None]:
+    """The context `rows` x `tokens` queries of `model` run their attention in: eager attention whole
+    (`contextlib.nullcontext`, None), or a block of query rows at a time where its score arrays would
+    exceed `mib` MiB (`chunked_attention`, the rows per block)."""
+    budget = budget_bytes(mib)
+    block = chunking(model.config, tokens, rows, budget) if budget else None
+    return (contextlib.nullcontext() if block is None else chunked_attention(model, budget)), block
+
+
 @contextlib.contextmanager
 def chunked_attention(model: torch.nn.Module, budget: int) -> Iterator[None]:
     """Run `model`'s attention as eager attention a block of query rows at a time, each block's

@@ -25,7 +25,7 @@ from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..golden.spec import parse_token_spec
 from ..model.archs import plan_points
-from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, chunked_attention, chunking, score_bytes
+from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, attention_within, score_bytes
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, malloc_trim, map_large_allocations, own_memory
 from ..points import Point, describe_layers, parse_layers
@@ -730,19 +730,16 @@ class _GoldenRun:
     def _attention(self, model: Any, shape: torch.Size) -> contextlib.AbstractContextManager:
         """Eager attention whole, or a block of query rows at a time where a prompt's score arrays
         would exceed --attention-budget (and said so, with the rows per block)."""
-        mib = self.request.attention_budget_mb
-        budget = max(1, int(mib * 2**20)) if mib > 0 else 0
         rows, tokens = shape
-        block = chunking(model.config, tokens, rows, budget) if budget else None
-        self.attention_rows = block
-        if block is None:
-            return contextlib.nullcontext()
-        whole = score_bytes(attention_heads(model.config), tokens, rows)
-        self.say(
-            f"attention: eager, {block} query rows at a time (whole, its score arrays would hold {gib(whole)} "
-            f"per layer at {tokens} tokens; --attention-budget {self.request.attention_budget_mb:g} MiB)"
-        )
-        return chunked_attention(model, budget)
+        mib = self.request.attention_budget_mb
+        context, self.attention_rows = attention_within(model, tokens, rows, mib)
+        if self.attention_rows is not None:
+            whole = score_bytes(attention_heads(model.config), tokens, rows)
+            self.say(
+                f"attention: eager, {self.attention_rows} query rows at a time (whole, its score arrays would hold "
+                f"{gib(whole)} per layer at {tokens} tokens; --attention-budget {mib:g} MiB)"
+            )
+        return context
 
     def _manifest(
         self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict
