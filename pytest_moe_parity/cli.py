@@ -158,9 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BUDGET_MIB,
         metavar="MIB",
         help=f"the most eager attention's score arrays may hold at once (default {DEFAULT_BUDGET_MIB:g}): a longer "
-        "prompt runs the "
-        "model's own eager attention a block of query rows at a time, so recording 16k tokens holds no T x T "
-        "scores; 0 runs it whole",
+        "prompt runs the model's own eager attention a block of query rows at a time, so recording 16k tokens "
+        "holds no T x T scores; 0 runs it whole",
     )
     golden.add_argument("--overwrite", action="store_true", help="replace an existing golden directory")
     golden.add_argument(

@@ -16,6 +16,9 @@ from pytest_moe_parity.model.calls import CACHE_KWARGS
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.session import ParitySession, RunOptions
 
+# the architectures of the arch table the bf16 defaults are calibrated on (docs/limits.md)
+TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
     """Run `moe-parity ARGV` in-process: (exit code, stdout, stderr). It must leave the process as

@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import assert_replays_bitwise, cli, load_fp32, read_json, run_parity, with_word_tokenizer
+from helpers import TABLE_ARCHS, assert_replays_bitwise, cli, load_fp32, read_json, run_parity, with_word_tokenizer
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.prompts import Prompt, make_batch, positions_of, read_prompts
@@ -19,7 +19,6 @@ from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
-TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 # three prompts of unequal length (the first the longest: its row holds no padding), as JSONL ids
 PROMPTS = [[5, 17, 23, 42, 8, 99, 64, 7], [11, 12, 13], [30, 31, 32, 33, 34, 35]]
 

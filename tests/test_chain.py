@@ -9,7 +9,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import NO_WEIGHTS, cli, read_json, run_parity, session, usage_error
+from helpers import NO_WEIGHTS, TABLE_ARCHS, cli, read_json, run_parity, session, usage_error
 from safetensors.torch import save_file
 
 from pytest_moe_parity import backends
@@ -19,8 +19,6 @@ from pytest_moe_parity.model.calls import output_tensors
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
-
-TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
 def test_inputs_name_the_point_that_produced_them(golden_dir) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import assert_replays_bitwise, cache_kwarg, cli, load_fp32, read_json, run_parity
+from helpers import TABLE_ARCHS, assert_replays_bitwise, cache_kwarg, cli, load_fp32, read_json, run_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
@@ -20,7 +20,6 @@ from pytest_moe_parity.tree import CacheState
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
-TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 SEQ = 12
 STEPS = 3
 

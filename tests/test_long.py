@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import cli, read_json, run_parity, usage_error
+from helpers import TABLE_ARCHS, cli, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.golden.spec import parse_token_spec, select_tokens
@@ -150,8 +150,18 @@ def test_a_dump_of_every_token_is_judged_on_the_kept_ones(tmp_path: Path, tiny_m
 
 # --- eager attention a block of query rows at a time (--attention-budget) ----------------------------
 
-TABLE_ARCHS = ["deepseek_v3", "gpt_oss", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 ONE_ROW = 1e-9  # MiB: a budget no score array fits, so that every block is one query row
+
+
+@pytest.fixture
+def eager_calls(monkeypatch) -> list:
+    """The attention modules the block path ran (`model.attention.eager_of`, looked up per call)."""
+    from pytest_moe_parity.model import attention
+
+    calls: list = []
+    eager_of = attention.eager_of
+    monkeypatch.setattr(attention, "eager_of", lambda m: calls.append(m) or eager_of(m))
+    return calls
 
 
 def _tensors(golden: Path) -> dict[str, torch.Tensor]:
@@ -166,17 +176,13 @@ def _specs(golden: Path) -> list:
 
 @pytest.mark.parametrize("arch", TABLE_ARCHS)
 def test_attention_in_row_blocks_records_what_whole_eager_attention_records(
-    arch: str, tmp_path: Path, tiny_model, monkeypatch
+    arch: str, tmp_path: Path, tiny_model, eager_calls: list
 ) -> None:
     """The model's own eager attention run one query row at a time (a 16k prompt's scores would not
     fit) records the golden whole eager attention records: the same points, the same specs (the
     causal mask kept as its spec, gpt_oss's sliding-window mask made whole and stored), tensors
     within float32 rounding; over a left-padded batch, and over one prompt with decode steps."""
-    from pytest_moe_parity.model import attention
-
-    calls = []
-    eager_of = attention.eager_of
-    monkeypatch.setattr(attention, "eager_of", lambda m: calls.append(m) or eager_of(m))
+    calls = eager_calls
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"ids": r}) + "\n" for r in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14])))
     for name, options in {
@@ -203,18 +209,15 @@ def test_attention_in_row_blocks_records_what_whole_eager_attention_records(
 
 @pytest.mark.parametrize("budget", [None, "1e-9"])
 def test_a_golden_recorded_in_row_blocks_replays_in_both_modes(
-    budget: str | None, tmp_path: Path, tiny_model, pytester, monkeypatch
+    budget: str | None, tmp_path: Path, tiny_model, pytester, eager_calls: list
 ) -> None:
     """Replayed by `--hw cpu` with its attention whole (a short prompt) or a row at a time
     (`--hw-option attention_budget`, as a long prompt's replay runs: isolated points and the chain's
     whole-model run)."""
-    from pytest_moe_parity.model import attention
-
     golden = tmp_path / "golden"
     record_golden(tiny_model("qwen3_moe"), golden, seq_len=24, decode_steps=1, attention_budget_mb=ONE_ROW)
-    calls = []
-    eager_of = attention.eager_of
-    monkeypatch.setattr(attention, "eager_of", lambda m: calls.append(m) or eager_of(m))
+    eager_calls.clear()  # (the recording ran in blocks)
+    calls = eager_calls
     report = pytester.path / "report"
     options = ["--hw-option", f"attention_budget={budget}"] if budget else []
     result = run_parity(pytester, golden, "--parity-mode", "both", "--parity-report", str(report), *options)

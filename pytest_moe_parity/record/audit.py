@@ -20,7 +20,7 @@ from typing import Any
 
 from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput, CheckpointError
-from ..model.attention import DEFAULT_BUDGET_MIB, score_bytes
+from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_tensors
 
 NAMES = SAFETENSORS_FLOATS
@@ -269,7 +269,7 @@ class Shape:
             expert_inter=first("moe_intermediate_size", "intermediate_size"),
         )
 
-    def activations(self, tokens: int, size: int, attention_budget: int = int(DEFAULT_BUDGET_MIB * 2**20)) -> int:
+    def activations(self, tokens: int, size: int, attention_budget: int = budget_bytes(DEFAULT_BUDGET_MIB)) -> int:
         """Peak activations of one decoder layer's forward, batch 1: a few hidden-size tensors, the
         eager attention's score arrays (whole, or within `attention_budget` where recording runs them
         a block of query rows at a time: `model.attention`), the routed tokens' expert intermediates,
