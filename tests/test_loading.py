@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pytest_moe_parity.backends import BackendSetup
+from pytest_moe_parity.backends.hf import TorchBackend
+from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
 from pytest_moe_parity.record.run import load_model
 from pytest_moe_parity.record.tiny import available_archs
@@ -118,10 +121,14 @@ def test_reading_ahead_loads_on_the_reading_thread(tiny_model, monkeypatch, user
 
 
 @pytest.mark.parametrize("threads", [None, 3])
-def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(tiny_model, monkeypatch, threads: int | None) -> None:
+def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(
+    golden_dir, tiny_model, monkeypatch, threads: int | None
+) -> None:
     """While the next layer is read in the background, the forwards take torch's threads less one
-    (the reader has a core of its own), and all of them once it is read; `threads` sets them from
-    the start, for good; the caller's setting is put back on close."""
+    (the reader has a core of its own), and all of them once it is read; `--hw-option threads` sets
+    them from the start, for good; the caller's setting is put back on close."""
+    options = {} if threads is None else {"threads": str(threads)}
+    backend = TorchBackend(BackendSetup(GoldenStore(golden_dir("mixtral")), tiny_model("mixtral"), options=options))
     release = threading.Event()
     load_keys = LazyModel._load_keys
 
@@ -134,8 +141,9 @@ def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(tiny_model, monk
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32, max_layers=2, threads=threads)
-        assert torch.get_num_threads() == (4 if threads is None else 3)
+        backend.start()
+        lazy = backend.lazy
+        assert lazy is not None and torch.get_num_threads() == (4 if threads is None else 3)
         lazy.plan([f"model.layers.{i}.mlp" for i in range(3)])
         lazy.module("model.layers.0.mlp")  # the read of layer 1 starts, and is held
         assert lazy._ahead is not None and torch.get_num_threads() == 3
@@ -146,7 +154,7 @@ def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(tiny_model, monk
         lazy.module("model.layers.0.mlp")
         assert torch.get_num_threads() == (4 if threads is None else 3)  # read: the core is the forwards' again
         lazy.module("model.layers.1.mlp")
-        lazy.close()
+        backend.close()
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)

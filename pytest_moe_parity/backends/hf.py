@@ -67,15 +67,20 @@ class TorchBackend(Backend):
             raise BackendError(str(exc)) from None
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
+        self._threads_before: int | None = None  # torch's threads before `threads` set them
 
     def start(self) -> None:
+        threads = self.hw_options["threads"]
+        if threads is not None and self._threads_before is None:  # for the forwards, until close
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
         self.lazy = LazyModel(
             self.setup.model_dir,
             dtype=self.dtype,
             device=self.device,
             trust_remote_code=self.setup.trust_remote_code,
             max_layers=self.hw_options["max_layers"],
-            threads=self.hw_options["threads"],
+            fit_threads=threads is None,
             weights=self._weights,
         )
         self.lazy.plan(self._plan)
@@ -184,6 +189,9 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.lazy is not None:
             self.lazy.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
 
 class CudaBackend(TorchBackend):

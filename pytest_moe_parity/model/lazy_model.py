@@ -113,7 +113,7 @@ class LazyModel:
         config=None,
         max_layers: int | None = 2,
         weights: dict[str, str] | None = None,
-        threads: int | None = None,
+        fit_threads: bool = True,
     ):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -164,12 +164,11 @@ class LazyModel:
         self._ahead: tuple[Unit, Future] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._set_sync_load = False  # whether this model set SYNC_LOAD_VARIABLE (and unsets it on close)
-        # The intra-op threads of the forwards (the calling thread's torch setting, put back on close):
-        # `threads`, else torch's own, less one while a unit is read in the background (`_fit_threads`).
-        self._threads = threads
+        # The intra-op threads of the forwards while a unit is read in the background: torch's own less
+        # one (`_fit_threads`), the calling thread's setting put back on close. `fit_threads=False`: the
+        # caller holds them where it set them (`--hw-option threads`, set by the backend that runs).
+        self._fit = fit_threads
         self._threads_before: int | None = None
-        if threads is not None:
-            self._set_threads(threads)
         # One reader at a time; `_loaded` and eviction under `_state`, so that asking for a loaded
         # unit never waits for the background read.
         self._loading = threading.RLock()
@@ -293,7 +292,7 @@ class LazyModel:
             return
         if self._pool is None:
             self._load_on_one_thread()
-            if self._threads_before is None:
+            if self._fit and self._threads_before is None:
                 self._threads_before = torch.get_num_threads()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-parity-read-ahead")
         self._ahead = (nxt, self._pool.submit(self._load_ahead, nxt, unit))
@@ -308,23 +307,18 @@ class LazyModel:
             os.environ[SYNC_LOAD_VARIABLE] = "1"
             self._set_sync_load = True
 
-    def _set_threads(self, count: int) -> None:
-        """The forwards' intra-op threads (the calling thread's setting under OpenMP)."""
-        if self._threads_before is None:
-            self._threads_before = torch.get_num_threads()
-        if count != torch.get_num_threads():
-            torch.set_num_threads(count)
-
     def _fit_threads(self) -> None:
-        """Unless `threads` was given: while the next unit is read in the background, the forwards
+        """Unless `fit_threads` is False: while the next unit is read in the background, the forwards
         take torch's threads less one (the reader has a core of its own), and all of them once it is
         read. Measured on 2 cores, 48 Mixtral-style layers in bf16 (a read takes ~90 ms of a layer's
         ~190): both cores to the forwards throughout, the run is ~0.6 s longer (of ~9 s after
         imports) than with one core each; one core each throughout, ~0.3 s longer than fitted."""
-        if self._threads is not None or self._threads_before is None:
+        if self._threads_before is None:
             return
         reading = self._ahead is not None and not self._ahead[1].done()
-        self._set_threads(max(1, self._threads_before - 1) if reading else self._threads_before)
+        count = max(1, self._threads_before - 1) if reading else self._threads_before
+        if count != torch.get_num_threads():  # the calling thread's setting under OpenMP
+            torch.set_num_threads(count)
 
     def _load_ahead(self, unit: Unit, current: Unit) -> None:
         with self._loading:
