@@ -5,9 +5,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class RowMask(Protocol):
+    """A 4-D attention mask `[B, 1, Q, K]` made a block of query rows at a time, never whole unless
+    asked: `model.attention.LazyMask` (the mask a long prompt's recording makes) and
+    `golden.spec.CausalRows` (a golden's causal mask, made again for a replay in blocks). Eager
+    attention run in blocks of query rows (`model.attention`) takes one as it is."""
+
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor | None: ...
+
+    def materialize(self) -> torch.Tensor | None: ...
+
+
+def whole_masks(obj: Any) -> Any:
+    """`obj` with each `RowMask` in it made whole (for a call that takes tensors only)."""
+    return map_structure(obj, lambda leaf: leaf.materialize() if isinstance(leaf, RowMask) else leaf)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,31 @@ def test_a_backend_gets_inputs_in_its_dtype_and_not_the_answer(
     assert all(output is None for _, _, output in Recording.seen)
 
 
+def test_row_masks_belong_to_the_run_that_takes_them() -> None:
+    """A golden's causal mask comes a block of rows at a time (`row_masks`) only to a `run` that says
+    it takes one: `cpu`/`cuda`'s own; a subclass with a `run` of its own gets tensors unless it says so."""
+    assert {name: backends.backend_class(name).row_masks for name in ("cpu", "cuda", "trace", "compile", "dump")} == {
+        "cpu": True, "cuda": True, "trace": False, "compile": False, "dump": False
+    }  # fmt: skip
+
+    class Faster(TorchBackend):  # the same run: it takes them
+        name = "faster"
+
+    class Own(TorchBackend):
+        name = "own"
+
+        def run(self, point, golden):
+            return super().run(point, golden)
+
+    class OwnSaysSo(Own):
+        row_masks = True
+
+        def run(self, point, golden):
+            return super().run(point, golden)
+
+    assert (Faster.row_masks, Own.row_masks, OwnSaysSo.row_masks) == (True, False, True)
+
+
 CRASHING = """
 from pytest_moe_parity.backends.hf import TorchBackend
 
@@ -218,7 +243,6 @@ class NoRouting(TorchBackend):
     """A backend that cannot see the candidate's routing."""
 
     name = "no-routing"
-    captures_routing = False
 
     def run(self, point, golden):
         out = super().run(point, golden)

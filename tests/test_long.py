@@ -207,13 +207,25 @@ def test_attention_in_row_blocks_records_what_whole_eager_attention_records(
     assert "causal_mask" in masks
 
 
+@pytest.fixture
+def whole_masks_made(monkeypatch) -> list:
+    """The shapes of the golden causal masks made whole (`CausalRows.materialize`) during a run."""
+    from pytest_moe_parity.golden.spec import CausalRows
+
+    made: list = []
+    materialize = CausalRows.materialize
+    monkeypatch.setattr(CausalRows, "materialize", lambda self: made.append(self.shape) or materialize(self))
+    return made
+
+
 @pytest.mark.parametrize("budget", [None, "1e-9"])
 def test_a_golden_recorded_in_row_blocks_replays_in_both_modes(
-    budget: str | None, tmp_path: Path, tiny_model, pytester, eager_calls: list
+    budget: str | None, tmp_path: Path, tiny_model, pytester, eager_calls: list, whole_masks_made: list
 ) -> None:
     """Replayed by `--hw cpu` with its attention whole (a short prompt) or a row at a time
     (`--hw-option attention_budget`, as a long prompt's replay runs: isolated points and the chain's
-    whole-model run)."""
+    whole-model run); in blocks, the isolated points' causal mask is made a block of rows at a time,
+    never whole (`T x T` floats: 1 GiB at 16k tokens)."""
     golden = tmp_path / "golden"
     record_golden(tiny_model("qwen3_moe"), golden, seq_len=24, decode_steps=1, attention_budget_mb=ONE_ROW)
     eager_calls.clear()  # (the recording ran in blocks)
@@ -223,6 +235,49 @@ def test_a_golden_recorded_in_row_blocks_replays_in_both_modes(
     result = run_parity(pytester, golden, "--parity-mode", "both", "--parity-report", str(report), *options)
     result.assert_outcomes(passed=len(read_json(report / REPORT_FILE)["points"]))
     assert bool(calls) == bool(budget)
+    if budget:
+        assert not whole_masks_made
+    else:  # each layer's attention and decoder layer, on the prefill: the mask made whole for them
+        assert (1, 1, 24, 24) in whole_masks_made
+
+
+def test_a_padded_batch_replays_in_row_blocks_on_its_causal_mask_made_a_block_at_a_time(
+    tmp_path: Path, tiny_model, pytester, eager_calls: list, whole_masks_made: list
+) -> None:
+    """A left-padded batch's causal mask (over its padding) made again a block of rows at a time for
+    the isolated points: every point passes, and a port bug still fails where it is."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": r}) + "\n" for r in ([5, 6, 7, 8, 9, 10, 11], [12, 13, 14])))
+    golden = tmp_path / "golden"
+    record_golden(tiny_model("qwen3_moe"), golden, prompts=prompts, padding_side="left")
+    block = ["--hw-option", "attention_budget=1e-9"]
+    result = run_parity(pytester, golden, *block, "--parity-report", str(pytester.path / "r"))
+    result.assert_outcomes(passed=len(read_json(pytester.path / "r" / REPORT_FILE)["points"]))
+    assert eager_calls and not whole_masks_made
+    broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "broken", faults.scale("o_proj", 0, 1.5))
+    result = run_parity(pytester, golden, *block, "-x", "--no-parity-weights", model=broken)
+    result.stdout.fnmatch_lines(["*FAILED*::layer_0.attention*"])  # the first failure: -x stops there
+    assert result.parseoutcomes()["failed"] == 1 and result.parseoutcomes()["passed"] >= 2
+
+
+def test_a_golden_causal_mask_made_a_block_at_a_time_is_the_mask_made_whole() -> None:
+    """`CausalRows`: its rows, its whole and its cast to a candidate's dtype are those of the causal
+    mask `build` makes whole and `_cast_input` casts (float over a padded batch, and boolean)."""
+    from pytest_moe_parity.golden.spec import CausalRows, build
+    from pytest_moe_parity.replay.runner import _cast_input
+
+    padding = [[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]]
+    for dtype, batch in ((torch.float32, padding), ("bool", padding), (torch.float32, None)):
+        dtype = torch.bool if dtype == "bool" else dtype
+        spec = {"t": "causal_mask", "shape": [2 if batch else 1, 1, 8, 8], "dtype": str(dtype).removeprefix("torch."),
+                "padded": batch is not None}  # fmt: skip
+        whole, rows = build(spec, {}, padding=padding), build(spec, {}, padding=padding, row_masks=True)
+        assert isinstance(rows, CausalRows) and rows.shape == tuple(whole.shape)
+        assert torch.equal(rows.materialize(), whole)
+        assert torch.equal(torch.cat([rows.rows(0, 3), rows.rows(3, 8)], dim=2), whole)
+        cast = _cast_input(rows, torch.bfloat16, torch.device("cpu"))
+        assert torch.equal(cast.materialize(), _cast_input(whole, torch.bfloat16, torch.device("cpu")))
+        assert torch.equal(cast.rows(2, 5), _cast_input(whole, torch.bfloat16, torch.device("cpu"))[:, :, 2:5])
 
 
 def test_golden_says_when_attention_runs_in_row_blocks(tmp_path: Path, tiny_model, capsys) -> None:

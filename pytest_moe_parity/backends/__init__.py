@@ -132,11 +132,16 @@ class Backend(ABC):
     # How the backend takes part in a chained run (--parity-mode chain): "model": `run_model` runs
     # the candidate's own whole-model forward; "points": `run` accepts any inputs, so the run feeds
     # each point the candidate's own earlier outputs; "recorded": what `run` returns already is the
-    # candidate's own run (a dump of it). None: it cannot chain. (A backend that sets `chain`, its
-    # name before 0.x, is read the same.)
+    # candidate's own run (a dump of it). None: it cannot chain. (A backend that sets `chain`, the
+    # name this had in earlier development versions, is read the same.)
     chain_kind: ClassVar[str | None] = None
     steers_chain: ClassVar[bool] = False  # run_model honours `steer`
     chains_decode: ClassVar[bool] = False  # run_model takes `decode_tokens`: the steps after the prefill
+    # `run` takes a golden's causal mask as a `tree.RowMask` (made a block of query rows at a time, for
+    # attention run in blocks: `model.attention`) instead of a tensor; it makes it whole where it needs it
+    # (`tree.whole_masks`). Off: every mask is a tensor. A subclass that defines its own `run` has it
+    # off unless it sets it again.
+    row_masks: ClassVar[bool] = False
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -147,6 +152,8 @@ class Backend(ABC):
         super().__init_subclass__(**kwargs)
         if "chain" in cls.__dict__ and "chain_kind" not in cls.__dict__:  # the attribute's former name
             cls.chain_kind = cls.__dict__["chain"]
+        if "run" in cls.__dict__ and "row_masks" not in cls.__dict__:  # a `run` of its own takes tensors
+            cls.row_masks = False  # unless it says otherwise (a subclass of `cpu` that compiles, ...)
 
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup

@@ -18,6 +18,7 @@ from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
+from ..tree import whole_masks
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
 
 
@@ -29,6 +30,7 @@ class TorchBackend(Backend):
     chain_kind = "model"
     steers_chain = True
     chains_decode = True
+    row_masks = True  # `run` makes a causal mask a block of query rows at a time where attention runs in blocks
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
         HwOption("max_layers", "decoder layers kept in memory at once (default: 2)", positive_int, 2),
@@ -91,16 +93,21 @@ class TorchBackend(Backend):
         assert self.lazy is not None
         return self.lazy
 
-    def _attention(self, rows: int, tokens: int) -> contextlib.AbstractContextManager:
+    def _attention(self, rows: int, tokens: int) -> tuple[contextlib.AbstractContextManager, int | None]:
         """Eager attention whole, or a block of query rows at a time where the score arrays of `rows` x
-        `tokens` queries would exceed the `attention_budget` option (`model.attention`)."""
-        return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])[0]
+        `tokens` queries would exceed the `attention_budget` option (`model.attention`); and the rows
+        per block (None: whole)."""
+        return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         lazy = self._model()
         module = lazy.module(point.module)
-        args = resolve_params(golden.args, lazy.model)
-        kwargs = with_cache_kwarg(module, resolve_params(golden.kwargs, lazy.model))
+        attention, block = self._attention(self.golden.sequences, self.golden.prefill_tokens)
+        args, kwargs = golden.args, golden.kwargs
+        if block is None:  # attention whole: its causal mask too
+            args, kwargs = whole_masks(args), whole_masks(kwargs)
+        args = resolve_params(args, lazy.model)
+        kwargs = with_cache_kwarg(module, resolve_params(kwargs, lazy.model))
         args, kwargs, caches = with_live_caches(args, kwargs, lazy.model.config)  # decode steps
         routing: list[Any] = []
         handle = None
@@ -109,7 +116,7 @@ class TorchBackend(Backend):
             handle = lazy.module(router.module).register_forward_hook(lambda m, a, out: routing.append(out))
         started = time.perf_counter()
         try:
-            with torch.no_grad(), self._attention(self.golden.sequences, self.golden.prefill_tokens):
+            with torch.no_grad(), attention:
                 output = module(*args, **kwargs)
         finally:
             if handle is not None:
@@ -141,7 +148,7 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
-        with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape):
+        with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
                 padded = {k: v.to(self.device) for k, v in (padding or {}).items()}
@@ -165,8 +172,8 @@ class TorchBackend(Backend):
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
         lazy = self._model()
         module = lazy.module(point.module)
-        args = resolve_params(golden.args, lazy.model)
-        kwargs = with_cache_kwarg(module, resolve_params(golden.kwargs, lazy.model))
+        args = resolve_params(whole_masks(golden.args), lazy.model)  # the drill captures attention whole
+        kwargs = with_cache_kwarg(module, resolve_params(whole_masks(golden.kwargs), lazy.model))
         args, kwargs, _ = with_live_caches(list(args), kwargs, lazy.model.config)  # decode steps: the past
         return module, list(args), kwargs, True
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..dtypes import dtype_name
 from ..errors import RecordError
-from ..tree import CacheState, map_structure
+from ..tree import CacheState, RowMask, map_structure
 
 # A spec is plain JSON describing a nested call structure; tensors are referenced by key.
 Spec = dict[str, Any]
@@ -32,19 +32,6 @@ def _scalar_spec(value: Any) -> Spec:
     if isinstance(value, float) and not math.isfinite(value):
         return {"t": "float", "value": repr(value)}
     return {"t": "value", "value": value}
-
-
-@runtime_checkable
-class RowMask(Protocol):
-    """A 4-D attention mask made a block of query rows at a time, never whole unless asked
-    (`model.attention.LazyMask`: eager attention run in blocks of query rows on a long prompt)."""
-
-    shape: tuple[int, int, int, int]
-    dtype: torch.dtype
-
-    def rows(self, start: int, stop: int) -> torch.Tensor | None: ...
-
-    def materialize(self) -> torch.Tensor | None: ...
 
 
 def causal_mask(
@@ -67,6 +54,29 @@ def causal_mask(
         return allowed.contiguous()
     masked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     return torch.where(allowed, torch.zeros((), dtype=dtype), masked).contiguous()
+
+
+@dataclass(frozen=True)
+class CausalRows:
+    """A golden's causal mask (a `causal_mask` spec) made a block of query rows at a time (a `RowMask`):
+    a replay that runs attention in blocks never holds it whole (`T x T` floats: 1 GiB at 16k tokens).
+    `cast` gives it in a candidate's dtype and device, as `_cast_input` casts a mask made whole."""
+
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    padding: list[list[int]] | None = None
+    device: torch.device | str = "cpu"
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return causal_mask(self.shape, self.dtype, self.padding, (start, stop)).to(self.device)
+
+    def materialize(self) -> torch.Tensor:
+        return causal_mask(self.shape, self.dtype, self.padding).to(self.device)
+
+    def cast(self, dtype: torch.dtype, device: torch.device | str) -> CausalRows:
+        """In `dtype` (a float mask's masked entries at that dtype's minimum) on `device`."""
+        keep = dtype if self.dtype.is_floating_point else self.dtype  # a boolean mask stays boolean
+        return CausalRows(self.shape, keep, self.padding, device)
 
 
 MASK_BLOCK_BYTES = 16 * 2**20  # a mask too large for this is compared with the causal one a block of rows at a time
@@ -231,14 +241,17 @@ def build(
     tensors: dict[str, torch.Tensor],
     chained: Callable[[Spec], torch.Tensor | None] | None = None,
     padding: list[list[int]] | None = None,
+    row_masks: bool = False,
 ) -> Any:
     """Rebuild a recorded structure; parameters come back as ParamRef placeholders. With `chained`,
     a tensor recorded as an earlier point's output ("from") is `chained(origin)` where that gives
     a tensor (the candidate's own output, in chain mode), the golden's otherwise. A causal mask is
-    made again over `padding` (the golden's batch attention mask)."""
+    made again over `padding` (the golden's batch attention mask): whole, or with `row_masks` as a
+    `CausalRows` that makes it a block of query rows at a time."""
     kind = spec["t"]
     if kind == "causal_mask":
-        return causal_mask(spec["shape"], getattr(torch, spec["dtype"]), padding if spec.get("padded") else None)
+        rows = CausalRows(tuple(spec["shape"]), getattr(torch, spec["dtype"]), padding if spec.get("padded") else None)
+        return rows if row_masks else rows.materialize()
     if kind == "tensor":
         golden = tensors[spec["key"]]
         if chained is not None and "from" in spec:
@@ -262,10 +275,10 @@ def build(
         keys, values = build(spec["keys"], tensors), build(spec["values"], tensors)
         return CacheState(spec["layer"], keys, values, window=spec.get("window"), seen=spec.get("seen"))
     if kind in ("tuple", "list"):
-        items = [build(s, tensors, chained, padding) for s in spec["items"]]
+        items = [build(s, tensors, chained, padding, row_masks) for s in spec["items"]]
         return tuple(items) if kind == "tuple" else items
     if kind == "dict":
-        return {k: build(s, tensors, chained, padding) for k, s in spec["items"].items()}
+        return {k: build(s, tensors, chained, padding, row_masks) for k, s in spec["items"].items()}
     raise ValueError(f"unknown spec kind {kind!r}")
 
 

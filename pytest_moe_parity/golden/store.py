@@ -419,14 +419,21 @@ class GoldenStore:
             self._check_spec(entry["id"], key, spec, dtype_name(t.dtype), list(t.shape))
         return out
 
-    def load(self, pid: str | Point, *, chained: Callable[[Spec], torch.Tensor | None] | None = None) -> GoldenRecord:
+    def load(
+        self,
+        pid: str | Point,
+        *,
+        chained: Callable[[Spec], torch.Tensor | None] | None = None,
+        row_masks: bool = False,
+    ) -> GoldenRecord:
         """A point's recorded call. With `chained`, an input recorded as an earlier point's output
-        is `chained(origin)` where that gives a tensor (see `spec.build`)."""
+        is `chained(origin)` where that gives a tensor (see `spec.build`). With `row_masks`, a causal
+        mask comes as a `spec.CausalRows`, made a block of query rows at a time, not whole."""
         point = self.point(pid)
         entry = self._entries[point.id]
         tensors = self.tensors(point)
         padding = self.manifest.get("inputs", {}).get("attention_mask")  # a causal mask is made again over it
-        args = [build(s, tensors, chained, padding) for s in entry["inputs"]["args"]]
-        kwargs = {k: build(s, tensors, chained, padding) for k, s in entry["inputs"]["kwargs"].items()}
+        args = [build(s, tensors, chained, padding, row_masks) for s in entry["inputs"]["args"]]
+        kwargs = {k: build(s, tensors, chained, padding, row_masks) for k, s in entry["inputs"]["kwargs"].items()}
         extras = {name: tensors[key] for name, key in entry.get("extras", {}).items()}
         return GoldenRecord(point, args, kwargs, build(entry["output"], tensors), extras)

@@ -91,6 +91,8 @@ class _Chunked:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         import torch
 
+        from ..tree import RowMask
+
         eager = eager_of(module)
         if eager is None:
             raise BadInput(
@@ -103,7 +105,7 @@ class _Chunked:
         outputs = []
         for start in range(0, q, rows):
             stop = min(q, start + rows)
-            if isinstance(attention_mask, LazyMask):
+            if isinstance(attention_mask, RowMask):  # LazyMask, or a golden's CausalRows
                 mask = attention_mask.rows(start, stop)
             elif (
                 isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[2] == q

@@ -15,7 +15,6 @@ from torch import nn
 from ..errors import RecordError
 from ..golden.spec import (
     Flattener,
-    RowMask,
     Spec,
     causal_mask_spec,
     mask_shaped,
@@ -26,7 +25,7 @@ from ..golden.spec import (
 from ..golden.writer import Recorded
 from ..model.calls import cache_state, is_cache, output_tensors
 from ..points import ATTENTION, Point
-from ..tree import map_structure
+from ..tree import RowMask, map_structure
 
 # How many of the most recent point outputs a residual sum is looked for among.
 _SUM_CANDIDATES = 12

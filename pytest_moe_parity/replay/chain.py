@@ -98,12 +98,16 @@ class Chain:
             tokens = {seq * length + pos for seq, t in first.items() for pos in range(t % length, length)}
         return sorted(tokens)
 
+    def _load(self, point: Point, **kwargs: Any) -> GoldenRecord:
+        """A point's golden record, its causal mask as the backend takes it (`Backend.row_masks`)."""
+        return self.golden.load(point, row_masks=self.backend.row_masks, **kwargs)
+
     def _disagreement(self, source: Point) -> list[int]:
         """The tokens a router point, or the router inside a routed block, routed unlike the golden
         (a compiled decoder layer may round its way to a near-tie its router point did not)."""
         if source.id not in self._taint:
             try:
-                out = self.output(source, self.golden.load(source))
+                out = self.output(source, self._load(source))
                 own = out.output if source.component == ROUTER else out.routing
             except (PointUnavailable, BackendFailure):
                 own = None
@@ -116,7 +120,7 @@ class Chain:
         if router is None:
             return []
         own = self.golden.keep_tokens(source, own)  # (the positions a --capture-tokens golden keeps)
-        tokens = routing_disagreements(self.golden.load(router).output, own)
+        tokens = routing_disagreements(self._load(router).output, own)
         padding = self.golden.padding(source)  # a padding token's routing is not judged, nor does it taint
         if padding is None or not tokens:
             return tokens
@@ -132,7 +136,7 @@ class Chain:
         mine = first_tensor(output)
         if not tokens or mine is None:
             return output
-        golden = first_tensor(self.golden.load(point).output)
+        golden = first_tensor(self._load(point).output)
         if golden is None or golden.numel() != mine.numel():
             return output
         fixed = mine.detach().clone()
@@ -160,7 +164,7 @@ class Chain:
         if router is None:
             return None
         try:
-            out = self.output(router, self.golden.load(router)).output
+            out = self.output(router, self._load(router)).output
         except (PointUnavailable, BackendFailure):
             return None
         return tuple(out) if isinstance(out, tuple | list) else None
@@ -273,7 +277,7 @@ class PointChain(Chain):
 
     def _compute(self, point: Point) -> None:
         self.calls += 1
-        record = self.golden.load(point, chained=self._chained(point))
+        record = self._load(point, chained=self._chained(point))
         try:
             out = self.setup.call(point, record)
         except (PointUnavailable, BackendFailure) as exc:  # raised again for this point, golden for later ones
@@ -289,7 +293,7 @@ class PointChain(Chain):
 
     def _disagreement(self, source: Point) -> list[int]:
         if source.id not in self._taint:
-            self.output(source, self.golden.load(source))
+            self.output(source, self._load(source))
         return self._taint.get(source.id, [])
 
     def _forget_old(self, point: Point) -> None:

@@ -12,7 +12,7 @@ import torch
 from ..backends import Backend, CandidateOutput
 from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
-from ..golden.spec import ParamRef
+from ..golden.spec import CausalRows, ParamRef
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
 from ..points import ROUTER, Point
@@ -30,6 +30,8 @@ MODES = ("isolated", "chain", "both")
 def _cast_input(t: Any, dtype: torch.dtype, device: torch.device) -> Any:
     """Golden tensors to the candidate's dtype and device. Additive-mask entries at the golden
     dtype's minimum map to the candidate dtype's minimum, as the candidate would build them."""
+    if isinstance(t, CausalRows):
+        return t.cast(dtype, device)
     if not isinstance(t, torch.Tensor):
         return t
     if t.is_floating_point() and t.dtype != dtype:
@@ -139,7 +141,7 @@ class ParityRunner:
         """Read the point's golden record and run the candidate on it (isolated), and on its own
         inputs (chain)."""
         point = self.golden.point(pid)
-        record = self.golden.load(point)
+        record = self.golden.load(point, row_masks=self.backend.row_masks)
         chained = self._chained(point)
         isolated = self.call(point, record) if self.mode != "chain" or not chained else None
         own = self.chain.output(point, record) if chained else None
