@@ -367,7 +367,7 @@ class ParitySession:
             able = ", ".join(name for name in sorted(registry()) if _chain_of(name) in CHAIN_KINDS)
             raise SetupError(
                 f"{flag} {mode}: the {self.hw} backend cannot run the candidate on its own inputs; "
-                f"backends that can: {able} (a backend chains by declaring `chain`: see the backend contract)"
+                f"backends that can: {able} (a backend chains by declaring `chain_kind`: see the backend contract)"
             )
         if cls.chain_kind not in CHAIN_KINDS:
             raise SetupError(

@@ -179,7 +179,7 @@ def test_chain_mode_asks_for_what_it_needs(monkeypatch, pytester: pytest.Pyteste
     usage_error(
         run_parity(pytester, golden, "--hw", "isolated-only", "--parity-mode", "chain"),
         "--parity-mode chain: the isolated-only backend cannot run the candidate on its own inputs; "
-        f"backends that can: {', '.join(able)} (a backend chains by declaring `chain`",
+        f"backends that can: {', '.join(able)} (a backend chains by declaring `chain_kind`",
     )
     usage_error(
         run_parity(pytester, golden, "--hw", "unknown-chain", "--parity-mode", "chain"),

@@ -84,6 +84,21 @@ def test_imports_go_down_the_layers(path: Path) -> None:
         assert RANK[top] < RANK[own], f"{path.name}:{line} imports {module}: {top} is not below {own}"
 
 
+@pytest.mark.parametrize("layer", ["model", "dump", "backends", "replay", "drill", "report"])
+def test_record_means_recording_only(layer: str) -> None:
+    """What replay shares with recording lives in `model/`: a backend, the replay, the drill, dumps and
+    reports never import `record/` (only the commands that record do: `cli`, `scan`)."""
+    files = sorted((PACKAGE / layer).rglob("*.py"))
+    assert files, layer
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line} imports {module}"
+        for path in files
+        for module, line in _imports(path)
+        if _top(module) == "record"
+    ]
+    assert not found
+
+
 def test_the_docstring_states_the_rule() -> None:
     doc = (PACKAGE / "__init__.py").read_text()
     rule = " <- ".join(", ".join(sorted(names, key=ORDER.index)) for names in LAYERS)

@@ -48,7 +48,7 @@ from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
 from ..model.calls import cache_states
 from ..model.checkpoint import weight_map
-from ..points import Point
+from ..points import Point, layer_group
 from ..tree import CacheState, leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
 
@@ -699,7 +699,7 @@ class NxdiBackend(Backend):
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
-            unit = "model" if point.layer is None else f"layer_{point.layer}"
+            unit = "model" if point.layer is None else layer_group(point.layer)
             token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
             shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
             where = self._workdir / f"{unit}.{name}.{shape}.tp{tp}"

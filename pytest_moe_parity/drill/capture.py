@@ -101,7 +101,7 @@ _SKIP_FUNCS = {"forward", "_call_impl", "_wrapped_call_impl", "__call__", "inner
 
 @functools.cache
 def _frame_says(code: Any) -> str | None:
-    """What a frame of this code tells `_Recorder._where`: None to look further up (torch's own
+    """What a frame of this code tells `_OpRecorder._where`: None to look further up (torch's own
     code, a function mode's `__torch_function__`), "" to stop with no function (this package; a
     module's `forward`), or the model function's name. Once per code object: ops are many, the
     functions they run in few."""
@@ -272,7 +272,7 @@ def _op_info(func: Any) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     return op_kind(func), tuple(i for i, _ in written), tuple(n for _, n in written)
 
 
-class _Recorder(TorchDispatchMode):
+class _OpRecorder(TorchDispatchMode):
     def __init__(self, root: nn.Module, stack: list[str]):
         super().__init__()
         self.stack = stack
@@ -404,7 +404,7 @@ def capture_ops(
         nn.modules.module.register_module_forward_pre_hook(pre),
         nn.modules.module.register_module_forward_hook(post),
     ]
-    recorder = _Recorder(module, stack)
+    recorder = _OpRecorder(module, stack)
     flat, _ = tree_flatten((list(args), dict(kwargs)))
     inputs = [t for t in flat if isinstance(t, torch.Tensor)]
     kept_inputs = [t.detach() for t in inputs]

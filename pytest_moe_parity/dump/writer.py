@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
-from ..points import TEMPLATE_EXAMPLES, in_step, is_point_template
+from ..points import ATTENTION, TEMPLATE_EXAMPLES, in_step, is_point_template, point_id
 from ..tree import leaves
 
 __all__ = ["Recorder", "record"]
@@ -115,7 +115,7 @@ class Recorder:
         `.values`, and compared with the golden's cache write (a write at the wrong position fails
         that step's attention). Call it inside the block, after the step, for each layer."""
         kept = self.outputs.setdefault(self.step, {})
-        name = self._name(f"layer_{layer}.attention")
+        name = self._name(point_id(ATTENTION, layer))
         for part, tensor in (("keys", keys), ("values", values)):
             kept[f"{name}.cache.{part}"] = tensor.detach().to("cpu", copy=True).contiguous()
 

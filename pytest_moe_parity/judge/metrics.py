@@ -1,7 +1,7 @@
 """The judge's metrics, one import away: tensors (`tensors`: cosine, rel_l2, max_abs, ... at memory
 speed), tokens (`tokens`: each token's own error), routing (`routing`: top-k sets, ties and flips) and
 logits (`logits`: next-token agreement). Each lives in its own module; this one gathers their public
-names."""
+names (the metrics' public API: `from pytest_moe_parity.judge.metrics import compare_tensors`)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput, CheckpointError
 from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_tensors
+from ..points import layer_group
 
 NAMES = SAFETENSORS_FLOATS
 FLOATS = set(NAMES)
@@ -330,7 +331,8 @@ def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory:
     units: dict[str, int] = {}  # unit -> weight bytes in the run's dtype, in forward order
     for t in tensors:
         m = _LAYER.search(t.name)
-        unit = f"layer_{m.group(1)}" if m else ("lm_head" if tensor_class(t.name) in ("lm_head", "norms") else "embed")
+        model_level = "lm_head" if tensor_class(t.name) in ("lm_head", "norms") else "embed"
+        unit = layer_group(int(m.group(1))) if m else model_level
         units[unit] = units.get(unit, 0) + (t.numel * size if size and t.dtype in FLOATS else t.bytes)
     order = sorted(
         units, key=lambda u: (u != "embed", u == "lm_head", int(u.split("_")[1]) if u[:6] == "layer_" else 0)

@@ -581,6 +581,69 @@ class CheckedRequest:
         side = f", padded {self.batch.padding_side}" if self.batch.padded else ""
         return f"{self.batch.rows} rows of {self.batch.length} tokens{side}{kept}"
 
+    def manifest(self, facts: RunFacts) -> dict[str, Any]:
+        """The golden's manifest: what was asked (this request) and what the recording found and did."""
+        req = self.request
+        model_dir, out = req.model_dir.resolve(), req.out.resolve()
+        offload = facts.where["offload"]
+        return {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "path": str(model_dir),
+                # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
+                "path_relative": os.path.relpath(model_dir, out),
+                "model_type": facts.plan.model_type,
+                "architectures": list(getattr(self.config, "architectures", None) or []),
+                "config_hash": config_hash(facts.config),
+                "config": json.loads(json.dumps(config_dict(facts.config), default=str)),
+                "num_hidden_layers": facts.n_layers,
+            },
+            "inputs": self.manifest_inputs(req.prompt),
+            **(
+                {"capture_tokens": {"spec": req.capture_tokens, "positions": self.kept}}
+                if self.kept is not None
+                else {}
+            ),
+            **({"decode": facts.decode} if facts.decode else {}),
+            "record": {
+                "dtype": dtype_name(self.dtype),
+                "device": req.device if not facts.where["device_map"] else None,
+                "device_map": facts.where["device_map"],
+                "max_memory": req.max_memory,
+                "offload_folder": str(offload) if offload is not None else None,
+                "devices": sorted(facts.where["placed"]),
+                "placement": facts.where["placed"],
+                "loading": facts.where["loading"],
+                **({"layers": facts.slice_layers} if self.layers is not None else {}),
+                "attn_implementation": "eager",
+                **({"attention_query_rows": facts.attention_rows} if facts.attention_rows else {}),
+                "experts_implementation": "eager",
+                "use_cache": False,
+                "argv": sys.argv[1:],
+            },
+            "arch": {"source": facts.plan.source, "skipped_points": facts.skipped, "notes": facts.plan.notes},
+            "versions": versions(),
+            "stats": facts.stats,
+        }
+
+
+@dataclass
+class RunFacts:
+    """What a recording found and did, for its manifest (`CheckedRequest.manifest`): the model's config
+    as loaded, its plan of points, its decoder layers and those recorded, the points the forward never
+    called, the decode steps' record, where the weights were placed and how read, the run's figures,
+    and the query rows per block of attention (None: whole)."""
+
+    config: Any
+    plan: Any
+    n_layers: int
+    slice_layers: list[int]
+    skipped: list[str]
+    decode: dict[str, Any] | None
+    where: dict[str, Any]
+    stats: dict[str, Any]
+    attention_rows: int | None
+
 
 class _GoldenRun:
     """One recording: the reference loaded, the prefill's points and the decode steps written group by
@@ -647,7 +710,9 @@ class _GoldenRun:
                 "host_weight_bytes": ref.host_weight_bytes(placed),
             }
             where = {"device_map": device_map, "offload": offload, "placed": placed, "loading": ref.loading}
-            writer.finish(self._manifest(ref.model, plan, decode, skipped, where, stats))
+            facts = RunFacts(ref.model.config, plan, self.n_layers, self.slice_layers, skipped, decode, where, stats,
+                             self.attention_rows)  # fmt: skip
+            writer.finish(checked.manifest(facts))
             seconds = time.perf_counter() - self.started
             steps = checked.decode.describe() if checked.decode.run else ""
             return RecordResult(req.out, len(writer.points), writer.bytes_written, seconds, skipped, plan.notes, steps)
@@ -740,52 +805,6 @@ class _GoldenRun:
                 f"{gib(whole)} per layer at {tokens} tokens; --attention-budget {mib:g} MiB)"
             )
         return context
-
-    def _manifest(
-        self, model: Any, plan: Any, decode: dict[str, Any] | None, skipped: list[str], where: dict, stats: dict
-    ) -> dict[str, Any]:
-        req, checked = self.request, self.checked
-        model_dir, out = req.model_dir.resolve(), req.out.resolve()
-        offload = where["offload"]
-        return {
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "model": {
-                "path": str(model_dir),
-                # lets a golden and its model move together (e.g. the bundled demo in fixtures/)
-                "path_relative": os.path.relpath(model_dir, out),
-                "model_type": plan.model_type,
-                "architectures": list(getattr(checked.config, "architectures", None) or []),
-                "config_hash": config_hash(model.config),
-                "config": json.loads(json.dumps(config_dict(model.config), default=str)),
-                "num_hidden_layers": self.n_layers,
-            },
-            "inputs": checked.manifest_inputs(req.prompt),
-            **(
-                {"capture_tokens": {"spec": req.capture_tokens, "positions": checked.kept}}
-                if checked.kept is not None
-                else {}
-            ),
-            **({"decode": decode} if decode else {}),
-            "record": {
-                "dtype": dtype_name(checked.dtype),
-                "device": req.device if not where["device_map"] else None,
-                "device_map": where["device_map"],
-                "max_memory": req.max_memory,
-                "offload_folder": str(offload) if offload is not None else None,
-                "devices": sorted(where["placed"]),
-                "placement": where["placed"],
-                "loading": where["loading"],
-                **({"layers": self.slice_layers} if checked.layers is not None else {}),
-                "attn_implementation": "eager",
-                **({"attention_query_rows": self.attention_rows} if self.attention_rows else {}),
-                "experts_implementation": "eager",
-                "use_cache": False,
-                "argv": sys.argv[1:],
-            },
-            "arch": {"source": plan.source, "skipped_points": skipped, "notes": plan.notes},
-            "versions": versions(),
-            "stats": stats,
-        }
 
 
 def record_golden(

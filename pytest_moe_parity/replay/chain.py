@@ -37,7 +37,7 @@ from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import Spec
 from ..judge.routing import router_triple
 from ..model.calls import output_tensors
-from ..points import ROUTER, Point
+from ..points import ROUTER, Point, layer_group
 from ..tree import first_tensor, map_structure
 
 
@@ -302,7 +302,7 @@ class PointChain(Chain):
             return
         self._layers.append(point.layer)
         for old in self._layers[:-2]:
-            for pid in [p for p in self._done if p.startswith(f"layer_{old}.")]:
+            for pid in [p for p in self._done if p.startswith(f"{layer_group(old)}.")]:
                 del self._done[pid]
         del self._layers[:-2]
 

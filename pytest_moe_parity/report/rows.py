@@ -1,10 +1,11 @@
-"""The report's rows: one :class:`Row` per item of a run, in three kinds, each with its one builder.
+"""The report's rows: one :class:`Row` per item of a run, in four kinds, each with its one builder.
 
 - a judged point (:func:`point_row`, from the judge's `PointResult`), with its chained twin under
   ``--parity-mode both``;
 - a point or weight item that was not judged (:func:`unjudged_row`): ``skipped`` with a reason, or an
   ``error`` with the backend's message;
-- a weight item (:func:`weights_row`): ``layer_N.weights`` / ``weights``, failed with its findings.
+- a weight item (:func:`weights_row`): ``layer_N.weights`` / ``weights``, failed with its findings;
+- an op of a drilled component (:func:`drill_row`): ``POINT::OP``, with its figures in ``drill``.
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read

@@ -187,7 +187,3 @@ def install() -> tuple[str, ...]:
         # NxD names them in annotations at import time
         torch.classes.neuron = _Module("torch_neuronx.classes")
     return roots
-
-
-def is_standin(module_name: str) -> bool:
-    return bool(getattr(sys.modules.get(module_name.partition(".")[0]), "__standin__", False))
