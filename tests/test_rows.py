@@ -47,6 +47,39 @@ def test_a_judged_row_is_written_with_schema_1s_keys_and_read_back_the_same() ->
     assert modes([back]) == ["isolated", "chain"]
 
 
+def test_a_routers_flips_a_batchs_rows_and_the_logits_are_read_back_as_the_judges_types() -> None:
+    """A router's routing (its flips), a batch's rows and the logits' next tokens are the judge's types
+    in a row, written as report schema 1 holds them and read back equal."""
+    from pytest_moe_parity.judge.logits import LogitsMetrics
+    from pytest_moe_parity.judge.routing import RoutingMetrics
+    from pytest_moe_parity.judge.verdict import BatchRow, Check
+
+    point = Point("router", 0, order=2)
+    logits = torch.tensor([[4.0, 3.0, 0.0, 1.0], [4.0, 3.0, 2.0, 0.0]])
+    weights = torch.tensor([[0.6, 0.4], [0.6, 0.4]])
+    golden = (logits, weights, torch.tensor([[0, 1], [0, 1]]))
+    flipped = (logits, weights, torch.tensor([[0, 3], [0, 1]]))  # token 0: expert 3 instead of 1
+    result = judge_point(Case(point, golden, flipped, default_tolerance(torch.bfloat16, "router"), torch.bfloat16))
+    result.rows = [BatchRow(0, 1, 0.5, 0.5, True, prompt="the first"), BatchRow(1, 1, None, None, False)]
+    row = point_row(result)
+    assert isinstance(row.routing, RoutingMetrics) and [f.token for f in row.routing.flips] == [0]
+    assert all(isinstance(c, Check) for c in row.checks)
+    data = json.loads(json.dumps(row.to_json()))
+    assert data["routing"]["flips"][0]["candidate_experts"] == [0, 3]
+    assert data["rows"] == [
+        {"row": 0, "tokens": 1, "rel_l2": 0.5, "max_token_rel_l2": 0.5, "failed": True, "prompt": "the first"},
+        {"row": 1, "tokens": 1, "rel_l2": None, "max_token_rel_l2": None, "failed": False},
+    ]
+    assert Row.from_json(data) == row and Row.from_json(data).to_json() == data
+    logits_row = Row.from_json({
+        "id": "logits", "component": "logits", "status": "passed", "verdicts": {"isolated": "passed"},
+        "logits": {"num_tokens": 2, "top1_agreement": 0.5, "top1": data["routing"], "top_k": 5,
+                   "top_k_overlap": 1.0, "kl_mean": "inf", "kl_max": "inf", "kl_worst": [[0, "inf"]]},
+    })  # fmt: skip
+    assert isinstance(logits_row.logits, LogitsMetrics) and logits_row.logits.kl_max == float("inf")
+    assert logits_row.to_json()["logits"]["kl_worst"] == [[0, "inf"]]
+
+
 @pytest.mark.parametrize("status", ["skipped", "error"])
 def test_unjudged_rows_say_why_in_their_own_key(status: str) -> None:
     row = unjudged_row(Point("experts", 2, order=9), status, "the dump has no layer_2.experts")

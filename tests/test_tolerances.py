@@ -96,11 +96,11 @@ def test_router_tie_is_not_a_failure_but_a_flip_is() -> None:
     tie = (logits, swapped, torch.tensor([[1, 0], [0, 2]]))  # token 0: order only; token 1: near-tie swap
     r = judge_point(Case(point, golden, tie, tol, torch.bfloat16))
     assert r.passed, failure_text(r)
-    assert [f["token"] for f in r.routing["ties"]] == [1] and r.routing["flips"] == []
+    assert r.routing is not None and [f.token for f in r.routing.ties] == [1] and r.routing.flips == []
     assert r.excluded_tokens == [1]
     flip = (logits, weights, torch.tensor([[0, 3], [0, 1]]))  # token 0: expert 3 instead of 1, gap 3.0
     r = judge_point(Case(point, golden, flip, tol, torch.bfloat16))
-    assert not r.passed and [f["token"] for f in r.routing["flips"]] == [0]
+    assert not r.passed and r.routing is not None and [f.token for f in r.routing.flips] == [0]
     assert "flip_share" in [c.name for c in r.failed_checks]
 
 
@@ -113,7 +113,7 @@ def test_sigmoid_router_ties_use_the_golden_score_bias() -> None:
     golden = (logits, w, torch.tensor([[3, 1]]))
     lost_bias = (logits, w, torch.tensor([[0, 1]]))  # a port without the bias picks by logits only
     r = judge_point(Case(point, golden, lost_bias, tol, torch.bfloat16, score_bias=bias))
-    assert not r.passed and r.routing["flips"][0]["gap"] == pytest.approx(0.6)
+    assert not r.passed and r.routing is not None and r.routing.flips[0].gap == pytest.approx(0.6)
 
 
 def test_summary_table_is_compact_for_big_runs() -> None:

@@ -34,6 +34,20 @@ class LogitsMetrics:
         data["top1"] = self.top1.to_dict()
         return json_safe(data)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LogitsMetrics:
+        """The metrics as a report holds them (`to_dict`)."""
+        return cls(
+            num_tokens=int(data.get("num_tokens", 0)),
+            top1_agreement=float(data.get("top1_agreement", "nan")),
+            top1=RoutingMetrics.from_dict(data.get("top1", {})),
+            top_k=int(data.get("top_k", 0)),
+            top_k_overlap=float(data.get("top_k_overlap", "nan")),
+            kl_mean=float(data.get("kl_mean", "nan")),
+            kl_max=float(data.get("kl_max", "nan")),
+            kl_worst=[(int(t), float(v)) for t, v in data.get("kl_worst", [])],
+        )
+
 
 def compare_logits(
     golden: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype, *, tie_factor: float = 8.0, top_k: int = 5

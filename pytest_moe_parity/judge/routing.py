@@ -38,6 +38,15 @@ class RoutingFlip:
     gap: float
     is_tie: bool
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingFlip:
+        """A flip as a report holds it (`RoutingMetrics.to_dict`)."""
+        return cls(
+            int(data["token"]), [int(e) for e in data.get("golden_experts", [])],
+            [int(e) for e in data.get("candidate_experts", [])], float(data.get("gap", "nan")),
+            bool(data.get("is_tie", False)),
+        )  # fmt: skip
+
 
 @dataclass
 class RoutingMetrics:
@@ -73,6 +82,19 @@ class RoutingMetrics:
         data["flipped_tokens"] = self.flipped_tokens
         data["disagreeing_tokens"] = self.disagreeing_tokens
         return json_safe(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingMetrics:
+        """The metrics as a report holds them (`to_dict`; the derived figures are derived again)."""
+        return cls(
+            num_tokens=int(data.get("num_tokens", 0)),
+            top_k=int(data.get("top_k", 0)),
+            num_experts=int(data.get("num_experts", 0)),
+            set_agreement=float(data.get("set_agreement", "nan")),
+            flips=[RoutingFlip.from_dict(f) for f in data.get("flips", [])],
+            ties=[RoutingFlip.from_dict(f) for f in data.get("ties", [])],
+            tie_tolerance=float(data.get("tie_tolerance", "nan")),
+        )
 
 
 def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0) -> torch.Tensor:

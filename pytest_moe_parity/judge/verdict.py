@@ -14,6 +14,7 @@ from ..points import ATTENTION, EXPERTS, LOGITS, ROUTER, Point
 from ..tree import first_tensor, leaves
 from .logits import LogitsMetrics, compare_logits
 from .routing import (
+    RoutingMetrics,
     SelectionRule,
     candidate_routing,
     router_triple,
@@ -92,7 +93,8 @@ class Check:
     limit: float | None
     op: str
     passed: bool
-    key: str | None = None  # the tolerance key that sets the limit; None: no tolerance accepts a failure
+    # the tolerance key that sets the limit (None: no tolerance accepts a failure); not in the reports
+    key: str | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +106,37 @@ class Check:
             "passed": self.passed,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Check:
+        """A check as a report holds it (`to_dict`: without its tolerance key)."""
+        limit = data.get("limit")
+        return cls(data["name"], data["target"], float(data.get("value", "nan")),
+                   None if limit is None else float(limit), data.get("op", ""), bool(data.get("passed")))  # fmt: skip
+
+
+@dataclass
+class BatchRow:
+    """One row (prompt) of a batch of several, judged over its real tokens: its relative L2 error and
+    its worst token's, in the point's main tensor, and whether they fail the dtype's limits alone."""
+
+    row: int
+    tokens: int
+    rel_l2: float | None
+    max_token_rel_l2: float | None
+    failed: bool
+    prompt: str | None = None  # the prompt's preview, where the golden has one (`--prompts`)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"row": self.row, "tokens": self.tokens, "rel_l2": json_safe(self.rel_l2),
+                "max_token_rel_l2": json_safe(self.max_token_rel_l2), "failed": self.failed}  # fmt: skip
+        return {**data, "prompt": self.prompt} if self.prompt is not None else data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BatchRow:
+        rel, worst = data.get("rel_l2"), data.get("max_token_rel_l2")
+        return cls(int(data["row"]), int(data.get("tokens", 0)), None if rel is None else float(rel),
+                   None if worst is None else float(worst), bool(data.get("failed")), data.get("prompt"))  # fmt: skip
+
 
 @dataclass
 class PointResult:
@@ -113,7 +146,7 @@ class PointResult:
     passed: bool
     checks: list[Check] = field(default_factory=list)
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)
-    routing: dict[str, Any] | None = None
+    routing: RoutingMetrics | None = None
     excluded_tokens: list[int] = field(default_factory=list)
     worst: list[tuple[int, float]] = field(default_factory=list)
     # every token's own error in the first tensor with tokens (None: a token left out); in the report of
@@ -142,9 +175,8 @@ class PointResult:
     # against the reference's own error in the candidate's dtype: {"ratio": R, "targets": {...}}
     noise: dict[str, Any] | None = None
     chained: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
-    # a batch of several prompts: each row's figures over its real tokens ({"row", "tokens", "rel_l2",
-    # "max_token_rel_l2", "failed", and "prompt" where the golden has it})
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    # a batch of several prompts: each row's figures over its real tokens
+    rows: list[BatchRow] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -188,7 +220,7 @@ class PointResult:
                 props.extend((prefix + name, getattr(result.main, name)) for name in JUNIT_FIGURES)
             if result.noise_ratio is not None:
                 props.append((prefix + "noise_ratio", result.noise_ratio))
-            failing = [str(row["row"]) for row in result.rows if row.get("failed")]
+            failing = [str(row.row) for row in result.rows if row.failed]
             if failing:  # a batch of several prompts: the rows that fail alone
                 props.append((prefix + "failing_rows", ",".join(failing)))
         return [*props, ("parity_status", self.status)]
@@ -414,7 +446,7 @@ class Judge:
         other experts since) are not judged again here: their flips are where they first happened."""
         rm = topk_agreement(self.rule, golden_router_out, candidate_router_out, bias, self.exclude)
         r = self.result
-        r.routing = rm.to_dict()
+        r.routing = rm
         if judge_flips:
             for key in ROUTING_LIMITS:
                 value, limit = getattr(rm, key.figure), self._flip_limit(key, "top_k")
@@ -652,7 +684,7 @@ class Judge:
             r.hint = self._hint()
         return r
 
-    def _row_figures(self) -> list[dict[str, Any]]:
+    def _row_figures(self) -> list[BatchRow]:
         """Each row of the batch: its real tokens judged, its relative L2 error and worst token's over
         them (the main tensor: the output, else the first with a row per token), and whether it fails
         the dtype's limits for them (the rows a failure names)."""
@@ -679,16 +711,13 @@ class Judge:
                 (limit_rel is not None and not REL_L2_LIMIT.passes(rel, limit_rel))
                 or (limit_token is not None and length > 1 and not TOKEN_LIMIT.passes(top, limit_token))
             )
-            figures.append(
-                {"row": row, "tokens": n, "rel_l2": json_safe(rel) if n else None,
-                 "max_token_rel_l2": json_safe(top) if n else None, "failed": bool(failed)}
-            )  # fmt: skip
+            figures.append(BatchRow(row, n, rel if n else None, top if n else None, bool(failed)))
         return figures
 
     def _hint(self) -> str:
         comp = self.point.component
-        routing = self.result.routing or {}
-        if comp == ROUTER and routing.get("set_agreement", 1.0) < 0.5:
+        routing = self.result.routing
+        if comp == ROUTER and routing is not None and routing.set_agreement < 0.5:
             return HINTS["router_layout"]
         if comp == ATTENTION and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"

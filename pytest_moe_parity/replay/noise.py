@@ -40,7 +40,7 @@ def noise_figures(result: PointResult) -> dict[str, dict[str, float]]:
         if m.shape_match and all(v is None or math.isfinite(v) for v in values.values()):
             out[target] = {k: v for k, v in values.items() if v is not None}
     if result.component == ROUTER and result.routing:  # real routing flips of the reference itself
-        out["top_k"] = {"flip_share": result.routing["flip_share"]}
+        out["top_k"] = {"flip_share": result.routing.flip_share}
     if result.logits is not None:
         out["top1"] = {"flip_share": result.logits.top1.flip_share}
     return out

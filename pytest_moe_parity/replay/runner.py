@@ -232,7 +232,7 @@ class ParityRunner:
         result.golden_dtype = self.golden.dtype
         result.position = self.golden.position(point)
         for row, prompt in zip(result.rows, self.golden.prompts, strict=False):
-            row["prompt"] = prompt
+            row.prompt = prompt
         result.backend = cand.info
         result.notes.extend(cand.info.get("notes", []))
         hint = cand.info.get("hint")

@@ -210,7 +210,7 @@ def token_errors(row: Row, mode: str, new) -> Any:
     if left_out:
         ax.bar(left_out, [top] * len(left_out), color="lightgrey", width=0.8, label="left out (routed elsewhere)")
     # the token limit where it was judged (a chained point under the noise verdict has none)
-    limit = next((number(c.get("limit")) for c in row.checks if c.get("name") == TOKEN_LIMIT.check_name), None)
+    limit = next((c.limit for c in row.checks if c.name == TOKEN_LIMIT.check_name), None)
     if limit is not None:
         ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"token_rel_l2 limit {limit:g}")
     ax.set_xlabel("token")

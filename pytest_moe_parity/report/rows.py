@@ -9,8 +9,10 @@
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
-back by :meth:`Row.from_json`, so a report on disk redraws and diffs as the live rows do. The figures
-inside (``metrics``, ``routing``, ``noise``, ``logits``, ``checks``) stay the JSON of the judge's types.
+back by :meth:`Row.from_json`, so a report on disk redraws and diffs as the live rows do. The judge's
+checks, routing, logits and batch rows are its own types (``Check``, ``RoutingMetrics``,
+``LogitsMetrics``, ``BatchRow``); the tensor figures (``metrics``), ``noise``, ``drill`` and what the
+backend said stay the JSON of the judge's and the backend's dicts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..dtypes import json_safe
-from ..judge.verdict import PointResult
+from ..judge.logits import LogitsMetrics
+from ..judge.routing import RoutingMetrics
+from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import WEIGHTS, Point
 
 __all__ = ["Row", "drill_row", "number", "point_row", "unjudged_row", "weights_row"]
@@ -56,15 +60,15 @@ class Row:
     verdicts: dict[str, str] = field(default_factory=dict)  # each mode's own verdict
     noise: JsonDict | None = None  # {"ratio": R, "targets": {...}} against the reference's own error
     metrics: dict[str, JsonDict] = field(default_factory=dict)  # per tensor, TensorMetrics.to_dict()
-    checks: list[JsonDict] = field(default_factory=list)  # Check.to_dict(), in the judge's order
+    checks: list[Check] = field(default_factory=list)  # in the judge's order
     limits: JsonDict = field(default_factory=dict)
     tolerance_sources: list[str] = field(default_factory=list)
-    routing: JsonDict | None = None
+    routing: RoutingMetrics | None = None
     excluded_tokens: list[int] = field(default_factory=list)
     worst_tokens: list[list[Any]] = field(default_factory=list)  # [token, rel error]
     token_errors: list[float | None] | None = None  # a failed point's per-token errors, for its plot
     worst_experts: list[list[Any]] = field(default_factory=list)  # [expert, tokens, rel error]
-    logits: JsonDict | None = None
+    logits: LogitsMetrics | None = None
     worst_elements: dict[str, list[list[Any]]] = field(default_factory=dict)  # [index, golden, candidate, diff]
     notes: list[str] = field(default_factory=list)
     hint: str = ""
@@ -75,7 +79,7 @@ class Row:
     backend: JsonDict = field(default_factory=dict)  # what the backend said (graph, origin, ...)
     chained: Row | None = None  # --parity-mode both: the chained verdict of the same point
     # a batch of several prompts: each row's figures over its real tokens (PointResult.rows)
-    rows: list[JsonDict] = field(default_factory=list)
+    rows: list[BatchRow] = field(default_factory=list)
     # an item that was not judged
     error: str | None = None
     reason: str | None = None
@@ -146,15 +150,15 @@ class Row:
             "verdicts": self.verdicts,
             "noise": self.noise,
             "metrics": self.metrics,
-            "checks": self.checks,
+            "checks": [c.to_dict() for c in self.checks],
             "limits": self.limits,
             "tolerance_sources": self.tolerance_sources,
-            "routing": self.routing,
+            "routing": self.routing.to_dict() if self.routing is not None else None,
             "excluded_tokens": self.excluded_tokens,
             "worst_tokens": self.worst_tokens,
             "token_errors": self.token_errors,
             "worst_experts": self.worst_experts,
-            "logits": self.logits,
+            "logits": self.logits.to_dict() if self.logits is not None else None,
             "worst_elements": self.worst_elements,
             "notes": self.notes,
             "hint": self.hint,
@@ -164,7 +168,7 @@ class Row:
             "seconds": self.seconds,
             "backend": self.backend,
             "chain": self.chained.to_json() if self.chained is not None else None,
-            **({"rows": self.rows} if self.rows else {}),
+            **({"rows": [r.to_dict() for r in self.rows]} if self.rows else {}),
         }
 
     @classmethod
@@ -175,6 +179,9 @@ class Row:
         )
         known = {name for name in cls.__dataclass_fields__ if name not in ("kind", "chained")}
         values = {k: v for k, v in data.items() if k in known and v is not None}
+        for name, typed in _TYPED.items():  # the judge's figures, as the judge's types
+            if name in values:
+                values[name] = typed(values[name])
         chain = data.get("chain")
         return cls(
             id=data["id"],
@@ -187,6 +194,14 @@ class Row:
             **{k: v for k, v in values.items() if k not in ("id", "order", "layer", "step", "component", "status")},
             chained=cls.from_json(chain) if isinstance(chain, dict) else None,
         )
+
+
+_TYPED: dict[str, Any] = {  # the fields read back as the judge's types (`Row.from_json`)
+    "checks": lambda items: [Check.from_dict(c) for c in items],
+    "routing": RoutingMetrics.from_dict,
+    "logits": LogitsMetrics.from_dict,
+    "rows": lambda items: [BatchRow.from_dict(r) for r in items],
+}
 
 
 def _place(entry: Point | PointResult) -> JsonDict:
@@ -205,7 +220,7 @@ def point_row(result: PointResult) -> Row:
         verdicts=result.verdicts,
         noise=result.noise,
         metrics={k: m.to_dict() for k, m in result.metrics.items()},
-        checks=[c.to_dict() for c in result.checks],
+        checks=result.checks,
         limits={k: json_safe(v) for k, v in result.tolerance.items()},
         tolerance_sources=result.tolerance_sources,
         routing=result.routing,
@@ -213,7 +228,7 @@ def point_row(result: PointResult) -> Row:
         worst_tokens=[[t, json_safe(e)] for t, e in result.worst],
         token_errors=result.token_errors if result.verdicts[result.mode] == "failed" else None,
         worst_experts=[[e, n, json_safe(err)] for e, n, err in result.worst_experts],
-        logits=result.logits.to_dict() if result.logits is not None else None,
+        logits=result.logits,
         worst_elements={
             k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
             for k, rows in result.worst_elements.items()

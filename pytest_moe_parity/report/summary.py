@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
 from .rows import Row, number
 from .text import fmt
@@ -38,17 +39,17 @@ def short_metrics(row: Row) -> tuple[str, str, str]:
 def row_note(row: Row) -> str:
     parts = []
     routing = row.routing
-    if routing and (routing.get("flips") or routing.get("ties")):
-        parts.append(f"flips {len(routing['flips'])} ties {len(routing['ties'])}")
+    if routing and (routing.flips or routing.ties):
+        parts.append(f"flips {len(routing.flips)} ties {len(routing.ties)}")
     if row.excluded_tokens:
         parts.append(f"{len(row.excluded_tokens)} tok excluded")
     if row.status != "passed":
-        failed = [f"{c['target']}.{c['name']}" for c in row.checks if not c.get("passed")]
+        failed = [f"{c.target}.{c.name}" for c in row.checks if not c.passed]
         if failed:
             parts.append("failed " + ", ".join(failed))
-        batch = next((r.rows for r in (row, row.chained) if r is not None and any(x.get("failed") for x in r.rows)), [])
+        batch = next((r.rows for r in (row, row.chained) if r is not None and any(x.failed for x in r.rows)), [])
         if batch:  # a batch of several prompts: the rows that fail alone
-            parts.append(f"rows {', '.join(str(x['row']) for x in batch if x.get('failed'))} of {len(batch)}")
+            parts.append(f"rows {', '.join(str(x.row) for x in batch if x.failed)} of {len(batch)}")
         if row.error:
             parts.append(row.error[:60])
         if row.reason:
@@ -81,11 +82,11 @@ def _decode_logits(rows: list[Row]) -> list[Row]:
     return sorted(steps, key=lambda r: r.step or 0)
 
 
-def first_decode_difference(rows: list[Row]) -> tuple[Row, dict[str, Any]] | None:
+def first_decode_difference(rows: list[Row]) -> tuple[Row, RoutingFlip] | None:
     """The first decode step whose next token (the logits' top-1) differs, with its flip or tie."""
     for r in _decode_logits(rows):
-        top1 = (r.logits or {})["top1"]
-        differing = sorted([*top1["flips"], *top1["ties"]], key=lambda f: f["token"])
+        assert r.logits is not None
+        differing = sorted([*r.logits.top1.flips, *r.logits.top1.ties], key=lambda f: f.token)
         if differing:
             return r, differing[0]
     return None
@@ -101,11 +102,9 @@ def decode_line(rows: list[Row]) -> tuple[str, str | None] | None:
     if found is None:
         return (f"decode: the next token agrees with the golden at every step judged ({len(steps)})", "green")
     row, flip = found
-    what = (
-        f"golden {flip['golden_experts'][0]}, candidate {flip['candidate_experts'][0]}, "
-        f"golden logit gap {fmt(flip['gap'], 3)}"
-    )
-    if flip["is_tie"]:
+    gap = fmt(flip.gap, 3)
+    what = f"golden {flip.golden_experts[0]}, candidate {flip.candidate_experts[0]}, golden logit gap {gap}"
+    if flip.is_tie:
         return (f"decode: the next token first differs at step_{row.step} ({what}): a tie within "
                 f"{row.candidate_dtype} rounding, not a failure", None)  # fmt: skip
     return (f"decode: the next token first differs at step_{row.step} ({what})", "red")

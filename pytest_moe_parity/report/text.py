@@ -7,7 +7,9 @@ import math
 import textwrap
 from typing import Any
 
-from ..judge.verdict import PointResult
+from ..judge.logits import LogitsMetrics
+from ..judge.routing import RoutingMetrics
+from ..judge.verdict import BatchRow, PointResult
 
 WIDTH = 100  # failure text: no line wider than this
 
@@ -94,18 +96,18 @@ def _noise_lines(noise: dict[str, Any]) -> list[str]:
     return _wrapped("  noise ratio (error / the reference's own in this dtype): ", ", ".join(parts))
 
 
-def _row_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _row_lines(rows: list[BatchRow]) -> list[str]:
     """A batch's rows that fail (over their real tokens), with their prompts: `rows 2, 5 of 8 fail:`."""
-    failed = [row for row in rows if row.get("failed")]
+    failed = [row for row in rows if row.failed]
     if not failed:
         return [f"  rows: none of the {len(rows)} fails on its own (the error is spread over them)"] if rows else []
-    names = ", ".join(str(row["row"]) for row in failed)
+    names = ", ".join(str(row.row) for row in failed)
     lines = [f"  row{'s' * (len(failed) > 1)} {names} of {len(rows)} fail{'s' * (len(failed) == 1)}:"]
     for row in failed[:8]:
-        prompt = f' prompt "{row["prompt"]}",' if row.get("prompt") else ""
+        prompt = f' prompt "{row.prompt}",' if row.prompt else ""
         lines.append(
-            f"    row {row['row']}:{prompt} {row['tokens']} tokens, rel_l2 {fmt(row['rel_l2'], 3)}, "
-            f"worst token {fmt(row['max_token_rel_l2'], 3)}"
+            f"    row {row.row}:{prompt} {row.tokens} tokens, rel_l2 {fmt(row.rel_l2, 3)}, "
+            f"worst token {fmt(row.max_token_rel_l2, 3)}"
         )
     if len(failed) > 8:
         lines.append(f"    ... and {len(failed) - 8} more (the report's rows)")
@@ -167,7 +169,7 @@ def _verdict_lines(r: PointResult) -> list[str]:
         experts = ", ".join(f"#{e} {fmt(err, 3)} over {n} token{'s' * (n != 1)}" for e, n, err in r.worst_experts)
         lines.extend(_wrapped("  worst experts (rel error over their golden-routed tokens): ", experts))
     if r.logits is not None:
-        lines.extend(_logits_lines(r.logits.to_dict()))
+        lines.extend(_logits_lines(r.logits))
     if r.routing:
         lines.extend(_routing_lines(r.routing))
     for note in r.notes:
@@ -175,39 +177,38 @@ def _verdict_lines(r: PointResult) -> list[str]:
     return lines
 
 
-def _routing_lines(rt: dict[str, Any]) -> list[str]:
+def _routing_lines(rt: RoutingMetrics) -> list[str]:
     lines = [
-        f"  routing: {rt['num_tokens']} tokens, top-{rt['top_k']} of {rt['num_experts']} experts, "
-        f"set agreement {rt['set_agreement'] * 100:.1f}%, real flips {len(rt['flips'])}, ties {len(rt['ties'])}"
+        f"  routing: {rt.num_tokens} tokens, top-{rt.top_k} of {rt.num_experts} experts, "
+        f"set agreement {rt.set_agreement * 100:.1f}%, real flips {len(rt.flips)}, ties {len(rt.ties)}"
     ]
-    shown = rt["flips"][:8] or rt["ties"][:4]
+    shown = rt.flips[:8] or rt.ties[:4]
     if shown:
         lines.append(f"    {'token':>6}  {'golden only':<24}{'candidate only':<24}{'score gap':>10}  kind")
         for f in shown:
-            lost = sorted(set(f["golden_experts"]) - set(f["candidate_experts"]))
-            gained = sorted(set(f["candidate_experts"]) - set(f["golden_experts"]))
+            lost = sorted(set(f.golden_experts) - set(f.candidate_experts))
+            gained = sorted(set(f.candidate_experts) - set(f.golden_experts))
             lines.append(
-                f"    {f['token']:>6}  {lost!s:<24}{gained!s:<24}{fmt(f['gap'], 3):>10}  "
-                f"{'tie' if f['is_tie'] else 'flip'}"
+                f"    {f.token:>6}  {lost!s:<24}{gained!s:<24}{fmt(f.gap, 3):>10}  {'tie' if f.is_tie else 'flip'}"
             )
-        more = len(rt["flips"]) - len(rt["flips"][:8])
+        more = len(rt.flips) - len(rt.flips[:8])
         if more > 0:
             lines.append(f"    ... and {more} more flips")
     return lines
 
 
-def _logits_lines(lg: dict[str, Any]) -> list[str]:
-    top1 = lg["top1"]
+def _logits_lines(lg: LogitsMetrics) -> list[str]:
+    top1 = lg.top1
     lines = _wrapped(
         "  next token: ",
-        f"top-1 agreement {lg['top1_agreement'] * 100:.1f}% of {lg['num_tokens']} tokens "
-        f"(real flips {len(top1['flips'])}, ties {len(top1['ties'])}), top-{lg['top_k']} overlap "
-        f"{lg['top_k_overlap'] * 100:.1f}%, KL mean {fmt(lg['kl_mean'], 3)} max {fmt(lg['kl_max'], 3)} nats",
+        f"top-1 agreement {lg.top1_agreement * 100:.1f}% of {lg.num_tokens} tokens "
+        f"(real flips {len(top1.flips)}, ties {len(top1.ties)}), top-{lg.top_k} overlap "
+        f"{lg.top_k_overlap * 100:.1f}%, KL mean {fmt(lg.kl_mean, 3)} max {fmt(lg.kl_max, 3)} nats",
     )
-    for f in (top1["flips"] or top1["ties"])[:5]:
+    for f in (top1.flips or top1.ties)[:5]:
         lines.append(
-            f"    token {f['token']}: golden top-1 {f['golden_experts'][0]}, candidate {f['candidate_experts'][0]}, "
-            f"golden logit gap {fmt(f['gap'], 3)} ({'tie' if f['is_tie'] else 'flip'})"
+            f"    token {f.token}: golden top-1 {f.golden_experts[0]}, candidate {f.candidate_experts[0]}, "
+            f"golden logit gap {fmt(f.gap, 3)} ({'tie' if f.is_tie else 'flip'})"
         )
     return lines
 
