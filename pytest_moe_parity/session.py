@@ -610,11 +610,7 @@ class ParitySession:
         within = 0
         for row in failed:
             reference = self.golden.noise(self.dtype, figures, row.id) or {}
-            ratios = [
-                m["rel_l2"] / max(reference[t]["rel_l2"], 1e-12)
-                for t, m in row.metrics.items()
-                if t in reference and isinstance(m, dict) and m.get("rel_l2") is not None
-            ]
+            ratios = [m.rel_l2 / max(reference[t]["rel_l2"], 1e-12) for t, m in row.metrics.items() if t in reference]
             within += bool(ratios) and max(ratios) <= NOISE_FACTOR
         if within * 2 < len(failed):
             return None

@@ -80,6 +80,25 @@ def test_a_routers_flips_a_batchs_rows_and_the_logits_are_read_back_as_the_judge
     assert logits_row.to_json()["logits"]["kl_worst"] == [[0, "inf"]]
 
 
+def test_tensor_figures_with_non_finite_values_are_read_back_as_written() -> None:
+    """A tensor's figures with a NaN and an infinity in the candidate ("inf" and "-inf" in the JSON)
+    read back as `TensorMetrics` that write the same JSON, and the summary reads them by name."""
+    from pytest_moe_parity.judge.tensors import TensorMetrics, compare_tensors
+    from pytest_moe_parity.report.summary import short_metrics
+
+    golden = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    candidate = golden.clone()
+    candidate[1, 2], candidate[3, 0] = float("nan"), float("inf")
+    metrics = compare_tensors(golden, candidate)
+    data = json.loads(json.dumps(metrics.to_dict()))
+    assert {"inf", "-inf"} <= {v for v in data.values() if isinstance(v, str)} and data["first_nonfinite"] == [1, 2]
+    back = TensorMetrics.from_dict(data)
+    assert back.to_dict() == data and back.first_nonfinite == (1, 2) and back.shape_golden == (4, 8)
+    row = Row.from_json({**point_row(_judged(broken=False)).to_json(), "metrics": {"out": data}})
+    assert isinstance(row.main_metrics, TensorMetrics)
+    assert short_metrics(row) == ("0", "inf", "inf") and figure(row, "snr_db") == float("-inf")
+
+
 @pytest.mark.parametrize("status", ["skipped", "error"])
 def test_unjudged_rows_say_why_in_their_own_key(status: str) -> None:
     row = unjudged_row(Point("experts", 2, order=9), status, "the dump has no layer_2.experts")

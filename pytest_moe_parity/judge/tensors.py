@@ -188,6 +188,30 @@ class TensorMetrics:
         """JSON-safe dict: non-finite floats become "inf" / "-inf" / "nan", tuples become lists."""
         return json_safe(asdict(self))
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorMetrics:
+        """The metrics as a report holds them (`to_dict`): "inf" / "nan" as floats, lists as tuples; a
+        figure a report lacks is NaN (a count 0, a shape empty)."""
+        values: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            value = data.get(name)
+            if name in _SHAPES:
+                value = tuple(value) if value is not None else (None if name == "first_nonfinite" else ())
+            elif name in _COUNTS:
+                value = int(value) if value is not None else (None if name == "worst_token" else 0)
+            elif name in ("dtype_golden", "dtype_candidate"):
+                value = str(value or "")
+            elif name == "shape_match":
+                value = bool(value)
+            elif value is not None or name != "max_token_rel_l2":
+                value = float(value) if value is not None else math.nan
+            values[name] = value
+        return cls(**values)
+
+
+_SHAPES = ("shape_golden", "shape_candidate", "first_nonfinite")
+_COUNTS = ("numel", "mismatched", "nan_golden", "nan_candidate", "inf_golden", "inf_candidate", "worst_token")
+
 
 class _Accumulator:
     """One pass of float64 accumulation over aligned 1-D chunks of golden and candidate.

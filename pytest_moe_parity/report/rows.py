@@ -10,9 +10,9 @@
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
 back by :meth:`Row.from_json`, so a report on disk redraws and diffs as the live rows do. The judge's
-checks, routing, logits and batch rows are its own types (``Check``, ``RoutingMetrics``,
-``LogitsMetrics``, ``BatchRow``); the tensor figures (``metrics``), ``noise``, ``drill`` and what the
-backend said stay the JSON of the judge's and the backend's dicts.
+figures are its own types (``TensorMetrics``, ``Check``, ``RoutingMetrics``, ``LogitsMetrics``,
+``BatchRow``); ``noise``, ``drill``, ``op`` and what the backend said stay the dicts the noise floor,
+the drill and the backend give.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Literal
 from ..dtypes import json_safe
 from ..judge.logits import LogitsMetrics
 from ..judge.routing import RoutingMetrics
+from ..judge.tensors import TensorMetrics
 from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import WEIGHTS, Point
 
@@ -59,7 +60,7 @@ class Row:
     mode: str = "isolated"  # the verdict's inputs: "isolated" (the golden's) or "chain" (its own)
     verdicts: dict[str, str] = field(default_factory=dict)  # each mode's own verdict
     noise: JsonDict | None = None  # {"ratio": R, "targets": {...}} against the reference's own error
-    metrics: dict[str, JsonDict] = field(default_factory=dict)  # per tensor, TensorMetrics.to_dict()
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # per tensor compared
     checks: list[Check] = field(default_factory=list)  # in the judge's order
     limits: JsonDict = field(default_factory=dict)
     tolerance_sources: list[str] = field(default_factory=list)
@@ -91,7 +92,7 @@ class Row:
     drill: JsonDict | None = None
 
     @property
-    def main_metrics(self) -> JsonDict | None:
+    def main_metrics(self) -> TensorMetrics | None:
         """The figures of the main tensor: its output (or the logits), else its first tensor."""
         metrics = self.metrics
         return metrics.get("out") or metrics.get("logits") or next(iter(metrics.values()), None)
@@ -149,7 +150,7 @@ class Row:
             "mode": self.mode,
             "verdicts": self.verdicts,
             "noise": self.noise,
-            "metrics": self.metrics,
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
             "checks": [c.to_dict() for c in self.checks],
             "limits": self.limits,
             "tolerance_sources": self.tolerance_sources,
@@ -197,6 +198,7 @@ class Row:
 
 
 _TYPED: dict[str, Any] = {  # the fields read back as the judge's types (`Row.from_json`)
+    "metrics": lambda items: {k: TensorMetrics.from_dict(m) for k, m in items.items()},
     "checks": lambda items: [Check.from_dict(c) for c in items],
     "routing": RoutingMetrics.from_dict,
     "logits": LogitsMetrics.from_dict,
@@ -219,7 +221,7 @@ def point_row(result: PointResult) -> Row:
         mode=result.mode,
         verdicts=result.verdicts,
         noise=result.noise,
-        metrics={k: m.to_dict() for k, m in result.metrics.items()},
+        metrics=result.metrics,
         checks=result.checks,
         limits={k: json_safe(v) for k, v in result.tolerance.items()},
         tolerance_sources=result.tolerance_sources,

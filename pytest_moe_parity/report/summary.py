@@ -20,7 +20,7 @@ def figure(row: Row, name: str) -> float | None:
     if name == "noise_ratio":
         return number(row.noise_ratio)
     main = row.main_metrics
-    return number(main.get(name)) if main else None
+    return number(getattr(main, name, None)) if main else None
 
 
 def short_metrics(row: Row) -> tuple[str, str, str]:
@@ -28,12 +28,7 @@ def short_metrics(row: Row) -> tuple[str, str, str]:
     main = row.main_metrics
     if not main:
         return "-", "-", "-"
-    cos, rel, mx = main.get("cosine"), main.get("rel_l2"), main.get("max_abs")
-    return (
-        fmt(cos, 6) if isinstance(cos, float) else str(cos),
-        fmt(rel) if isinstance(rel, float) else str(rel),
-        fmt(mx) if isinstance(mx, float) else str(mx),
-    )
+    return fmt(main.cosine, 6), fmt(main.rel_l2), fmt(main.max_abs)
 
 
 def row_note(row: Row) -> str:
