@@ -160,6 +160,42 @@ def test_the_forwards_leave_a_core_to_the_reader_while_it_reads(
         torch.set_num_threads(before)
 
 
+def test_a_model_built_while_another_reads_ahead_leaves_that_read_alone(tiny_model, monkeypatch) -> None:
+    """accelerate's `init_empty_weights` puts every parameter registered in any thread on the meta
+    device while a model is built on it: a layer read in the background meanwhile (the drill builds
+    the reference's model while the candidate reads its next layer) must not lose its weights to it."""
+    import transformers
+
+    reading, building, loaded = threading.Event(), threading.Event(), threading.Event()
+    load_keys, from_config = LazyModel._load_keys, transformers.AutoModelForCausalLM.from_config
+
+    def read(self: LazyModel, keys: list[str]) -> None:
+        if any(self.layer_of(k) == 1 for k in keys) and not building.is_set():  # the read ahead of layer 1
+            reading.set()
+            assert building.wait(30)
+            load_keys(self, keys)
+            loaded.set()
+        else:
+            load_keys(self, keys)
+
+    def build(*args, **kwargs):  # inside `init_empty_weights`: the read ahead goes on meanwhile
+        assert reading.wait(30)
+        building.set()
+        loaded.wait(2)  # (it cannot finish while the model is being built)
+        return from_config(*args, **kwargs)
+
+    path = tiny_model("jamba")
+    candidate = LazyModel(path, dtype=torch.float32, max_layers=2)
+    monkeypatch.setattr(LazyModel, "_load_keys", read)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", build)
+    candidate.plan([candidate.unit_path(0), candidate.unit_path(1)])
+    candidate.module(candidate.unit_path(0))  # layer 1 is read in the background from here
+    LazyModel(path, dtype=torch.float32)  # another model built meanwhile (the drill's reference)
+    layer = candidate.module(candidate.unit_path(1))
+    assert not [n for n, p in layer.named_parameters() if p.device.type == "meta"]
+    candidate.close()
+
+
 def test_a_plan_of_one_layer_reads_that_layer_only(tiny_model) -> None:
     lazy = LazyModel(tiny_model("mixtral"), dtype=torch.float32)
     lazy.plan(["model.layers.2.self_attn", "model.layers.2.mlp.gate", "model.layers.2.mlp"])

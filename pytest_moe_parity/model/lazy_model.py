@@ -99,6 +99,13 @@ def _load_libc() -> Any:
 _LIBC = _load_libc()
 
 
+# accelerate's `init_empty_weights` patches torch's `Module.register_parameter` for every thread while a
+# model is built on the meta device: a unit read in the background meanwhile (the drill builds the
+# reference's model while the candidate reads its next layer ahead) would have its weights registered
+# on meta. Building a model and reading weights into one never overlap.
+_META_BUILD = threading.Lock()
+
+
 class LazyModel:
     """A transformers causal LM built on the meta device; `module(path)` materialises the weights
     of the unit (decoder layer or model-level module) that contains `path`, once."""
@@ -132,7 +139,7 @@ class LazyModel:
         self.stats = ReadStats()
         # Parameters on meta, buffers (rotary inv_freq, ...) real: they are computed, not loaded.
         # Initialising parameters that stay on meta costs ~0.4 s for 48 layers and gives nothing.
-        with init_empty_weights(include_buffers=False), _no_init_weights():
+        with _META_BUILD, init_empty_weights(include_buffers=False), _no_init_weights():
             model = AutoModelForCausalLM.from_config(
                 self.config, attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code
             )
@@ -412,7 +419,8 @@ class LazyModel:
                 device_map={"": self.device},
                 weight_mapping=self._conversion,
             )
-            convert_and_load_state_dict_in_model(self.model, state, config)
+            with _META_BUILD:
+                convert_and_load_state_dict_in_model(self.model, state, config)
             state.clear()
 
     @contextlib.contextmanager
