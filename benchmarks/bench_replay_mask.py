@@ -13,13 +13,14 @@ glibc's adaptive mmap threshold leaves freed blocks of tens of MB resident and s
 holds at once; the runs are measured with it fixed at 1 MiB (`MALLOC_MMAP_THRESHOLD_`), as
 `moe-parity golden` fixes it for itself (`map_large_allocations`), and once without (`--no-fix`).
 
-Measured on 2 cores (8192 tokens; peak RSS of the pytest process):
+Measured on 2 cores (8192 tokens; peak RSS of the pytest process; `--trees /tmp/old,.` and again
+with `--no-fix`):
 
-    tree     dtype     peak (threshold fixed)   peak (glibc's default)
-    c0a036b  float32   701 MB                   1245 MB
-    c0a036b  bfloat16  964 MB                   964 MB
-    622aec3  float32   445 MB                   1088 MB
-    622aec3  bfloat16  444 MB                   468 MB
+    tree                           dtype     peak (threshold fixed)   peak (glibc's default)
+    c0a036b (mask made whole)      float32   685 MB                   1746 MB
+    c0a036b                        bfloat16  941 MB                   941 MB
+    b8e21e7 (a block of rows)      float32   434 MB                   1025 MB
+    b8e21e7                        bfloat16  434 MB                   478 MB
 """
 
 from __future__ import annotations
