@@ -23,6 +23,7 @@ from .errors import BackendError, BackendFailure, GoldenError, ParityError, Poin
 from .golden import GoldenStore
 from .judge.tolerances import NOISE_FACTOR, Override, resolve
 from .judge.verdict import Case, Custom, PointResult, judge_point
+from .model.lazy_model import HeldThreads
 from .points import Point, describe_layers, layer_group, parse_layers, weights_id
 from .replay.runner import MODES, ParityRunner, Prepared
 from .report.files import write_reports
@@ -672,9 +673,7 @@ class ParitySession:
             if self.driller is not None:
                 self.driller.close()
         finally:
-            if self._threads_before is not None:
-                torch.set_num_threads(self._threads_before)
-                self._threads_before = None
+            self._threads.restore()
 
     def _fit_threads(self) -> None:
         """The intra-op threads of this process: `threads`, else under xdist the cores this process
@@ -684,10 +683,9 @@ class ParitySession:
         count = self.options.threads
         if count is None and self.options.worker is not None and self.options.workers > 1:
             count = max(1, len(os.sched_getaffinity(0)) // self.options.workers)
-        self._threads_before = None
-        if count is not None and count != torch.get_num_threads():
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(count)
+        self._threads = HeldThreads()
+        if count is not None:
+            self._threads.set(count)
 
 
 class Candidate:

@@ -16,7 +16,7 @@ from ..golden.spec import resolve_params
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
 from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
-from ..model.lazy_model import LazyModel
+from ..model.lazy_model import HeldThreads, LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
@@ -69,13 +69,12 @@ class TorchBackend(Backend):
             raise BackendError(str(exc)) from None
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
-        self._threads_before: int | None = None  # torch's threads before `threads` set them
+        self._threads = HeldThreads()  # `threads`, set for the forwards until close
 
     def start(self) -> None:
         threads = self.hw_options["threads"]
-        if threads is not None and self._threads_before is None:  # for the forwards, until close
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
+        if threads is not None:
+            self._threads.set(threads)
         self.lazy = LazyModel(
             self.setup.model_dir,
             dtype=self.dtype,
@@ -196,9 +195,7 @@ class TorchBackend(Backend):
     def close(self) -> None:
         if self.lazy is not None:
             self.lazy.close()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self._threads.restore()
 
 
 class CudaBackend(TorchBackend):

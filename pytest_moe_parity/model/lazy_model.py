@@ -99,6 +99,30 @@ def _load_libc() -> Any:
 _LIBC = _load_libc()
 
 
+class HeldThreads:
+    """torch's intra-op threads (the calling thread's setting under OpenMP), changed for a while and
+    put back by `restore` to what they were when first held: the session's, a backend's forwards' and
+    a lazy model's read-ahead all change this process state and give it back on close."""
+
+    def __init__(self) -> None:
+        self.before: int | None = None  # torch's threads when first held (None: not held)
+
+    def hold(self) -> None:
+        """Remember the threads to put back, without changing them (once)."""
+        if self.before is None:
+            self.before = torch.get_num_threads()
+
+    def set(self, count: int) -> None:
+        self.hold()
+        if count != torch.get_num_threads():
+            torch.set_num_threads(count)
+
+    def restore(self) -> None:
+        if self.before is not None:
+            torch.set_num_threads(self.before)
+            self.before = None
+
+
 # accelerate's `init_empty_weights` patches torch's `Module.register_parameter` for every thread while a
 # model is built on the meta device: a unit read in the background meanwhile (the drill builds the
 # reference's model while the candidate reads its next layer ahead) would have its weights registered
@@ -175,7 +199,7 @@ class LazyModel:
         # one (`_fit_threads`), the calling thread's setting put back on close. `fit_threads=False`: the
         # caller holds them where it set them (`--hw-option threads`, set by the backend that runs).
         self._fit = fit_threads
-        self._threads_before: int | None = None
+        self._threads = HeldThreads()  # held once reading ahead starts: its `before` is the forwards' own
         # One reader at a time; `_loaded` and eviction under `_state`, so that asking for a loaded
         # unit never waits for the background read.
         self._loading = threading.RLock()
@@ -299,8 +323,8 @@ class LazyModel:
             return
         if self._pool is None:
             self._load_on_one_thread()
-            if self._fit and self._threads_before is None:
-                self._threads_before = torch.get_num_threads()
+            if self._fit:
+                self._threads.hold()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-parity-read-ahead")
         self._ahead = (nxt, self._pool.submit(self._load_ahead, nxt, unit))
 
@@ -320,12 +344,11 @@ class LazyModel:
         read. Measured on 2 cores, 48 Mixtral-style layers in bf16 (a read takes ~90 ms of a layer's
         ~190): both cores to the forwards throughout, the run is ~0.6 s longer (of ~9 s after
         imports) than with one core each; one core each throughout, ~0.3 s longer than fitted."""
-        if self._threads_before is None:
+        base = self._threads.before
+        if base is None:
             return
         reading = self._ahead is not None and not self._ahead[1].done()
-        count = max(1, self._threads_before - 1) if reading else self._threads_before
-        if count != torch.get_num_threads():  # the calling thread's setting under OpenMP
-            torch.set_num_threads(count)
+        self._threads.set(max(1, base - 1) if reading else base)
 
     def _load_ahead(self, unit: Unit, current: Unit) -> None:
         with self._loading:
@@ -452,9 +475,7 @@ class LazyModel:
         if self._set_sync_load:
             os.environ.pop(SYNC_LOAD_VARIABLE, None)
             self._set_sync_load = False
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self._threads.restore()
         with self._state:
             self._evict(keep=0)
 
