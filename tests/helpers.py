@@ -84,6 +84,57 @@ def assert_bitwise(actual, expected, where: str) -> None:
         assert actual == expected, where
 
 
+# ------------------------------------------------------------------------------ float rounding
+# Two computations of the same value that sum in another order (another kernel, block of rows,
+# thread count or tensor-parallel split) differ by float rounding, which depends on the CPU (AVX2,
+# AVX-512, AMX, Arm) and its threads. Tests that compare such values use these bounds, never a bare
+# rtol/atol: rounding per accumulation step, at the scale of the reference. Where the code promises
+# the same bits (offload vs in memory, the same kernels on the same inputs) tests stay bitwise
+# (`assert_bitwise`).
+
+ULPS_PER_STEP = 2  # each step of a sum rounds once (half an ulp) and may carry one rounding of its inputs
+
+
+def rounding_bound(dtype: torch.dtype, scale: float, steps: int, ulps: float = ULPS_PER_STEP) -> float:
+    """The most that float rounding alone moves a value of magnitude up to `scale` computed through
+    `steps` rounded accumulations: `ulps` units of the last place (the dtype's epsilon times `scale`)
+    per step. Worst-case error of an n-term sum grows as n·eps; `steps` names that n (or the sum of the
+    sums' lengths along a path of layers)."""
+    return ulps * torch.finfo(dtype).eps * steps * scale
+
+
+def assert_within_rounding(actual, expected, *, steps: int, where: str = "", ulps: float = ULPS_PER_STEP) -> None:
+    """`actual` is `expected` up to float rounding (`rounding_bound` at max |expected|): same dtype and
+    shape, the same non-finite entries, and every finite difference within the bound. Integer and
+    bool tensors compare bitwise."""
+    assert isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor), where
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected), where
+        return
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(actual)) and torch.equal(actual[~finite], expected[~finite]), where
+    ref, got = expected[finite].double(), actual[finite].double()
+    if not ref.numel():
+        return
+    scale = float(ref.abs().max())
+    bound = rounding_bound(expected.dtype, scale, steps, ulps)
+    diff = float((got - ref).abs().max())
+    eps = torch.finfo(expected.dtype).eps
+    assert diff <= bound, (
+        f"{where}: max |difference| {diff:.3g} is {diff / (eps * max(scale, 1e-300)):.1f} ulps of max |reference| "
+        f"{scale:.3g}, beyond rounding ({ulps} ulps x {steps} steps = {bound:.3g})"
+    )
+
+
+def model_steps(config: dict) -> int:
+    """The longest sum one layer of a model takes (a linear's input width, the attention over a head),
+    read from a config dict: the accumulation steps a value's rounding is stated in."""
+    width = [config.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size")]
+    heads = (config.get("num_attention_heads") or 0) * (config.get("head_dim") or 0)
+    return max([w for w in width if isinstance(w, int)] + [heads])
+
+
 def assert_replays_bitwise(golden: Path, model) -> None:
     """Every point of a golden, called on `model` with its recorded inputs, gives its recorded output."""
     from pytest_moe_parity.golden import GoldenStore

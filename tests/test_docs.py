@@ -38,6 +38,10 @@ CI_RUN = ROOT / ".ci" / "run"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 PIP_INSTALL = re.compile(r"^\s*pip install\b")
+# PyTorch's CPU wheel index, as its install selector gives it: the docs' torch line names it (a stock
+# Linux machine's plain `pip install torch` takes the CUDA build); .ci/run leaves it out, since CI's
+# pip reaches PyPI alone and finds torch's CPU build in a local wheel folder (and checks it is that build).
+CPU_INDEX = ["--index-url", "https://download.pytorch.org/whl/cpu"]
 
 # key output lines per command: a run block holding the command must print each of them
 EXPECTED = {
@@ -152,6 +156,8 @@ def test_install_lines_are_what_ci_runs() -> None:
 
     def parsed(line: str) -> tuple[list[str], set[str]]:
         words = [w for w in shlex.split(line.split("#")[0]) if w != "--quiet"]
+        if words[2:3] == ["torch==2.13.0"] and words[3:] == CPU_INDEX:
+            words = words[:3]  # CI's pip has no such index (see CPU_INDEX)
         extras = {e for w in words for group in re.findall(r"\[([^]]*)\]", w) for e in group.split(",")}
         return [re.sub(r"\[.*\]", "", w) for w in words], extras
 
@@ -164,6 +170,20 @@ def test_install_lines_are_what_ci_runs() -> None:
                 assert any(words == w and extras <= e for w, e in ci), f"{block}: {line!r} is not what .ci/run runs"
                 found += 1
     assert found, "no install lines in the docs"
+
+
+def test_the_first_install_line_takes_torch_s_cpu_build_on_a_stock_machine() -> None:
+    """Every run block's torch line pins the version CI installs and names PyTorch's CPU index: on a
+    stock Linux machine `pip install torch==X` alone takes the CUDA build. CI checks what it got."""
+    ci = [li for li in CI_RUN.read_text().splitlines() if PIP_INSTALL.match(li) and "torch==" in li]
+    assert len(ci) == 1, ci
+    pin = next(w for w in shlex.split(ci[0]) if w.startswith("torch=="))
+    assert "torch.version.cuda" in CI_RUN.read_text(), ".ci/run no longer checks it installed the CPU build"
+    lines = [li for page in PAGES for b in blocks(page) if b.runs for li in b.code.splitlines()
+             if PIP_INSTALL.match(li) and re.search(r"\btorch\b", li.split("#")[0])]  # fmt: skip
+    assert len(lines) >= 2, lines  # the README's and the getting-started page's
+    for line in lines:
+        assert shlex.split(line.split("#")[0]) == ["pip", "install", pin, *CPU_INDEX], line
 
 
 def test_the_stack_table_is_the_same_in_the_readme_and_the_neuron_page() -> None:
