@@ -35,14 +35,17 @@ def test_fp32_candidate_passes_everything(arch: str, pytester: pytest.Pytester, 
     golden = golden_dir(arch)
     n = len(GoldenStore(golden).point_ids)
     report = pytester.path / "report"
-    result = run_parity(pytester, golden, "--parity-report", str(report))
+    # the golden was recorded here on torch's threads: the replay's forwards on as many (left alone,
+    # they give a core to the read-ahead, and a GEMM split over other threads sums in another order)
+    threads = f"threads={torch.get_num_threads()}"
+    result = run_parity(pytester, golden, "--parity-report", str(report), "--hw-option", threads)
     result.assert_outcomes(passed=n)
     result.stdout.fnmatch_lines([f"{n} points: {n} passed, 0 failed, 0 errors*", "first divergence: none"])
     summary = read_json(report / SUMMARY_FILE)
     assert summary["first_divergence"] is None and summary["failed"] == 0 and summary["passed"] == n
     rows = read_json(report / REPORT_FILE)["points"]
     assert [r["id"] for r in rows] == GoldenStore(golden).point_ids
-    # identical weights, same dtype, pinned implementations: the replay is exact
+    # identical weights, same dtype, pinned implementations, the same threads: the replay is exact
     assert all(m["rel_l2"] == 0 for r in rows for m in r["metrics"].values())
 
 
