@@ -346,8 +346,11 @@ def test_auto_drills_the_first_failing_component(pytester, tiny_model, golden_di
             "collect these ops as items: pytest ... --parity-drill layer_0.input_norm",
         ]
     )
+    result.stdout.fnmatch_lines([f"drill layer_0.input_norm: * failed; culprit {culprit}, substituting it recovers *"])
     row = next(r for r in read_json(report / REPORT_FILE)["points"] if r["id"] == "layer_0.input_norm")
     assert row["drill"]["culprit"] == culprit
+    drills = read_json(report / SUMMARY_FILE)["drills"]  # the summary holds an auto drill too
+    assert list(drills) == ["layer_0.input_norm"] and drills["layer_0.input_norm"]["culprit"] == culprit
 
 
 def test_the_repro_fails_alone_on_the_candidate_and_passes_on_the_reference(

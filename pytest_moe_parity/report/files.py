@@ -34,16 +34,17 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "first_error_message": error.error if error else None,
         "graphs": graph_summary(rows),
         "complete": not interrupted,
-        "drills": drills(ops),
+        "drills": drills(ops + rows),
         **meta,
     }
 
 
-def drills(ops: list[Row]) -> dict[str, Any]:
-    """Each drilled point's culprit, recovery and op counts (from its `POINT::drill` row)."""
+def drills(rows: list[Row]) -> dict[str, Any]:
+    """Each drilled point's culprit, recovery and op counts: from its `POINT::drill` row, or from the
+    failed point's own row where `--parity-drill auto` drilled it."""
     out: dict[str, Any] = {}
-    for row in ops:
-        if row.drill is None:
+    for row in rows:
+        if row.drill is None or "rows" not in row.drill:  # an op item's figures: its drill's row has the rest
             continue
         d = row.drill
         out[d["point"]] = {

@@ -137,7 +137,7 @@ def summary_lines(rows: list[Row], *, report_dir: Any = None) -> list[tuple[str,
     """The closing lines of a run, as (text, colour): counts, the first divergence, the first
     backend error, a line per drill. The plugin, `moe-parity compare` and `report` print the same
     lines. A drill's op rows are its table: they are not counted as points."""
-    drills = [drill_line(r.drill) for r in rows if r.kind == "op" and r.drill is not None]
+    drills = [drill_line(r.drill) for r in rows if r.drill is not None and "rows" in r.drill]  # auto's too
     rows = [r for r in rows if r.kind != "op"]
     if not rows:
         return drills
