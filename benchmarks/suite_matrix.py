@@ -40,7 +40,7 @@ def _spin(stop) -> None:
             pass
 
 
-def run(name: str, quick: bool, extra: list[str]) -> tuple[int, float, str]:
+def run(name: str, quick: bool, extra: list[str], logs: Path | None = None) -> tuple[int, float, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(SETTINGS[name])
     argv = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"]
@@ -59,6 +59,9 @@ def run(name: str, quick: bool, extra: list[str]) -> tuple[int, float, str]:
         for spinner in spinners:
             spinner.join()
     wall = time.monotonic() - start
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / f"{name}.log").write_text(proc.stdout + proc.stderr)
     lines = [li for li in proc.stdout.splitlines() if li.strip()]
     closing = lines[-1].strip("= ") if lines else proc.stderr.strip()[-200:]
     if proc.returncode:
@@ -72,13 +75,14 @@ def main() -> int:
     parser.add_argument("settings", nargs="*", metavar="SETTING", help=f"of {', '.join(SETTINGS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help='the quick loop (-m "not slow")')
     parser.add_argument("--pytest", action="append", default=[], metavar="ARG", help="one more pytest argument")
+    parser.add_argument("--logs", type=Path, metavar="DIR", help="write each run's whole output to DIR/SETTING.log")
     args = parser.parse_args()
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown:
         parser.error(f"no setting {unknown[0]!r}: choose from {', '.join(SETTINGS)}")
     worst = 0
     for name in args.settings or list(SETTINGS):
-        code, wall, closing = run(name, args.quick, args.pytest)
+        code, wall, closing = run(name, args.quick, args.pytest, args.logs)
         worst = max(worst, int(code != 0))
         print(f"{name:5}  {wall / 60:5.1f} min  exit {code}  {closing}", flush=True)
     return worst

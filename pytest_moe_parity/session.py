@@ -443,7 +443,7 @@ class ParitySession:
 
         assert self.driller is not None
         row = self.rows.get(entry.point.id)
-        drill = self.driller.drill(entry.point, point_passed=row is not None and row.status == "passed")
+        drill = self.driller.drill(entry.point, point_passed=None if row is None else row.status == "passed")
         self._repro(drill)
         if entry.op == "drill":  # the point's last item: its values are no longer needed
             self.driller.release(entry.point)
@@ -468,12 +468,7 @@ class ParitySession:
             drill.repro = f"not written ({type(exc).__name__}: {exc})"
             return
         if written is None:
-            row = drill.row(drill.culprit)
-            drill.repro = (
-                f"not written: the candidate has no op for {drill.culprit} (a computation left out: no op to run)"
-                if row is not None and row.verdict == "missing"
-                else f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
-            )
+            drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
 
     def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
         """`--parity-drill auto`: the first failing component drilled, its op table for the failure
@@ -484,7 +479,7 @@ class ParitySession:
             return None, ""
         self.auto_drilled = True
         try:
-            drill = self.driller.drill(point)
+            drill = self.driller.drill(point, point_passed=False)  # auto drills the point that failed
         except Exception as exc:  # the point's own verdict stands; say why there is no table
             return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
         self._repro(drill)

@@ -114,7 +114,7 @@ def assert_within_rounding(actual, expected, *, steps: int, where: str = "", ulp
         return
     finite = torch.isfinite(expected)
     assert torch.equal(finite, torch.isfinite(actual)) and torch.equal(actual[~finite], expected[~finite]), where
-    ref, got = expected[finite].double(), actual[finite].double()
+    ref, got = expected.detach()[finite].double(), actual.detach()[finite].double()
     if not ref.numel():
         return
     scale = float(ref.abs().max())

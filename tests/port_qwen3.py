@@ -37,6 +37,9 @@ class Bugs:
     scale_by_hidden: bool = False  # scores scaled by hidden_size ** -0.5, not head_dim ** -0.5
     mask_one_ahead: bool = False  # each token also sees the next one
     zero_expert: tuple[int, int] | None = None  # (layer, expert) whose weights were lost in conversion
+    gate_up_swapped: bool = False  # up's weights where gate's go, and gate's where up's go (conversion)
+    down_not_transposed: bool = False  # the down projection loaded as stored ([H, I] read as [I, H]; square only)
+    experts_reversed: bool = False  # expert e given the weights of expert E - 1 - e (conversion)
     # not a bug: the same function rounded otherwise, as a port on other kernels computes it (queries
     # scaled before the scores, experts summed in float32, norms' weights applied in float32)
     other_rounding: bool = False
@@ -295,12 +298,14 @@ def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs =
     }
     for i in range(cfg["num_hidden_layers"]):
         state.update({f"layers.{i}.{ours}": hf[f"model.layers.{i}.{theirs}"] for ours, theirs in renames.items()})
-        experts = range(cfg["num_experts"])
+        experts = range(cfg["num_experts"])[:: -1 if bugs.experts_reversed else 1]
         expert = lambda e, p, i=i: hf[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"]  # noqa: E731
+        halves = ("up_proj", "gate_proj") if bugs.gate_up_swapped else ("gate_proj", "up_proj")
         state[f"layers.{i}.moe.experts.gate_up"] = torch.stack(
-            [torch.cat([expert(e, "gate_proj").T, expert(e, "up_proj").T], dim=1) for e in experts]
+            [torch.cat([expert(e, halves[0]).T, expert(e, halves[1]).T], dim=1) for e in experts]
         )
-        state[f"layers.{i}.moe.experts.down"] = torch.stack([expert(e, "down_proj").T for e in experts])
+        down = (lambda w: w) if bugs.down_not_transposed else (lambda w: w.T)
+        state[f"layers.{i}.moe.experts.down"] = torch.stack([down(expert(e, "down_proj")) for e in experts])
     if bugs.zero_expert is not None:
         layer, e = bugs.zero_expert
         for part in ("gate_up", "down"):

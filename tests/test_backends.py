@@ -337,6 +337,28 @@ def test_the_readme_backend_example_works_as_documented(
     result = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "-m", "experts", model=buggy)
     result.assert_outcomes(passed=12, failed=4)  # layer_2.experts of the prefill and of each decode step
     result.stdout.fnmatch_lines(["first divergence: layer_2.experts*"])
+    # the drill, through the page's drill_call: the port's own code (its experts gather each expert's
+    # tokens in token order, gate and up in two matmuls), matched to the reference's ops
+    drilled = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "--parity-report",
+                         str(pytester.path / "d"), "--parity-drill", "layer_2.experts", "-k", "layer_2.experts",
+                         "--hw-option", "fp32_norm_weight=on", model=buggy)  # fmt: skip
+    record = read_json(pytester.path / "d" / "comparison_summary.json")["drills"]["layer_2.experts"]
+    rows = {r["id"].split("::")[1]: r for r in read_json(pytester.path / "d" / "comparison_report.json")["points"]
+            if "::" in r["id"] and r.get("op")}  # fmt: skip
+    failed = {name: r["op"]["verdict"] for name, r in rows.items() if r["status"] == "failed"}
+    # every expert's gate_up_proj (computed as two matmuls, gate and up swapped) introduced it, and only those
+    assert failed and {v for n, v in failed.items() if n.endswith(".gate_up_proj")} == {"introduced"}, failed
+    assert all(v == "inherited" for n, v in failed.items() if not n.endswith(".gate_up_proj")), failed
+    assert record["culprit"].endswith(".gate_up_proj") and record["recovery_introduced"] >= 0.9, record
+    assert not record["structure"] and record["accumulation"] is None
+    drilled.stdout.fnmatch_lines([f"  culprit: {record['culprit'].replace('[', '[[]')} introduced the divergence"])
+    clean = run_parity(pytester, golden, "--hw", "handport", "--dtype", "bfloat16", "--hw-option",
+                       "fp32_norm_weight=on", "--parity-drill", "layer_2.experts,layer_2.post_attn_norm",
+                       "-k", "layer_2.experts or layer_2.post_attn_norm")  # fmt: skip
+    assert clean.ret == 0, clean.stdout.str()[-3000:]  # the port's own code, drilled clean: no culprit
+    clean.stdout.fnmatch_lines(
+        ["drill layer_2.post_attn_norm: * 0 failed; no culprit", "drill layer_2.experts: * 0 failed; no culprit"]
+    )
     usage_error(
         run_parity(pytester, golden, "--hw", "handport", "--hw-option", "eps=tiny"),
         "--hw-option eps=tiny: could not convert string to float: 'tiny'",

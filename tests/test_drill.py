@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from drill_port import PortBackend
-from faults import _router_softmax_in_its_dtype, _used_experts, drop_score_bias, edit_checkpoint, edit_config, scale
+from faults import (
+    _router_softmax_in_its_dtype,
+    _used_experts,
+    drop_score_bias,
+    edit_checkpoint,
+    edit_config,
+    scale,
+    zero_expert,
+)
 from helpers import NO_WEIGHTS, cli, read_json, rounding_bound, run_parity, usage_error
 
 from pytest_moe_parity import backends
@@ -42,18 +51,30 @@ def drill(pytester: pytest.Pytester, golden: Path, point: str, *args: str, model
     return result, ops, record
 
 
-def assert_culprit(ops: list[dict], record: dict, point: str, culprit: str, recovery: float = 0.9) -> None:
-    """`culprit` is the first failing op of the drill, everything before it passed, the failing ops
-    after it are inherited (or introduced, missing, extra: each their own), and substitution recovers."""
+def assert_culprit(ops: list[dict], record: dict, point: str, named: str, recovery: float = 0.9) -> None:
+    """The drill names `named`, the op the fault changes, and it is the first failing op, everything
+    before it passed, the failing ops after it are marked (inherited, introduced, missing, extra).
+    An op the table marks introduced is the culprit; a missing one (the candidate goes on without
+    it) is a structural difference, said with the op it feeds (the culprit, where one is). The
+    substitution at what the drill names recovers."""
     failing = [r["id"] for r in ops if r["status"] == "failed"]
-    assert failing and failing[0] == f"{point}::{culprit}", failing
-    assert record["culprit"] == culprit
+    assert failing and failing[0] == f"{point}::{named}", failing
+    row = next(r for r in record["rows"] if r["name"] == named)
+    recovered = [record["recovery"], record["recovery_introduced"]]
+    if row["verdict"] == "introduced":
+        assert record["culprit"] == named and row["recovery"] == record["recovery"]
+    else:
+        assert row["verdict"] == "missing" and record["culprit"] != named, row
+        (said,) = [t for t in record["structure"] if t.startswith(f"the reference's {named}")]
+        assert " no counterpart in the candidate" in said, said
+        assert record["culprit"] is None or f"{record['culprit']}, the culprit" in said, (said, record["culprit"])
+        recovered += [r["recovery"] for r in record["rows"] if r["verdict"] == "missing"]
     first = next(i for i, r in enumerate(ops) if r["status"] == "failed")
     assert all(r["op"]["verdict"] == "ok" for r in ops[:first])
     after = [r["op"]["verdict"] for r in ops[first + 1 :] if r["status"] == "failed"]
     marked = all(v in ("inherited", "introduced", "missing", "extra") for v in after)
     assert (after and marked) or len(ops) - first <= 2
-    recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
+    recovered = [x for x in recovered if x is not None]
     assert recovered and max(recovered) >= recovery, record
 
 
@@ -113,7 +134,8 @@ def test_a_weight_or_config_fault_is_named_at_its_op(
     args = [*HW[hw], "--hw-option", f"cache_dir={tmp_path / 'cache'}"] if HW[hw] else []
     result, ops, record = drill(pytester, golden, point, *args, model=candidate)
     assert_culprit(ops, record, point, culprit)
-    result.stdout.fnmatch_lines([f"drill {point}: * failed; culprit {culprit.replace('[', '[[]')}*"])
+    named = culprit.replace("[", "[[]")  # the culprit, or the missing op of a structural difference
+    result.stdout.fnmatch_lines([f"drill {point}: * failed; *{named}*"])
 
 
 def _softmax_in_bf16(module) -> None:
@@ -277,6 +299,38 @@ def test_a_port_bug_is_named_at_its_op(bug, point, culprit, pytester, golden_dir
     assert_culprit(ops, record, point, culprit)
 
 
+@pytest.mark.parametrize(
+    ("bug", "op"),
+    [
+        ("zero_expert", "expert[{expert}].down_proj"),  # its down projection lost in conversion: zeros
+        ("gate_up_swapped", ".gate_up_proj"),
+        ("experts_reversed", ".gate_up_proj .down_proj"),  # every expert reads another's weights: both
+        ("down_not_transposed", ".down_proj"),
+    ],
+)
+def test_a_port_s_experts_bug_is_named_at_its_op_whatever_order_it_gathers_in(
+    bug, op, pytester, golden_dir, tiny_model, port, tmp_path
+) -> None:
+    """The port's expert loop takes each expert's tokens in token order (transformers: by top-k
+    slot, then token), its gate and up in one fused matmul: its rows are matched by which token and
+    slot they hold, so a conversion bug in its experts' weights is named at the expert's op that reads
+    them, introduced, and substituting the ops that introduced it recovers the component."""
+    golden = golden_dir("qwen3_moe")
+    expert = _used_experts(golden, 1)[0]
+    model, bugs = tiny_model("qwen3_moe"), f"{bug},{PORT_LAYOUT}"
+    if bug == "zero_expert":
+        model, bugs = edit_checkpoint(model, tmp_path / "cand", zero_expert(1, expert)), PORT_LAYOUT
+    args = ["--hw", "port", "--hw-option", f"bugs={bugs}"]
+    _, ops, record = drill(pytester, golden, "layer_1.experts", *args, model=model)
+    failed = {r["id"].split("::")[1]: r["op"]["verdict"] for r in ops if r["status"] == "failed"}
+    introduced = [n for n, v in failed.items() if v == "introduced"]
+    assert introduced and all(n.endswith(tuple(op.format(expert=expert).split())) for n in introduced), failed
+    assert set(failed.values()) <= {"introduced", "inherited"}, failed  # every row matched: none missing or extra
+    assert record["culprit"] == introduced[0] and not record["structure"], record["structure"]
+    recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
+    assert recovered and max(recovered) >= 0.9, record
+
+
 def test_a_port_s_own_rounding_is_not_a_finding(pytester, golden_dir, tiny_model, port) -> None:
     """A port whose router takes its softmax in bf16 (the reference: float32) rounds where the
     reference does not; its ops are judged against at least one rounding of their dtype (a port's
@@ -289,12 +343,56 @@ def test_a_port_s_own_rounding_is_not_a_finding(pytester, golden_dir, tiny_model
     assert score["verdict"] == "ok" and score["error"] > score["noise"]  # it does round more than the reference
 
 
+def test_a_failing_point_whose_ops_each_stay_within_their_floor_says_the_error_accumulates(
+    pytester, golden_dir, tiny_model, port
+) -> None:
+    """The port's router softmax in bf16, against a golden with the reference's own bf16 error: the
+    point fails its noise check, and no single op leaves one rounding of its dtype. The drill names no
+    culprit and says so: the error accumulates, over how many ops, and which op ran in another dtype
+    than the reference's (the finding: the reference takes its softmax in float32)."""
+    args = ["--hw", "port", "--hw-option", f"bugs=router_softmax_bf16,{PORT_LAYOUT}"]
+    golden = golden_dir("qwen3_moe", noise="bfloat16")
+    result, _, record = drill(pytester, golden, "layer_1.router", *args, model=tiny_model("qwen3_moe"))
+    result.stdout.fnmatch_lines(["FAILED *parity::layer_1.router *"])  # the point fails its noise check
+    assert record["culprit"] is None and not record["structure"] and not record["unmatched"], record
+    assert not [r for r in record["rows"] if r["verdict"] != "ok"]
+    said = record["accumulation"]
+    assert re.match(r"no single op leaves its dtype's floor: the error accumulates over \d+ ops", said), said
+    assert said.endswith("; ran in another dtype than the reference's: score in bfloat16 (the reference: float32)")
+    assert int(said.split(" accumulates over ")[1].split()[0]) > 0, said
+    closing = "drill layer_1.router: * 0 failed; no culprit (the error accumulates*"
+    result.stdout.fnmatch_lines([closing, "FAILED *parity::layer_1.router::drill *"])  # it fails with its finding
+    assert f"  {said}" in result.stdout.str()
+
+
+def test_a_drill_whose_ops_mostly_match_nothing_names_no_culprit(pytester, golden_dir, tiny_model, port, monkeypatch):
+    """A port's attention that computes something else altogether (a gated projection, no scores):
+    most of the reference's ops match nothing, so no op's verdict means anything; the drill says
+    that matching failed and why, and names no culprit (never one made up from nothing)."""
+    import port_qwen3
+
+    def elsewise(self, x, *args, **kwargs):
+        return self.o_proj(torch.sigmoid(self.q_proj(x)) * torch.tanh(self.v_proj(x).repeat(1, 1, 2)))
+
+    monkeypatch.setattr(port_qwen3.Attention, "forward", elsewise)
+    result, _, record = drill(pytester, golden_dir("qwen3_moe"), "layer_1.attention", "--hw", "port",
+                              model=tiny_model("qwen3_moe"))  # fmt: skip
+    assert record["culprit"] is None and record["recovery"] is None, record["culprit"]
+    said = record["unmatched"]
+    assert re.match(r"\d+ of \d+ reference ops match no candidate op \(", said), said
+    result.stdout.fnmatch_lines(
+        [f"  matching failed: {said[:60]}*", "drill layer_1.attention: * no culprit (matching failed)"]
+    )
+    assert result.ret == 1
+
+
 def test_an_op_matched_to_nothing_fails_the_drill_with_its_name(
     pytester, golden_dir, tiny_model, port, monkeypatch
 ) -> None:
     """A port's own op that the reference has nothing like, whose value goes on into the
-    component's: listed as extra and named as the culprit, upstream of the first op that diverges. An
-    op computed and thrown away is listed too, as unused: the component cannot depend on it."""
+    component's: listed as extra, and said as a structural difference with the op it feeds, the
+    culprit (an op the table marks introduced). An op computed and thrown away is listed too, as
+    unused: the component cannot depend on it."""
     import port_qwen3
 
     forward = port_qwen3.Attention.forward
@@ -308,11 +406,22 @@ def test_an_op_matched_to_nothing_fails_the_drill_with_its_name(
                               model=tiny_model("qwen3_moe"))  # fmt: skip
     extra = [r["name"] for r in record["rows"] if r["verdict"] == "extra"]
     assert "with_a_stray_op.erf" in extra  # named by the function it runs in
-    assert record["culprit"] == "with_a_stray_op.erf"
+    rows = {r["name"]: r for r in record["rows"]}
+    culprit = record["culprit"]
+    assert rows[culprit]["verdict"] == "introduced" and rows[culprit]["recovery"] == record["recovery"]
+    assert rows["with_a_stray_op.erf"]["recovery"] is None  # it has no reference output to substitute
+    (said,) = [t for t in record["structure"] if "with_a_stray_op.erf" in t]
+    # it feeds q, k and v: their reference values together recover the component
+    assert re.fullmatch(r"the candidate's own op with_a_stray_op.erf matches no reference op and feeds "
+                        r"q_proj, the culprit, k_proj, v_proj \(the reference's values of the ops it feeds "
+                        r"recover (\d+)%\)", said) and int(said.rsplit(" ", 1)[1][:-2]) >= 90, said  # fmt: skip
+    assert culprit == "q_proj" and record["recovery"] < 0.5  # q alone: part of it
+    assert record["partial"] is not None or (record["recovery_introduced"] or 0) >= 0.9
     unused = next(r for r in record["rows"] if r["name"] == "with_a_stray_op.sigmoid")
     assert unused["verdict"] == "ok" and unused["note"].startswith("computed and never used")
     result.stdout.fnmatch_lines(["*EXTRA      with_a_stray_op.erf *(a candidate op that matches no reference op)"])
-    assert result.ret == 1 and record["culprit"] in result.stdout.str()
+    result.stdout.fnmatch_lines([f"  culprit: {culprit} introduced the divergence", f"  structure: {said}"])
+    assert result.ret == 1
 
 
 # -- clean drills, auto, repro, usage ------------------------------------------------------------------
@@ -442,7 +551,10 @@ def test_drill_items_are_diffed_and_reported_as_their_table(pytester, tiny_model
     assert f"  {point}::{culprit}" in out and f"{point}::drill" in out, out
     code, out, _ = cli(capsys, "report", tmp_path / "port")
     assert code == 0 and "1 points: 0 passed, 1 failed" in out, out  # the drill's ops are not points
-    assert f"drill {point}: 5 ops, 2 failed; culprit {culprit}, substituting it recovers 100%" in out
+    # no op introduced it: the candidate leaves the renormalisation out (a structural difference)
+    assert (f"drill {point}: 5 ops, 2 failed; no culprit (structure: the reference's {culprit}, {culprit}#2 have no "
+            f"counterpart in the candidate (the reference's value of {culprit}#2 in the candidate's run recovers "
+            f"100%))") in out, out  # fmt: skip
 
 
 # -- the reference's ops stored with the golden (moe-parity drill-ops) -----------------------------------

@@ -115,7 +115,7 @@ def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "fault, point, culprit, verdict, tp",
+    "fault, point, named, verdict, tp",
     [
         # the port's op (a division) computes other values than the reference's (a product): the
         # reference's op is missing there, and the candidate departs at it
@@ -129,21 +129,30 @@ def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
     ids=["scores-scaled-twice", "scores-scaled-twice-tp2", "rope-base-off", "one-expert-down-proj"],
 )
 def test_a_fault_in_nxdi_is_named_at_its_op(
-    fault, point: str, culprit: str, verdict: str, tp: int, t5: Path, pytester: pytest.Pytester,
+    fault, point: str, named: str, verdict: str, tp: int, t5: Path, pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """The first op that fails (in the reference's forward order) follows only ops that agree; the
-    culprit is named, with its verdict, and the run fails at the point and at the drill."""
+    op the fault changes is named, with its verdict: as the culprit where it introduced the error,
+    as a structural difference where it is missing or extra (with the ops it feeds); the run fails
+    at the point and at the drill."""
     fault(monkeypatch)
     result, drills = drill(pytester, t5, "qwen3_moe", point, tp=tp)
     record = drills[point]
-    assert record["culprit"] == culprit, json.dumps(record["rows"], indent=1)[:4000]
     rows = {r["name"]: r for r in record["rows"]}
-    assert rows[culprit]["verdict"] == verdict
+    assert rows[named]["verdict"] == verdict, json.dumps(record["rows"], indent=1)[:4000]
+    if verdict == "introduced":
+        assert record["culprit"] == named
+        said = f"*culprit: {named.replace('[', '[[]')} introduced the divergence"
+    else:  # the culprit, if any, is an op the table marks introduced
+        assert record["culprit"] is None or rows[record["culprit"]]["verdict"] == "introduced", record["culprit"]
+        heads = (f"the reference's {named} ", f"the reference's {named},", f"the candidate's own op {named} ")
+        (sentence,) = [t for t in record["structure"] if t.startswith(heads)]
+        said = f"*structure: {sentence.replace('[', '[[]')}"
     ordered = [r for r in record["rows"] if r["verdict"] != "extra"]
     first = next(i for i, r in enumerate(ordered) if r["verdict"] in ("introduced", "missing"))
     assert all(r["verdict"] == "ok" for r in ordered[:first]), "the ops before the first failing one agree"
-    result.stdout.fnmatch_lines([f"*culprit: {culprit.replace('[', '[[]')} *", f"FAILED *parity::{point} *"])
+    result.stdout.fnmatch_lines([said, f"FAILED *parity::{point} *"])
     assert result.ret == 1
 
 

@@ -179,9 +179,10 @@ class Driller:
         if drill is not None:
             drill.state = None
 
-    def drill(self, point: Point, point_passed: bool = False) -> Drill:
+    def drill(self, point: Point, point_passed: bool | None = None) -> Drill:
         """The drill at `point` (run once). `point_passed`: the point's own verdict passed (a port's
-        op above its own noise is then noted, not failed: see `engine.Drilling`)."""
+        op above its own noise is then noted, not failed: see `engine.Drilling`), failed (no op to
+        blame: the error accumulates), or None where it was not judged in this run."""
         if point.id in self.drills:
             return self.drills[point.id]
         reference = self.reference(point)

@@ -14,8 +14,13 @@ Per reference op (in forward order):
   cannot be isolated, its chained ratio exceeds its inputs' by the factor), `inherited` where its
   error is above the factor only because its inputs' are, `missing` for a reference op the candidate
   has no counterpart for, `extra` for a candidate op matched to nothing; else `ok`.
-The culprit is the first op that introduced the divergence (or the missing op just before it, or
-the port's own op upstream of it).
+The culprit is the first op the table marks `introduced`; its recovery is measured by substituting
+the reference's output for it in the candidate's run. Missing and extra ops are structural
+differences, said with the ops their values go into ("the candidate's own op `repeat` matches no
+reference op and feeds `bmm`, the culprit"), never given a recovery they cannot have. Where no op
+introduces the divergence the drill says why: the differences are structural, the error accumulates
+over many ops each within its floor (and which ops ran in another dtype than the reference's), or
+the two sides' ops could not be matched.
 
 A port's own code (`same_code=False`) is judged on its own terms: integer bookkeeping and gathers of
 the call's input it computes otherwise are not rows that fail, nor an op whose values reach nothing,
@@ -86,6 +91,11 @@ class Drill:
     recovery_introduced: float | None = None  # substituting every op that introduced error
     repro: str | None = None  # the repro file written for the culprit (--parity-repro)
     reference_error: float | None = None  # the reference's float32 rerun here against the golden's output
+    structure: list[str] = field(default_factory=list)  # missing and extra ops, with the ops they feed
+    # the culprit recovers under half: the other op whose substitution recovers most {"op", "recovery"}
+    partial: dict[str, Any] | None = None
+    accumulation: str | None = None  # the component diverges and no op leaves its floor: how it builds up
+    unmatched: str | None = None  # most of the reference's ops matched nothing: matching failed, no culprit
 
     @property
     def foreign_reference(self) -> bool:
@@ -95,7 +105,7 @@ class Drill:
 
     @property
     def failed(self) -> bool:
-        return any(r.failed for r in self.rows) or self.foreign_reference
+        return any(r.failed for r in self.rows) or self.foreign_reference or self.accumulation is not None
 
     def row(self, name: str) -> OpRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -165,7 +175,7 @@ class Drilling:
         factor: float = 1.5,
         floor: float = 1e-6,
         same_code: bool = True,
-        point_passed: bool = False,
+        point_passed: bool | None = None,
     ):
         self.point = point
         self.point_passed = point_passed
@@ -216,7 +226,8 @@ class Drilling:
             value = self.ref.inputs[m.input]
             return [_like(m.to_candidate([value], [node.value.shape])[0], node.value), *node.outputs[1:]]
         refs = [self.ref.nodes[r] for r in m.ref]
-        if len(m.ref) == 1 and len(m.cand) == 1 and m.perm is None and len(refs[0].outputs) == len(node.outputs):
+        one_to_one = len(m.ref) == 1 and len(m.cand) == 1 and m.perm is None and m.frames is None
+        if one_to_one and len(refs[0].outputs) == len(node.outputs):
             out = []
             for r_val, c_val in zip(refs[0].outputs, node.outputs, strict=True):
                 if isinstance(r_val, torch.Tensor) and isinstance(c_val, torch.Tensor):
@@ -483,6 +494,40 @@ class Drilling:
         reached = self._cand_reached
         return [n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)]
 
+    @functools.cached_property
+    def _ref_reached(self) -> dict[int, set[int]]:
+        """Per reference op, the matched reference ops its values reach first."""
+        return _reached(self.ref, set(self.by_ref))
+
+    def feeds(self, row: OpRow) -> list[str]:
+        """The judged rows a missing (reference) or extra (candidate) op's values reach first."""
+        if row.verdict == "missing":
+            graph, reached = self.ref, self._ref_reached
+        else:
+            graph, reached = self.cand, self._cand_reached
+        node = next((n for n in graph.nodes if n.name == row.name), None)
+        if node is None:
+            return []
+        return list(dict.fromkeys(self._row_name(graph, i) for i in sorted(reached.get(node.index, ()))))
+
+    def other_dtypes(self) -> list[str]:
+        """The matched ops the candidate computes in another floating dtype than the reference's own
+        run in the candidate's dtype (a softmax in bfloat16 where the reference upcasts to float32)."""
+        out, listed = [], set()
+        for r in self.ref.compute():
+            m, low = self.by_ref.get(r.index), self.low_of.get(r.index)
+            if m is None or low is None or len(m.cand) != 1:
+                continue
+            c = self.cand.nodes[m.cand[0]]
+            a, b = c.value, low.value
+            if a is None or b is None or not (a.is_floating_point() and b.is_floating_point()) or c.kind == "_to_copy":
+                continue
+            if a.dtype != b.dtype:
+                if not listed & set(_sources(self.ref, r)):  # the first of a run: the rest follow from it
+                    out.append(f"{r.name} in {_dtype(a.dtype)} (the reference: {_dtype(b.dtype)})")
+                listed.add(r.index)
+        return out
+
     def _row_name(self, graph: OpGraph, index: int) -> str:
         """The row that judges a matched op of `graph`: the reference op's (of its match)."""
         if graph is self.ref:
@@ -637,6 +682,10 @@ class Drilling:
         return {n.index for n in self.cand.nodes if n.index > first}
 
 
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 GATHERS = ("index", "index_select", "gather")
 UNUSED = "computed and never used: its value reaches no op and no output"
 
@@ -700,17 +749,6 @@ def _same_reads(
     return True
 
 
-def _first_recovery(d: Drilling, names: list[str]) -> tuple[float | None, list[str]]:
-    """The first of `names` whose substitution gives a recovery, and the candidate ops substituted
-    (where none does: the last one tried)."""
-    recovery, substituted = None, []
-    for name in names:
-        recovery, substituted = d.substitute(name)
-        if recovery is not None:
-            break
-    return recovery, substituted
-
-
 def run_drill(
     point: str,
     reference: Reference,
@@ -722,7 +760,7 @@ def run_drill(
     execute: Execute | None = None,
     replay_chained: bool = False,
     same_code: bool = True,
-    point_passed: bool = False,
+    point_passed: bool | None = None,
 ) -> Drill:
     started = time.perf_counter()
     d = Drilling(
@@ -731,34 +769,124 @@ def run_drill(
     )  # fmt: skip
     rows = d.rows()
     error, noise, _ = d.component
-    culprit_row = next((r for r in rows if r.verdict == "introduced"), None)
-    culprit, recovery, substituted, recovery_all = None, None, [], None
-    if culprit_row is not None:
+    introduced = [r for r in rows if r.verdict == "introduced"]
+    culprit, recovery, substituted, recovery_all, partial = None, None, [], None, None
+    unmatched = _unmatched(rows)
+    if introduced and unmatched is None:
+        culprit_row = introduced[0]
         culprit = culprit_row.name
-        first = rows.index(culprit_row)
-        missing = [r for r in rows[:first] if r.verdict == "missing"]
-        tries = [culprit_row.name]
-        if missing:  # the candidate goes on without them: the first missing op is where it departs
-            culprit = missing[0].name
-            tries = [r.name for r in reversed(missing)] + tries
-        elif upstream := d.extras_into(culprit_row, rows):  # the port's own ops that feed it: where it departs
-            culprit = upstream[0]
-        recovery, substituted = _first_recovery(d, tries)
-        for row in rows:
-            if row.name == culprit:
-                row.recovery = recovery
-        introduced = [r.name for r in rows if r.verdict == "introduced" and r.how is not None]
-        if len(introduced) > 1:
-            recovery_all = d.substitute(introduced)[0]
-    else:
-        first_missing = next((r for r in rows if r.verdict in ("missing", "extra")), None)
-        if first_missing is not None:
-            culprit = first_missing.name
-            recovery, substituted = _first_recovery(d, [r.name for r in reversed(rows) if r.verdict == "missing"])
-            first_missing.recovery = recovery
+        recovery, substituted = d.substitute(culprit)
+        culprit_row.recovery = recovery
+        matched = [r.name for r in introduced if r.how is not None]
+        if len(matched) > 1:
+            recovery_all = d.substitute(matched)[0]
+        if recovery is not None and recovery < 0.5:  # part of the error: which other op explains more
+            partial = _explains_more(d, rows, culprit_row, recovery)
+    structure = _structure(d, rows, culprit)
+    accumulation = None
+    # the component diverges with no op to blame: its point failed, or, not judged in this run, its
+    # error here is beyond the factor
+    beyond = error > factor * max(noise, floor)
+    diverges = (point_passed is False and error > noise) or (point_passed is None and beyond)
+    if culprit is None and not structure and unmatched is None and diverges:
+        accumulation = _accumulation(d, rows)
     result = Drill(
         point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
         time.perf_counter() - started, substituted, recovery_all,
+        structure=structure, partial=partial, accumulation=accumulation, unmatched=unmatched,
     )  # fmt: skip
     result.state = d  # for a repro file; not part of the JSON
     return result
+
+
+def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]:
+    """A sentence per run of adjacent missing ops and per extra op, with the judged ops their values
+    go into (and, for missing ops where no op introduced the divergence, what their reference value
+    in the candidate's run recovers: the last of the run that can be substituted)."""
+
+    def listed(names: list[str]) -> str:
+        names = [f"{n}, the culprit" if n == culprit else n for n in names]
+        return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+    out: list[str] = []
+    runs: list[list[OpRow]] = []
+    at: dict[int, int] = {}  # a run of missing ops -> where its sentence goes (the table's order)
+    for i, row in enumerate(rows):
+        if row.verdict == "extra":
+            text = f"the candidate's own op {row.name} matches no reference op"
+            fed = d.feeds(row)
+            if fed:  # it has no reference output; the ops it feeds have
+                text += f" and feeds {listed(fed)}"
+                recovery = d.substitute(fed)[0]
+                if recovery is not None:
+                    text += f" (the reference's values of the ops it feeds recover {100 * recovery:.0f}%)"
+            out.append(text)
+        elif row.verdict == "missing":
+            if runs and rows[i - 1] is runs[-1][-1]:
+                runs[-1].append(row)
+            else:
+                runs.append([row])
+                at[len(runs) - 1] = len(out)
+                out.append("")
+    for k, run in enumerate(runs):
+        names = [r.name for r in run]
+        fed = [n for r in run for n in d.feeds(r) if n not in names]
+        verb = "has" if len(run) == 1 else "have"
+        text = f"the reference's {', '.join(names)} {verb} no counterpart in the candidate"
+        if fed:
+            text += f", which feed{'s' * (len(run) == 1)} {listed(list(dict.fromkeys(fed)))}"
+        if culprit is None:
+            for row in reversed(run):
+                row.recovery = d.substitute(row.name)[0]
+                if row.recovery is not None:
+                    text += f" (the reference's value of {row.name} in the candidate's run recovers "
+                    text += f"{100 * row.recovery:.0f}%)"
+                    break
+        out[at[k]] = text
+    return out
+
+
+def _explains_more(d: Drilling, rows: list[OpRow], culprit: OpRow, recovery: float) -> dict[str, Any] | None:
+    """Where substituting the culprit recovers under half of the error: the other introduced or
+    missing op (the first five after it) whose substitution recovers most, if it recovers more."""
+    others = [r for r in rows if r is not culprit and r.verdict in ("introduced", "missing")][:5]
+    best = None
+    for row in others:
+        got = d.substitute(row.name)[0]
+        if got is not None and got > recovery and (best is None or got > best["recovery"]):
+            best = {"op": row.name, "recovery": got}
+    return best
+
+
+def _accumulation(d: Drilling, rows: list[OpRow]) -> str:
+    """The component diverges and no op leaves its floor: the error builds up over many ops, each
+    within one rounding of its dtype. Says over how many ops the error exceeds the reference's own,
+    the largest of those ratios, and the ops that ran in another dtype than the reference's (usually
+    the finding: a softmax in bfloat16)."""
+    above = [(r.error / r.noise, r) for r in rows if r.error is not None and r.noise and r.error > r.noise]
+    above.sort(key=lambda x: -x[0])
+    largest = ", ".join(f"{r.name} {ratio:.2f}x" for ratio, r in above[:3])
+    text = (
+        f"no single op leaves its dtype's floor: the error accumulates over {len(above)} ops above the "
+        f"reference's own error" + (f" (the largest: {largest})" if largest else "")
+    )
+    dtypes = d.other_dtypes()
+    if dtypes:
+        text += f"; ran in another dtype than the reference's: {', '.join(dtypes[:5])}"
+    return text
+
+
+def _unmatched(rows: list[OpRow]) -> str | None:
+    """Where most of the reference's floating-point ops match no candidate op, matching failed: no
+    op's verdict means anything, and no culprit is named."""
+    judged = [r for r in rows if r.note != BOOKKEEPING and r.verdict != "extra"]
+    missing = [r for r in judged if r.verdict == "missing"]
+    if len(judged) < 4 or 2 * len(missing) <= len(judged):
+        return None
+    names = ", ".join(r.name for r in missing[:3])
+    return (
+        f"{len(missing)} of {len(judged)} reference ops match no candidate op ({names}, ...): the two sides' "
+        f"ops could not be matched, so no culprit is named. Values the candidate builds inside the component "
+        f"(positions, masks, rotary tables) where the reference is given them, or another order of its "
+        f"rows, are the usual cause"
+    )

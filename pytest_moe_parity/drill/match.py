@@ -14,6 +14,14 @@ In three passes over the ops that compute (views and factories are followed thro
    code that computes something else there: its error is then the op's own).
 The passes for a port's own structure are left out when both sides run the same code.
 
+**Rows by identity.** A port's expert loop may gather each expert's tokens in another order than the
+reference's (by token where transformers goes by top-k slot, then token; sorted or bucketed
+dispatch). Where a candidate gather takes the same rows of the same values as a reference gather in
+another order (the same multiset of indices), its rows are put in the reference's order, and so are
+those of every op that goes on row by row from it (same leading size), up to a scatter back
+(`index_add`, `scatter`, `index_put`): the candidate's values are compared, substituted and isolated
+row by row by which token (and top-k slot) each row holds, not by position (`Match.frames`).
+
 Whatever is left is unmatched, and the drill lists it and fails."""
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import OpGraph, OpNode
+from .capture import OpGraph, OpNode, Ref
 
 # |x| at least this is a mask (finfo(dtype).min, -inf), whatever the dtype: not a magnitude to compare
 MASKED = 1e30
@@ -84,9 +92,13 @@ class Match:
     perm: tuple[int, ...] | None = None  # one to one: the candidate's dims in the reference's order
     input: int | None = None  # no reference op: the candidate computes this input of the reference's call
     rows: tuple[int | None, torch.Tensor] | None = None  # a dense op: (its expert's slice, the rows it holds)
+    # per candidate op: the order that puts its rows (dim 0) in the reference's (rows by identity), or None
+    frames: tuple[torch.Tensor | None, ...] | None = None
 
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The candidate's primary outputs as the reference's ops' (one per reference op)."""
+        if self.frames is not None:
+            cand_values = [v if f is None else v[f.to(v.device)] for v, f in zip(cand_values, self.frames, strict=True)]
         if self.rows is not None:
             return [_dense_rows(cand_values[0], self.rows).reshape(ref_shapes[0])]
         if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
@@ -101,6 +113,19 @@ class Match:
 
     def to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The reference's primary outputs as the candidate's ops' (one per candidate op)."""
+        values = self._to_candidate(ref_values, cand_shapes)
+        if self.frames is None:
+            return values
+        out = []
+        for v, f in zip(values, self.frames, strict=True):
+            if f is not None:  # back in the candidate's row order
+                back = torch.empty_like(v)
+                back[f.to(v.device)] = v
+                v = back
+            out.append(v)
+        return out
+
+    def _to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
         if self.rows is not None:  # a few rows of the candidate's: the rest is not the reference's to give
             raise ValueError("the reference holds only some rows of this dense op")
         if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
@@ -198,6 +223,16 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
     return None
 
 
+def _joined_shape(parts: list[torch.Tensor], whole: torch.Tensor) -> int | None:
+    """The dim along which tensors of `parts`' shapes concatenate to `whole`'s shape (values aside)."""
+    shapes = [p.shape for p in parts]
+    for dim in range(whole.dim()):
+        if all(len(s) == whole.dim() and s[:dim] + s[dim + 1 :] == whole.shape[:dim] + whole.shape[dim + 1 :]
+               for s in shapes) and sum(s[dim] for s in shapes) == whole.shape[dim]:  # fmt: skip
+            return dim
+    return None
+
+
 def match(
     reference: OpGraph, candidate: OpGraph, *, same_code: bool = False
 ) -> tuple[list[Match], list[int], list[int]]:
@@ -206,11 +241,20 @@ def match(
     structure (fused and split ops, dense experts' rows, inputs it computes, values it computes
     twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
     ref_ops, cand_ops = reference.compute(), candidate.compute()
+    frames = {} if same_code else row_frames(reference, candidate)
+    framed = {c: candidate.nodes[c].value[f] for c, f in frames.items()}
+
+    def val(c: OpNode) -> torch.Tensor | None:
+        """A candidate op's output, its rows in the reference's order where they are known."""
+        return framed.get(c.index, c.value)
+
     matches: list[Match] = []
     matched_ref: set[int] = set()
     matched_cand: set[int] = set()
 
     def add(m: Match) -> None:
+        if any(c in frames for c in m.cand) and m.rows is None:
+            m.frames = tuple(frames.get(c) for c in m.cand)
         matches.append(m)
         matched_ref.update(m.ref)
         matched_cand.update(m.cand)
@@ -236,19 +280,19 @@ def match(
             add(Match((r.index,), (c.index,), "value (the same experts selected)"))
     for c in [] if same_code else free_c():  # the same code fuses and splits nothing
         for size in (2, 3, 4):
-            hit = _run_of(free_r(), size, c.value, lambda group, c=c: _joined([r.value for r in group], c.value))
+            hit = _run_of(free_r(), size, val(c), lambda group, c=c: _joined([r.value for r in group], val(c)))
             if hit:
                 add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {size} in one)", dim=hit[1]))
                 break
     for r in [] if same_code else free_r():
         for size in range(2, min(65, len(cand_ops) + 1)):
-            hit = _run_of(free_c(), size, r.value, lambda group, r=r: _joined([c.value for c in group], r.value))
+            hit = _run_of(free_c(), size, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value))
             if hit:
                 add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {size})", dim=hit[1]))
                 break
     for c in free_c():
         for r in free_r():
-            found = _same(c.value, r.value)
+            found = _same(val(c), r.value)
             if found is not None:
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
@@ -277,7 +321,7 @@ def match(
     # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
     # from the affinities): the second op goes with the reference op it equals
     for c in [] if same_code else free_c():
-        r = next((r for r in ref_ops if r.index in matched_ref and _equal(c.value, r.value)), None)
+        r = next((r for r in ref_ops if r.index in matched_ref and _equal(val(c), r.value)), None)
         if r is not None:
             add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))
     # 3. a cast or a join on one side only goes with the op whose value it passes on
@@ -288,21 +332,110 @@ def match(
         owners = {m.ref for s in _sources(candidate, c) for m in matches if s in m.cand}
         if len(owners) == 1:
             (owner,) = owners
-            if len(owner) == 1 and _same(c.value, reference.nodes[owner[0]].value):
+            if len(owner) == 1 and _same(val(c), reference.nodes[owner[0]].value):
                 add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
     for r in free_r():
         owners = {m.cand for s in _sources(reference, r) for m in matches if s in m.ref}
         if len(owners) == 1:
             (owner,) = owners
-            if len(owner) == 1 and _same(candidate.nodes[owner[0]].value, r.value):
+            if len(owner) == 1 and _same(val(candidate.nodes[owner[0]]), r.value):
                 add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
-    # 4. what is left: the same ops in the same order (not a rank's partial sums: no reference op is one)
+    # 4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart)
+    # whose values differ (the fault may be there): by shape, kind and inputs
+    for r in [] if same_code else free_r():
+        inputs = {c for s in _sources(reference, r) for m in matches if s in m.ref for c in m.cand}
+        if r.value is None or r.expert is None or not inputs:
+            continue
+        pieces = [
+            c for c in free_c()
+            if _kind(c) == _kind(r) and c.value is not None and set(_sources(candidate, c)) & inputs
+        ]  # fmt: skip
+        for size in (2, 3, 4):
+            hit = _run_of(pieces, size, r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
+            if hit:
+                add(Match((r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {size})", dim=hit[1]))
+                break
+    # 5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is one)
     for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
         add(Match((r.index,), (c.index,), "op and order"))
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
     return matches, left_ref, left_cand
+
+
+# ops that put rows back by index (an expert's outputs into the token order): a row frame ends there
+SCATTERS = frozenset(["index_add", "index_copy", "index_put", "scatter", "scatter_add", "scatter_reduce"])
+GATHERS = frozenset(["index", "index_select"])
+
+
+def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A gather of rows along dim 0 (`x[i]`, `x[i, j]`, `index_select(x, 0, i)`): (the values it reads,
+    one integer key per output row: the flat position of the row it took), or None."""
+    if node.kind not in GATHERS or node.value is None or node.value.dim() == 0:
+        return None
+    args = node.args
+    source = graph.value_of(args[0]) if args and isinstance(args[0], Ref) else None
+    if not isinstance(source, torch.Tensor) or source.dim() == 0:
+        return None
+    if node.kind == "index_select":
+        if len(args) < 3 or args[1] != 0 or not isinstance(args[2], Ref):
+            return None
+        indices = [graph.value_of(args[2])]
+    else:
+        raw = args[1] if len(args) > 1 else None
+        if not isinstance(raw, list | tuple) or not raw or any(not isinstance(i, Ref) for i in raw):
+            return None  # a None among the indices (a slice before them): not rows along dim 0
+        indices = [graph.value_of(i) for i in raw]
+    if any(not isinstance(i, torch.Tensor) or i.is_floating_point() or i.dtype == torch.bool for i in indices):
+        return None
+    try:
+        indices = torch.broadcast_tensors(*indices)
+    except RuntimeError:
+        return None
+    if indices[0].dim() != 1 or indices[0].shape[0] != node.value.shape[0] or len(indices) > source.dim():
+        return None
+    key = torch.zeros_like(indices[0], dtype=torch.int64)
+    for i, size in zip(indices, source.shape, strict=False):
+        key = key * size + i.long().remainder(size)
+    return source, key
+
+
+def row_frames(reference: OpGraph, candidate: OpGraph) -> dict[int, torch.Tensor]:
+    """Per candidate op whose rows hold the reference's in another order (rows by identity, see the
+    module's docstring): the index that puts them in the reference's order (`value[index]`)."""
+    refs = [(n, g) for n in reference.compute() if (g := _gathered(reference, n)) is not None]
+    if not refs:
+        return {}
+    frames: dict[int, torch.Tensor] = {}
+    taken: set[int] = set()
+    for node in candidate.compute():
+        got = _gathered(candidate, node)
+        if got is None:
+            continue
+        source, key = got
+        for r, (r_source, r_key) in refs:
+            if r.index in taken or r_key.shape != key.shape or torch.equal(r_key, key):
+                continue
+            if r_source.shape != source.shape or not torch.equal(r_key.sort().values, key.sort().values):
+                continue
+            if r_key.unique().numel() != r_key.numel() or rel_l2(source, r_source) > VALUE_TOL:
+                continue
+            order = torch.empty_like(key)  # the candidate's row holding the reference's row j
+            order[r_key.argsort()] = key.argsort()
+            frames[node.index] = order
+            taken.add(r.index)
+            break
+    if not frames:
+        return {}
+    for node in candidate.compute():  # row by row from a framed op: the same frame, to a scatter back
+        if node.index in frames or node.kind in SCATTERS or node.value is None or node.value.dim() == 0:
+            continue
+        inherited = [frames[s] for s in _sources(candidate, node) if s in frames]
+        one = inherited and all(torch.equal(f, inherited[0]) for f in inherited[1:])  # one order, or none
+        if one and node.value.shape[0] == inherited[0].numel():
+            frames[node.index] = inherited[0]
+    return frames
 
 
 def _dense_rows(value: torch.Tensor, rows: tuple[int | None, torch.Tensor]) -> torch.Tensor:

@@ -240,7 +240,10 @@ def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:
     failed = sum(r["verdict"] != "ok" for r in rows)
     head = f"drill {drill['point']}: {len(rows)} ops, {failed} failed"
     if not drill["culprit"]:
-        return f"{head}; no culprit", "green" if not failed else "red"
+        why = drill.get("unmatched") and "matching failed"
+        why = why or (drill.get("structure") and f"structure: {drill['structure'][0]}")
+        why = why or (drill.get("accumulation") and "the error accumulates, no op leaves its floor")
+        return f"{head}; no culprit{f' ({why})' if why else ''}", "green" if not failed and not why else "red"
     recovery = drill["recovery"]
     said = f", substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
     both = drill.get("recovery_introduced")

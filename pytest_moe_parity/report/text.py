@@ -239,21 +239,32 @@ def drill_text(drill: Any, limit: int = 40) -> str:
             f"{fmt(drill.reference_error, 3)}): the golden's model or transformers' code here differ from the "
             f"recording's, and the ops below are judged against this machine's run"
         )
-    if drill.culprit:
-        row = drill.row(drill.culprit)
-        what = "has no counterpart in the candidate" if row is not None and row.verdict == "missing" else (
-            "introduced the divergence")  # fmt: skip
-        lines.append(f"  culprit: {drill.culprit} {what}")
+    if drill.unmatched:
+        lines.append(f"  matching failed: {drill.unmatched}")
+    elif drill.culprit:
+        lines.append(f"  culprit: {drill.culprit} introduced the divergence")
         if drill.recovery is not None:
             lines.append(
-                f"  substituting the reference's output of {drill.culprit} recovers {_pct(drill.recovery)} of "
-                f"{drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's own: "
-                f"{fmt(drill.component_noise, 3)})"
+                f"  substituting the reference's output of {drill.culprit} in the candidate's run recovers "
+                f"{_pct(drill.recovery)} of {drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's "
+                f"own: {fmt(drill.component_noise, 3)})"
+            )
+        if drill.partial:
+            lines.append(
+                f"  {drill.culprit} explains part of the error ({_pct(drill.recovery)}); the next op that does: "
+                f"{drill.partial['op']} (substituting it recovers {_pct(drill.partial['recovery'])})"
             )
         if drill.recovery_introduced is not None and drill.recovery_introduced != drill.recovery:
             lines.append(f"  substituting every op that introduced error recovers {_pct(drill.recovery_introduced)}")
+    elif drill.structure:
+        lines.append("  no op introduced the divergence: it is structural (ops missing or extra, below)")
+    elif drill.accumulation:
+        lines.append(f"  {drill.accumulation}")
     else:
         lines.append("  no op introduced a divergence")
+    lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:5])
+    if len(drill.structure) > 5:
+        lines.append(f"  structure: ... {len(drill.structure) - 5} more missing or extra ops in the table")
     if drill.repro:
         lines.append(f"  repro: {drill.repro}")
     first = next((i for i, r in enumerate(drill.rows) if r.failed), len(drill.rows))
