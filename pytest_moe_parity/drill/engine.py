@@ -483,17 +483,6 @@ class Drilling:
         """Per candidate op, the judged ops its values reach first (`_reached`)."""
         return _reached(self.cand, self._judged_cand())
 
-    def extras_into(self, row: OpRow, rows: list[OpRow]) -> list[str]:
-        """The extra (candidate-only) ops whose values reach the candidate's ops of `row`, in the
-        candidate's order: a constant or step of the port's own (a rotary base) that no reference
-        op matches, upstream of the first op that diverges."""
-        m = self.by_ref.get(self._ref_names[row.name].index) if row.name in self._ref_names else None
-        if m is None:
-            return []
-        extra = {r.name for r in rows if r.verdict == "extra"}
-        reached = self._cand_reached
-        return [n.name for n in self.cand.compute() if n.name in extra and reached.get(n.index, set()) & set(m.cand)]
-
     @functools.cached_property
     def _ref_reached(self) -> dict[int, set[int]]:
         """Per reference op, the matched reference ops its values reach first."""
@@ -782,7 +771,7 @@ def run_drill(
             recovery_all = d.substitute(matched)[0]
         if recovery is not None and recovery < 0.5:  # part of the error: which other op explains more
             partial = _explains_more(d, rows, culprit_row, recovery)
-    structure = _structure(d, rows, culprit)
+    structure = _structure(d, rows, culprit) if unmatched is None else []
     accumulation = None
     # the component diverges with no op to blame: its point failed, or, not judged in this run, its
     # error here is beyond the factor
@@ -799,6 +788,9 @@ def run_drill(
     return result
 
 
+SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
+
+
 def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]:
     """A sentence per run of adjacent missing ops and per extra op, with the judged ops their values
     go into (and, for missing ops where no op introduced the divergence, what their reference value
@@ -811,13 +803,15 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
     out: list[str] = []
     runs: list[list[OpRow]] = []
     at: dict[int, int] = {}  # a run of missing ops -> where its sentence goes (the table's order)
+    measured = 0  # substitutions cost a replay each: for the sentences the text shows (SHOWN)
     for i, row in enumerate(rows):
         if row.verdict == "extra":
             text = f"the candidate's own op {row.name} matches no reference op"
             fed = d.feeds(row)
             if fed:  # it has no reference output; the ops it feeds have
                 text += f" and feeds {listed(fed)}"
-                recovery = d.substitute(fed)[0]
+                measured += 1
+                recovery = d.substitute(fed)[0] if measured <= SHOWN else None
                 if recovery is not None:
                     text += f" (the reference's values of the ops it feeds recover {100 * recovery:.0f}%)"
             out.append(text)
@@ -835,7 +829,8 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
         text = f"the reference's {', '.join(names)} {verb} no counterpart in the candidate"
         if fed:
             text += f", which feed{'s' * (len(run) == 1)} {listed(list(dict.fromkeys(fed)))}"
-        if culprit is None:
+        measured += 1
+        if culprit is None and measured <= SHOWN:
             for row in reversed(run):
                 row.recovery = d.substitute(row.name)[0]
                 if row.recovery is not None:

@@ -7,6 +7,7 @@ import math
 import textwrap
 from typing import Any
 
+from ..drill.engine import SHOWN
 from ..judge.logits import LogitsMetrics
 from ..judge.routing import RoutingMetrics
 from ..judge.verdict import BatchRow, PointResult
@@ -262,9 +263,9 @@ def drill_text(drill: Any, limit: int = 40) -> str:
         lines.append(f"  {drill.accumulation}")
     else:
         lines.append("  no op introduced a divergence")
-    lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:5])
-    if len(drill.structure) > 5:
-        lines.append(f"  structure: ... {len(drill.structure) - 5} more missing or extra ops in the table")
+    lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:SHOWN])
+    if len(drill.structure) > SHOWN:
+        lines.append(f"  structure: ... {len(drill.structure) - SHOWN} more missing or extra ops in the table")
     if drill.repro:
         lines.append(f"  repro: {drill.repro}")
     first = next((i for i, r in enumerate(drill.rows) if r.failed), len(drill.rows))
