@@ -331,6 +331,30 @@ def test_a_port_s_experts_bug_is_named_at_its_op_whatever_order_it_gathers_in(
     assert recovered and max(recovered) >= 0.9, record
 
 
+def test_a_port_that_repeats_kv_heads_in_another_order_is_a_structural_difference_at_the_culprit(
+    pytester, golden_dir, tiny_model, port
+) -> None:
+    """The port tiles its K/V heads with `repeat` where the reference expands each head in place:
+    `repeat` is the port's own op (no reference op matches it), said as a structural difference that
+    feeds the culprit, an op the table marks introduced; no recovery is claimed for `repeat` itself."""
+    args = ["--hw", "port", "--hw-option", f"bugs=gqa_repeat,{PORT_LAYOUT}"]
+    result, _, record = drill(
+        pytester, golden_dir("qwen3_moe"), "layer_1.attention", *args, model=tiny_model("qwen3_moe")
+    )
+    rows = {r["name"]: r for r in record["rows"]}
+    culprit = record["culprit"]
+    assert culprit and rows[culprit]["verdict"] == "introduced", culprit
+    assert rows["repeat"]["verdict"] == "extra" and rows["repeat"]["recovery"] is None
+    said = [
+        t
+        for t in record["structure"]
+        if t.startswith("the candidate's own op repeat matches no reference op and feeds ")
+    ]
+    assert said and f"{culprit}, the culprit" in said[0], record["structure"]
+    assert max(x for x in (record["recovery"], record["recovery_introduced"]) if x is not None) >= 0.9, record
+    result.stdout.fnmatch_lines([f"  culprit: {culprit} introduced the divergence", f"  structure: {said[0][:50]}*"])
+
+
 def test_a_port_s_own_rounding_is_not_a_finding(pytester, golden_dir, tiny_model, port) -> None:
     """A port whose router takes its softmax in bf16 (the reference: float32) rounds where the
     reference does not; its ops are judged against at least one rounding of their dtype (a port's
