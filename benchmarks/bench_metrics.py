@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from busy import busy_cores
 
 from pytest_moe_parity.judge import tensors
 from pytest_moe_parity.judge.tensors import compare_tensors
@@ -76,17 +77,6 @@ def reference(g: torch.Tensor, c: torch.Tensor) -> dict[str, float]:
     return {"cosine": gc / (gg * cc) ** 0.5, "pearson": cov / (vg * vc) ** 0.5, "rel_l2": (dd / gg) ** 0.5}
 
 
-def spin(seconds: float) -> None:
-    """A busy process: one spinning Python thread per core (the GIL lets one run at a time, so a
-    process per core)."""
-    import time as clock
-
-    end = clock.monotonic() + seconds
-    x = 0
-    while clock.monotonic() < end:
-        x += 1
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=256, help="size of each tensor in MB (default 256)")
@@ -100,20 +90,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.no_fit:
         tensors.fitted_threads = lambda numel: contextlib.nullcontext(torch.get_num_threads())
-    busy = []
-    if args.contend:
-        import multiprocessing
-        import os
-
-        for _ in range(len(os.sched_getaffinity(0))):
-            proc = multiprocessing.get_context("fork").Process(target=spin, args=(600.0,), daemon=True)
-            proc.start()
-            busy.append(proc)
-    try:
+    with busy_cores(args.contend):
         measure(args)
-    finally:
-        for proc in busy:
-            proc.terminate()
 
 
 def measure(args: argparse.Namespace) -> None:

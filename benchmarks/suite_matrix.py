@@ -18,12 +18,13 @@ CPU, threads or load is a bug in the test (docs/development.md, "Machine-indepen
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from busy import busy_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {
@@ -34,30 +35,14 @@ SETTINGS = {
 }
 
 
-def _spin(stop) -> None:
-    while not stop.is_set():
-        for _ in range(100_000):
-            pass
-
-
 def run(name: str, quick: bool, extra: list[str], logs: Path | None = None) -> tuple[int, float, str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(SETTINGS[name])
     argv = [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"]
     argv += ["-m", "not slow"] * quick + extra
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    spinners = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(cores if name == "busy" else 0)]
-    for proc in spinners:
-        proc.start()
     start = time.monotonic()
-    try:
+    with busy_cores(name == "busy"):
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    finally:
-        stop.set()
-        for spinner in spinners:
-            spinner.join()
     wall = time.monotonic() - start
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)

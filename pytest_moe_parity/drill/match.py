@@ -213,24 +213,24 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
             ):
                 return dim
         return None
-    for dim in range(whole.dim()):
-        shapes = [p.shape for p in parts]
-        fits = all(len(s) == whole.dim() for s in shapes) and all(
-            s[:dim] + s[dim + 1 :] == whole.shape[:dim] + whole.shape[dim + 1 :] for s in shapes
-        )
-        if fits and rel_l2(torch.cat(parts, dim=dim), whole) <= VALUE_TOL:
+    for dim in _cat_dims([p.shape for p in parts], whole.shape):
+        if rel_l2(torch.cat(parts, dim=dim), whole) <= VALUE_TOL:
             return dim
     return None
+
+
+def _cat_dims(shapes: list[torch.Size], whole: torch.Size) -> list[int]:
+    """The dims along which tensors of `shapes` concatenate to a tensor of shape `whole`."""
+    return [
+        dim for dim in range(len(whole))
+        if all(len(s) == len(whole) and s[:dim] + s[dim + 1 :] == whole[:dim] + whole[dim + 1 :] for s in shapes)
+        and sum(s[dim] for s in shapes) == whole[dim]
+    ]  # fmt: skip
 
 
 def _joined_shape(parts: list[torch.Tensor], whole: torch.Tensor) -> int | None:
     """The dim along which tensors of `parts`' shapes concatenate to `whole`'s shape (values aside)."""
-    shapes = [p.shape for p in parts]
-    for dim in range(whole.dim()):
-        if all(len(s) == whole.dim() and s[:dim] + s[dim + 1 :] == whole.shape[:dim] + whole.shape[dim + 1 :]
-               for s in shapes) and sum(s[dim] for s in shapes) == whole.shape[dim]:  # fmt: skip
-            return dim
-    return None
+    return next(iter(_cat_dims([p.shape for p in parts], whole.shape)), None)
 
 
 def match(
@@ -366,13 +366,14 @@ def match(
 
 # ops that put rows back by index (an expert's outputs into the token order): a row frame ends there
 SCATTERS = frozenset(["index_add", "index_copy", "index_put", "scatter", "scatter_add", "scatter_reduce"])
-GATHERS = frozenset(["index", "index_select"])
+# gathers of rows along dim 0 (engine.GATHERS also counts `gather`, which takes along any dim)
+ROW_GATHERS = frozenset(["index", "index_select"])
 
 
 def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A gather of rows along dim 0 (`x[i]`, `x[i, j]`, `index_select(x, 0, i)`): (the values it reads,
     one integer key per output row: the flat position of the row it took), or None."""
-    if node.kind not in GATHERS or node.value is None or node.value.dim() == 0:
+    if node.kind not in ROW_GATHERS or node.value is None or node.value.dim() == 0:
         return None
     args = node.args
     source = graph.value_of(args[0]) if args and isinstance(args[0], Ref) else None
