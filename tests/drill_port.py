@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import port_own
 import torch
 from port_qwen3 import Bugs, load_port
 
@@ -49,6 +50,49 @@ class PortBackend(Backend):
         path, arguments = _MODULES[point.component]
         module = self.port.layers[point.layer].get_submodule(path)
         return module, arguments(golden.args, golden.kwargs)
+
+    def run(self, point, golden) -> CandidateOutput:
+        module, args = self._call(point, golden)
+        with torch.no_grad():
+            return CandidateOutput(module(*args))
+
+    def drill_call(self, point, golden):
+        module, args = self._call(point, golden)
+        return module, args, {}, False
+
+
+class OwnPortBackend(Backend):
+    """`port_own`'s port (`--hw ownport`): its attention takes the hidden states alone (positions,
+    rotary tables and mask made inside, from what its static cache holds); a decode step's cache is
+    the golden's, copied into the port's own preallocated one."""
+
+    name = "ownport"
+    options = (HwOption("bugs", "port bugs, comma-separated (port_own.BUGS)", port_own.Bugs.parse, port_own.Bugs()),)
+    native_dtype = torch.bfloat16
+    SLACK = 4  # the static cache's positions beyond what a call needs, as a port's max length leaves
+
+    def start(self) -> None:
+        if self.setup.model_dir is None:
+            raise BackendError("--hw ownport needs the checkpoint: pass --model DIR")
+        self.port = port_own.load_port(self.setup.model_dir, self.dtype, self.hw_options["bugs"])
+
+    def _call(self, point, golden) -> tuple[torch.nn.Module, list]:
+        if not hasattr(self, "port"):
+            self.start()
+        if point.layer is None or point.component not in ("attention", "router", "experts", "moe"):
+            raise PointUnavailable(f"the port has no {point.component} module to compare")
+        layer = self.port.layers[point.layer]
+        if point.component == "attention":
+            hidden = golden.kwargs["hidden_states"]
+            state = golden.kwargs.get("cache")
+            if state is None:
+                return layer.attn, [hidden]
+            size = state.keys.shape[2] + hidden.shape[1] + self.SLACK
+            cache = port_own.StaticCache.holding(state.keys.to(self.dtype), state.values.to(self.dtype), size)
+            return layer.attn, [hidden, cache]
+        if point.component == "experts":
+            return layer.moe.experts, list(golden.args[:3])
+        return (layer.moe.router if point.component == "router" else layer.moe), [golden.args[0]]
 
     def run(self, point, golden) -> CandidateOutput:
         module, args = self._call(point, golden)

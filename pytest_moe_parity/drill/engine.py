@@ -119,9 +119,10 @@ def _primary(values: list[Any]) -> torch.Tensor | None:
 
 
 def _like(value: torch.Tensor, model: torch.Tensor | None) -> torch.Tensor:
+    """`value` in `model`'s dtype and device, contiguous (the ops after it may `view` it)."""
     if model is None:
-        return value
-    return value.to(dtype=model.dtype, device=model.device)
+        return value.contiguous()
+    return value.to(dtype=model.dtype, device=model.device).contiguous()
 
 
 @dataclass
@@ -458,12 +459,14 @@ class Drilling:
         if self.same_code:
             return
         by_name = {r.name: r for r in rows}
+        # a reference op and a candidate op may share a name (`expert[7].mul#2`): by name and verdict
+        unmatched = {(r.name, r.verdict): r for r in rows if r.verdict in ("missing", "extra")}
         for graph, verdict, matched, reached in (
             (self.ref, "missing", set(self.by_ref), _reached(self.ref, set(self.by_ref))),
             (self.cand, "extra", self._judged_cand(), self._cand_reached),
         ):
             for node in graph.compute():
-                row = by_name.get(node.name)
+                row = unmatched.get((node.name, verdict))
                 if row is None or row.verdict != verdict or node.index in matched:
                     continue
                 arrive = reached.get(node.index, set())

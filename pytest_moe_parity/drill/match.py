@@ -30,6 +30,7 @@ import difflib
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,8 +113,9 @@ class Match:
         return [torch.cat(cand_values, dim=self.dim).reshape(ref_shapes[0])]  # split
 
     def to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
-        """The reference's primary outputs as the candidate's ops' (one per candidate op)."""
-        values = self._to_candidate(ref_values, cand_shapes)
+        """The reference's primary outputs as the candidate's ops' (one per candidate op), contiguous
+        (the candidate's ops after it may `view` them)."""
+        values = [v.contiguous() for v in self._to_candidate(ref_values, cand_shapes)]
         if self.frames is None:
             return values
         out = []
@@ -167,6 +169,12 @@ def _leaf_key(node: OpNode) -> tuple:
     """A port that wraps the reference's modules (NxDI's `o_proj.o_proj`, `qkv_proj.q_proj`): the
     last part of the module path."""
     return (node.scope.rsplit(".", 1)[-1], _kind(node), node.expert)
+
+
+def _experts_agree(r: OpNode, c: OpNode) -> bool:
+    """Two ops of expert loops are one op only on one expert (a zeroed expert's running sum equals
+    the one before it: equal values on other experts are not a match)."""
+    return r.expert is None or c.expert is None or r.expert == c.expert
 
 
 def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None] | None:
@@ -241,7 +249,7 @@ def match(
     structure (fused and split ops, dense experts' rows, inputs it computes, values it computes
     twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
     ref_ops, cand_ops = reference.compute(), candidate.compute()
-    frames = {} if same_code else row_frames(reference, candidate)
+    frames, gathers = ({}, {}) if same_code else row_frames(reference, candidate)
     framed = {c: candidate.nodes[c].value[f] for c, f in frames.items()}
 
     def val(c: OpNode) -> torch.Tensor | None:
@@ -259,14 +267,24 @@ def match(
         matched_ref.update(m.ref)
         matched_cand.update(m.cand)
 
+    def drop(m: Match) -> None:
+        matches.remove(m)
+        matched_ref.difference_update(m.ref)
+        matched_cand.difference_update(m.cand)
+
     def free_r() -> list[OpNode]:
         return [r for r in ref_ops if r.index not in matched_ref]
 
     def free_c() -> list[OpNode]:
         return [c for c in cand_ops if c.index not in matched_cand]
 
-    # 1. by path and op
-    for r, c in _in_order(ref_ops, cand_ops, _key):
+    # 1. by path and op: the same code; a port's own code by the module paths it shares with the
+    # reference (its ops in the drilled module's own forward share no path: they go by value first)
+    if same_code:
+        pairs = _in_order(ref_ops, cand_ops, _key)
+    else:
+        pairs = [(r, c) for r, c in _in_order(ref_ops, cand_ops, _key) if r.scope and c.scope]
+    for r, c in pairs:
         add(Match((r.index,), (c.index,), "path and op"))
     if not same_code:
         for r, c in _in_order(free_r(), free_c(), _leaf_key):
@@ -292,7 +310,7 @@ def match(
                 break
     for c in free_c():
         for r in free_r():
-            found = _same(val(c), r.value)
+            found = _same(val(c), r.value) if _experts_agree(r, c) else None
             if found is not None:
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
@@ -321,7 +339,9 @@ def match(
     # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
     # from the affinities): the second op goes with the reference op it equals
     for c in [] if same_code else free_c():
-        r = next((r for r in ref_ops if r.index in matched_ref and _equal(val(c), r.value)), None)
+        r = next(
+            (r for r in ref_ops if r.index in matched_ref and _experts_agree(r, c) and _equal(val(c), r.value)), None
+        )
         if r is not None:
             add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))
     # 3. a cast or a join on one side only goes with the op whose value it passes on
@@ -349,15 +369,21 @@ def match(
         pieces = [
             c for c in free_c()
             if _kind(c) == _kind(r) and c.value is not None and set(_sources(candidate, c)) & inputs
+            and _experts_agree(r, c)
         ]  # fmt: skip
         for size in (2, 3, 4):
             hit = _run_of(pieces, size, r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
             if hit:
                 add(Match((r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {size})", dim=hit[1]))
                 break
-    # 5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is one)
-    for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
-        add(Match((r.index,), (c.index,), "op and order"))
+    # 5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is
+    # one); in a port's own code only where what they read corresponds (two ops of one kind and size
+    # on other paths are not one op)
+    if same_code:
+        for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
+            add(Match((r.index,), (c.index,), "op and order"))
+    if not same_code:
+        _by_place(reference, candidate, matches, add, drop, free_r, free_c, gathers)
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
@@ -402,21 +428,46 @@ def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor]
     return source, key
 
 
-def row_frames(reference: OpGraph, candidate: OpGraph) -> dict[int, torch.Tensor]:
+def _row_slice(graph: OpGraph, node: OpNode) -> tuple[int, int, int] | None:
+    """A slice of rows (dim 0, step 1) of an earlier op's output: (that op, start, stop), or None."""
+    args = node.args
+    if node.kind != "slice" or len(args) < 4 or not isinstance(args[0], Ref) or args[0].kind != "op":
+        return None
+    dim, start, stop = args[1], args[2], args[3]
+    step = args[4] if len(args) > 4 else 1
+    if dim != 0 or step != 1 or not all(isinstance(x, int) for x in (start, stop)):
+        return None
+    return args[0].at, start, stop
+
+
+def row_frames(reference: OpGraph, candidate: OpGraph) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
     """Per candidate op whose rows hold the reference's in another order (rows by identity, see the
-    module's docstring): the index that puts them in the reference's order (`value[index]`)."""
+    module's docstring): the index that puts them in the reference's order (`value[index]`); and per
+    candidate gather or slice of one, the reference gather whose rows it holds.
+
+    A candidate gather is keyed by the rows it takes (`_gathered`), and so is a slice of rows of one
+    (a sorted dispatch gathers every (token, slot) pair at once, each expert a slice of it); one whose
+    keys are a reference gather's in another order takes its frame. Ops that go on row by row take
+    their input's frame; a concatenation of framed ops along rows (each expert's results joined) the
+    frames joined, in the reference's order of the same pieces."""
     refs = [(n, g) for n in reference.compute() if (g := _gathered(reference, n)) is not None]
     if not refs:
-        return {}
+        return {}, {}
+    keyed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for node in candidate.nodes:
+        got = _gathered(candidate, node) if not node.layout else None
+        cut = _row_slice(candidate, node) if node.layout else None
+        if cut is not None and cut[0] in keyed:
+            source, key = keyed[cut[0]]
+            got = source, key[cut[1] : cut[2]]
+        if got is not None:
+            keyed[node.index] = got
     frames: dict[int, torch.Tensor] = {}
+    pairs: dict[int, int] = {}
     taken: set[int] = set()
-    for node in candidate.compute():
-        got = _gathered(candidate, node)
-        if got is None:
-            continue
-        source, key = got
+    for index, (source, key) in keyed.items():
         for r, (r_source, r_key) in refs:
-            if r.index in taken or r_key.shape != key.shape or torch.equal(r_key, key):
+            if r.index in taken or r_key.shape != key.shape:
                 continue
             if r_source.shape != source.shape or not torch.equal(r_key.sort().values, key.sort().values):
                 continue
@@ -424,19 +475,64 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> dict[int, torch.Tensor
                 continue
             order = torch.empty_like(key)  # the candidate's row holding the reference's row j
             order[r_key.argsort()] = key.argsort()
-            frames[node.index] = order
+            frames[index] = order
             taken.add(r.index)
+            pairs[index] = r.index
             break
-    if not frames:
-        return {}
-    for node in candidate.compute():  # row by row from a framed op: the same frame, to a scatter back
+    if all(torch.equal(f, torch.arange(f.numel())) for f in frames.values()):
+        return {}, pairs  # every row where the reference has it
+    for node in candidate.nodes:  # row by row from a framed op: the same frame, to a scatter back
         if node.index in frames or node.kind in SCATTERS or node.value is None or node.value.dim() == 0:
             continue
-        inherited = [frames[s] for s in _sources(candidate, node) if s in frames]
+        if node.layout and _row_slice(candidate, node) is None:
+            continue
+        inherited = [f for f in _framed_inputs(candidate, node.inputs(), frames) if f is not None]
+        if node.kind == "cat" and inherited:
+            joined = _joined_frames(candidate, node, frames)
+            if joined is not None:
+                frames[node.index] = joined
+            continue
         one = inherited and all(torch.equal(f, inherited[0]) for f in inherited[1:])  # one order, or none
-        if one and node.value.shape[0] == inherited[0].numel():
+        if one and node.value.shape[0] == inherited[0].numel() and not node.layout:
             frames[node.index] = inherited[0]
-    return frames
+    return frames, pairs
+
+
+def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+    """The frames of the ops `refs` come from, through views that are not framed themselves (None for
+    an op that has none)."""
+    out: list[torch.Tensor | None] = []
+    todo, seen = list(refs), set()
+    while todo:
+        producer = graph.producer(todo.pop(0))
+        if producer is None or producer.index in seen:
+            continue
+        seen.add(producer.index)
+        if producer.index in frames:
+            out.append(frames[producer.index])
+        elif producer.layout:
+            todo.extend(producer.inputs())
+        else:
+            out.append(None)
+    return out
+
+
+def _joined_frames(graph: OpGraph, node: OpNode, frames: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """The frame of a concatenation along rows whose every piece is framed: the pieces' frames,
+    each shifted to where its rows are."""
+    pieces = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim != 0 or not isinstance(pieces, list | tuple) or not pieces:
+        return None
+    joined, offset = [], 0
+    for piece in pieces:
+        value = graph.value_of(piece) if isinstance(piece, Ref) else None
+        got = _framed_inputs(graph, [piece], frames) if isinstance(piece, Ref) else []
+        if len(got) != 1 or got[0] is None or not isinstance(value, torch.Tensor) or value.shape[0] != got[0].numel():
+            return None
+        joined.append(got[0] + offset)
+        offset += got[0].numel()
+    return torch.cat(joined)
 
 
 def _dense_rows(value: torch.Tensor, rows: tuple[int | None, torch.Tensor]) -> torch.Tensor:
@@ -535,6 +631,166 @@ def _consumers(graph: OpGraph) -> dict[int, set[int]]:
         for s in _sources(graph, node):
             consumers.setdefault(s, set()).add(node.index)
     return consumers
+
+
+ORDER, PLACE = "op and order", "place (what it reads and what reads it)"
+
+
+def _by_place(
+    reference: OpGraph, candidate: OpGraph, matches: list[Match], add, drop, free_r, free_c, gathers: dict[int, int]
+) -> None:
+    """Passes 5 and 6 on a port's own code: an op of the reference's kind, in forward order, where
+    what it reads corresponds (two ops of one kind and size on other paths are not one op); then,
+    between matched ops, the op whose value goes into a matched op where the reference's goes, reading
+    what it reads (the rotated query of another rotation; a mask applied with `where` where the
+    reference adds it), whatever its kind. A pair that a later match shows out of place (read by
+    other ops than its counterpart is) is undone, and the passes run again without it. `gathers`:
+    the candidate's gathers and slices of them holding a reference gather's rows (`row_frames`)."""
+    flow = _Flow(reference, candidate, matches, gathers)
+    banned: set[tuple[int, int]] = set()
+    for _ in range(4):
+        for r in free_r():  # in forward order: what an op reads is matched first
+            c = next(
+                (c for c in free_c()
+                 if not c.partial and (r.index, c.index) not in banned and _kind(c) == _kind(r) and flow.alike(r, c)),
+                None,
+            )  # fmt: skip
+            if c is not None:
+                add(Match((r.index,), (c.index,), ORDER))
+                flow.add(matches[-1])
+        while True:
+            taken_r: set[int] = set()
+            taken_c: set[int] = set()
+            for r in free_r():
+                for c in free_c():
+                    if c.partial or c.index in taken_c or (r.index, c.index) in banned or not flow.in_place_of(r, c):
+                        continue
+                    taken_r.add(r.index)
+                    taken_c.add(c.index)
+                    add(Match((r.index,), (c.index,), PLACE))
+                    flow.add(matches[-1])
+                    break
+            if not taken_r:
+                break
+        wrong = [
+            m for m in matches
+            if m.how in (ORDER, PLACE)
+            and not flow.alike(reference.nodes[m.ref[0]], candidate.nodes[m.cand[0]])
+        ]  # fmt: skip
+        if not wrong:
+            return
+        for m in wrong:
+            banned.add((m.ref[0], m.cand[0]))
+            drop(m)
+            flow.remove(m)
+
+
+def _same_input(t: Any, u: Any) -> bool:
+    """Two floating tensors of one shape holding the same values (a call's inputs)."""
+    if not isinstance(t, torch.Tensor) or not isinstance(u, torch.Tensor) or t.shape != u.shape:
+        return False
+    return t.is_floating_point() and u.is_floating_point() and rel_l2(t, u) <= VALUE_TOL
+
+
+class _Flow:
+    """Where the ops of a port's own code sit between matched ops: what each reads (the nearest
+    matched ops and call inputs upstream, through unmatched ops) and what reads it directly."""
+
+    def __init__(self, reference: OpGraph, candidate: OpGraph, matches: list[Match], gathers: dict[int, int]):
+        self.reference, self.candidate = reference, candidate
+        self.to_ref: dict[int, set[int]] = {c: {r} for c, r in gathers.items()}
+        for m in matches:
+            self.add(m)
+        # the candidate's call inputs that are the reference's (by value)
+        self.inputs: dict[int, int] = {}
+        for j, t in enumerate(candidate.inputs):
+            for i, u in enumerate(reference.inputs):
+                if _same_input(t, u):
+                    self.inputs[j] = i
+                    break
+        self.ref_users, self.cand_users = _consumers(reference), _consumers(candidate)
+
+    def add(self, m: Match) -> None:
+        for c in m.cand:
+            self.to_ref.setdefault(c, set()).update(m.ref)
+
+    def remove(self, m: Match) -> None:
+        for c in m.cand:
+            self.to_ref.pop(c, None)
+
+    def _matched_ref(self) -> set[int]:
+        return {r for refs in self.to_ref.values() for r in refs}
+
+    def _upstream(self, graph: OpGraph, node: OpNode, matched) -> set[tuple[str, int]]:
+        """The nearest matched ops and call inputs `node` reads, through unmatched ops and views."""
+        out: set[tuple[str, int]] = set()
+        todo, seen = list(node.inputs()), set()
+        while todo:
+            ref = todo.pop()
+            if ref.kind == "input":
+                out.add(("input", ref.at))
+                continue
+            producer = graph.producer(ref)
+            if producer is None or producer.index in seen:
+                continue
+            seen.add(producer.index)
+            if matched(producer.index):  # a gather's slice too (`row_frames`)
+                out.add(("op", producer.index))
+            else:
+                todo.extend(producer.inputs())
+        return out
+
+    def reads_alike(self, r: OpNode, c: OpNode) -> bool:
+        """Whether what `c` reads (the nearest matched ops and call inputs upstream) is what `r`
+        reads: each of them the counterpart (or one of the counterparts, where one candidate op
+        holds several reference ops: experts' rows gathered at once) of one `r` reads."""
+        matched_ref = self._matched_ref()
+        up_r = self._upstream(self.reference, r, lambda i: i in matched_ref)
+        up_c = self._upstream(self.candidate, c, lambda i: bool(self.to_ref.get(i)))  # through casts
+        found = False
+        for kind, at in up_c:
+            if kind == "input":
+                if at not in self.inputs:
+                    continue  # a value of the candidate's own (its static cache)
+                counterparts = {("input", self.inputs[at])}
+            else:
+                counterparts = {("op", x) for x in self.to_ref[at]}
+            if not counterparts & up_r:
+                return False
+            found = True
+        return found
+
+    def _read_by(self, r: OpNode, c: OpNode) -> tuple[set[int], set[int]]:
+        """The matched ops that read `r` directly, and the counterparts of those that read `c`."""
+        matched_ref = self._matched_ref()
+        users = self.ref_users.get(r.index, set()) & matched_ref
+        cand_users: set[int] = set()
+        todo, seen = list(self.cand_users.get(c.index, ())), set()
+        while todo:  # through the casts the candidate adds (matched to no reference op)
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in self.to_ref and not self.to_ref[u]:
+                todo.extend(self.cand_users.get(u, ()))
+            else:
+                cand_users.update(self.to_ref.get(u, ()))
+        return users, cand_users
+
+    def alike(self, r: OpNode, c: OpNode) -> bool:
+        """Of one size, `c` reading (upstream) only what `r` reads and something of it, and read
+        directly by the counterparts of the matched ops that read `r` directly, and no others."""
+        if r.value is None or c.value is None or r.value.numel() != c.value.numel():
+            return False
+        if not _experts_agree(r, c) or not self.reads_alike(r, c):
+            return False
+        users, cand_users = self._read_by(r, c)
+        return users == cand_users
+
+    def in_place_of(self, r: OpNode, c: OpNode) -> bool:
+        """`alike`, and read directly by the counterpart of an op that reads `r` directly."""
+        users, _ = self._read_by(r, c)
+        return bool(users) and self.alike(r, c)
 
 
 def _passes_on(graph: OpGraph, node: OpNode) -> bool:

@@ -1,0 +1,283 @@
+"""A second hand-written port of Qwen3-MoE, written otherwise than transformers *and* than
+`port_qwen3`, as an NxDI modeling file computes it in plain PyTorch: each attention builds its own
+positions, rotary tables and causal mask from how many positions its cache holds (nothing is passed
+in but the hidden states), computes grouped-query scores without repeating K/V heads (the query heads
+of a group stacked on the rows), keeps a static preallocated KV cache written at its cache positions
+with `index_copy_`; the router takes its top-k over the logits and a softmax over the k it kept (the
+renormalised top-k of the softmax, by another road); the experts dispatch sorted (every (token, slot)
+pair sorted by expert, each expert a slice of one gather, the results weighted and scattered back at
+once). Names are its own (`wq`, `wk`, `wv`, `wo`, `gate`, `w13`, `w2`). `Bugs` are the port bugs the
+drill must name at the op they change, prefill and decode."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BUGS = {
+    # prefill (attention)
+    "rope_theta_hardcoded": "the rotary base Qwen3's published 1e6, not the checkpoint's rope_theta",
+    "rope_exponent_halved": "inverse frequencies theta ** (-2i / (D / 2)), not theta ** (-2i / D)",
+    "rope_interleaved": "rotates (even, odd) pairs; the checkpoint rotates halves",
+    "kv_head_modulo": "query head h reads K/V head h % kv_heads, not h // group",
+    "scale_by_hidden": "scores scaled by hidden_size ** -0.5, not head_dim ** -0.5",
+    "mask_one_ahead": "each token also sees the next one",
+    "k_norm_skipped": "the keys' RMSNorm left out",
+    # prefill (router, experts)
+    "router_softmax_all": "the softmax over every expert's logit after the top-k: weights not renormalised",
+    "gate_up_swapped": "up's weights where gate's go (conversion)",
+    "experts_reversed": "expert e given expert E - 1 - e's weights (conversion)",
+    "weights_ignored": "expert outputs summed unweighted",
+    "silu_as_gelu": "the experts' activation gelu, not silu",
+    # decode only
+    "decode_position_stale": "the new token rotated at the last cached position, not its own",
+    "decode_cache_overwrites_last": "the new keys and values written over the last cached ones",
+    "decode_drops_last_cached": "the new token attends to every cached position but the last",
+}
+
+
+@dataclass(frozen=True)
+class Bugs:
+    names: frozenset[str] = frozenset()
+
+    def __getattr__(self, name: str) -> bool:
+        if name not in BUGS:
+            raise AttributeError(name)
+        return name in self.names
+
+    @classmethod
+    def parse(cls, text: str) -> Bugs:
+        names = frozenset(n for n in text.split(",") if n)
+        unknown = sorted(names - set(BUGS))
+        if unknown:
+            raise ValueError(f"no such port bug: {', '.join(unknown)}")
+        return cls(names)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class StaticCache:
+    """One layer's keys and values, preallocated [B, kv_heads, max_len, D], `length` positions held."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, dim: int, max_len: int, dtype: torch.dtype) -> StaticCache:
+        zeros = torch.zeros(batch, heads, max_len, dim, dtype=dtype)
+        return cls(zeros, zeros.clone(), 0)
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> StaticCache:
+        """A cache of `max_len` positions holding `keys`/`values` [B, kv, past, D] (a golden's)."""
+        cache = cls.empty(keys.shape[0], keys.shape[1], keys.shape[3], max_len, keys.dtype)
+        cache.keys[:, :, : keys.shape[2]] = keys
+        cache.values[:, :, : keys.shape[2]] = values
+        cache.length = keys.shape[2]
+        return cache
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        hidden, self.heads, self.kv_heads, self.dim = (
+            cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+        )  # fmt: skip
+        self.wq = nn.Linear(hidden, self.heads * self.dim, bias=False)
+        self.wk = nn.Linear(hidden, self.kv_heads * self.dim, bias=False)
+        self.wv = nn.Linear(hidden, self.kv_heads * self.dim, bias=False)
+        self.wo = nn.Linear(self.heads * self.dim, hidden, bias=False)
+        self.q_norm_weight = nn.Parameter(torch.ones(self.dim))
+        self.k_norm_weight = nn.Parameter(torch.ones(self.dim))
+        self.eps = cfg["rms_norm_eps"]
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        self.theta = 1e6 if bugs.rope_theta_hardcoded else theta
+        self.scale = (hidden if bugs.scale_by_hidden else self.dim) ** -0.5
+        self.bugs = bugs
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        span = self.dim // 2 if self.bugs.rope_exponent_halved else self.dim
+        inv_freq = torch.pow(self.theta, -torch.arange(0, self.dim, 2, dtype=torch.float32) / span)
+        angles = torch.outer(positions.float(), inv_freq)  # [T, D/2]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.bugs.rope_interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, x: torch.Tensor, cache: StaticCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        past = cache.length if cache is not None else 0
+        start = past
+        if t == 1 and past and self.bugs.decode_position_stale:
+            start -= 1
+        positions = torch.arange(start, start + t)
+        cos, sin = self.rotary(positions, x.dtype)
+        q = rms(self.wq(x).view(b, t, self.heads, self.dim), self.q_norm_weight, self.eps)
+        k = self.wk(x).view(b, t, self.kv_heads, self.dim)
+        if not self.bugs.k_norm_skipped:
+            k = rms(k, self.k_norm_weight, self.eps)
+        v = self.wv(x).view(b, t, self.kv_heads, self.dim)
+        q = self.rotate(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+        k = self.rotate(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache is not None:  # written at their cache positions, then the positions held read back
+            at = torch.arange(past, past + t)
+            if t == 1 and past and self.bugs.decode_cache_overwrites_last:
+                at = at - 1
+            cache.keys.index_copy_(2, at, k)
+            cache.values.index_copy_(2, at, v)
+            cache.length = int(at[-1]) + 1
+            k, v = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
+        group = self.heads // self.kv_heads
+        if self.bugs.kv_head_modulo:  # heads regrouped as if head h belonged to group h % kv_heads
+            q = q.view(b, group, self.kv_heads, t, self.dim).transpose(1, 2)
+        q = q.reshape(b, self.kv_heads, group * t, self.dim)  # a group's query heads stacked on the rows
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, kv, group * T, S]
+        keys = k.shape[2]
+        rows = torch.arange(keys - t, keys).repeat(group)  # each row's own position
+        ahead = 1 if self.bugs.mask_one_ahead else 0
+        allowed = torch.arange(keys)[None, :] <= rows[:, None] + ahead
+        if t == 1 and keys > 1 and self.bugs.decode_drops_last_cached:
+            allowed[:, keys - 2] = False
+        scores = torch.where(allowed, scores, torch.tensor(float("-inf"), dtype=scores.dtype))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v).view(b, self.kv_heads, group, t, self.dim)
+        if self.bugs.kv_head_modulo:
+            out = out.transpose(1, 2)
+        out = out.reshape(b, self.heads, t, self.dim).transpose(1, 2).reshape(b, t, -1)
+        return self.wo(out)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(cfg["num_experts"], cfg["hidden_size"]))
+        self.k = cfg["num_experts_per_tok"]
+        self.bugs = bugs
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = x @ self.gate.T
+        top, ids = logits.float().topk(self.k, dim=-1)
+        # softmax over the kept logits: the renormalised top-k of the softmax, by another road
+        all_experts = self.bugs.router_softmax_all
+        weights = logits.float().softmax(-1).gather(-1, ids) if all_experts else top.softmax(-1)
+        return logits, weights.to(x.dtype), ids
+
+
+class Experts(nn.Module):
+    """Experts fused as NxDI lays them out (`w13` [E, H, 2I], `w2` [E, I, H]), dispatched sorted."""
+
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        e, h, i = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+        self.w13 = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.w2 = nn.Parameter(torch.zeros(e, i, h))
+        self.bugs = bugs
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k, inter = ids.shape[1], self.w2.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # every (token, slot) pair, by expert
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        rows = x[token]
+        act = F.gelu if self.bugs.silu_as_gelu else F.silu
+        outs, start = [], 0
+        for expert, n in enumerate(counts):
+            if n:
+                h = rows[start : start + n] @ self.w13[expert]
+                outs.append((act(h[:, :inter]) * h[:, inter:]) @ self.w2[expert])
+                start += n
+        y = torch.cat(outs)
+        if not self.bugs.weights_ignored:
+            y = y * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.router, self.experts = Router(cfg, bugs), Experts(cfg, bugs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, ids = self.router(flat)
+        return self.experts(flat, ids, weights).reshape(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.attn_norm = nn.Parameter(torch.ones(cfg["hidden_size"]))
+        self.mlp_norm = nn.Parameter(torch.ones(cfg["hidden_size"]))
+        self.eps = cfg["rms_norm_eps"]
+        self.attn, self.moe = Attention(cfg, bugs), MoE(cfg, bugs)
+
+    def forward(self, x: torch.Tensor, cache: StaticCache | None = None) -> torch.Tensor:
+        x = x + self.attn(rms(x, self.attn_norm, self.eps), cache)
+        return x + self.moe(rms(x, self.mlp_norm, self.eps))
+
+
+class OwnPort(nn.Module):
+    def __init__(self, cfg: dict, bugs: Bugs = Bugs()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(Block(cfg, bugs) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = nn.Parameter(torch.ones(cfg["hidden_size"]))
+        self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def new_cache(self, batch: int, max_len: int) -> list[StaticCache]:
+        dtype = self.head.weight.dtype
+        kv, dim = self.cfg["num_key_value_heads"], self.cfg["head_dim"]
+        return [StaticCache.empty(batch, kv, dim, max_len, dtype) for _ in self.layers]
+
+    def forward(self, ids: torch.Tensor, cache: list[StaticCache] | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache[i] if cache is not None else None)
+        return self.head(rms(x, self.norm, self.cfg["rms_norm_eps"]))
+
+
+def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs = Bugs()) -> OwnPort:
+    """The port with the checkpoint's weights converted to its own names and fused layout."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_experts"] = cfg.get("num_experts", cfg.get("num_local_experts"))
+    hf: dict[str, torch.Tensor] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        hf.update(load_file(str(shard)))
+    port = OwnPort(cfg, bugs)
+    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
+    state["head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        state[ours + "attn_norm"] = hf[theirs + "input_layernorm.weight"]
+        state[ours + "mlp_norm"] = hf[theirs + "post_attention_layernorm.weight"]
+        for p, q in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            state[f"{ours}attn.{p}.weight"] = hf[f"{theirs}self_attn.{q}.weight"]
+        state[ours + "attn.q_norm_weight"] = hf[theirs + "self_attn.q_norm.weight"]
+        state[ours + "attn.k_norm_weight"] = hf[theirs + "self_attn.k_norm.weight"]
+        state[ours + "moe.router.gate"] = hf[theirs + "mlp.gate.weight"]
+        experts = range(cfg["num_experts"])[:: -1 if bugs.experts_reversed else 1]
+        halves = ("up_proj", "gate_proj") if bugs.gate_up_swapped else ("gate_proj", "up_proj")
+        expert = lambda e, p, theirs=theirs: hf[f"{theirs}mlp.experts.{e}.{p}.weight"]  # noqa: E731
+        state[ours + "moe.experts.w13"] = torch.stack(
+            [torch.cat([expert(e, halves[0]).T, expert(e, halves[1]).T], dim=1) for e in experts]
+        )
+        state[ours + "moe.experts.w2"] = torch.stack([expert(e, "down_proj").T for e in experts])
+    port.load_state_dict({k: v.contiguous() for k, v in state.items()})
+    return port.to(dtype).eval()

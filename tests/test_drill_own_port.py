@@ -1,0 +1,91 @@
+"""The drill on a second port with its own code (`port_own`): positions, rotary tables and the causal
+mask made inside its attention, grouped-query scores without repeated K/V heads, a static KV cache
+written with `index_copy_`, a router that takes its softmax over the kept logits, experts dispatched
+sorted (one gather of every (token, slot) pair, each expert a slice of it, the results joined and
+weighted at once). Clean, it drills clean; each of its bugs is named at an op the bug changes, an op
+the table marks introduced, and substituting the ops that introduced the error recovers the
+component."""
+
+from __future__ import annotations
+
+import pytest
+from drill_port import OwnPortBackend
+from test_drill import drill
+
+from pytest_moe_parity import backends
+
+pytestmark = pytest.mark.usefixtures("_import_everything_once")
+
+PREFILL, DECODE = "layer_1.{}", "step_1.layer_1.{}"
+
+
+@pytest.fixture
+def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
+    monkeypatch.setitem(backends.registry(), OwnPortBackend.name, OwnPortBackend)
+
+    def run(point: str, bugs: str = ""):
+        golden = golden_dir("qwen3_moe", decode=2) if point.startswith("step_") else golden_dir("qwen3_moe")
+        args = ["--hw", OwnPortBackend.name, "--hw-option", f"bugs={bugs}"]
+        return drill(pytester, golden, point, *args, model=tiny_model("qwen3_moe"))
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "point",
+    [PREFILL.format("attention"), PREFILL.format("router"), PREFILL.format("experts"), DECODE.format("attention")],
+)
+def test_the_own_port_drills_clean(point, own) -> None:
+    """Every op the reference has is matched (by value, by place, rows by which token they hold), and
+    none leaves its floor: no culprit, no structural difference, nothing failed."""
+    result, ops, record = own(point)
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    assert record["culprit"] is None and not record["structure"] and record["unmatched"] is None, record
+    assert [r["id"] for r in ops if r["status"] == "failed"] == []
+
+
+ROTATED = ("apply_rotary_pos_emb.add", "apply_rotary_pos_emb.add#2")  # the rotated queries, keys
+
+
+@pytest.mark.parametrize(
+    ("bug", "point", "named"),
+    [
+        ("rope_theta_hardcoded", PREFILL.format("attention"), ROTATED),
+        ("rope_exponent_halved", PREFILL.format("attention"), ROTATED),
+        ("rope_interleaved", PREFILL.format("attention"), ROTATED),
+        ("kv_head_modulo", PREFILL.format("attention"), ("eager_attention_forward.bmm",)),
+        ("scale_by_hidden", PREFILL.format("attention"), ("eager_attention_forward.mul",)),
+        ("mask_one_ahead", PREFILL.format("attention"), ("eager_attention_forward.add",)),
+        ("k_norm_skipped", PREFILL.format("attention"), ("apply_rotary_pos_emb.add#2",)),
+        ("gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
+        ("experts_reversed", PREFILL.format("experts"), (".gate_up_proj",)),
+        ("silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
+        ("weights_ignored", PREFILL.format("experts"), (".index_add",)),
+        ("decode_position_stale", DECODE.format("attention"), ("apply_rotary_pos_emb.add",)),
+        ("decode_drops_last_cached", DECODE.format("attention"), ("eager_attention_forward.softmax",)),
+        ("decode_cache_overwrites_last", DECODE.format("attention"), ("eager_attention_forward.bmm#2",)),
+    ],
+)
+def test_each_bug_of_the_own_port_is_named_at_an_op_it_changes(bug, point, named, own) -> None:
+    result, _, record = own(point, bug)
+    rows = {r["name"]: r for r in record["rows"]}
+    culprit = record["culprit"]
+    assert culprit is not None and culprit.endswith(named), (culprit, record["structure"])
+    assert rows[culprit]["verdict"] == "introduced"
+    recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
+    if bug != "decode_cache_overwrites_last":  # its keys are one position short: scores match nothing
+        assert recovered and max(recovered) >= 0.9, record
+    if bug == "k_norm_skipped":  # the reference's key norm: no counterpart in the port
+        assert any(s.startswith("the reference's k_norm.") for s in record["structure"]), record["structure"]
+    if bug == "weights_ignored":  # the reference's weighting: no counterpart in the port
+        assert any(".mul#2" in s and "no counterpart" in s for s in record["structure"]), record["structure"]
+    said = culprit.replace("[", "[[]")  # fnmatch: a bracket opens a set
+    result.stdout.fnmatch_lines([f"drill {point}: * culprit {said}, substituting it recovers *"])
+
+
+def test_a_router_that_leaves_its_weights_unnormalised_is_the_renormalisation_missing(own) -> None:
+    """The port's softmax over every expert's logit, gathered at the top-k: the reference's
+    renormalisation has no counterpart, said as the structural difference it is; no culprit op."""
+    result, _, record = own(PREFILL.format("router"), "router_softmax_all")
+    assert record["culprit"] is None and result.ret == 1
+    assert any(s.startswith("the reference's renorm") for s in record["structure"]), record["structure"]
