@@ -8,6 +8,10 @@ component."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from drill_port import OwnPortBackend
 from test_drill import drill
@@ -23,9 +27,9 @@ PREFILL, DECODE = "layer_1.{}", "step_1.layer_1.{}"
 def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
     monkeypatch.setitem(backends.registry(), OwnPortBackend.name, OwnPortBackend)
 
-    def run(point: str, bugs: str = ""):
+    def run(point: str, bugs: str = "", *more: str):
         golden = golden_dir("qwen3_moe", decode=2) if point.startswith("step_") else golden_dir("qwen3_moe")
-        args = ["--hw", OwnPortBackend.name, "--hw-option", f"bugs={bugs}"]
+        args = ["--hw", OwnPortBackend.name, "--hw-option", f"bugs={bugs}", *more]
         return drill(pytester, golden, point, *args, model=tiny_model("qwen3_moe"))
 
     return run
@@ -89,3 +93,24 @@ def test_a_router_that_leaves_its_weights_unnormalised_is_the_renormalisation_mi
     result, _, record = own(PREFILL.format("router"), "router_softmax_all")
     assert record["culprit"] is None and result.ret == 1
     assert any(s.startswith("the reference's renorm") for s in record["structure"]), record["structure"]
+
+
+@pytest.mark.parametrize(
+    ("bug", "cand_op"), [("mask_one_ahead", "aten.where.self"), ("gate_up_swapped", "aten.mm.default")]
+)
+def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op, own, tmp_path) -> None:
+    """The culprit of a port's own code: its repro runs the port's op (here `where`, which masks where
+    the reference adds its mask; an expert's matmul, its rows by identity) on the reference's values of
+    its inputs, and fails alone; the reference's op passes."""
+    point = PREFILL.format("experts" if bug == "gate_up_swapped" else "attention")
+    repro = tmp_path / "repro"
+    _, _, record = own(point, bug, "--parity-repro", str(repro))
+    (test_file,) = repro.glob("test_*.py")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:moe-parity", test_file.name],
+        cwd=repro, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in run.stdout
+    meta = json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
+    assert meta["candidate"]["op"] == cand_op

@@ -227,6 +227,39 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int
     return None
 
 
+def _joined_rows(
+    reference: OpGraph, candidate: OpGraph, joined: set[int], matches: list[Match], add, free_r, free_c, val
+) -> bool:
+    """Rows by identity joined from pieces (a sorted dispatch weights every expert's rows at once):
+    a candidate op whose rows join several experts' is the reference's ops of its kind, one per
+    expert in the experts' order, that read the counterparts of what it reads. Whether any was."""
+    found = False
+    for c in [c for c in free_c() if c.index in joined]:
+        flow = _Flow(reference, candidate, matches, {})
+        reads = {r for kind, at in flow.upstream_of(c) if kind == "op" for r in flow.to_ref[at]}
+        pieces = [
+            r for r in free_r()
+            if r.expert is not None and _kind(r) == _kind(c) and r.value is not None
+            and set(_sources(reference, r)) & reads
+        ]  # fmt: skip
+        for size in range(len(pieces), 1, -1):
+            hit = _run_of(pieces, size, val(c), lambda group, c=c: _expert_rows(group, val(c)))
+            if hit:
+                add(Match(tuple(r.index for r in hit[0]), (c.index,), f"rows (joined: {size} experts' in one)", dim=0))
+                found = True
+                break
+    return found
+
+
+def _expert_rows(group: list[OpNode], whole: torch.Tensor | None) -> int | None:
+    """0 where `group` is one op per expert, in the experts' order, whose rows joined are `whole`'s
+    (by shape: which rows they are is known, so their values may differ)."""
+    experts = [r.expert for r in group]
+    if whole is None or experts != sorted(set(experts)):
+        return None
+    return 0 if 0 in _cat_dims([r.value.shape for r in group], whole.shape) else None
+
+
 def _cat_dims(shapes: list[torch.Size], whole: torch.Size) -> list[int]:
     """The dims along which tensors of `shapes` concatenate to a tensor of shape `whole`."""
     return [
@@ -249,7 +282,8 @@ def match(
     structure (fused and split ops, dense experts' rows, inputs it computes, values it computes
     twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
     ref_ops, cand_ops = reference.compute(), candidate.compute()
-    frames, gathers = ({}, {}) if same_code else row_frames(reference, candidate)
+    identity = RowIdentity({}, {}, set()) if same_code else row_frames(reference, candidate)
+    frames = identity.frames
     framed = {c: candidate.nodes[c].value[f] for c, f in frames.items()}
 
     def val(c: OpNode) -> torch.Tensor | None:
@@ -383,7 +417,9 @@ def match(
         for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
             add(Match((r.index,), (c.index,), "op and order"))
     if not same_code:
-        _by_place(reference, candidate, matches, add, drop, free_r, free_c, gathers)
+        _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
+        if _joined_rows(reference, candidate, identity.joined, matches, add, free_r, free_c, val):
+            _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
@@ -440,10 +476,19 @@ def _row_slice(graph: OpGraph, node: OpNode) -> tuple[int, int, int] | None:
     return args[0].at, start, stop
 
 
-def row_frames(reference: OpGraph, candidate: OpGraph) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-    """Per candidate op whose rows hold the reference's in another order (rows by identity, see the
-    module's docstring): the index that puts them in the reference's order (`value[index]`); and per
-    candidate gather or slice of one, the reference gather whose rows it holds.
+@dataclass
+class RowIdentity:
+    """`row_frames`: per candidate op whose rows hold the reference's in another order, the index
+    that puts them in the reference's order (`value[index]`); per candidate gather or slice of one,
+    the reference gather whose rows it holds; the framed ops whose rows join several experts'."""
+
+    frames: dict[int, torch.Tensor]
+    gathers: dict[int, int]
+    joined: set[int]
+
+
+def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
+    """Rows by identity (see the module's docstring and `RowIdentity`).
 
     A candidate gather is keyed by the rows it takes (`_gathered`), and so is a slice of rows of one
     (a sorted dispatch gathers every (token, slot) pair at once, each expert a slice of it); one whose
@@ -452,7 +497,7 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> tuple[dict[int, torch.
     frames joined, in the reference's order of the same pieces."""
     refs = [(n, g) for n in reference.compute() if (g := _gathered(reference, n)) is not None]
     if not refs:
-        return {}, {}
+        return RowIdentity({}, {}, set())
     keyed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for node in candidate.nodes:
         got = _gathered(candidate, node) if not node.layout else None
@@ -480,28 +525,33 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> tuple[dict[int, torch.
             pairs[index] = r.index
             break
     if all(torch.equal(f, torch.arange(f.numel())) for f in frames.values()):
-        return {}, pairs  # every row where the reference has it
+        return RowIdentity({}, pairs, set())  # every row where the reference has it
+    joined: set[int] = set()
     for node in candidate.nodes:  # row by row from a framed op: the same frame, to a scatter back
         if node.index in frames or node.kind in SCATTERS or node.value is None or node.value.dim() == 0:
             continue
         if node.layout and _row_slice(candidate, node) is None:
             continue
-        inherited = [f for f in _framed_inputs(candidate, node.inputs(), frames) if f is not None]
+        reads = _framed_inputs(candidate, node.inputs(), frames)
+        inherited = [frames[i] for i in reads if i is not None]
         if node.kind == "cat" and inherited:
-            joined = _joined_frames(candidate, node, frames)
-            if joined is not None:
-                frames[node.index] = joined
+            frame = _joined_frames(candidate, node, frames)
+            if frame is not None:
+                frames[node.index] = frame
+                joined.add(node.index)
             continue
         one = inherited and all(torch.equal(f, inherited[0]) for f in inherited[1:])  # one order, or none
         if one and node.value.shape[0] == inherited[0].numel() and not node.layout:
             frames[node.index] = inherited[0]
-    return frames, pairs
+            if any(i in joined for i in reads):
+                joined.add(node.index)
+    return RowIdentity(frames, pairs, joined)
 
 
-def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
-    """The frames of the ops `refs` come from, through views that are not framed themselves (None for
-    an op that has none)."""
-    out: list[torch.Tensor | None] = []
+def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tensor]) -> list[int | None]:
+    """The framed ops `refs` come from, through views that are not framed themselves (None for an op
+    that has no frame)."""
+    out: list[int | None] = []
     todo, seen = list(refs), set()
     while todo:
         producer = graph.producer(todo.pop(0))
@@ -509,7 +559,7 @@ def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tens
             continue
         seen.add(producer.index)
         if producer.index in frames:
-            out.append(frames[producer.index])
+            out.append(producer.index)
         elif producer.layout:
             todo.extend(producer.inputs())
         else:
@@ -528,10 +578,13 @@ def _joined_frames(graph: OpGraph, node: OpNode, frames: dict[int, torch.Tensor]
     for piece in pieces:
         value = graph.value_of(piece) if isinstance(piece, Ref) else None
         got = _framed_inputs(graph, [piece], frames) if isinstance(piece, Ref) else []
-        if len(got) != 1 or got[0] is None or not isinstance(value, torch.Tensor) or value.shape[0] != got[0].numel():
+        if len(got) != 1 or got[0] is None or not isinstance(value, torch.Tensor):
             return None
-        joined.append(got[0] + offset)
-        offset += got[0].numel()
+        frame = frames[got[0]]
+        if value.shape[0] != frame.numel():
+            return None
+        joined.append(frame + offset)
+        offset += frame.numel()
     return torch.cat(joined)
 
 
@@ -740,13 +793,17 @@ class _Flow:
                 todo.extend(producer.inputs())
         return out
 
+    def upstream_of(self, c: OpNode) -> set[tuple[str, int]]:
+        """The nearest matched ops and call inputs candidate op `c` reads (through casts)."""
+        return self._upstream(self.candidate, c, lambda i: bool(self.to_ref.get(i)))
+
     def reads_alike(self, r: OpNode, c: OpNode) -> bool:
         """Whether what `c` reads (the nearest matched ops and call inputs upstream) is what `r`
         reads: each of them the counterpart (or one of the counterparts, where one candidate op
         holds several reference ops: experts' rows gathered at once) of one `r` reads."""
         matched_ref = self._matched_ref()
         up_r = self._upstream(self.reference, r, lambda i: i in matched_ref)
-        up_c = self._upstream(self.candidate, c, lambda i: bool(self.to_ref.get(i)))  # through casts
+        up_c = self.upstream_of(c)
         found = False
         for kind, at in up_c:
             if kind == "input":
@@ -766,12 +823,13 @@ class _Flow:
         users = self.ref_users.get(r.index, set()) & matched_ref
         cand_users: set[int] = set()
         todo, seen = list(self.cand_users.get(c.index, ())), set()
-        while todo:  # through the casts the candidate adds (matched to no reference op)
+        while todo:  # through the casts the candidate adds and its joins of rows (matched to nothing)
             u = todo.pop()
             if u in seen:
                 continue
             seen.add(u)
-            if u in self.to_ref and not self.to_ref[u]:
+            passes_on = u in self.to_ref and not self.to_ref[u]
+            if passes_on or (u not in self.to_ref and self.candidate.nodes[u].kind == "cat"):
                 todo.extend(self.cand_users.get(u, ()))
             else:
                 cand_users.update(self.to_ref.get(u, ()))
@@ -779,13 +837,15 @@ class _Flow:
 
     def alike(self, r: OpNode, c: OpNode) -> bool:
         """Of one size, `c` reading (upstream) only what `r` reads and something of it, and read
-        directly by the counterparts of the matched ops that read `r` directly, and no others."""
+        directly by the counterparts of the matched ops that read `r` directly (by none where none
+        reads `r`)."""
         if r.value is None or c.value is None or r.value.numel() != c.value.numel():
             return False
         if not _experts_agree(r, c) or not self.reads_alike(r, c):
             return False
         users, cand_users = self._read_by(r, c)
-        return users == cand_users
+        # (one candidate op may hold several reference ops: each expert's rows of a joined op)
+        return users <= cand_users and (bool(users) or not cand_users)
 
     def in_place_of(self, r: OpNode, c: OpNode) -> bool:
         """`alike`, and read directly by the counterpart of an op that reads `r` directly."""
