@@ -9,11 +9,14 @@
    drill; `ref s` and `rest s`, the first split into the reference's side and the rest (the
    candidate's capture, every op judged chained and isolated, the culprit substituted), on a model
    of `--hidden` width and `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu`
-   has none).
+   has none). With `--port own`, the candidate is the second test port's own code (`tests/port_own.py`,
+   `--hw ownport`: its attention, router and sorted-dispatch experts, matched to the reference's ops by
+   value, place and row identity), `--bugs` its bugs (e.g. `mask_one_ahead`).
 2. **Repro size.** A 48-layer tiny model's golden against the repro file of an RMSNorm-eps fault in
    layer 17's attention (`--parity-repro`): the target is under 1% of the golden.
 
     python benchmarks/bench_drill.py [--hidden 256] [--tokens 64] [--repeat 3] [--layers 48]
+                                     [--port own [--bugs NAME,...]]
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
+def cost(work: Path, hidden: int, tokens: int, repeat: int, port: str | None = None, bugs: str = "") -> None:
+    from pytest_moe_parity import backends
     from pytest_moe_parity.drill import Driller, store
     from pytest_moe_parity.record.run import record_golden
     from pytest_moe_parity.record.tiny import write_tiny_model
@@ -57,9 +61,20 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
     record_golden(model, golden, seq_len=tokens)
     # freeze_gc as the plugin and the CLI run a session: what is alive once the backend started is left
     # out of the collector's walks
-    options = RunOptions(golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"], freeze_gc=True)
+    hw: dict = {}
+    points = ("layer_1.attention", "layer_1.router", "layer_1.experts", "layer_1.moe", "layer_1.output")
+    if port == "own":  # the second test port's own code, as an entry-point backend gives it
+        from drill_port import OwnPortBackend
+
+        backends.registry()[OwnPortBackend.name] = OwnPortBackend
+        hw = {"hw": OwnPortBackend.name, "model": model, "hw_options": [f"bugs={bugs}"]}
+        points = points[:3]
+    options = RunOptions(
+        golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"], freeze_gc=True, **hw
+    )
     session = ParitySession(options)
-    print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, --hw cpu, bfloat16 (best of {repeat})")
+    where = f"--hw {hw['hw']} (bugs: {bugs or 'none'})" if hw else "--hw cpu"
+    print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, {where}, bfloat16 (best of {repeat})")
     names = ("replay s", "drill s", "ratio", "stored s", "ratio", "ref s", "rest s", "ratio")
     head = " ".join(f"{name:>{w}}" for name, (w, _) in zip(names, WIDTHS, strict=True))
     print(f"  {'point':18} {head}  ops  culprit")
@@ -82,7 +97,7 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int) -> None:
         driller._references.clear()
         return driller
 
-    for pid in ("layer_1.attention", "layer_1.router", "layer_1.experts", "layer_1.moe", "layer_1.output"):
+    for pid in points:
         point = session.golden.point(pid)
         session.runner.judge(session.runner.prepare(pid))  # warm: the layer read, the first forward
         replay = min(_seconds(lambda pid=pid: session.runner.judge(session.runner.prepare(pid))) for _ in range(repeat))
@@ -134,12 +149,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--port", choices=["own"], help="drill the second test port's own code (tests/port_own.py)")
+    ap.add_argument("--bugs", default="", help="with --port own: its bugs, comma-separated (port_own.BUGS)")
     args = ap.parse_args()
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-drill-"))
     try:
-        cost(work, args.hidden, args.tokens, args.repeat)
-        repro_size(work, args.layers)
+        cost(work, args.hidden, args.tokens, args.repeat, args.port, args.bugs)
+        if args.port is None:
+            repro_size(work, args.layers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -177,9 +177,11 @@ class Drilling:
         floor: float = 1e-6,
         same_code: bool = True,
         point_passed: bool | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         self.point = point
         self.point_passed = point_passed
+        self.dtype = dtype  # the candidate's
         self.ref, self.low, self.cand = reference.graph, reference.low, candidate
         self.reference = reference
         self.execute = execute
@@ -408,9 +410,13 @@ class Drilling:
                 differ = self._differ(r, m)
                 flips = 0 if differ is None else int(differ.sum())
                 row.note = f"{flips} of {differ.numel()} rows select other experts" if flips else ""
+                ties = self._near_ties(r, m) if flips else None
                 if row.failed and differ is not None and not flips:  # a top-k is there to select: it selects alike
                     row.verdict = "ok"
                     row.note = "selects the same experts (its values are other scores than the reference's)"
+                elif row.failed and ties == flips:  # as the router point forgives them
+                    row.verdict = "ok"
+                    row.note = f"{flips} of {differ.numel()} rows select other experts, each in a near tie"
             rows.append(row)
         for c in self.left_cand:
             node = self.cand.nodes[c]
@@ -588,6 +594,23 @@ class Drilling:
             return None
         return (ref_idx.sort(-1).values != cand_idx.to(ref_idx.device).sort(-1).values).any(-1)
 
+    def _near_ties(self, r: OpNode, m: Match) -> int | None:
+        """How many of a top-k's rows that select other experts do so in a near tie of the scores the
+        reference takes its top-k over (`judge.routing`'s tolerance in the candidate's dtype, as
+        the router point judges them); None where not comparable."""
+        from ..judge.routing import compare_routing, tie_tolerance
+
+        refs = r.inputs()
+        scores = self.ref.value_of(refs[0]) if refs else None
+        cand_idx = self.chained[m.cand[0]][1] if len(self.chained[m.cand[0]]) > 1 else None
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or cand_idx is None:
+            return None
+        try:
+            metrics = compare_routing(scores, r.outputs[1], cand_idx, tolerance=tie_tolerance(scores, self.dtype))
+        except ValueError:
+            return None
+        return len(metrics.ties)
+
     # -- substitution ---------------------------------------------------------------------------
     def final(self, graph: OpGraph, at: int = 0) -> torch.Tensor | None:
         """A graph's output `at` (of its tensors): the candidate's as it computes it (chained)."""
@@ -761,7 +784,7 @@ def run_drill(
     started = time.perf_counter()
     d = Drilling(
         point, reference, candidate, execute=execute, replay_chained=replay_chained,
-        factor=factor, floor=floor, same_code=same_code, point_passed=point_passed,
+        factor=factor, floor=floor, same_code=same_code, point_passed=point_passed, dtype=dtype,
     )  # fmt: skip
     rows = d.rows()
     error, noise, _ = d.component

@@ -26,9 +26,11 @@ Whatever is left is unmatched, and the drill lists it and fails."""
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,12 +244,11 @@ def _joined_rows(
             if r.expert is not None and _kind(r) == _kind(c) and r.value is not None
             and set(_sources(reference, r)) & reads
         ]  # fmt: skip
-        for size in range(len(pieces), 1, -1):
-            hit = _run_of(pieces, size, val(c), lambda group, c=c: _expert_rows(group, val(c)))
-            if hit:
-                add(Match(tuple(r.index for r in hit[0]), (c.index,), f"rows (joined: {size} experts' in one)", dim=0))
-                found = True
-                break
+        hit = _run_of(pieces, range(len(pieces), 1, -1), val(c), lambda group, c=c: _expert_rows(group, val(c)))
+        if hit:
+            how = f"rows (joined: {len(hit[0])} experts' in one)"
+            add(Match(tuple(r.index for r in hit[0]), (c.index,), how, dim=0))
+            found = True
     return found
 
 
@@ -331,17 +332,14 @@ def match(
         if c is not None:
             add(Match((r.index,), (c.index,), "value (the same experts selected)"))
     for c in [] if same_code else free_c():  # the same code fuses and splits nothing
-        for size in (2, 3, 4):
-            hit = _run_of(free_r(), size, val(c), lambda group, c=c: _joined([r.value for r in group], val(c)))
-            if hit:
-                add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {size} in one)", dim=hit[1]))
-                break
+        hit = _run_of(free_r(), (2, 3, 4), val(c), lambda group, c=c: _joined([r.value for r in group], val(c)))
+        if hit:
+            add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {len(hit[0])} in one)", dim=hit[1]))
     for r in [] if same_code else free_r():
-        for size in range(2, min(65, len(cand_ops) + 1)):
-            hit = _run_of(free_c(), size, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value))
-            if hit:
-                add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {size})", dim=hit[1]))
-                break
+        sizes = range(2, min(65, len(cand_ops) + 1))
+        hit = _run_of(free_c(), sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value))
+        if hit:
+            add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {len(hit[0])})", dim=hit[1]))
     for c in free_c():
         for r in free_r():
             found = _same(val(c), r.value) if _experts_agree(r, c) else None
@@ -405,11 +403,9 @@ def match(
             if _kind(c) == _kind(r) and c.value is not None and set(_sources(candidate, c)) & inputs
             and _experts_agree(r, c)
         ]  # fmt: skip
-        for size in (2, 3, 4):
-            hit = _run_of(pieces, size, r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
-            if hit:
-                add(Match((r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {size})", dim=hit[1]))
-                break
+        hit = _run_of(pieces, (2, 3, 4), r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
+        if hit:
+            add(Match((r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {len(hit[0])})", dim=hit[1]))
     # 5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is
     # one); in a port's own code only where what they read corresponds (two ops of one kind and size
     # on other paths are not one op)
@@ -645,20 +641,27 @@ def _in_order(refs: list[OpNode], cands: list[OpNode], key) -> list[tuple[OpNode
     ]
 
 
-def _run_of(nodes: list[OpNode], size: int, whole: torch.Tensor | None, joined) -> tuple[list[OpNode], int] | None:
-    """The first `size` consecutive nodes, as many elements as `whole` together, that `joined`
-    accepts, and the dim it returns."""
+def _run_of(
+    nodes: list[OpNode], sizes: Iterable[int], whole: torch.Tensor | None, joined
+) -> tuple[list[OpNode], int] | None:
+    """For the first of `sizes` that has one: the first run of that many consecutive nodes, as many
+    elements as `whole` together, that `joined` accepts, and the dim it returns."""
     if whole is None:
         return None
-    sizes = [n.value.numel() if n.value is not None else -1 for n in nodes]
-    prefix = list(itertools.accumulate(sizes, initial=0))
-    for k in range(len(nodes) - size + 1):
-        if prefix[k + size] - prefix[k] != whole.numel() or -1 in sizes[k : k + size]:
-            continue
-        group = nodes[k : k + size]
-        dim = joined(group)
-        if dim is not None:
-            return group, dim
+    barrier = 1 << 62  # a node without a value: no run goes through it
+    prefix = list(itertools.accumulate((n.value.numel() if n.value is not None else barrier for n in nodes), initial=0))
+    want = whole.numel()
+    runs: dict[int, list[int]] = {}  # size -> the starts of the runs of that many nodes that sum to `want`
+    for k in range(len(nodes)):
+        j = bisect.bisect_left(prefix, prefix[k] + want, lo=k + 1)
+        if j < len(prefix) and prefix[j] == prefix[k] + want:
+            runs.setdefault(j - k, []).append(k)
+    for size in sizes:
+        for k in runs.get(size, ()):
+            group = nodes[k : k + size]
+            dim = joined(group)
+            if dim is not None:
+                return group, dim
     return None
 
 
