@@ -117,9 +117,11 @@ def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     "fault, point, named, verdict, tp",
     [
-        # the port's op (a division) computes other values than the reference's (a product): the
-        # reference's op is missing there, and the candidate departs at it
-        (_scores_scaled_twice, "layer_1.attention", "eager_attention_forward.mul", "missing", 1),
+        # the port's op (a division) computes other values than the reference's (a product): paired
+        # by its place (it reads the scores and goes into the softmax), the culprit; at tensor
+        # parallelism (each rank's heads apart) the reference's op is missing there, a structural
+        # difference at which the candidate departs
+        (_scores_scaled_twice, "layer_1.attention", "eager_attention_forward.mul", "introduced", 1),
         (_scores_scaled_twice, "layer_1.attention", "eager_attention_forward.mul", "missing", 2),
         # what NxDI computes and the reference is given (its cos and sin): the first of its steps
         (_rope_base_off, "layer_1.attention", "rotary_emb.inv_freq", "extra", 1),
