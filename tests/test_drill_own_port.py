@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from drill_port import OwnPortBackend
+from helpers import NO_WEIGHTS, run_parity
 from test_drill import drill
 
 from pytest_moe_parity import backends
@@ -27,9 +29,12 @@ PREFILL, DECODE = "layer_1.{}", "step_1.layer_1.{}"
 def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
     monkeypatch.setitem(backends.registry(), OwnPortBackend.name, OwnPortBackend)
 
-    def run(point: str, bugs: str = "", *more: str):
+    def run(point: str, bugs: str = "", *more: str, raw: bool = False):
         golden = golden_dir("qwen3_moe", decode=2) if point.startswith("step_") else golden_dir("qwen3_moe")
         args = ["--hw", OwnPortBackend.name, "--hw-option", f"bugs={bugs}", *more]
+        if raw:  # the run alone (a drill that cannot run has no record)
+            args = ["--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", point, "-k", point, *args]
+            return run_parity(pytester, golden, *args, model=tiny_model("qwen3_moe"))
         return drill(pytester, golden, point, *args, model=tiny_model("qwen3_moe"))
 
     return run
@@ -114,3 +119,37 @@ def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op,
     assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in run.stdout
     meta = json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
     assert meta["candidate"]["op"] == cand_op
+
+
+@pytest.mark.parametrize(
+    ("returned", "said"),
+    [
+        (lambda module, args: (module, args), "returned a tuple of 2; it returns (module, args, kwargs, same_code)*"),
+        (lambda module, args: (module, next(iter(args)), {}, "no"), "returned args is a Tensor, same_code is a str; *"),
+        (
+            lambda module, args: (torch.jit.script(torch.nn.Identity()), args, {}, False),
+            "returned a scripted (torch.jit) module*",
+        ),
+        (lambda module, args: (torch.compile(module), args, {}, False), "returned a compiled (torch.compile) module*"),
+        (lambda module, args: (_Silent(), args, {}, False), "module ran no op the drill can capture*"),
+    ],
+    ids=["short", "wrong-types", "scripted", "compiled", "no-ops"],
+)
+@pytest.mark.usefixtures("_import_inductor_once")  # torch.compile in the inner session: imported once
+def test_a_drill_call_that_breaks_its_contract_is_one_sentence(returned, said, own, monkeypatch) -> None:
+    """What `drill_call` returns is checked against its contract: the `::drill` item fails with one
+    sentence that says what came back and what the contract is, never a traceback or a culprit."""
+    call = OwnPortBackend.drill_call
+    monkeypatch.setattr(OwnPortBackend, "drill_call", lambda self, p, g: returned(*call(self, p, g)[:2]))
+    result = own(PREFILL.format("router"), "", raw=True)
+    result.stdout.fnmatch_lines([f"*layer_1.router: ownport's drill_call {said}"])
+    assert "Traceback" not in result.stdout.str() and "INTERNALERROR" not in result.stdout.str()
+    outcomes = result.parseoutcomes()  # the point passes; each item of its drill fails with the sentence
+    assert outcomes["passed"] == 1 and outcomes["failed"] >= 1 and result.ret == 1, outcomes
+
+
+class _Silent(torch.nn.Module):
+    """A module whose forward computes nothing the dispatcher sees (a compiled graph's stand-in)."""
+
+    def forward(self, x):
+        return x

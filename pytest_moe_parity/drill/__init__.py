@@ -190,7 +190,7 @@ class Driller:
         record = candidate_inputs(self.golden.load(point.id), backend.dtype, backend.device)
         try:
             with backend.drilling():
-                module, args, kwargs, same_code = backend.drill_call(point, record)
+                module, args, kwargs, same_code = _checked_call(backend, point, backend.drill_call(point, record))
                 names = weight_names(record) if same_code else None
                 remote = getattr(module, "capture_ops", None)  # captured where it runs (NxDI's ranks)
                 if remote is not None:
@@ -203,6 +203,11 @@ class Driller:
                     candidate = extend(candidate, read_as)
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
+        if not candidate.compute():
+            raise DrillError(
+                f"{point.id}: {backend.name}'s drill_call module ran no op the drill can capture (a compiled "
+                f"or scripted module runs its own graph): return the eager module it was made from"
+            )
         runner = backend.op_runner()
         floor = torch.finfo(backend.dtype).eps / NOISE_FLOOR_EPS if backend.dtype.is_floating_point else 1e-6
         if not same_code and backend.dtype.is_floating_point:
@@ -252,6 +257,36 @@ class Driller:
         for lazy in self._lazy.values():
             lazy.close()
         self._lazy.clear()
+
+
+def _checked_call(backend: Backend, point: Point, call: Any) -> tuple[Any, list, dict, bool]:
+    """`drill_call`'s return as its contract says it (`(module, args, kwargs, same_code)`, the module
+    an eager torch module), or a DrillError that says what it returned instead."""
+    contract = "it returns (module, args, kwargs, same_code): a torch module, a list, a dict and a bool"
+    # (or, for a module that runs elsewhere, an object with `capture_ops`: see Backend.drill_call)
+    if not isinstance(call, tuple | list) or len(call) != 4:
+        got = f"a {type(call).__name__}" + (f" of {len(call)}" if isinstance(call, tuple | list) else "")
+        raise DrillError(f"{point.id}: {backend.name}'s drill_call returned {got}; {contract}")
+    module, args, kwargs, same_code = call
+    wrong = [
+        f"{what} is a {type(value).__name__}"
+        for what, value, ok in (
+            ("the module", module, isinstance(module, torch.nn.Module) or hasattr(module, "capture_ops")),
+            ("args", args, isinstance(args, list | tuple)),
+            ("kwargs", kwargs, isinstance(kwargs, dict)),
+            ("same_code", same_code, isinstance(same_code, bool)),
+        )
+        if not ok
+    ]
+    if wrong:
+        raise DrillError(f"{point.id}: {backend.name}'s drill_call returned {', '.join(wrong)}; {contract}")
+    if isinstance(module, torch.jit.ScriptModule) or hasattr(module, "_orig_mod"):
+        kind = "scripted (torch.jit)" if isinstance(module, torch.jit.ScriptModule) else "compiled (torch.compile)"
+        raise DrillError(
+            f"{point.id}: {backend.name}'s drill_call returned a {kind} module, whose ops the drill cannot see "
+            f"one by one: return the eager module it was made from (a compiled one's `_orig_mod`)"
+        )
+    return module, list(args), kwargs, same_code
 
 
 def weight_names(record: Any) -> list[str | None]:
