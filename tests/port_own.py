@@ -38,6 +38,8 @@ BUGS = {
     "decode_position_stale": "the new token rotated at the last cached position, not its own",
     "decode_cache_overwrites_last": "the new keys and values written over the last cached ones",
     "decode_drops_last_cached": "the new token attends to every cached position but the last",
+    # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
+    "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
 }
 
 
@@ -187,6 +189,8 @@ class Experts(nn.Module):
         self.bugs = bugs
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.bugs.dispatch_masked:
+            return self.masked(x, ids, weights)
         k, inter = ids.shape[1], self.w2.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # every (token, slot) pair, by expert
@@ -204,6 +208,21 @@ class Experts(nn.Module):
         if not self.bugs.weights_ignored:
             y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
+
+    def masked(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        inter, out = self.w2.shape[1], torch.zeros_like(x)
+        act = F.gelu if self.bugs.silu_as_gelu else F.silu
+        for expert in range(self.w13.shape[0]):
+            chosen = ids == expert  # [T, k]
+            mask = chosen.any(-1)
+            if not bool(mask.any()):
+                continue
+            h = x[mask] @ self.w13[expert]
+            y = (act(h[:, :inter]) * h[:, inter:]) @ self.w2[expert]
+            if not self.bugs.weights_ignored:
+                y = y * (weights * chosen).sum(-1)[mask, None]
+            out = out.index_add(0, mask.nonzero().squeeze(1), y)
+        return out
 
 
 class MoE(nn.Module):

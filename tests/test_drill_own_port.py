@@ -41,13 +41,19 @@ def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
 
 
 @pytest.mark.parametrize(
-    "point",
-    [PREFILL.format("attention"), PREFILL.format("router"), PREFILL.format("experts"), DECODE.format("attention")],
+    ("point", "layout"),
+    [
+        (PREFILL.format("attention"), ""),
+        (PREFILL.format("router"), ""),
+        (PREFILL.format("experts"), ""),
+        (PREFILL.format("experts"), "dispatch_masked"),  # each expert's rows taken with x[mask]
+        (DECODE.format("attention"), ""),
+    ],
 )
-def test_the_own_port_drills_clean(point, own) -> None:
+def test_the_own_port_drills_clean(point, layout, own) -> None:
     """Every op the reference has is matched (by value, by place, rows by which token they hold), and
     none leaves its floor: no culprit, no structural difference, nothing failed."""
-    result, ops, record = own(point)
+    result, ops, record = own(point, layout)
     assert result.ret == 0, result.stdout.str()[-2000:]
     assert record["culprit"] is None and not record["structure"] and record["unmatched"] is None, record
     assert [r["id"] for r in ops if r["status"] == "failed"] == []
@@ -68,6 +74,7 @@ ROTATED = ("apply_rotary_pos_emb.add", "apply_rotary_pos_emb.add#2")  # the rota
         ("k_norm_skipped", PREFILL.format("attention"), ("apply_rotary_pos_emb.add#2",)),
         ("gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
         ("experts_reversed", PREFILL.format("experts"), (".gate_up_proj",)),
+        ("dispatch_masked,gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
         ("silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("weights_ignored", PREFILL.format("experts"), (".index_add",)),
         ("decode_position_stale", DECODE.format("attention"), ("apply_rotary_pos_emb.add",)),

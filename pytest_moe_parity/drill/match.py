@@ -429,8 +429,8 @@ ROW_GATHERS = frozenset(["index", "index_select"])
 
 
 def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A gather of rows along dim 0 (`x[i]`, `x[i, j]`, `index_select(x, 0, i)`): (the values it reads,
-    one integer key per output row: the flat position of the row it took), or None."""
+    """A gather of rows along dim 0 (`x[i]`, `x[i, j]`, `x[mask]`, `index_select(x, 0, i)`): (the values
+    it reads, one integer key per output row: the flat position of the row it took), or None."""
     if node.kind not in ROW_GATHERS or node.value is None or node.value.dim() == 0:
         return None
     args = node.args
@@ -446,6 +446,11 @@ def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor]
         if not isinstance(raw, list | tuple) or not raw or any(not isinstance(i, Ref) for i in raw):
             return None  # a None among the indices (a slice before them): not rows along dim 0
         indices = [graph.value_of(i) for i in raw]
+    if len(indices) == 1 and isinstance(indices[0], torch.Tensor) and indices[0].dtype == torch.bool:
+        mask = indices[0]  # `x[mask]`: the rows where the mask holds, in order
+        if mask.dim() != 1 or mask.shape[0] != source.shape[0]:
+            return None
+        indices = [mask.nonzero().squeeze(1)]
     if any(not isinstance(i, torch.Tensor) or i.is_floating_point() or i.dtype == torch.bool for i in indices):
         return None
     try:
