@@ -223,15 +223,16 @@ class Drilling:
         """The reference's outputs in the candidate op's place (shapes, dtype, device), or None."""
         m = self.by_cand.get(cand_index)
         node = self.cand.nodes[cand_index]
+        gathers_input = node.kind in GATHERS and node.args and getattr(node.args[0], "kind", "") == "input"
+        if gathers_input and (m is None or m.rows is not None):
+            # rows of the call's input gathered at once (a sorted dispatch): the reference holds some
+            # of them in its gathers, the input all of them, the same on both sides
+            return list(node.outputs)
         if m is None:
             return None
         if m.input is not None:  # the reference's input the candidate computes
             value = self.ref.inputs[m.input]
             return [_like(m.to_candidate([value], [node.value.shape])[0], node.value), *node.outputs[1:]]
-        if m.rows is not None and node.kind in GATHERS and node.args and getattr(node.args[0], "kind", "") == "input":
-            # rows of the call's input, gathered at once (a sorted dispatch): the reference holds
-            # some of them, the input all of them, the same on both sides
-            return list(node.outputs)
         refs = [self.ref.nodes[r] for r in m.ref]
         one_to_one = len(m.ref) == 1 and len(m.cand) == 1 and m.perm is None and m.frames is None
         if one_to_one and len(refs[0].outputs) == len(node.outputs):

@@ -347,8 +347,9 @@ def match(
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
     # the reference's per-expert ops where the candidate runs every expert on every token (dense,
-    # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens
-    for r in [] if same_code else free_r():
+    # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens;
+    # not where the candidate gathers each expert's rows (rows by identity): it runs no dense op
+    for r in [] if same_code or identity.gathers else free_r():
         if r.expert is None or r.value is None or r.value.dim() < 2 or not r.value.is_floating_point():
             continue
         for c in (c for c in cand_ops if c.expert is None):  # not an expert loop's own op: a dense one
