@@ -32,7 +32,24 @@ def _bugs(text: str) -> Bugs:
     return Bugs(**dict.fromkeys(names, True))
 
 
-class PortBackend(Backend):
+class _ModuleBackend(Backend):
+    """A port's module per point (`_call`: the module and its arguments for the golden call), run
+    as it is and given to the drill as the port's own code."""
+
+    def _call(self, point, golden) -> tuple[torch.nn.Module, list]:
+        raise NotImplementedError
+
+    def run(self, point, golden) -> CandidateOutput:
+        module, args = self._call(point, golden)
+        with torch.no_grad():
+            return CandidateOutput(module(*args))
+
+    def drill_call(self, point, golden):
+        module, args = self._call(point, golden)
+        return module, args, {}, False
+
+
+class PortBackend(_ModuleBackend):
     name = "port"
     options = (HwOption("bugs", "port bugs and layouts, comma-separated", _bugs, Bugs()),)
     native_dtype = torch.bfloat16
@@ -51,17 +68,8 @@ class PortBackend(Backend):
         module = self.port.layers[point.layer].get_submodule(path)
         return module, arguments(golden.args, golden.kwargs)
 
-    def run(self, point, golden) -> CandidateOutput:
-        module, args = self._call(point, golden)
-        with torch.no_grad():
-            return CandidateOutput(module(*args))
 
-    def drill_call(self, point, golden):
-        module, args = self._call(point, golden)
-        return module, args, {}, False
-
-
-class OwnPortBackend(Backend):
+class OwnPortBackend(_ModuleBackend):
     """`port_own`'s port (`--hw ownport`): its attention takes the hidden states alone (positions,
     rotary tables and mask made inside, from what its static cache holds); a decode step's cache is
     the golden's, copied into the port's own preallocated one."""
@@ -93,12 +101,3 @@ class OwnPortBackend(Backend):
         if point.component == "experts":
             return layer.moe.experts, list(golden.args[:3])
         return (layer.moe.router if point.component == "router" else layer.moe), [golden.args[0]]
-
-    def run(self, point, golden) -> CandidateOutput:
-        module, args = self._call(point, golden)
-        with torch.no_grad():
-            return CandidateOutput(module(*args))
-
-    def drill_call(self, point, golden):
-        module, args = self._call(point, golden)
-        return module, args, {}, False

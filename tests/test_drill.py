@@ -492,17 +492,23 @@ def test_the_repro_fails_alone_on_the_candidate_and_passes_on_the_reference(
     golden, candidate, point, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
     repro = tmp_path / "repro"
     drill(pytester, golden, point, "--parity-repro", str(repro), model=candidate)
-    (test_file,) = repro.glob("test_*.py")
     assert len(list(repro.iterdir())) == 2  # the test and its safetensors, nothing of the golden
+    out, meta = run_repro(repro)
+    assert f"{point}::{culprit}: the candidate's aten.add.Tensor gives rel_l2" in out
+    assert "FAILED test_layer_1_input_norm_add.py::test_candidate" in out
+    assert meta["candidate"]["op"] == "aten.add.Tensor" and meta["runner"]["kind"] == "eager"
+
+
+def run_repro(repro: Path) -> tuple[str, dict]:
+    """The repro file in `repro` run alone (without this plugin): its output, which says its reference
+    test passed and its candidate test failed, and its metadata."""
+    (test_file,) = repro.glob("test_*.py")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:moe-parity", test_file.name],
         cwd=repro, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
-    assert f"{point}::{culprit}: the candidate's aten.add.Tensor gives rel_l2" in run.stdout
-    assert "FAILED test_layer_1_input_norm_add.py::test_candidate" in run.stdout
-    meta = json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
-    assert meta["candidate"]["op"] == "aten.add.Tensor" and meta["runner"]["kind"] == "eager"
+    return run.stdout, json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
 
 
 def test_drill_usage_errors(pytester, golden_dir) -> None:

@@ -8,15 +8,11 @@ component."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 from drill_port import OwnPortBackend
 from helpers import NO_WEIGHTS, run_parity
-from test_drill import drill
+from test_drill import drill, run_repro
 
 from pytest_moe_parity import backends
 
@@ -117,14 +113,8 @@ def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op,
     point = PREFILL.format("experts" if bug == "gate_up_swapped" else "attention")
     repro = tmp_path / "repro"
     _, _, record = own(point, bug, "--parity-repro", str(repro))
-    (test_file,) = repro.glob("test_*.py")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:moe-parity", test_file.name],
-        cwd=repro, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
-    assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in run.stdout
-    meta = json.loads(test_file.read_text().split('META = json.loads(r"""')[1].split('""")')[0])
+    out, meta = run_repro(repro)
+    assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in out
     assert meta["candidate"]["op"] == cand_op
 
 
