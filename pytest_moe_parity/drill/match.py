@@ -179,6 +179,35 @@ def _experts_agree(r: OpNode, c: OpNode) -> bool:
     return r.expert is None or c.expert is None or r.expert == c.expert
 
 
+class _Norms:
+    """||value|| of the outputs one matching compares, each computed once (by identity: the graphs
+    keep them alive). Equal values up to layout have equal norms, and pieces joined the root of
+    their squares summed: a cheap test before the dearer ones (`_same`, `_joined`, `_equal`)."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, float] = {}
+
+    def of(self, t: torch.Tensor) -> float:
+        key = id(t)
+        if key not in self._of:
+            self._of[key] = float(torch.linalg.vector_norm(t.detach().float()))
+        return self._of[key]
+
+    def close(self, parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> bool:
+        """False where `parts` (joined) cannot hold `whole`'s values within VALUE_TOL: their norms
+        differ by more (||c - r|| >= | ||c|| - ||r|| |); True where that cannot be told (masks,
+        non-finite values, integers): the dearer test decides."""
+        if whole is None or any(p is None for p in parts) or not whole.is_floating_point():
+            return True
+        if not all(p.is_floating_point() for p in parts):
+            return True
+        nr = self.of(whole)
+        nc = math.sqrt(sum(self.of(p) ** 2 for p in parts))
+        if not (math.isfinite(nc) and math.isfinite(nr)) or max(nc, nr) >= MASKED:
+            return True
+        return abs(nc - nr) <= VALUE_TOL * nr * (1 + 1e-6)
+
+
 def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None] | None:
     """How candidate output `c` equals reference output `r`, or None."""
     if c is None or r is None or c.numel() != r.numel() or c.numel() == 0:
@@ -204,9 +233,11 @@ def _equal(c: torch.Tensor | None, r: torch.Tensor | None) -> bool:
     return r.is_floating_point() and rel_l2(c.reshape(r.shape), r) <= VALUE_TOL
 
 
-def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> int | None:
+def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None, norms: _Norms | None = None) -> int | None:
     """The dim along which `parts` concatenate to `whole`, if they do."""
     if whole is None or any(p is None for p in parts) or sum(p.numel() for p in parts) != whole.numel():
+        return None
+    if norms is not None and not norms.close(parts, whole):
         return None
     rank = parts[0].dim()
     if rank != whole.dim() and all(p.dim() == rank for p in parts):  # [1, T, h] pieces of a [T, H] whole
@@ -285,6 +316,7 @@ def match(
     ref_ops, cand_ops = reference.compute(), candidate.compute()
     identity = RowIdentity({}, {}, set()) if same_code else row_frames(reference, candidate)
     frames = identity.frames
+    norms = _Norms()
     framed = {c: candidate.nodes[c].value[f] for c, f in frames.items()}
 
     def val(c: OpNode) -> torch.Tensor | None:
@@ -332,17 +364,19 @@ def match(
         if c is not None:
             add(Match((r.index,), (c.index,), "value (the same experts selected)"))
     for c in [] if same_code else free_c():  # the same code fuses and splits nothing
-        hit = _run_of(free_r(), (2, 3, 4), val(c), lambda group, c=c: _joined([r.value for r in group], val(c)))
+        hit = _run_of(free_r(), (2, 3, 4), val(c), lambda group, c=c: _joined([r.value for r in group], val(c), norms))
         if hit:
             add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {len(hit[0])} in one)", dim=hit[1]))
     for r in [] if same_code else free_r():
         sizes = range(2, min(65, len(cand_ops) + 1))
-        hit = _run_of(free_c(), sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value))
+        hit = _run_of(free_c(), sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value, norms))
         if hit:
             add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {len(hit[0])})", dim=hit[1]))
     for c in free_c():
         for r in free_r():
-            found = _same(val(c), r.value) if _experts_agree(r, c) else None
+            if not _experts_agree(r, c) or not norms.close([val(c)], r.value):
+                continue
+            found = _same(val(c), r.value)
             if found is not None:
                 add(Match((r.index,), (c.index,), found[0], perm=found[1]))
                 break
@@ -373,8 +407,13 @@ def match(
     # from the affinities): the second op goes with the reference op it equals
     for c in [] if same_code else free_c():
         r = next(
-            (r for r in ref_ops if r.index in matched_ref and _experts_agree(r, c) and _equal(val(c), r.value)), None
-        )
+            (
+                r for r in ref_ops
+                if r.index in matched_ref and _experts_agree(r, c) and norms.close([val(c)], r.value)
+                and _equal(val(c), r.value)
+            ),
+            None,
+        )  # fmt: skip
         if r is not None:
             add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))
     # 3. a cast or a join on one side only goes with the op whose value it passes on
