@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .capture import OpGraph, OpNode, Ref
-from .match import CAST, TOWARD_INPUT, Match, _consumers, _sources, match, rel_l2
+from .match import CAST, SAME_SELECTION, TOWARD_INPUT, VALUE_TOL, Match, _consumers, _sources, match, rel_l2
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
@@ -668,6 +668,8 @@ class Drilling:
             if sm is None or len(sm.cand) != 1:
                 return None, []
             c = self.cand.nodes[sm.cand[0]]
+            if sm.how == SAME_SELECTION and not _same_values(c.value, self.ref.nodes[source].value):
+                return None, []  # a top-k that selects alike over other scores (logits): no place for it
             if c.value is None or node.value is None or c.value.numel() != node.value.numel():
                 return None, []
             targets = [c.index]
@@ -723,6 +725,11 @@ def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
 
 
 BOOKKEEPING = "integer bookkeeping (indices, masks): judged through the values it routes"
+
+
+def _same_values(c: torch.Tensor | None, r: torch.Tensor | None) -> bool:
+    """Two outputs of one shape whose values agree (within matching's tolerance)."""
+    return c is not None and r is not None and c.shape == r.shape and rel_l2(c, r) <= VALUE_TOL
 
 
 def _bookkeeping(value: torch.Tensor | None) -> bool:

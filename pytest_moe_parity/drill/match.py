@@ -43,6 +43,7 @@ MASKED = 1e30
 VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
+SAME_SELECTION = "value (the same experts selected)"  # a top-k judged by what it selects
 
 
 def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None = None) -> float:
@@ -362,7 +363,7 @@ def match(
     for r in [r for r in free_r() if r.kind == "topk"]:
         c = next((c for c in free_c() if c.kind == "topk" and _same_selection(c, r)), None)
         if c is not None:
-            add(Match((r.index,), (c.index,), "value (the same experts selected)"))
+            add(Match((r.index,), (c.index,), SAME_SELECTION))
     for c in [] if same_code else free_c():  # the same code fuses and splits nothing
         hit = _run_of(free_r(), (2, 3, 4), val(c), lambda group, c=c: _joined([r.value for r in group], val(c), norms))
         if hit:
