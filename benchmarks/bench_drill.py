@@ -69,9 +69,7 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int, port: str | None = N
         backends.registry()[OwnPortBackend.name] = OwnPortBackend
         hw = {"hw": OwnPortBackend.name, "model": model, "hw_options": [f"bugs={bugs}"]}
         points = points[:3]
-    options = RunOptions(
-        golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"], freeze_gc=True, **hw
-    )
+    options = RunOptions(golden_dir=golden, dtype="bfloat16", weights=False, drill=["layer_1.*"], freeze_gc=True, **hw)
     session = ParitySession(options)
     where = f"--hw {hw['hw']} (bugs: {bugs or 'none'})" if hw else "--hw cpu"
     print(f"qwen3_moe, hidden {hidden}, {tokens} tokens, {where}, bfloat16 (best of {repeat})")

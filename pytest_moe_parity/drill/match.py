@@ -11,7 +11,9 @@ In three passes over the ops that compute (views and factories are followed thro
    port computes (NxDI's rotary cos and sin), with the steps toward it; a value the port computes
    twice; a cast the port added (an fp32 upcast) or left out goes with the op it casts;
 3. **by op and order**: what is left in a stretch, the same ops in the same order (a port's own
-   code that computes something else there: its error is then the op's own).
+   code that computes something else there: its error is then the op's own); in a port's own code
+   only where what the two read corresponds, then **by place** (`_by_place`): an op whose value
+   goes into a matched op where the reference op's goes, reading what it reads, whatever its kind.
 The passes for a port's own structure are left out when both sides run the same code.
 
 **Rows by identity.** A port's expert loop may gather each expert's tokens in another order than the
