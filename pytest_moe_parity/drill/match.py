@@ -756,7 +756,8 @@ def _by_place(
         for r in free_r():  # in forward order: what an op reads is matched first
             c = next(
                 (c for c in free_c()
-                 if not c.partial and (r.index, c.index) not in banned and _kind(c) == _kind(r) and flow.alike(r, c)),
+                 if not c.partial and (r.index, c.index) not in banned and _kind(c) == _kind(r)
+                 and flow.alike(r, c) and flow.reads_alike(r, c, both_ways=True)),
                 None,
             )  # fmt: skip
             if c is not None:
@@ -848,7 +849,7 @@ class _Flow:
         """The nearest matched ops and call inputs candidate op `c` reads (through casts)."""
         return self._upstream(self.candidate, c, lambda i: bool(self.to_ref.get(i)))
 
-    def reads_alike(self, r: OpNode, c: OpNode) -> bool:
+    def reads_alike(self, r: OpNode, c: OpNode, both_ways: bool = False) -> bool:
         """Whether what `c` reads (the nearest matched ops and call inputs upstream) is what `r`
         reads: each of them the counterpart (or one of the counterparts, where one candidate op
         holds several reference ops: experts' rows gathered at once) of one `r` reads."""
@@ -866,7 +867,22 @@ class _Flow:
             if not counterparts & up_r:
                 return False
             found = True
-        return found
+        if not both_ways:
+            return found
+        # and the other way: each matched op `r` reads is one `c` reads, or upstream of one (the
+        # scores and the attention's output both read q and k; only the output reads v)
+        reached = {x for kind, at in up_c if kind == "op" for x in self.to_ref[at]}
+        return found and {at for kind, at in up_r if kind == "op"} <= self._with_ancestors(reached)
+
+    def _with_ancestors(self, ops: set[int]) -> set[int]:
+        """Reference ops `ops` and every reference op upstream of them."""
+        out, todo = set(ops), list(ops)
+        while todo:
+            for s in _sources(self.reference, self.reference.nodes[todo.pop()]):
+                if s not in out:
+                    out.add(s)
+                    todo.append(s)
+        return out
 
     def _read_by(self, r: OpNode, c: OpNode) -> tuple[set[int], set[int]]:
         """The matched ops that read `r` directly, and the counterparts of those that read `c`."""
