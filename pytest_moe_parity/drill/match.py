@@ -46,6 +46,7 @@ VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 SAME_SELECTION = "value (the same experts selected)"  # a top-k judged by what it selects
+ORDER, PLACE = "op and order", "place (what it reads and what reads it)"  # passes 5 and 6 (`_by_place`)
 
 
 def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None = None) -> float:
@@ -270,8 +271,8 @@ def _joined_rows(
     a candidate op whose rows join several experts' is the reference's ops of its kind, one per
     expert in the experts' order, that read the counterparts of what it reads. Whether any was."""
     found = False
+    flow = _Flow(reference, candidate, matches, {})
     for c in [c for c in free_c() if c.index in joined]:
-        flow = _Flow(reference, candidate, matches, {})
         reads = {r for kind, at in flow.upstream_of(c) if kind == "op" for r in flow.to_ref[at]}
         pieces = [
             r for r in free_r()
@@ -282,6 +283,7 @@ def _joined_rows(
         if hit:
             how = f"rows (joined: {len(hit[0])} experts' in one)"
             add(Match(tuple(r.index for r in hit[0]), (c.index,), how, dim=0))
+            flow.add(matches[-1])
             found = True
     return found
 
@@ -454,8 +456,8 @@ def match(
     # on other paths are not one op)
     if same_code:
         for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
-            add(Match((r.index,), (c.index,), "op and order"))
-    if not same_code:
+            add(Match((r.index,), (c.index,), ORDER))
+    else:
         _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
         if _joined_rows(reference, candidate, identity.joined, matches, add, free_r, free_c, val):
             _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
@@ -737,9 +739,6 @@ def _consumers(graph: OpGraph) -> dict[int, set[int]]:
     return consumers
 
 
-ORDER, PLACE = "op and order", "place (what it reads and what reads it)"
-
-
 def _by_place(
     reference: OpGraph, candidate: OpGraph, matches: list[Match], add, drop, free_r, free_c, gathers: dict[int, int]
 ) -> None:
@@ -757,7 +756,7 @@ def _by_place(
             c = next(
                 (c for c in free_c()
                  if not c.partial and (r.index, c.index) not in banned and _kind(c) == _kind(r)
-                 and flow.alike(r, c) and flow.reads_alike(r, c, both_ways=True)),
+                 and flow.alike(r, c, both_ways=True)),
                 None,
             )  # fmt: skip
             if c is not None:
@@ -804,6 +803,7 @@ class _Flow:
     def __init__(self, reference: OpGraph, candidate: OpGraph, matches: list[Match], gathers: dict[int, int]):
         self.reference, self.candidate = reference, candidate
         self.to_ref: dict[int, set[int]] = {c: {r} for c, r in gathers.items()}
+        self._matched: set[int] | None = None
         for m in matches:
             self.add(m)
         # the candidate's call inputs that are the reference's (by value)
@@ -818,13 +818,18 @@ class _Flow:
     def add(self, m: Match) -> None:
         for c in m.cand:
             self.to_ref.setdefault(c, set()).update(m.ref)
+        self._matched = None
 
     def remove(self, m: Match) -> None:
         for c in m.cand:
             self.to_ref.pop(c, None)
+        self._matched = None
 
     def _matched_ref(self) -> set[int]:
-        return {r for refs in self.to_ref.values() for r in refs}
+        """The reference ops matched so far (made again only after a match is added or removed)."""
+        if self._matched is None:
+            self._matched = {r for refs in self.to_ref.values() for r in refs}
+        return self._matched
 
     def _upstream(self, graph: OpGraph, node: OpNode, matched) -> set[tuple[str, int]]:
         """The nearest matched ops and call inputs `node` reads, through unmatched ops and views."""
@@ -852,7 +857,8 @@ class _Flow:
     def reads_alike(self, r: OpNode, c: OpNode, both_ways: bool = False) -> bool:
         """Whether what `c` reads (the nearest matched ops and call inputs upstream) is what `r`
         reads: each of them the counterpart (or one of the counterparts, where one candidate op
-        holds several reference ops: experts' rows gathered at once) of one `r` reads."""
+        holds several reference ops: experts' rows gathered at once) of one `r` reads. `both_ways`:
+        and each matched op `r` reads is one of theirs or upstream of one."""
         matched_ref = self._matched_ref()
         up_r = self._upstream(self.reference, r, lambda i: i in matched_ref)
         up_c = self.upstream_of(c)
@@ -902,13 +908,13 @@ class _Flow:
                 cand_users.update(self.to_ref.get(u, ()))
         return users, cand_users
 
-    def alike(self, r: OpNode, c: OpNode) -> bool:
-        """Of one size, `c` reading (upstream) only what `r` reads and something of it, and read
-        directly by the counterparts of the matched ops that read `r` directly (by none where none
-        reads `r`)."""
+    def alike(self, r: OpNode, c: OpNode, both_ways: bool = False) -> bool:
+        """Of one size, `c` reading (upstream) only what `r` reads and something of it (`both_ways`:
+        see `reads_alike`), and read directly by the counterparts of the matched ops that read `r`
+        directly (by none where none reads `r`)."""
         if r.value is None or c.value is None or r.value.numel() != c.value.numel():
             return False
-        if not _experts_agree(r, c) or not self.reads_alike(r, c):
+        if not _experts_agree(r, c) or not self.reads_alike(r, c, both_ways):
             return False
         users, cand_users = self._read_by(r, c)
         # (one candidate op may hold several reference ops: each expert's rows of a joined op)
