@@ -653,7 +653,7 @@ def test_a_stored_op_this_torch_lacks_is_one_sentence(pytester, golden_dir, tmp_
 
 def test_masked_entries_compare_as_masks() -> None:
     """Attention scores with the dtype's lowest at masked positions: the unmasked entries decide."""
-    from pytest_moe_parity.drill.match import rel_l2
+    from pytest_moe_parity.drill.match import rel_l2, unmasked_norm
 
     ref = torch.tensor([1.0, 2.0, torch.finfo(torch.float32).min, -float("inf")])
     assert rel_l2(ref.clone(), ref) == 0.0
@@ -662,3 +662,27 @@ def test_masked_entries_compare_as_masks() -> None:
     assert rel_l2(half, ref) == pytest.approx(1.0, rel=rounding_bound(torch.float32, 1.0, steps=2))
     unmasked = torch.tensor([1.0, 2.0, 0.0, -float("inf")])
     assert rel_l2(unmasked, ref) == float("inf")  # a mask missing where the reference has one
+    assert rel_l2(torch.tensor([1.0, -float("inf"), -float("inf"), -float("inf")]), ref) == float("inf")  # one extra
+    assert rel_l2(torch.tensor([1.0, 2.0, float("inf"), -float("inf")]), ref) == float("inf")  # a mask's sign
+    assert rel_l2(torch.tensor([1.0, float("nan"), -float("inf"), -float("inf")]), ref) == float("inf")
+    # ||ref|| over its entries that are not masks, as a reference op's norm is kept: the same figures
+    norm = unmasked_norm(ref)
+    assert norm == pytest.approx(5**0.5)
+    assert rel_l2(half, ref, norm) == rel_l2(half, ref)
+    assert rel_l2(half.bfloat16(), ref, norm) == pytest.approx(1.0, rel=rounding_bound(torch.float32, 1.0, steps=2))
+    assert rel_l2(unmasked, ref, norm) == float("inf")
+
+
+def test_matching_tells_masks_apart_before_comparing() -> None:
+    """The cheap test before a comparison counts the masks of each sign: other masks cannot be the
+    same values; the same masks leave it to the comparison."""
+    from pytest_moe_parity.drill.match import _Norms
+
+    norms = _Norms()
+    low = -float("inf")
+    ref = torch.tensor([1.0, 2.0, low, low])
+    assert norms.close([torch.tensor([1.0, 2.0, low, torch.finfo(torch.float32).min])], ref)
+    assert not norms.close([torch.tensor([1.0, low, low, low])], ref)  # a mask more
+    assert not norms.close([torch.tensor([1.0, 2.0, low, -low])], ref)  # a mask of the other sign
+    assert not norms.close([torch.tensor([2.0, 4.0, low, low])], ref)  # the values doubled
+    assert norms.close([torch.tensor([1.0, 2.0]), torch.tensor([low, low])], ref)  # pieces: their masks added

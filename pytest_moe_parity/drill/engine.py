@@ -40,7 +40,18 @@ from typing import Any
 import torch
 
 from .capture import OpGraph, OpNode, Ref
-from .match import CAST, SAME_SELECTION, TOWARD_INPUT, VALUE_TOL, Match, _consumers, _sources, match, rel_l2
+from .match import (
+    CAST,
+    SAME_SELECTION,
+    TOWARD_INPUT,
+    VALUE_TOL,
+    Match,
+    _consumers,
+    _sources,
+    match,
+    rel_l2,
+    unmasked_norm,
+)
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
@@ -135,7 +146,7 @@ class Reference:
     low: OpGraph
     low_of: dict[int, OpNode | None]
     noise: dict[int, float | None]
-    norm: dict[int, float]  # each floating op's ||output|| in float32 (what its errors divide by)
+    norm: dict[int, float]  # each floating op's ||output|| in float32, masks left out (what its errors divide by)
 
     @classmethod
     def of(cls, graph: OpGraph, low: OpGraph, figures: tuple[dict, dict, dict] | None = None) -> Reference:
@@ -155,7 +166,7 @@ class Reference:
         for r in graph.compute():
             a, b = r.value, low_of[r.index].value if low_of.get(r.index) is not None else None
             if a is not None and a.is_floating_point():
-                norm[r.index] = float(torch.linalg.vector_norm(a.float()))
+                norm[r.index] = unmasked_norm(a)
             same = a is not None and b is not None and a.numel() == b.numel()
             noise[r.index] = rel_l2(b.reshape(a.shape), a, norm.get(r.index)) if same else None
         return cls(graph, low, low_of, noise, norm)

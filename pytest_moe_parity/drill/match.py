@@ -54,7 +54,8 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
     (masks: entries of magnitude 1e30 and more, a dtype's lowest or an infinity, which must be masks
     of the same sign on both sides, else the error is infinite; a NaN where the other side has none
     is an infinite error); for integer and boolean outputs, the share of entries that differ.
-    `norm`: ||reference||, where the caller has it (a reference op's, computed once)."""
+    `norm`: ||reference|| over its entries that are not masks (`unmasked_norm`), where the caller
+    has it (a reference op's, computed once)."""
     r = reference.detach()
     c = candidate.detach().to(r.device)
     if not (r.is_floating_point() or r.is_complex()):
@@ -62,14 +63,23 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
     if r.is_complex() or c.is_complex():  # DeepSeek-V2's rotary: (real, imaginary) pairs
         c, r = torch.view_as_real(c.to(torch.complex64)), torch.view_as_real(r.to(torch.complex64))
     r = r if r.dtype in (torch.float32, torch.float64) else r.float()
+    given = norm is not None and math.isfinite(norm) and norm < MASKED  # over the entries that are not masks
     # c - r in r's dtype: a copy of c in it, r taken off in place (a mixed-dtype subtraction is slower)
     diff = c - r if c.dtype == r.dtype else c.to(r.dtype, copy=True).sub_(r)
     num = float(torch.linalg.vector_norm(diff))
-    denom = norm if norm is not None else float(torch.linalg.vector_norm(r))
-    if math.isfinite(num) and math.isfinite(denom) and denom < MASKED:  # the common case: two passes, no mask
+    denom = norm if given else float(torch.linalg.vector_norm(r))
+    if math.isfinite(num) and num < MASKED and math.isfinite(denom) and denom < MASKED:  # the common case
+        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
+    # masks (the dtype's lowest, infinities: masked scores) where and of the sign the reference's are,
+    # clamped alike to +-MASKED, differ by 0 there; a mask on one side only, or of another sign, by
+    # MASKED or more, and a NaN by one: the exact tests below tell those
+    clamped = c.to(r.dtype, copy=True).clamp_(-MASKED, MASKED).sub_(r.clamp(-MASKED, MASKED))
+    num = float(torch.linalg.vector_norm(clamped))
+    if math.isfinite(num) and num < MASKED:
+        denom = norm if given else unmasked_norm(r)
         return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
     masked = r.abs() >= MASKED
-    if bool(masked.any()):  # masked scores (the dtype's lowest): compared as masks, not as magnitudes
+    if bool(masked.any()):  # compared as masks, not as magnitudes
         c = c.to(r.dtype)
         if not torch.equal(masked, c.abs() >= MASKED) or bool(((r < 0) != (c < 0)).logical_and_(masked).any()):
             return float("inf")
@@ -86,6 +96,15 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
     if denom == 0.0:
         return 0.0 if num == 0.0 else float("inf")
     return num / denom
+
+
+def unmasked_norm(t: torch.Tensor) -> float:
+    """||t|| in float32 over its entries that are not masks (of magnitude MASKED and more)."""
+    x = t.detach().float()
+    norm = float(torch.linalg.vector_norm(x))
+    if math.isfinite(norm) and norm < MASKED:
+        return norm
+    return float(torch.linalg.vector_norm(x.masked_fill(x.abs() >= MASKED, 0.0)))
 
 
 @dataclass
@@ -184,31 +203,44 @@ def _experts_agree(r: OpNode, c: OpNode) -> bool:
 
 
 class _Norms:
-    """||value|| of the outputs one matching compares, each computed once (by identity: the graphs
-    keep them alive). Equal values up to layout have equal norms, and pieces joined the root of
-    their squares summed: a cheap test before the dearer ones (`_same`, `_joined`, `_equal`)."""
+    """||value|| of the outputs one matching compares, over their entries that are not masks, and
+    how many masks of each sign they hold, each computed once (by identity: the graphs keep them
+    alive). Equal values up to layout have equal norms and the same masks, and pieces joined the
+    root of their squares summed and their masks added: a cheap test before the dearer ones
+    (`_same`, `_joined`, `_equal`)."""
 
     def __init__(self) -> None:
-        self._of: dict[int, float] = {}
+        self._of: dict[int, tuple[float, int, int]] = {}
 
-    def of(self, t: torch.Tensor) -> float:
+    def of(self, t: torch.Tensor) -> tuple[float, int, int]:
+        """(||t|| over its entries of magnitude under MASKED, its masks below 0, above 0)."""
         key = id(t)
         if key not in self._of:
-            self._of[key] = float(torch.linalg.vector_norm(t.detach().float()))
+            x = t.detach().float()
+            norm = float(torch.linalg.vector_norm(x))
+            if math.isfinite(norm) and norm < MASKED:
+                self._of[key] = (norm, 0, 0)
+            else:  # masks (or NaNs: a norm that is not finite, which `close` leaves to the dearer tests)
+                low, high = x <= -MASKED, x >= MASKED
+                counts = int(torch.count_nonzero(low)), int(torch.count_nonzero(high))
+                self._of[key] = (float(torch.linalg.vector_norm(x.masked_fill(low.logical_or_(high), 0.0))), *counts)
         return self._of[key]
 
     def close(self, parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> bool:
-        """False where `parts` (joined) cannot hold `whole`'s values within VALUE_TOL: their norms
-        differ by more (||c - r|| >= | ||c|| - ||r|| |); True where that cannot be told (masks,
-        non-finite values, integers): the dearer test decides."""
+        """False where `parts` (joined) cannot hold `whole`'s values within VALUE_TOL: their masks
+        differ, or their norms by more than that (||c - r|| >= | ||c|| - ||r|| |); True where that
+        cannot be told (NaNs, integers): the dearer test decides."""
         if whole is None or any(p is None for p in parts) or not whole.is_floating_point():
             return True
         if not all(p.is_floating_point() for p in parts):
             return True
-        nr = self.of(whole)
-        nc = math.sqrt(sum(self.of(p) ** 2 for p in parts))
-        if not (math.isfinite(nc) and math.isfinite(nr)) or max(nc, nr) >= MASKED:
+        nr, low, high = self.of(whole)
+        figures = [self.of(p) for p in parts]
+        nc = math.sqrt(sum(f[0] ** 2 for f in figures))
+        if not (math.isfinite(nc) and math.isfinite(nr)):
             return True
+        if (sum(f[1] for f in figures), sum(f[2] for f in figures)) != (low, high):
+            return False
         return abs(nc - nr) <= VALUE_TOL * nr * (1 + 1e-6)
 
 
