@@ -209,6 +209,7 @@ class Drilling:
                 self.by_ref.setdefault(r, m)
             for c in m.cand:
                 self.by_cand.setdefault(c, m)
+        self.replayed = replay_chained
         if replay_chained:  # each op through the candidate's compiler, on its own earlier outputs
             values = candidate.replay(execute)
             self.chained = {
@@ -381,14 +382,17 @@ class Drilling:
             if value is None:
                 rows.append(row)
                 continue
-            cand_value = self._cand_as_ref(m, r.index, self.chained)
-            if cand_value is None:
-                row.note = self._shape_note(r, m)
-                row.verdict = "introduced"
-                rows.append(row)
-                ratio_of[r.index] = float("inf")
-                continue
-            row.error = rel_l2(cand_value, value, self.reference.norm.get(r.index))
+            if m.error is not None and not self.replayed:  # matching compared these very values
+                row.error = m.error
+            else:
+                cand_value = self._cand_as_ref(m, r.index, self.chained)
+                if cand_value is None:
+                    row.note = self._shape_note(r, m)
+                    row.verdict = "introduced"
+                    rows.append(row)
+                    ratio_of[r.index] = float("inf")
+                    continue
+                row.error = rel_l2(cand_value, value, self.reference.norm.get(r.index))
             row.ratio = row.error / max(row.noise or 0.0, self.floor)
             ratio_of[r.index] = row.ratio
             # within the reference's own error chained, an op is fine whatever it would add alone:

@@ -43,6 +43,7 @@ from .capture import OpGraph, OpNode, Ref
 # |x| at least this is a mask (finfo(dtype).min, -inf), whatever the dtype: not a magnitude to compare
 MASKED = 1e30
 VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
+NORM_MARGIN = 2**-7  # what `_Norms.close` allows a norm for its rounding to a 16-bit dtype
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 SAME_SELECTION = "value (the same experts selected)"  # a top-k judged by what it selects
@@ -120,6 +121,10 @@ class Match:
     rows: tuple[int | None, torch.Tensor] | None = None  # a dense op: (its expert's slice, the rows it holds)
     # per candidate op: the order that puts its rows (dim 0) in the reference's (rows by identity), or None
     frames: tuple[torch.Tensor | None, ...] | None = None
+    # one to one by value: the candidate's output's relative L2 error to the reference's, as compared
+    # (its rows in the reference's order, its dims permuted): the drill's chained error where the
+    # candidate's values are its capture's own
+    error: float | None = None
 
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The candidate's primary outputs as the reference's ops' (one per reference op)."""
@@ -216,7 +221,7 @@ class _Norms:
         """(||t|| over its entries of magnitude under MASKED, its masks below 0, above 0)."""
         key = id(t)
         if key not in self._of:
-            x = t.detach().float()
+            x = t.detach()  # in its own dtype (a float32 copy costs more than the norm): see `close`'s margin
             norm = float(torch.linalg.vector_norm(x))
             if math.isfinite(norm) and norm < MASKED:
                 self._of[key] = (norm, 0, 0)
@@ -241,24 +246,25 @@ class _Norms:
             return True
         if (sum(f[1] for f in figures), sum(f[2] for f in figures)) != (low, high):
             return False
-        return abs(nc - nr) <= VALUE_TOL * nr * (1 + 1e-6)
+        # norms of a 16-bit dtype are rounded to it (the sum runs in float32): 2^-8 of each, and more
+        return abs(nc - nr) <= VALUE_TOL * nr + NORM_MARGIN * (nc + nr)
 
 
-def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None] | None:
-    """How candidate output `c` equals reference output `r`, or None."""
+def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None, float] | None:
+    """How candidate output `c` equals reference output `r` (and its relative L2 error so), or None."""
     if c is None or r is None or c.numel() != r.numel() or c.numel() == 0:
         return None
     if c.is_floating_point() != r.is_floating_point():
         return None
-    if c.shape == r.shape and rel_l2(c, r) <= VALUE_TOL:
-        return "value", None
+    if c.shape == r.shape and (error := rel_l2(c, r)) <= VALUE_TOL:
+        return "value", None, error
     if c.dim() == r.dim() and 1 < c.dim() <= 5:
         for perm in itertools.permutations(range(c.dim())):
             moved = c.permute(perm)
-            if perm != tuple(range(c.dim())) and moved.shape == r.shape and rel_l2(moved, r) <= VALUE_TOL:
-                return "value (dims permuted)", perm
-    if c.shape != r.shape and rel_l2(c.reshape(r.shape), r) <= VALUE_TOL:
-        return "value (reshaped)", None
+            if perm != tuple(range(c.dim())) and moved.shape == r.shape and (error := rel_l2(moved, r)) <= VALUE_TOL:
+                return "value (dims permuted)", perm, error
+    if c.shape != r.shape and (error := rel_l2(c.reshape(r.shape), r)) <= VALUE_TOL:
+        return "value (reshaped)", None, error
     return None
 
 
@@ -415,7 +421,7 @@ def match(
                 continue
             found = _same(val(c), r.value)
             if found is not None:
-                add(Match((r.index,), (c.index,), found[0], perm=found[1]))
+                add(Match((r.index,), (c.index,), found[0], perm=found[1], error=found[2]))
                 break
     # the reference's per-expert ops where the candidate runs every expert on every token (dense,
     # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens;
@@ -442,8 +448,10 @@ def match(
         add(Match((), (c,), TOWARD_INPUT))
     # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
     # from the affinities): the second op goes with the reference op it equals
+    by_cand = {c: m for m in matches for c in m.cand}
     for c in [] if same_code else free_c():
-        r = next(
+        r = _cast_of_matched(candidate, c, by_cand, frames, reference)  # its values known: not compared again
+        r = r or next(
             (
                 r for r in ref_ops
                 if r.index in matched_ref and _experts_agree(r, c) and norms.close([val(c)], r.value)
@@ -956,6 +964,27 @@ class _Flow:
         """`alike`, and read directly by the counterpart of an op that reads `r` directly."""
         users, _ = self._read_by(r, c)
         return bool(users) and self.alike(r, c)
+
+
+def _cast_of_matched(
+    candidate: OpGraph, c: OpNode, by_cand: dict[int, Match], frames: dict, reference: OpGraph
+) -> OpNode | None:
+    """The reference op a cast `c` equals because the op it casts does, one to one and value for
+    value, or None: a cast between floating dtypes holds its input's values (`_passes_on`) up to a
+    rounding far under VALUE_TOL where the dtype is float32, float64 or bfloat16 (float16 can
+    overflow, float8 rounds coarser)."""
+    if c.kind != "_to_copy" or c.value is None or c.value.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    source = candidate.producer(c.inputs()[0]) if c.inputs() else None
+    if source is None or c.index in frames or source.index in frames or not _passes_on(candidate, c):
+        return None
+    m = by_cand.get(source.index)
+    if m is None or len(m.ref) != 1 or m.cand != (source.index,) or m.perm is not None or m.rows is not None:
+        return None
+    if m.how not in ("value", "value (reshaped)", "path and op"):
+        return None
+    r = reference.nodes[m.ref[0]]
+    return r if r.value is not None and r.value.numel() == c.value.numel() else None
 
 
 def _passes_on(graph: OpGraph, node: OpNode) -> bool:
