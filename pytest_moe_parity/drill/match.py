@@ -32,6 +32,7 @@ import bisect
 import difflib
 import itertools
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -64,20 +65,15 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
     if r.is_complex() or c.is_complex():  # DeepSeek-V2's rotary: (real, imaginary) pairs
         c, r = torch.view_as_real(c.to(torch.complex64)), torch.view_as_real(r.to(torch.complex64))
     r = r if r.dtype in (torch.float32, torch.float64) else r.float()
-    given = norm is not None and math.isfinite(norm) and norm < MASKED  # over the entries that are not masks
-    # c - r in r's dtype: a copy of c in it, r taken off in place (a mixed-dtype subtraction is slower)
-    diff = c - r if c.dtype == r.dtype else c.to(r.dtype, copy=True).sub_(r)
-    num = float(torch.linalg.vector_norm(diff))
-    denom = norm if given else float(torch.linalg.vector_norm(r))
-    if math.isfinite(num) and num < MASKED and math.isfinite(denom) and denom < MASKED:  # the common case
-        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
-    # masks (the dtype's lowest, infinities: masked scores) where and of the sign the reference's are,
-    # clamped alike to +-MASKED, differ by 0 there; a mask on one side only, or of another sign, by
+    # both clamped to +-MASKED: masks (the dtype's lowest, infinities: masked scores) where and of the
+    # sign the reference's are differ by 0 there; a mask on one side only, or of another sign, by
     # MASKED or more, and a NaN by one: the exact tests below tell those
-    clamped = c.to(r.dtype, copy=True).clamp_(-MASKED, MASKED).sub_(r.clamp(-MASKED, MASKED))
-    num = float(torch.linalg.vector_norm(clamped))
-    if math.isfinite(num) and num < MASKED:
-        denom = norm if given else unmasked_norm(r)
+    num = _diff_norm(c, r)
+    if math.isfinite(num) and num < MASKED:  # the common case: one pass, and the reference's norm
+        given = norm is not None and math.isfinite(norm) and norm < MASKED
+        denom = norm if given else float(torch.linalg.vector_norm(r))
+        if not (math.isfinite(denom) and denom < MASKED):
+            denom = unmasked_norm(r)
         return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
     masked = r.abs() >= MASKED
     if bool(masked.any()):  # compared as masks, not as magnitudes
@@ -99,13 +95,54 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
     return num / denom
 
 
+CHUNK = 1 << 18  # entries `_diff_norm` takes at a time on the CPU
+_scratch = threading.local()  # per thread: its scratch buffers, per dtype
+
+
+def _buffers(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two CPU buffers of CHUNK entries of `dtype`, made once per thread (1 MiB each in float32)."""
+    kept = getattr(_scratch, "buffers", None)
+    if kept is None:
+        kept = _scratch.buffers = {}
+    if dtype not in kept:
+        kept[dtype] = (torch.empty(CHUNK, dtype=dtype), torch.empty(CHUNK, dtype=dtype))
+    return kept[dtype]
+
+
+def _diff_norm(c: torch.Tensor, r: torch.Tensor) -> float:
+    """||clamp(c) - clamp(r)|| in r's dtype, each clamped to +-MASKED (c and r of one shape). On the
+    CPU, CHUNK entries at a time through a scratch buffer: no temporary the size of the values (a
+    fresh one of megabytes costs more in page faults than the sum, and host memory at a real
+    model's shapes)."""
+    n = r.numel()
+    if r.device.type != "cpu" or n <= CHUNK or not (c.is_contiguous() and r.is_contiguous()):
+        diff = c.to(r.dtype, copy=True).clamp_(-MASKED, MASKED).sub_(r.clamp(-MASKED, MASKED))
+        return float(torch.linalg.vector_norm(diff))
+    flat_c, flat_r = c.reshape(-1), r.reshape(-1)
+    buffer, other = _buffers(r.dtype)
+    total = 0.0
+    for start in range(0, n, CHUNK):
+        size = min(CHUNK, n - start)
+        part = buffer[:size].copy_(flat_c[start : start + size]).clamp_(-MASKED, MASKED)
+        part.sub_(other[:size].copy_(flat_r[start : start + size]).clamp_(-MASKED, MASKED))
+        total += float(torch.linalg.vector_norm(part)) ** 2
+    return math.sqrt(total)
+
+
 def unmasked_norm(t: torch.Tensor) -> float:
     """||t|| in float32 over its entries that are not masks (of magnitude MASKED and more)."""
-    x = t.detach().float()
-    norm = float(torch.linalg.vector_norm(x))
+    x = t.detach()
+    norm = float(torch.linalg.vector_norm(x, dtype=torch.float32))
     if math.isfinite(norm) and norm < MASKED:
         return norm
-    return float(torch.linalg.vector_norm(x.masked_fill(x.abs() >= MASKED, 0.0)))
+    if x.device.type != "cpu" or x.numel() <= CHUNK or not x.is_contiguous():
+        x = x.float()
+        return float(torch.linalg.vector_norm(x.masked_fill(x.abs() >= MASKED, 0.0)))
+    flat, buffer, total = x.reshape(-1), _buffers(torch.float32)[0], 0.0  # as `_diff_norm`, CHUNK at a time
+    for start in range(0, x.numel(), CHUNK):
+        part = buffer[: min(CHUNK, x.numel() - start)].copy_(flat[start : start + CHUNK])
+        total += float(torch.linalg.vector_norm(part.masked_fill_(part.abs() >= MASKED, 0.0))) ** 2
+    return math.sqrt(total)
 
 
 @dataclass
