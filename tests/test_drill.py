@@ -678,11 +678,17 @@ def test_matching_tells_masks_apart_before_comparing() -> None:
     same values; the same masks leave it to the comparison."""
     from pytest_moe_parity.drill.match import _Norms
 
-    norms = _Norms()
     low = -float("inf")
     ref = torch.tensor([1.0, 2.0, low, low])
-    assert norms.close([torch.tensor([1.0, 2.0, low, torch.finfo(torch.float32).min])], ref)
-    assert not norms.close([torch.tensor([1.0, low, low, low])], ref)  # a mask more
-    assert not norms.close([torch.tensor([1.0, 2.0, low, -low])], ref)  # a mask of the other sign
-    assert not norms.close([torch.tensor([2.0, 4.0, low, low])], ref)  # the values doubled
-    assert norms.close([torch.tensor([1.0, 2.0]), torch.tensor([low, low])], ref)  # pieces: their masks added
+    # values by identity (a graph's outputs, alive while it matches): each case its own
+    cases = {
+        "other masks alike": ([torch.tensor([1.0, 2.0, low, torch.finfo(torch.float32).min])], True),
+        "a mask more": ([torch.tensor([1.0, low, low, low])], False),
+        "a mask of the other sign": ([torch.tensor([1.0, 2.0, low, -low])], False),
+        "the values doubled": ([torch.tensor([2.0, 4.0, low, low])], False),
+        "pieces: their masks added": ([torch.tensor([1.0, 2.0]), torch.tensor([low, low])], True),
+    }
+    norms = _Norms()
+    assert {name: norms.close(parts, ref) for name, (parts, _) in cases.items()} == {
+        name: close for name, (_, close) in cases.items()
+    }

@@ -156,7 +156,10 @@ class OpNode:
     @property
     def value(self) -> torch.Tensor | None:
         """The primary output (the first tensor)."""
-        return next((t for t in self.outputs if isinstance(t, torch.Tensor)), None)
+        outputs = self.outputs
+        if outputs and isinstance(outputs[0], torch.Tensor):  # most ops: asked often, answered at once
+            return outputs[0]
+        return next((t for t in outputs if isinstance(t, torch.Tensor)), None)
 
     def __getstate__(self) -> dict[str, Any]:  # an OpOverload does not pickle: its name does
         args, kwargs, outputs = tree_map(_opaque, (self.args, self.kwargs, self.outputs))

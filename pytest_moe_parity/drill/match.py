@@ -28,8 +28,8 @@ Whatever is left is unmatched, and the drill lists it and fails."""
 
 from __future__ import annotations
 
-import bisect
 import difflib
+import functools
 import itertools
 import math
 import threading
@@ -339,14 +339,13 @@ def _joined(parts: list[torch.Tensor | None], whole: torch.Tensor | None, norms:
     return None
 
 
-def _joined_rows(
-    reference: OpGraph, candidate: OpGraph, joined: set[int], matches: list[Match], add, free_r, free_c, val
-) -> bool:
+def _joined_rows(pair: _Pair, joined: set[int], matches: list[Match], add, free_r, free_c, val) -> bool:
     """Rows by identity joined from pieces (a sorted dispatch weights every expert's rows at once):
     a candidate op whose rows join several experts' is the reference's ops of its kind, one per
     expert in the experts' order, that read the counterparts of what it reads. Whether any was."""
     found = False
-    flow = _Flow(reference, candidate, matches, {})
+    reference = pair.reference
+    flow = _Flow(pair, matches, {})
     for c in [c for c in free_c() if c.index in joined]:
         reads = {r for kind, at in flow.upstream_of(c) if kind == "op" for r in flow.to_ref[at]}
         pieces = [
@@ -407,23 +406,32 @@ def match(
     matched_ref: set[int] = set()
     matched_cand: set[int] = set()
 
+    runs: dict[str, _Runs] = {}  # each side's free ops' runs, while no match is added or dropped
+
     def add(m: Match) -> None:
         if any(c in frames for c in m.cand) and m.rows is None:
             m.frames = tuple(frames.get(c) for c in m.cand)
         matches.append(m)
         matched_ref.update(m.ref)
         matched_cand.update(m.cand)
+        runs.clear()
 
     def drop(m: Match) -> None:
         matches.remove(m)
         matched_ref.difference_update(m.ref)
         matched_cand.difference_update(m.cand)
+        runs.clear()
 
     def free_r() -> list[OpNode]:
         return [r for r in ref_ops if r.index not in matched_ref]
 
     def free_c() -> list[OpNode]:
         return [c for c in cand_ops if c.index not in matched_cand]
+
+    def free_runs(side: str) -> _Runs:
+        if side not in runs:
+            runs[side] = _Runs(free_r() if side == "ref" else free_c())
+        return runs[side]
 
     # 1. by path and op: the same code; a port's own code by the module paths it shares with the
     # reference (its ops in the drilled module's own forward share no path: they go by value first)
@@ -444,12 +452,13 @@ def match(
         if c is not None:
             add(Match((r.index,), (c.index,), SAME_SELECTION))
     for c in [] if same_code else free_c():  # the same code fuses and splits nothing
-        hit = _run_of(free_r(), (2, 3, 4), val(c), lambda group, c=c: _joined([r.value for r in group], val(c), norms))
+        fused = functools.partial(lambda group, c: _joined([r.value for r in group], val(c), norms), c=c)
+        hit = free_runs("ref").of((2, 3, 4), val(c), fused)
         if hit:
             add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {len(hit[0])} in one)", dim=hit[1]))
     for r in [] if same_code else free_r():
         sizes = range(2, min(65, len(cand_ops) + 1))
-        hit = _run_of(free_c(), sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value, norms))
+        hit = free_runs("cand").of(sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value, norms))
         if hit:
             add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {len(hit[0])})", dim=hit[1]))
     for c in free_c():
@@ -535,9 +544,10 @@ def match(
         for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
             add(Match((r.index,), (c.index,), ORDER))
     else:
-        _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
-        if _joined_rows(reference, candidate, identity.joined, matches, add, free_r, free_c, val):
-            _by_place(reference, candidate, matches, add, drop, free_r, free_c, identity.gathers)
+        pair = _Pair(reference, candidate)
+        _by_place(pair, matches, add, drop, free_r, free_c, identity.gathers)
+        if _joined_rows(pair, identity.joined, matches, add, free_r, free_c, val):
+            _by_place(pair, matches, add, drop, free_r, free_c, identity.gathers)
     matches.sort(key=lambda m: min(m.ref, default=-1))
     left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
     left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
@@ -633,13 +643,21 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
     frames: dict[int, torch.Tensor] = {}
     pairs: dict[int, int] = {}
     taken: set[int] = set()
+    same: dict[tuple[int, int], bool] = {}  # (source, reference's source) by identity: gathers share them
+
+    def same_source(source: torch.Tensor, r_source: torch.Tensor) -> bool:
+        key = id(source), id(r_source)  # both kept alive by the graphs
+        if key not in same:
+            same[key] = rel_l2(source, r_source) <= VALUE_TOL
+        return same[key]
+
     for index, (source, key) in keyed.items():
         for r, (r_source, r_key) in refs:
             if r.index in taken or r_key.shape != key.shape:
                 continue
             if r_source.shape != source.shape or not torch.equal(r_key.sort().values, key.sort().values):
                 continue
-            if r_key.unique().numel() != r_key.numel() or rel_l2(source, r_source) > VALUE_TOL:
+            if r_key.unique().numel() != r_key.numel() or not same_source(source, r_source):
                 continue
             order = torch.empty_like(key)  # the candidate's row holding the reference's row j
             order[r_key.argsort()] = key.argsort()
@@ -773,23 +791,43 @@ def _run_of(
 ) -> tuple[list[OpNode], int] | None:
     """For the first of `sizes` that has one: the first run of that many consecutive nodes, as many
     elements as `whole` together, that `joined` accepts, and the dim it returns."""
-    if whole is None:
+    return _Runs(nodes).of(sizes, whole, joined)
+
+
+class _Runs:
+    """Runs of consecutive nodes by the elements they hold together: their running sums, and where
+    each sum is first reached, worked out once for a list of nodes that many wholes are tried on."""
+
+    BARRIER = 1 << 62  # a node without a value: no run goes through it
+
+    def __init__(self, nodes: list[OpNode]):
+        self.nodes = nodes
+        self.prefix = list(itertools.accumulate((self._size(n) for n in nodes), initial=0))
+        self.first: dict[int, int] = {}
+        for j, total in enumerate(self.prefix):
+            self.first.setdefault(total, j)
+
+    def _size(self, node: OpNode) -> int:
+        value = node.value
+        return value.numel() if value is not None else self.BARRIER
+
+    def of(self, sizes: Iterable[int], whole: torch.Tensor | None, joined) -> tuple[list[OpNode], int] | None:
+        """`_run_of` on these nodes."""
+        if whole is None or whole.numel() == 0:
+            return None
+        want, first = whole.numel(), self.first
+        runs: dict[int, list[int]] = {}  # size -> the starts of the runs of that many nodes that sum to `want`
+        for k, total in enumerate(self.prefix[:-1]):
+            j = first.get(total + want)  # past k: want > 0
+            if j is not None:
+                runs.setdefault(j - k, []).append(k)
+        for size in sizes:
+            for k in runs.get(size, ()):
+                group = self.nodes[k : k + size]
+                dim = joined(group)
+                if dim is not None:
+                    return group, dim
         return None
-    barrier = 1 << 62  # a node without a value: no run goes through it
-    prefix = list(itertools.accumulate((n.value.numel() if n.value is not None else barrier for n in nodes), initial=0))
-    want = whole.numel()
-    runs: dict[int, list[int]] = {}  # size -> the starts of the runs of that many nodes that sum to `want`
-    for k in range(len(nodes)):
-        j = bisect.bisect_left(prefix, prefix[k] + want, lo=k + 1)
-        if j < len(prefix) and prefix[j] == prefix[k] + want:
-            runs.setdefault(j - k, []).append(k)
-    for size in sizes:
-        for k in runs.get(size, ()):
-            group = nodes[k : k + size]
-            dim = joined(group)
-            if dim is not None:
-                return group, dim
-    return None
 
 
 def _sources(graph: OpGraph, node: OpNode) -> list[int]:
@@ -816,9 +854,7 @@ def _consumers(graph: OpGraph) -> dict[int, set[int]]:
     return consumers
 
 
-def _by_place(
-    reference: OpGraph, candidate: OpGraph, matches: list[Match], add, drop, free_r, free_c, gathers: dict[int, int]
-) -> None:
+def _by_place(pair: _Pair, matches: list[Match], add, drop, free_r, free_c, gathers: dict[int, int]) -> None:
     """Passes 5 and 6 on a port's own code: an op of the reference's kind, in forward order, where
     what it reads corresponds (two ops of one kind and size on other paths are not one op); then,
     between matched ops, the op whose value goes into a matched op where the reference's goes, reading
@@ -826,7 +862,8 @@ def _by_place(
     reference adds it), whatever its kind. A pair that a later match shows out of place (read by
     other ops than its counterpart is) is undone, and the passes run again without it. `gathers`:
     the candidate's gathers and slices of them holding a reference gather's rows (`row_frames`)."""
-    flow = _Flow(reference, candidate, matches, gathers)
+    flow = _Flow(pair, matches, gathers)
+    reference, candidate = pair.reference, pair.candidate
     banned: set[tuple[int, int]] = set()
     for _ in range(4):
         for r in free_r():  # in forward order: what an op reads is matched first
@@ -873,24 +910,31 @@ def _same_input(t: Any, u: Any) -> bool:
     return t.is_floating_point() and u.is_floating_point() and rel_l2(t, u) <= VALUE_TOL
 
 
+class _Pair:
+    """What a flow reads of the two graphs, worked out once per matching: the candidate's call
+    inputs that are the reference's (by value), and each graph's consumers."""
+
+    def __init__(self, reference: OpGraph, candidate: OpGraph):
+        self.reference, self.candidate = reference, candidate
+        self.inputs: dict[int, int] = {}
+        for j, t in enumerate(candidate.inputs):
+            i = next((i for i, u in enumerate(reference.inputs) if _same_input(t, u)), None)
+            if i is not None:
+                self.inputs[j] = i
+        self.ref_users, self.cand_users = _consumers(reference), _consumers(candidate)
+
+
 class _Flow:
     """Where the ops of a port's own code sit between matched ops: what each reads (the nearest
     matched ops and call inputs upstream, through unmatched ops) and what reads it directly."""
 
-    def __init__(self, reference: OpGraph, candidate: OpGraph, matches: list[Match], gathers: dict[int, int]):
-        self.reference, self.candidate = reference, candidate
+    def __init__(self, pair: _Pair, matches: list[Match], gathers: dict[int, int]):
+        self.reference, self.candidate = pair.reference, pair.candidate
         self.to_ref: dict[int, set[int]] = {c: {r} for c, r in gathers.items()}
         self._matched: set[int] | None = None
         for m in matches:
             self.add(m)
-        # the candidate's call inputs that are the reference's (by value)
-        self.inputs: dict[int, int] = {}
-        for j, t in enumerate(candidate.inputs):
-            for i, u in enumerate(reference.inputs):
-                if _same_input(t, u):
-                    self.inputs[j] = i
-                    break
-        self.ref_users, self.cand_users = _consumers(reference), _consumers(candidate)
+        self.inputs, self.ref_users, self.cand_users = pair.inputs, pair.ref_users, pair.cand_users
 
     def add(self, m: Match) -> None:
         for c in m.cand:
