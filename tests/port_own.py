@@ -40,6 +40,9 @@ BUGS = {
     "decode_drops_last_cached": "the new token attends to every cached position but the last",
     # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
     "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
+    # not a bug: the sorted rows made by a one-hot matmul (GShard's dispatch), not by a gather: no
+    # index says which token a row holds
+    "dispatch_onehot": "(layout) the sorted rows made by a one-hot matmul, not a gather",
 }
 
 
@@ -196,7 +199,7 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # every (token, slot) pair, by expert
         token = order // k
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
-        rows = x[token]
+        rows = F.one_hot(token, x.shape[0]).to(x.dtype) @ x if self.bugs.dispatch_onehot else x[token]
         act = F.gelu if self.bugs.silu_as_gelu else F.silu
         outs, start = [], 0
         for expert, n in enumerate(counts):

@@ -692,3 +692,22 @@ def test_matching_tells_masks_apart_before_comparing() -> None:
     assert {name: norms.close(parts, ref) for name, (parts, _) in cases.items()} == {
         name: close for name, (_, close) in cases.items()
     }
+
+
+def test_rows_as_a_set_pair_each_row_with_its_nearest_one_to_one() -> None:
+    """Rows no index traces are paired by value: each reference row with the candidate's nearest,
+    one to one, all within the matching tolerance; else not paired at all."""
+    from pytest_moe_parity.drill.match import _set_order
+
+    torch.manual_seed(0)
+    rows = torch.randn(6, 16)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    shuffled = torch.empty_like(rows)
+    shuffled[order] = rows  # the candidate's row order[j] holds the reference's row j
+    found = _set_order(shuffled.bfloat16(), rows)
+    assert found is not None and torch.equal(found, order)
+    assert torch.equal(shuffled[found], rows)
+    assert _set_order(shuffled * 2, rows) is None  # other values: no pairing is within tolerance
+    twice = rows.clone()
+    twice[1] = twice[0]  # two reference rows alike: both nearest the same candidate row
+    assert _set_order(shuffled, twice) is None

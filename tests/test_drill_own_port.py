@@ -43,6 +43,7 @@ def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
         (PREFILL.format("router"), ""),
         (PREFILL.format("experts"), ""),
         (PREFILL.format("experts"), "dispatch_masked"),  # each expert's rows taken with x[mask]
+        (PREFILL.format("experts"), "dispatch_onehot"),  # rows made by a one-hot matmul: no index to trace
         (DECODE.format("attention"), ""),
     ],
 )
@@ -71,6 +72,8 @@ ROTATED = ("apply_rotary_pos_emb.add", "apply_rotary_pos_emb.add#2")  # the rota
         ("gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
         ("experts_reversed", PREFILL.format("experts"), (".gate_up_proj",)),
         ("dispatch_masked,gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
+        ("dispatch_onehot,gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
+        ("dispatch_onehot,silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("weights_ignored", PREFILL.format("experts"), (".index_add",)),
         ("decode_position_stale", DECODE.format("attention"), ("apply_rotary_pos_emb.add",)),
@@ -92,6 +95,17 @@ def test_each_bug_of_the_own_port_is_named_at_an_op_it_changes(bug, point, named
         assert any(".mul#2" in s and "no counterpart" in s for s in record["structure"]), record["structure"]
     said = culprit.replace("[", "[[]")  # fnmatch: a bracket opens a set
     result.stdout.fnmatch_lines([f"drill {point}: * culprit {said}, substituting it recovers *"])
+
+
+def test_rows_no_index_traces_are_paired_as_a_set_and_said_so(own) -> None:
+    """A dispatch whose rows a one-hot matmul makes (no gather: which token a row holds is in no index)
+    has each expert's rows paired with the reference's by value, as a set; the rows say so, and the
+    traced dispatch's rows do not."""
+    _, _, record = own(PREFILL.format("experts"), "dispatch_onehot")
+    as_set = {r["name"] for r in record["rows"] if "rows as a set" in (r["how"] or "")}
+    assert {f"expert[{e}].gate_up_proj" for e in range(8)} <= as_set, as_set
+    _, _, traced = own(PREFILL.format("experts"))
+    assert not [r["name"] for r in traced["rows"] if "rows as a set" in (r["how"] or "")]
 
 
 def test_a_router_that_leaves_its_weights_unnormalised_is_the_renormalisation_missing(own) -> None:

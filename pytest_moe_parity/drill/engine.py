@@ -55,6 +55,7 @@ from .match import (
 
 Execute = Callable[[OpNode, list, dict], Any]
 FAILED = ("introduced", "inherited", "missing", "extra")
+AS_SET = "rows as a set (no index says which token each holds: paired by value)"  # `match._rows_as_sets`
 # The golden's model rerun in float32 on this machine reproduces the golden to ~1e-7 (same code and
 # weights; another CPU's kernels ~1e-6): beyond this, the drill's reference is not the golden's.
 REPRODUCE_TOL = 1e-3
@@ -377,7 +378,7 @@ class Drilling:
                     row.note = "the candidate computes nothing that matches this op"
                 rows.append(row)
                 continue
-            row.how = m.how
+            row.how = f"{m.how}, {AS_SET}" if m.as_set else m.how
             row.candidate = [self.cand.nodes[c].name for c in m.cand]
             if value is None:
                 rows.append(row)

@@ -34,7 +34,7 @@ import itertools
 import math
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -162,6 +162,7 @@ class Match:
     # (its rows in the reference's order, its dims permuted): the drill's chained error where the
     # candidate's values are its capture's own
     error: float | None = None
+    as_set: bool = False  # its rows paired with the reference's as a set (`_rows_as_sets`): no index traced them
 
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The candidate's primary outputs as the reference's ops' (one per reference op)."""
@@ -411,6 +412,7 @@ def match(
     def add(m: Match) -> None:
         if any(c in frames for c in m.cand) and m.rows is None:
             m.frames = tuple(frames.get(c) for c in m.cand)
+            m.as_set = any(c in identity.sets for c in m.cand)
         matches.append(m)
         matched_ref.update(m.ref)
         matched_cand.update(m.cand)
@@ -618,6 +620,7 @@ class RowIdentity:
     frames: dict[int, torch.Tensor]
     gathers: dict[int, int]
     joined: set[int]
+    sets: set[int] = field(default_factory=set)  # framed by `_rows_as_sets`, and what goes on from them
 
 
 def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
@@ -665,6 +668,12 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
             taken.add(r.index)
             pairs[index] = r.index
             break
+    sets: set[int] = set()
+    found = _rows_as_sets(candidate, [r for r, _ in refs if r.index not in taken], set(keyed))
+    if any(not torch.equal(order, torch.arange(order.numel())) for _, order in found.values()):
+        for index, (r_index, order) in found.items():
+            frames[index], pairs[index] = order, r_index
+            sets.add(index)
     if all(torch.equal(f, torch.arange(f.numel())) for f in frames.values()):
         return RowIdentity({}, pairs, set())  # every row where the reference has it
     joined: set[int] = set()
@@ -686,7 +695,55 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
             frames[node.index] = inherited[0]
             if any(i in joined for i in reads):
                 joined.add(node.index)
-    return RowIdentity(frames, pairs, joined)
+        if node.index in frames and any(i in sets for i in reads):
+            sets.add(node.index)
+    return RowIdentity(frames, pairs, joined, sets)
+
+
+SET_ROWS = 8192  # the most rows `_rows_as_sets` pairs (their distances: SET_ROWS^2 floats)
+
+
+def _rows_as_sets(candidate: OpGraph, untaken: list[OpNode], keyed: set[int]) -> dict[int, tuple[int, torch.Tensor]]:
+    """Where no index traces which token a row holds (rows made by a one-hot matmul, a scatter into
+    a buffer): per candidate op (or slice of rows of one) holding the same rows as one of the
+    reference's gathers in `untaken`, in another order, (that gather, the order that puts its rows
+    in the reference's). The rows are paired as a set: each reference row with the candidate's
+    nearest, one to one, and all of them then within VALUE_TOL; the first such op in forward order."""
+    wanted = [
+        r for r in untaken
+        if r.value is not None and r.value.is_floating_point() and r.value.dim() >= 2
+        and 1 <= r.value.shape[0] <= SET_ROWS
+    ]  # fmt: skip
+    found: dict[int, tuple[int, torch.Tensor]] = {}
+    used: set[int] = set()
+    for node in candidate.nodes if wanted else ():
+        value = node.value
+        if node.index in keyed or value is None or not value.is_floating_point():
+            continue
+        if node.layout and _row_slice(candidate, node) is None:  # of views, slices of rows only
+            continue
+        for r in wanted:
+            if r.index in used or r.value.shape != value.shape:
+                continue
+            order = _set_order(value, r.value)
+            if order is not None:
+                found[node.index] = r.index, order
+                used.add(r.index)
+                break
+    return found
+
+
+def _set_order(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """The order that puts `value`'s rows in `rows`' (`value[order]`), where each of `rows` has its
+    own nearest among `value`'s and all are then within VALUE_TOL, else None."""
+    n = rows.shape[0]
+    a, b = value.detach().reshape(n, -1).float(), rows.detach().reshape(n, -1).float()
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return None
+    order = torch.cdist(b, a).argmin(dim=1)
+    if order.unique().numel() != n or rel_l2(a[order], b) > VALUE_TOL:
+        return None
+    return order
 
 
 def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tensor]) -> list[int | None]:
