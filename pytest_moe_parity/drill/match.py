@@ -131,18 +131,27 @@ def _diff_norm(c: torch.Tensor, r: torch.Tensor) -> float:
 
 def unmasked_norm(t: torch.Tensor) -> float:
     """||t|| in float32 over its entries that are not masks (of magnitude MASKED and more)."""
+    norm = float(torch.linalg.vector_norm(t.detach(), dtype=torch.float32))
+    return norm if math.isfinite(norm) and norm < MASKED else mask_figures(t)[0]
+
+
+def mask_figures(t: torch.Tensor) -> tuple[float, int, int]:
+    """(||t|| in float32 over its entries that are not masks, its masks below 0, above 0); on the
+    CPU CHUNK entries at a time, as `_diff_norm`."""
     x = t.detach()
-    norm = float(torch.linalg.vector_norm(x, dtype=torch.float32))
-    if math.isfinite(norm) and norm < MASKED:
-        return norm
     if x.device.type != "cpu" or x.numel() <= CHUNK or not x.is_contiguous():
         x = x.float()
-        return float(torch.linalg.vector_norm(x.masked_fill(x.abs() >= MASKED, 0.0)))
-    flat, buffer, total = x.reshape(-1), _buffers(torch.float32)[0], 0.0  # as `_diff_norm`, CHUNK at a time
+        low, high = x <= -MASKED, x >= MASKED
+        counts = int(torch.count_nonzero(low)), int(torch.count_nonzero(high))
+        return float(torch.linalg.vector_norm(x.masked_fill(low.logical_or_(high), 0.0))), *counts
+    flat, buffer = x.reshape(-1), _buffers(torch.float32)[0]
+    total, lows, highs = 0.0, 0, 0
     for start in range(0, x.numel(), CHUNK):
         part = buffer[: min(CHUNK, x.numel() - start)].copy_(flat[start : start + CHUNK])
-        total += float(torch.linalg.vector_norm(part.masked_fill_(part.abs() >= MASKED, 0.0))) ** 2
-    return math.sqrt(total)
+        low, high = part <= -MASKED, part >= MASKED
+        lows, highs = lows + int(torch.count_nonzero(low)), highs + int(torch.count_nonzero(high))
+        total += float(torch.linalg.vector_norm(part.masked_fill_(low.logical_or_(high), 0.0))) ** 2
+    return math.sqrt(total), lows, highs
 
 
 @dataclass
@@ -259,14 +268,10 @@ class _Norms:
         """(||t|| over its entries of magnitude under MASKED, its masks below 0, above 0)."""
         key = id(t)
         if key not in self._of:
-            x = t.detach()  # in its own dtype (a float32 copy costs more than the norm): see `close`'s margin
-            norm = float(torch.linalg.vector_norm(x))
-            if math.isfinite(norm) and norm < MASKED:
-                self._of[key] = (norm, 0, 0)
-            else:  # masks (or NaNs: a norm that is not finite, which `close` leaves to the dearer tests)
-                low, high = x <= -MASKED, x >= MASKED
-                counts = int(torch.count_nonzero(low)), int(torch.count_nonzero(high))
-                self._of[key] = (float(torch.linalg.vector_norm(x.masked_fill(low.logical_or_(high), 0.0))), *counts)
+            # in its own dtype (a float32 copy costs more than the norm): see `close`'s margin
+            norm = float(torch.linalg.vector_norm(t.detach()))
+            # masks (or NaNs: a norm that is not finite, which `close` leaves to the dearer tests)
+            self._of[key] = (norm, 0, 0) if math.isfinite(norm) and norm < MASKED else mask_figures(t)
         return self._of[key]
 
     def close(self, parts: list[torch.Tensor | None], whole: torch.Tensor | None) -> bool:
