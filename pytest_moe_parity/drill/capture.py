@@ -266,6 +266,7 @@ class OpGraph:
 
 
 @functools.cache
+@functools.cache
 def _op_info(func: Any) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """An op's kind, and the positions and names of the arguments it writes in place."""
     arguments = func._schema.arguments
@@ -298,6 +299,24 @@ class _OpRecorder(TorchDispatchMode):
             self.refs[id(t)] = ref
             self.keep.append(t)
         return ref
+
+    def _as_refs(self, obj: Any, flat: list[Any], as_refs: list[Any]) -> Any:
+        """`obj` (an op's arguments: tuples, lists, dicts of tensors and plain values) with each tensor
+        as its Ref; its leaves appended to `flat`, and with their Refs to `as_refs` (as `leaves`)."""
+        if isinstance(obj, torch.Tensor):
+            ref = self.ref_of(obj)
+            flat.append(obj)
+            as_refs.append(ref)
+            return ref
+        if isinstance(obj, tuple):
+            return tuple([self._as_refs(x, flat, as_refs) for x in obj])
+        if isinstance(obj, list):
+            return [self._as_refs(x, flat, as_refs) for x in obj]
+        if isinstance(obj, dict):
+            return {k: self._as_refs(v, flat, as_refs) for k, v in obj.items()}
+        flat.append(obj)
+        as_refs.append(obj)
+        return obj
 
     def _where(self) -> str:
         """The model code's function the op runs in: the first frame up the stack outside torch; ""
@@ -334,7 +353,11 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         scope = self.stack[-1] if self.stack else ""
         param = expert = None
-        flat_in = leaves((args, kwargs))
+        # the arguments with each tensor as its Ref (one it has not been seen with: a constant), in one
+        # walk: the tensors and plain values in order, and the same with the tensors' Refs
+        flat_in: list[Any] = []
+        as_refs: list[Any] = []
+        node_args, node_kwargs = self._as_refs((args, kwargs), flat_in, as_refs)
         for t in flat_in:
             if isinstance(t, torch.Tensor):
                 ref = self.refs.get(id(t))
@@ -353,10 +376,6 @@ class _OpRecorder(TorchDispatchMode):
                 self.expert[scope] = expert
         if expert is None and param is None:
             expert = self.expert.get(scope)
-        as_refs = [self.ref_of(x) if isinstance(x, torch.Tensor) else x for x in flat_in]
-        node_args, node_kwargs = map_structure(
-            (args, kwargs), lambda x: self.refs[id(x)] if isinstance(x, torch.Tensor) else x
-        )
         flat_out = leaves(out)
         index = len(self.nodes)
         values = []
