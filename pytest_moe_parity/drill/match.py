@@ -525,13 +525,15 @@ def match(
         owners = {m.ref for s in _sources(candidate, c) for m in matches if s in m.cand}
         if len(owners) == 1:
             (owner,) = owners
-            if len(owner) == 1 and _same(val(c), reference.nodes[owner[0]].value):
+            value = reference.nodes[owner[0]].value if len(owner) == 1 else None
+            if value is not None and norms.close([val(c)], value) and _same(val(c), value):
                 add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
     for r in free_r():
         owners = {m.cand for s in _sources(reference, r) for m in matches if s in m.ref}
         if len(owners) == 1:
             (owner,) = owners
-            if len(owner) == 1 and _same(val(candidate.nodes[owner[0]]), r.value):
+            value = val(candidate.nodes[owner[0]]) if len(owner) == 1 else None
+            if value is not None and norms.close([value], r.value) and _same(value, r.value):
                 add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
     # 4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart)
     # whose values differ (the fault may be there): by shape, kind and inputs
