@@ -116,6 +116,49 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int, port: str | None = N
     session.close()
 
 
+def whole_runs(work: Path, hidden: int, tokens: int, repeat: int, bugs: str) -> None:
+    """The user's figure: `pytest` on one point of the second port, with and without its drill (a
+    fresh process each, as a user runs it: imports, collection, the reference read from the golden,
+    the point's replay; with `--parity-drill`, the drill's items too), best of `repeat`."""
+    import subprocess
+
+    from pytest_moe_parity.cli import main as moe_parity
+    from pytest_moe_parity.record.run import record_golden
+    from pytest_moe_parity.record.tiny import write_tiny_model
+
+    overrides = {"hidden_size": hidden, "moe_intermediate_size": hidden // 2, "intermediate_size": hidden * 2}
+    model = write_tiny_model("qwen3_moe", work / "model-runs", layers=2, overrides=overrides)
+    golden = work / "golden-runs"
+    record_golden(model, golden, seq_len=tokens)
+    points = ("layer_1.attention", "layer_1.router", "layer_1.experts")
+    assert moe_parity(["drill-ops", str(golden), "--points", ",".join(points), "--dtype", "bfloat16"]) == 0
+    here = work / "runs"
+    here.mkdir()
+    (here / "conftest.py").write_text(  # the second test port, as an entry-point backend gives it
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from drill_port import OwnPortBackend\nfrom pytest_moe_parity import backends\n"
+        "backends.registry()[OwnPortBackend.name] = OwnPortBackend\n"
+    )
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--golden-dir", str(golden),
+            "--model", str(model), "--hw", "ownport", "--hw-option", f"bugs={bugs}", "--dtype", "bfloat16",
+            "--no-parity-weights"]  # fmt: skip
+
+    def best(argv: list[str]) -> float:
+        times = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            subprocess.run(argv, cwd=here, capture_output=True, check=False)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    print(f"whole runs: pytest -k POINT, one process each (bugs: {bugs or 'none'}; best of {repeat})")
+    print(f"  {'point':18} {'run s':>7} {'drilled s':>9} {'ratio':>6}")
+    for point in points:
+        plain = best([*base, "-k", point])
+        drilled = best([*base, "-k", point, "--parity-drill", point])
+        print(f"  {point:18} {plain:7.2f} {drilled:9.2f} {drilled / plain:6.2f}")
+
+
 def repro_size(work: Path, layers: int) -> None:
     from faults import edit_checkpoint, edit_config
 
@@ -149,11 +192,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--port", choices=["own"], help="drill the second test port's own code (tests/port_own.py)")
     ap.add_argument("--bugs", default="", help="with --port own: its bugs, comma-separated (port_own.BUGS)")
+    ap.add_argument("--whole-runs", action="store_true", help="with --port own: pytest runs with and without the drill")
     args = ap.parse_args()
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-drill-"))
     try:
         cost(work, args.hidden, args.tokens, args.repeat, args.port, args.bugs)
+        if args.port is not None and args.whole_runs:
+            whole_runs(work, args.hidden, args.tokens, args.repeat, args.bugs)
         if args.port is None:
             repro_size(work, args.layers)
     finally:

@@ -277,6 +277,14 @@ def _op_info(func: Any) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
 
 
 class _OpRecorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """torch (2.10 on) wraps a mode's `__torch_dispatch__` to keep Dynamo out of it, which imports
+        Dynamo at the first op (about a second: a fresh process's drill paid it) and adds a call per
+        op. The drill captures eager modules only (`drill_call` refuses compiled ones), as torch's
+        modes ran before."""
+        return False
+
     def __init__(self, root: nn.Module, stack: list[str]):
         super().__init__()
         self.stack = stack
