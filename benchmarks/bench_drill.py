@@ -11,12 +11,13 @@
    of `--hidden` width and `--tokens` tokens. The target: at most 5x (compile excluded: `--hw cpu`
    has none). With `--port own`, the candidate is the second test port's own code (`tests/port_own.py`,
    `--hw ownport`: its attention, router and sorted-dispatch experts, matched to the reference's ops by
-   value, place and row identity), `--bugs` its bugs (e.g. `mask_one_ahead`).
+   value, place and row identity), `--bugs` its bugs (e.g. `mask_one_ahead`), and with `--whole-runs`
+   the user's figure: `pytest -k POINT` in a fresh process with and without `--parity-drill POINT`.
 2. **Repro size.** A 48-layer tiny model's golden against the repro file of an RMSNorm-eps fault in
    layer 17's attention (`--parity-repro`): the target is under 1% of the golden.
 
     python benchmarks/bench_drill.py [--hidden 256] [--tokens 64] [--repeat 3] [--layers 48]
-                                     [--port own [--bugs NAME,...]]
+                                     [--port own [--bugs NAME,...] [--whole-runs]]
 """
 
 from __future__ import annotations
