@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+FACTOR = 1.5  # the noise factor each drill is judged with (the default tolerance's)
 WIDTHS = ((9, 4), (8, 4), (6, 2), (9, 4), (6, 2), (7, 4), (7, 4), (6, 2))  # the table's columns
 
 
@@ -91,7 +92,7 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int, port: str | None = N
         return min(times), driller
 
     def warmed(point):  # a driller whose reference layer is read from disk: not the drill's own cost
-        driller = Driller(session.golden, model, session.backend, lambda p: 1.5)
+        driller = Driller(session.golden, model, session.backend)
         driller.reference(point)
         driller._references.clear()
         return driller
@@ -103,12 +104,12 @@ def cost(work: Path, hidden: int, tokens: int, repeat: int, port: str | None = N
         make = functools.partial(warmed, point)
         # the reference's side alone (its two captures, matched to each other), then the whole drill
         refs = timed(lambda driller, point=point: driller.reference(point), make)[0]
-        d = timed(lambda driller, point=point: (driller.reference(point), driller.drill(point)), make)[0]
+        d = timed(lambda driller, point=point: (driller.reference(point), driller.drill(point, FACTOR)), make)[0]
         graphs, _ = make().capture(point, [session.backend.dtype])
         store.save(golden, pid, graphs)  # moe-parity drill-ops: once, where the golden is recorded
         # the reference's ops read from the golden, then the drill
-        without_model = functools.partial(Driller, session.golden, None, session.backend, lambda p: 1.5)
-        s, driller = timed(lambda driller, point=point: driller.drill(point), without_model)
+        without_model = functools.partial(Driller, session.golden, None, session.backend)
+        s, driller = timed(lambda driller, point=point: driller.drill(point, FACTOR), without_model)
         result = driller.drills[pid]
         rest = d - refs
         figures = [replay, d, d / replay, s, s / replay, refs, rest, rest / replay]
@@ -176,8 +177,8 @@ def repro_size(work: Path, layers: int) -> None:
     repro = work / "repro"
     options = {"dtype": "bfloat16", "weights": False, "drill": ["layer_17.attention"]}
     session = ParitySession(RunOptions(golden_dir=golden, model=candidate, **options))
-    driller: Driller = session.driller
-    result = driller.drill(session.golden.point("layer_17.attention"))
+    driller: Driller = session.drill.driller
+    result = driller.drill(session.golden.point("layer_17.attention"), FACTOR)
     driller.write_repro(result, repro)
     g, r = _size(golden), _size(repro)
     print(f"repro of {result.point}::{result.culprit}: {r} bytes ({', '.join(p.name for p in repro.iterdir())})")

@@ -2,7 +2,7 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- backends <- replay <- drill <- report <- session, scan <- plugin, cli
+points, dtypes, errors, tree, compat <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
   call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config
@@ -10,13 +10,16 @@ points, dtypes, errors, tree, compat <- golden, judge, model <- record, dump <- 
   tolerances and verdicts; model: what recording and replay share: where capture points live in a
   model, a checkpoint's index and headers, loading it one unit (decoder layer or model-level module)
   at a time, and a module call's KV cache and outputs
+- report: the rows of a run (one per item), failure text, summary and JSON reports, from verdicts
+  alone: every item kind above writes its rows with it
 - record: capturing the reference (`moe-parity golden`), tiny models, `moe-parity audit` and
   `estimate`; dump: a recorder that any framework's candidate calls, writing what `--hw dump` reads;
-  backends: candidates (`--hw`); replay: one point run on a backend and judged
+  backends: candidates (`--hw`); replay: one point run on a backend and judged, the checkers of the
+  items beside the points (`replay.checks`), the weight items
 - drill: below a point, op by op (`--parity-drill`): both sides' ops captured and matched, the op that
-  introduced the divergence, golden substitution, repro files
-- report: failure text, summary and JSON reports; session: a whole parity run without pytest; scan:
-  prompts ranked by how far a candidate's next tokens leave the reference's (`moe-parity scan`)
+  introduced the divergence, golden substitution, repro files, the drill's items
+- session: a whole parity run without pytest, composing the item checkers; scan: prompts ranked by
+  how far a candidate's next tokens leave the reference's (`moe-parity scan`)
 - plugin: the pytest glue; cli: the `moe-parity` command
 """
 

@@ -752,7 +752,7 @@ def cmd_drill_ops(args: argparse.Namespace) -> int:
     if model is None or not Path(model).is_dir():
         where = model or golden.manifest["model"].get("path")
         return _fail(f"the golden's model is not at {where}: pass it with --model DIR")
-    driller = Driller(golden, Path(model), None, lambda point: 0.0, trust_remote_code=args.trust_remote_code)
+    driller = Driller(golden, Path(model), None, trust_remote_code=args.trust_remote_code)
     written = 0
     try:
         for point in points:

@@ -29,6 +29,10 @@ class CheckpointError(ParityError):
     """The candidate checkpoint cannot be read (missing, not safetensors, lacks a layer)."""
 
 
+class SetupError(ParityError):
+    """A setting of the run is unusable (pytest: usage error, exit 4; `moe-parity`: exit 2)."""
+
+
 class BackendError(ParityError):
     """A backend cannot be set up: a missing package or device, an unusable candidate, a bad option."""
 

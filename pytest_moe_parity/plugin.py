@@ -13,12 +13,14 @@ import pytest
 from .points import COMPONENTS
 
 if TYPE_CHECKING:
+    from .drill.items import DrillEntry
     from .golden import GoldenStore
     from .judge.verdict import PointResult
     from .points import Point
     from .replay.runner import Prepared
+    from .replay.weights import WeightUnit
     from .report.rows import Row
-    from .session import Candidate, DrillEntry, ParitySession, WeightUnit
+    from .session import Candidate, ParitySession
 
 COLLECTOR_NAME = "parity"
 SESSION_KEY = pytest.StashKey["ParitySession"]()
@@ -341,17 +343,17 @@ class ParityFailure(AssertionError):
 
 class ParityCollector(pytest.Collector):
     def collect(self):
-        from .session import DrillEntry, WeightUnit
+        from .points import Point
 
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
+        kinds = {"weights": WeightItem, "drill": DrillItem}  # an item class per kind of checked item
         for entry in session.schedule():
-            if isinstance(entry, WeightUnit):
-                item = WeightItem.from_parent(self, name=entry.id, entry=entry)
-            elif isinstance(entry, DrillEntry):
-                item = DrillItem.from_parent(self, name=entry.id, entry=entry)
-                item.add_marker(pytest.mark.drill)
+            if not isinstance(entry, Point):
+                item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
+                if entry.kind == "drill":
+                    item.add_marker(pytest.mark.drill)
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
                 item.add_marker(getattr(pytest.mark, entry.component))
@@ -369,7 +371,7 @@ class _CheckItem(pytest.Item):
         self.row: Row | None = None
 
     def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        raise NotImplementedError
+        return session.check(self.entry)
 
     def runtest(self) -> None:
         session = _session(self.config)
@@ -388,9 +390,6 @@ class WeightItem(_CheckItem):
 
     entry: WeightUnit
 
-    def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        return session.check_weights(self.entry)
-
 
 class DrillItem(_CheckItem):
     """One op of a drilled point (`POINT::OP`): failed where it introduced or inherited the
@@ -402,7 +401,7 @@ class DrillItem(_CheckItem):
         from .errors import ParityError, PointUnavailable
 
         try:
-            return session.check_drill(self.entry)
+            return session.check(self.entry)
         except PointUnavailable as exc:
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
         except ParityError as exc:  # a drill that cannot run here: one sentence, no traceback

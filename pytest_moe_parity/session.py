@@ -8,30 +8,29 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import compat
-from .backends import CHAIN_KINDS, Backend, BackendSetup, backend_class, parse_hw_options, registry
-from .drill import AUTO, Driller, drill_patterns, selects
-from .drill import store as drill_store
+from .backends import CHAIN_KINDS, BackendSetup, backend_class, parse_hw_options, registry
+from .drill import drill_patterns
+from .drill.items import DrillItems
 from .dtypes import dtype_name, parse_dtype
-from .errors import BackendError, BackendFailure, GoldenError, ParityError, PointUnavailable
+from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
 from .judge.tolerances import NOISE_FACTOR, Override, resolve
 from .judge.verdict import Case, Custom, PointResult, judge_point
 from .model.lazy_model import HeldThreads
-from .points import Point, describe_layers, layer_group, parse_layers, weights_id
+from .points import Point, describe_layers, parse_layers
+from .replay.checks import Checker, Entry
 from .replay.runner import MODES, ParityRunner, Prepared
+from .replay.weights import weight_items
 from .report.files import write_reports
-from .report.rows import Row, drill_row, point_row, unjudged_row, weights_row
+from .report.rows import Row, point_row, unjudged_row
 from .report.summary import summary_lines, summary_table
-
-if TYPE_CHECKING:
-    from .replay.weights import WeightCheck
 
 # Config entries a candidate must share with the golden (label, then the names models use for it).
 CONFIG_KEYS_THAT_MUST_MATCH = (
@@ -50,10 +49,6 @@ def _chain_of(name: str) -> str | None:
         return backend_class(name).chain_kind
     except BackendError:
         return None
-
-
-class SetupError(ParityError):
-    """A setting of the run is unusable (pytest: usage error, exit 4; `moe-parity`: exit 2)."""
 
 
 def quiet_transformers() -> None:
@@ -105,49 +100,6 @@ class RunOptions:
             "repro": "--parity-repro",
         }
     )
-
-
-@dataclass(frozen=True)
-class DrillEntry:
-    """One op of a drilled point (`layer_17.attention::q_norm.add`), or the drill's own summary
-    (`::drill`: the op table, the culprit, the candidate's unmatched ops), right after the point."""
-
-    point: Point
-    op: str
-    order: float
-
-    @property
-    def id(self) -> str:
-        return f"{self.point.id}::{self.op}"
-
-    @property
-    def layer(self) -> int | None:
-        return self.point.layer
-
-    @property
-    def group(self) -> str:
-        return self.point.group
-
-    @property
-    def component(self) -> str:
-        return self.point.component
-
-
-@dataclass(frozen=True)
-class WeightUnit:
-    """The weight check of one unit: a decoder layer (`layer_N.weights`) or the model-level modules
-    (`weights`, layer None), ordered just before the unit's first point."""
-
-    layer: int | None
-    order: float
-
-    @property
-    def id(self) -> str:
-        return weights_id(self.layer)
-
-    @property
-    def group(self) -> str | None:
-        return None if self.layer is None else layer_group(self.layer)
 
 
 def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
@@ -222,59 +174,24 @@ class ParitySession:
             mode=self.mode,
             freeze_gc=options.freeze_gc,
         )
-        no = options.weights is False
-        self._weights_loud = False  # why there are no weight items is said even unasked
-        self.weights, self._no_weights = (None, "") if no else self._weight_check(cls.needs_checkpoint)
         self.rows: dict[str, Row] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
-        self.drill_patterns = drill_patterns(list(options.drill))
-        self.driller: Driller | None = None
-        self.auto_drilled = False  # --parity-drill auto drills the first failing component only
-        if self.drill_patterns or options.repro_dir is not None:
-            self.driller = self._driller(cls)
+        # the kinds of items beside the points, each a checker in its own wing (`replay.checks`)
+        self.weights, self._no_weights = weight_items(
+            self.golden, self.candidate_dir, self.backend, self.hw, asked=options.weights,
+            trust_remote_code=options.trust_remote_code,
+        )  # fmt: skip
+        patterns = drill_patterns(list(options.drill))
+        self.drill: DrillItems | None = None
+        if patterns or options.repro_dir is not None:
+            self.drill = DrillItems(
+                self.golden, self.backend, self.runner, patterns, hw=self.hw, flags=flags,
+                repro_dir=options.repro_dir, trust_remote_code=options.trust_remote_code,
+            )  # fmt: skip
+        self.checkers: dict[str, Checker] = {c.kind: c for c in (self.weights, self.drill) if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------
-    def _driller(self, cls: type) -> Driller:
-        flags, patterns = self.options.flags, self.drill_patterns
-        if self.golden.captured_tokens is not None:
-            raise SetupError(
-                f"{flags['drill']} runs a point on its recorded inputs, which {self.golden.root} does not keep "
-                "(moe-parity golden --capture-tokens): drill with a golden that keeps every token"
-            )
-        if not patterns:
-            raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} ...")
-        if cls.drill_call is Backend.drill_call:
-            raise SetupError(
-                f"{flags['drill']}: the {self.hw} backend gives no torch modules to drill into; drill with --hw cpu, "
-                f"trace or compile (or a backend that implements drill_call)"
-            )
-        found = self.golden.local_model()
-        stored = drill_store.stored_points(self.golden.root)
-        if (found is None or compat.MAJOR < 5) and not stored:
-            why = (
-                f"the golden's model is not on this machine ({self.golden.manifest['model'].get('path')}): copy the "
-                "checkpoint here, or"
-                if found is None
-                else f"this environment's transformers {compat.VERSION} cannot run the golden's modules (transformers 5"
-                "'s layout):"
-            )
-            raise SetupError(
-                f"{flags['drill']} runs the reference op by op; {why} record the reference's ops with the golden where "
-                "it was recorded: moe-parity drill-ops GOLDEN --points PATTERNS --dtype DTYPE"
-            )
-        for pattern in patterns:
-            if pattern != AUTO and not any(selects([pattern], p.id) for p in self.points):
-                raise SetupError(
-                    f"{flags['drill']} {pattern!r} matches no point of this golden "
-                    f"(e.g. layer_0.attention, 'layer_*.router', step_1.layer_0.attention, or auto)"
-                )
-        return Driller(
-            self.golden, found[0] if found else None, self.backend,
-            lambda point: self.runner.tolerance(point)[0].noise_factor,
-            trust_remote_code=self.options.trust_remote_code,
-        )  # fmt: skip
-
     def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
         """The candidate's location and why it was taken."""
         flags, option = self.options.flags, self.options.model
@@ -292,34 +209,6 @@ class ParitySession:
             f"the golden's model {self.golden.manifest['model'].get('path')} does not exist on this machine; "
             f"pass the candidate checkpoint with {flags['model']} DIR"
         )
-
-    def _weight_check(self, needs_checkpoint: bool) -> tuple[WeightCheck | None, str]:
-        """Weight items, where the candidate is a checkpoint other than the reference's and the
-        reference's is here to compare with; else why not."""
-        if not needs_checkpoint or self.candidate_dir is None:
-            return None, f"the {self.hw} backend's candidate is not a checkpoint"
-        found = self.golden.local_model()
-        if found is None:
-            return None, "the golden's model is not on this machine"
-        if compat.MAJOR < 5:  # said whatever the options: the candidate's weights go unchecked
-            self._weights_loud = True
-            return None, (
-                f"they read the golden's model as transformers 5 lays it out, and this environment has transformers "
-                f"{compat.VERSION}: check the weights where transformers>=5 is installed (moe-parity audit)"
-            )
-        reference = found[0].resolve()
-        if reference == Path(self.candidate_dir).resolve():
-            return None, "the candidate is the golden's own model"
-        from .replay.weights import WeightCheck
-
-        try:
-            check = WeightCheck(
-                reference, self.candidate_dir, trust_remote_code=self.options.trust_remote_code,
-                held=self.backend.held_weights,
-            )  # fmt: skip
-            return check, ""
-        except ParityError as exc:  # its activations are compared all the same
-            return None, f"a checkpoint cannot be read ({exc})"
 
     def _check_config(self) -> None:
         assert self.candidate_dir is not None
@@ -413,97 +302,30 @@ class ParitySession:
         layer = point.layer if isinstance(point, Point) else point
         return self.layers is None or layer in self.layers
 
-    def schedule(self) -> Iterator[Point | WeightUnit | DrillEntry]:
-        """The run's items in forward order: where weights are checked, a unit's weight check
-        before its first point (of the prefill: decode steps reuse the same weights); after a
-        drilled point, its ops and the drill's summary."""
-        checked: set[int | None] = set()
+    def schedule(self) -> Iterator[Point | Entry]:
+        """The run's items in forward order: each point, with the entries each kind of item puts
+        before it (a unit's weight check before its first point) and after it (a drilled point's
+        ops and the drill's summary)."""
         for point in self.points:
-            if self.weights is not None and point.step is None and point.layer not in checked:
-                checked.add(point.layer)
-                yield WeightUnit(point.layer, point.order - 0.5)
+            for checker in self.checkers.values():
+                yield from checker.before(point)
             yield point
-            if self.driller is not None and selects(self.drill_patterns, point.id):
-                yield from self._drill_entries(point)
+            for checker in self.checkers.values():
+                yield from checker.after(point, self.selected(point))
 
-    def _drill_entries(self, point: Point) -> Iterator[DrillEntry]:
-        assert self.driller is not None
-        try:
-            names = self.driller.op_names(point) if self.selected(point) else []
-        except Exception:  # said by the summary item, which runs the drill
-            names = []
-        for i, name in enumerate(names, 1):
-            yield DrillEntry(point, name, point.order + i / (len(names) + 2))
-        yield DrillEntry(point, "drill", point.order + (len(names) + 1) / (len(names) + 2))
-
-    def check_drill(self, entry: DrillEntry) -> tuple[Row, str | None]:
-        """The row of a drill item and its failure text (None: it passed). The drill of a point
-        runs once, at its first item."""
-        from .report.text import drill_op_text, drill_text
-
-        assert self.driller is not None
-        row = self.rows.get(entry.point.id)
-        drill = self.driller.drill(entry.point, point_passed=None if row is None else row.status == "passed")
-        self._repro(drill)
-        if entry.op == "drill":  # the point's last item: its values are no longer needed
-            self.driller.release(entry.point)
-            failed = drill.failed
-            row = drill_row(entry, "failed" if failed else "passed", None, drill.to_json())
-            return row, drill_text(drill) if failed else None
-        op = drill.row(entry.op)
-        if op is None:
-            row = drill_row(entry, "failed", None, None)
-            return row, f"{entry.id}: the reference ran no op {entry.op!r} this time (its ops: see ::drill)"
-        row = drill_row(entry, "failed" if op.failed else "passed", asdict(op), None)
-        return row, drill_op_text(entry.point.id, op, drill) if op.failed else None
-
-    def _repro(self, drill: Any) -> None:
-        """--parity-repro: the culprit's repro file, written once; why not, where it cannot be."""
-        if self.options.repro_dir is None or not drill.culprit or drill.repro is not None:
-            return
-        assert self.driller is not None
-        try:
-            written = self.driller.write_repro(drill, self.options.repro_dir)
-        except Exception as exc:  # the drill's verdicts stand without it
-            drill.repro = f"not written ({type(exc).__name__}: {exc})"
-            return
-        if written is None:
-            drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
+    def check(self, entry: Entry) -> tuple[Row, str | None]:
+        """An item beside the points: its row and failure text (None: it passed), by its kind's checker."""
+        return self.checkers[entry.kind].check(entry, self.rows)
 
     def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
-        """`--parity-drill auto`: the first failing component drilled, its op table for the failure
-        text and its row; else (None, "")."""
-        from .report.text import drill_text
+        """`--parity-drill auto` at a failed point: the drill's row and text, or (None, "")."""
+        return self.drill.auto(point) if self.drill is not None else (None, "")
 
-        if self.driller is None or AUTO not in self.drill_patterns or self.auto_drilled:
-            return None, ""
-        self.auto_drilled = True
-        try:
-            drill = self.driller.drill(point, point_passed=False)  # auto drills the point that failed
-        except Exception as exc:  # the point's own verdict stands; say why there is no table
-            return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
-        self._repro(drill)
-        self.driller.release(point)
-        collect = f"collect these ops as items: pytest ... --parity-drill {point.id}"
-        return drill.to_json(), f"{drill_text(drill)}\n{collect}"
-
-    def check_weights(self, unit: WeightUnit) -> tuple[Row, str | None]:
-        """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
-        assert self.weights is not None
-        findings = self.weights.findings(unit.layer)
-        row = weights_row(unit.id, unit.layer, unit.order, findings)
-        if not findings:
-            return row, None
-        return row, "\n".join([f"{unit.id}: the candidate's weights differ from the reference's:", *findings])
-
-    @staticmethod
-    def unjudged_row(entry: Point | WeightUnit | DrillEntry, status: str, message: str) -> Row:
+    def unjudged_row(self, entry: Point | Entry, status: str, message: str) -> Row:
         """The row of an item that was not judged: `skipped` (with a reason) or `error`."""
         if isinstance(entry, Point):
             return unjudged_row(entry, status, message)
-        if isinstance(entry, DrillEntry):
-            return unjudged_row(drill_row(entry, status, None, None), status, message)
-        return unjudged_row(weights_row(entry.id, entry.layer, entry.order, []), status, message)
+        return self.checkers[entry.kind].unjudged_row(entry, status, message)
 
     def missing_steps(self, keyword: str) -> str | None:
         """Why a -k naming a decode step the golden lacks selects nothing, in one line (or None)."""
@@ -568,16 +390,8 @@ class ParitySession:
             f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
-            *self._weights_line(),
+            *(self.weights.header_lines() if self.weights is not None else self._no_weights),
         ]
-
-    def _weights_line(self) -> list[str]:
-        if self.weights is not None:
-            converted = type(self.backend).held_weights is not Backend.held_weights
-            held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
-            return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
-        loud = self.options.weights or self._weights_loud
-        return [f"moe-parity: no weight items: {self._no_weights}"] if loud else []
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""
@@ -663,10 +477,8 @@ class ParitySession:
     def close(self) -> None:
         try:
             self.runner.close()
-            if self.weights is not None:
-                self.weights.close()
-            if self.driller is not None:
-                self.driller.close()
+            for checker in self.checkers.values():
+                checker.close()
         finally:
             self._threads.restore()
 

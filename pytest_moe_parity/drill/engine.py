@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..report.text import SHOWN
 from .capture import OpGraph, OpNode, Ref
 from .match import (
     CAST,
@@ -840,9 +841,6 @@ def run_drill(
     )  # fmt: skip
     result.state = d  # for a repro file; not part of the JSON
     return result
-
-
-SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
 
 
 def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]:

@@ -1,19 +1,91 @@
 """Weight items: a candidate checkpoint's weights against the reference's, one unit (a decoder
 layer, or the model-level modules) at a time, both loaded as transformers loads them (so fused
 expert layouts are compared as the model holds them), in float32; what differs is said in words
-(`judge.weights.diagnose`)."""
+(`judge.weights.diagnose`). `weight_items` sets up their checker (`WeightItems`), or says why a run
+has none."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointError
+from .. import compat
+from ..errors import CheckpointError, ParityError
 from ..judge.weights import diagnose, dtype_finding
 from ..model.checkpoint import read_tensors
 from ..model.lazy_model import LazyModel
+from ..points import Point, layer_group, weights_id
+from ..report.rows import Row, unjudged_row, weights_row
+from .checks import Checker
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..golden import GoldenStore
+
+
+@dataclass(frozen=True)
+class WeightUnit:
+    """The weight check of one unit: a decoder layer (`layer_N.weights`) or the model-level modules
+    (`weights`, layer None), ordered just before the unit's first point."""
+
+    layer: int | None
+    order: float
+    kind = "weights"
+
+    @property
+    def id(self) -> str:
+        return weights_id(self.layer)
+
+    @property
+    def group(self) -> str | None:
+        return None if self.layer is None else layer_group(self.layer)
+
+
+def weight_items(
+    golden: GoldenStore,
+    candidate: Path | None,
+    backend: Backend,
+    hw: str,
+    *,
+    asked: bool | None,
+    trust_remote_code: bool,
+) -> tuple[WeightItems | None, list[str]]:
+    """The weight items' checker, where the candidate is a checkpoint other than the reference's and
+    the reference's is here to compare with, and its header line; else None and why not, said where
+    the items were asked for (`asked`: --parity-weights) or where the weights go unchecked whatever
+    was asked."""
+    if asked is False:
+        return None, []
+    loud, why = bool(asked), ""
+    found = golden.local_model()
+    if not type(backend).needs_checkpoint or candidate is None:
+        why = f"the {hw} backend's candidate is not a checkpoint"
+    elif found is None:
+        why = "the golden's model is not on this machine"
+    elif compat.MAJOR < 5:  # said whatever the options: the candidate's weights go unchecked
+        loud, why = (
+            True,
+            (
+                f"they read the golden's model as transformers 5 lays it out, and this environment has transformers "
+                f"{compat.VERSION}: check the weights where transformers>=5 is installed (moe-parity audit)"
+            ),
+        )
+    elif found[0].resolve() == Path(candidate).resolve():
+        why = "the candidate is the golden's own model"
+    else:
+        try:
+            check = WeightCheck(
+                found[0].resolve(), candidate, trust_remote_code=trust_remote_code, held=backend.held_weights
+            )
+        except ParityError as exc:  # its activations are compared all the same
+            why = f"a checkpoint cannot be read ({exc})"
+        else:
+            return WeightItems(check, backend, hw), []
+    return None, [f"moe-parity: no weight items: {why}"] if loud else []
 
 
 class WeightCheck:
@@ -80,3 +152,40 @@ class WeightCheck:
         for model in self._models.values():
             model.close()
         self._models.clear()
+
+
+class WeightItems(Checker):
+    """The weight items of a run: each unit's check before its first point (of the prefill: decode
+    steps reuse the same weights)."""
+
+    kind = "weights"
+
+    def __init__(self, check: WeightCheck, backend: Backend, hw: str):
+        self.weights, self.backend, self.hw = check, backend, hw
+        self._checked: set[int | None] = set()
+
+    def before(self, point: Point) -> Iterator[WeightUnit]:
+        if point.step is None and point.layer not in self._checked:
+            self._checked.add(point.layer)
+            yield WeightUnit(point.layer, point.order - 0.5)
+
+    def check(self, entry: WeightUnit, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
+        """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
+        findings = self.weights.findings(entry.layer)
+        row = weights_row(entry.id, entry.layer, entry.order, findings)
+        if not findings:
+            return row, None
+        return row, "\n".join([f"{entry.id}: the candidate's weights differ from the reference's:", *findings])
+
+    def unjudged_row(self, entry: Any, status: str, message: str) -> Row:
+        return unjudged_row(weights_row(entry.id, entry.layer, entry.order, []), status, message)
+
+    def header_lines(self) -> list[str]:
+        from ..backends import Backend
+
+        converted = type(self.backend).held_weights is not Backend.held_weights
+        held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
+        return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
+
+    def close(self) -> None:
+        self.weights.close()

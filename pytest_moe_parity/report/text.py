@@ -7,12 +7,12 @@ import math
 import textwrap
 from typing import Any
 
-from ..drill.engine import SHOWN
 from ..judge.logits import LogitsMetrics
 from ..judge.routing import RoutingMetrics
 from ..judge.verdict import BatchRow, PointResult
 
 WIDTH = 100  # failure text: no line wider than this
+SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
 
 
 def fmt(x: Any, digits: int = 4) -> str:

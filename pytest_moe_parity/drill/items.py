@@ -1,0 +1,185 @@
+"""The drill's items (`--parity-drill`, `--parity-repro`): after each drilled point, one item per op
+of its reference (`POINT::OP`) and the drill's own summary (`POINT::drill`); the drill of a point
+runs once, at its first item, judged with the point's noise factor; `auto` drills the run's first
+failing component into that point's failure text. Its setup errors are said here, in one sentence
+each."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import compat
+from ..errors import SetupError
+from ..points import Point
+from ..replay.checks import Checker
+from ..report.rows import Row, drill_row, unjudged_row
+from . import store
+from .driller import AUTO, Driller, selects
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..golden import GoldenStore
+    from ..replay.runner import ParityRunner
+    from .engine import Drill
+
+
+@dataclass(frozen=True)
+class DrillEntry:
+    """One op of a drilled point (`layer_17.attention::q_norm.add`), or the drill's own summary
+    (`::drill`: the op table, the culprit, the candidate's unmatched ops), right after the point."""
+
+    point: Point
+    op: str
+    order: float
+    kind = "drill"
+
+    @property
+    def id(self) -> str:
+        return f"{self.point.id}::{self.op}"
+
+    @property
+    def layer(self) -> int | None:
+        return self.point.layer
+
+    @property
+    def group(self) -> str:
+        return self.point.group
+
+    @property
+    def component(self) -> str:
+        return self.point.component
+
+
+class DrillItems(Checker):
+    """The drill's items of a run. `flags`: the run's option names (`drill`, `repro`, as the plugin or
+    `moe-parity compare` spells them), for its sentences."""
+
+    kind = "drill"
+
+    def __init__(
+        self,
+        golden: GoldenStore,
+        backend: Backend,
+        runner: ParityRunner,
+        patterns: list[str],
+        *,
+        hw: str,
+        flags: Mapping[str, str],
+        repro_dir: Path | None = None,
+        trust_remote_code: bool = False,
+    ):
+        self.golden, self.backend, self.runner, self.patterns = golden, backend, runner, patterns
+        self.repro_dir = repro_dir
+        self.auto_drilled = False  # --parity-drill auto drills the first failing component only
+        self._check_setup(hw, flags)
+        found = golden.local_model()
+        self.driller = Driller(golden, found[0] if found else None, backend, trust_remote_code=trust_remote_code)
+
+    def _check_setup(self, hw: str, flags: Mapping[str, str]) -> None:
+        from ..backends import Backend
+
+        if self.golden.captured_tokens is not None:
+            raise SetupError(
+                f"{flags['drill']} runs a point on its recorded inputs, which {self.golden.root} does not keep "
+                "(moe-parity golden --capture-tokens): drill with a golden that keeps every token"
+            )
+        if not self.patterns:
+            raise SetupError(f"{flags['repro']} writes the repro file of a drill's culprit: add {flags['drill']} ...")
+        if type(self.backend).drill_call is Backend.drill_call:
+            raise SetupError(
+                f"{flags['drill']}: the {hw} backend gives no torch modules to drill into; drill with --hw cpu, "
+                f"trace or compile (or a backend that implements drill_call)"
+            )
+        found = self.golden.local_model()
+        if (found is None or compat.MAJOR < 5) and not store.stored_points(self.golden.root):
+            why = (
+                f"the golden's model is not on this machine ({self.golden.manifest['model'].get('path')}): copy the "
+                "checkpoint here, or"
+                if found is None
+                else f"this environment's transformers {compat.VERSION} cannot run the golden's modules (transformers 5"
+                "'s layout):"
+            )
+            raise SetupError(
+                f"{flags['drill']} runs the reference op by op; {why} record the reference's ops with the golden where "
+                "it was recorded: moe-parity drill-ops GOLDEN --points PATTERNS --dtype DTYPE"
+            )
+        for pattern in self.patterns:
+            if pattern != AUTO and not any(selects([pattern], p.id) for p in self.golden.points):
+                raise SetupError(
+                    f"{flags['drill']} {pattern!r} matches no point of this golden "
+                    f"(e.g. layer_0.attention, 'layer_*.router', step_1.layer_0.attention, or auto)"
+                )
+
+    def after(self, point: Point, selected: bool) -> Iterator[DrillEntry]:
+        """After a drilled point: its ops (named at collection from the reference's), then `::drill`."""
+        if not selects(self.patterns, point.id):
+            return
+        try:
+            names = self.driller.op_names(point) if selected else []
+        except Exception:  # said by the summary item, which runs the drill
+            names = []
+        for i, name in enumerate(names, 1):
+            yield DrillEntry(point, name, point.order + i / (len(names) + 2))
+        yield DrillEntry(point, "drill", point.order + (len(names) + 1) / (len(names) + 2))
+
+    def _drill(self, point: Point, point_passed: bool | None) -> Drill:
+        drill = self.driller.drill(point, self.runner.tolerance(point)[0].noise_factor, point_passed)
+        self._repro(drill)
+        return drill
+
+    def check(self, entry: DrillEntry, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
+        """The row of a drill item and its failure text (None: it passed). The drill of a point
+        runs once, at its first item."""
+        from ..report.text import drill_op_text, drill_text
+
+        row = rows.get(entry.point.id)
+        drill = self._drill(entry.point, None if row is None else row.status == "passed")
+        if entry.op == "drill":  # the point's last item: its values are no longer needed
+            self.driller.release(entry.point)
+            failed = drill.failed
+            return drill_row(entry, "failed" if failed else "passed", None, drill.to_json()), (
+                drill_text(drill) if failed else None
+            )
+        op = drill.row(entry.op)
+        if op is None:
+            row = drill_row(entry, "failed", None, None)
+            return row, f"{entry.id}: the reference ran no op {entry.op!r} this time (its ops: see ::drill)"
+        row = drill_row(entry, "failed" if op.failed else "passed", asdict(op), None)
+        return row, drill_op_text(entry.point.id, op, drill) if op.failed else None
+
+    def unjudged_row(self, entry: Any, status: str, message: str) -> Row:
+        return unjudged_row(drill_row(entry, status, None, None), status, message)
+
+    def _repro(self, drill: Drill) -> None:
+        """--parity-repro: the culprit's repro file, written once; why not, where it cannot be."""
+        if self.repro_dir is None or not drill.culprit or drill.repro is not None:
+            return
+        try:
+            written = self.driller.write_repro(drill, self.repro_dir)
+        except Exception as exc:  # the drill's verdicts stand without it
+            drill.repro = f"not written ({type(exc).__name__}: {exc})"
+            return
+        if written is None:
+            drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
+
+    def auto(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+        """`--parity-drill auto`: the first failing component drilled, its op table for the failure
+        text and its row; else (None, "")."""
+        from ..report.text import drill_text
+
+        if AUTO not in self.patterns or self.auto_drilled:
+            return None, ""
+        self.auto_drilled = True
+        try:
+            drill = self._drill(point, False)  # auto drills the point that failed
+        except Exception as exc:  # the point's own verdict stands; say why there is no table
+            return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
+        self.driller.release(point)
+        collect = f"collect these ops as items: pytest ... --parity-drill {point.id}"
+        return drill.to_json(), f"{drill_text(drill)}\n{collect}"
+
+    def close(self) -> None:
+        self.driller.close()

@@ -1,0 +1,58 @@
+"""Item kinds beside the points: the seam a run composes them on. A point is replayed and judged
+(`runner`); each other kind of item (the weight check of a unit, the drill's ops) is a `Checker` in
+its own wing: it owns its setup errors, its entries in the run's schedule (before a point, or after
+it), the check of one entry, and the rows of its items. A new kind is a new checker and the line
+that adds it to the session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+from ..points import Point
+from ..report.rows import Row
+
+
+class Entry(Protocol):
+    """What a checker schedules: an item's id, its place in forward order, and what pytest marks it
+    with (the layer's xdist group; `kind` picks the item class)."""
+
+    kind: str
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def order(self) -> float: ...
+
+    @property
+    def layer(self) -> int | None: ...
+
+    @property
+    def group(self) -> str | None: ...
+
+
+class Checker:
+    """One kind of item. `before` and `after` a point: its entries there, in forward order;
+    `check`: an entry's row and its failure text (None: it passed), given the rows judged so far;
+    `unjudged_row`: the row of an entry that was skipped or errored."""
+
+    kind = ""
+
+    def before(self, point: Point) -> Iterator[Any]:
+        return iter(())
+
+    def after(self, point: Point, selected: bool) -> Iterator[Any]:
+        return iter(())
+
+    def check(self, entry: Any, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
+        raise NotImplementedError
+
+    def unjudged_row(self, entry: Any, status: str, message: str) -> Row:
+        raise NotImplementedError
+
+    def header_lines(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
