@@ -5,7 +5,6 @@ defaults and print the same lines."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,40 +14,23 @@ from typing import Any
 import torch
 
 from . import compat
-from .backends import CHAIN_KINDS, BackendSetup, backend_class, parse_hw_options, registry
+from .backends import BackendSetup, backend_class, parse_hw_options, registry
 from .drill import drill_patterns
 from .drill.items import DrillItems
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
-from .judge.tolerances import NOISE_FACTOR, Override, resolve
-from .judge.verdict import Case, Custom, PointResult, judge_point
+from .judge.tolerances import Override
+from .judge.verdict import PointResult
 from .model.lazy_model import HeldThreads
-from .points import Point, describe_layers, parse_layers
+from .points import Point, describe_layers
 from .replay.checks import Checker, Entry
-from .replay.runner import MODES, ParityRunner, Prepared
+from .replay.runner import ParityRunner, Prepared
+from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
 from .replay.weights import weight_items
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
 from .report.summary import summary_lines, summary_table
-
-# Config entries a candidate must share with the golden (label, then the names models use for it).
-CONFIG_KEYS_THAT_MUST_MATCH = (
-    ("model_type", ("model_type",)),
-    ("hidden_size", ("hidden_size",)),
-    ("num_hidden_layers", ("num_hidden_layers",)),
-    ("experts", ("num_local_experts", "num_experts", "n_routed_experts")),
-    ("top_k", ("num_experts_per_tok", "moe_topk", "top_k")),
-    ("vocab_size", ("vocab_size",)),
-)
-
-
-def _chain_of(name: str) -> str | None:
-    """How a registered backend chains (None when it cannot, or cannot be loaded)."""
-    try:
-        return backend_class(name).chain_kind
-    except BackendError:
-        return None
 
 
 def quiet_transformers() -> None:
@@ -102,18 +84,6 @@ class RunOptions:
     )
 
 
-def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
-    def value(cfg: dict[str, Any], names: tuple[str, ...]) -> Any:
-        return next((cfg[n] for n in names if cfg.get(n) is not None), None)
-
-    diffs = []
-    for label, names in CONFIG_KEYS_THAT_MUST_MATCH:
-        g, c = value(golden_cfg, names), value(candidate_cfg, names)
-        if g != c:
-            diffs.append(f"{label}: golden {g!r}, candidate {c!r}")
-    return diffs
-
-
 class ParitySession:
     """Set up in the constructor, which raises `SetupError` with one sentence for anything the user
     must fix; nothing heavy happens until the first point runs."""
@@ -136,7 +106,7 @@ class ParitySession:
             raise SetupError(f"{flags['hw']} {self.hw}: {exc}") from None
         self.candidate_dir, self.candidate_source = self._candidate(cls.needs_checkpoint)
         if cls.needs_checkpoint:
-            self._check_config()
+            check_config(self.golden, self.candidate_dir)
         dtype = None
         if options.dtype is not None:
             try:
@@ -163,9 +133,9 @@ class ParitySession:
             raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
         self.dtype: torch.dtype = self.backend.dtype
         self._fit_threads()
-        self.layers = self._layers()
-        self.mode = self._mode(cls)
-        self._check_noise()
+        self.layers = select_layers(options.layers, self.golden, flags["layers"])
+        self.mode = run_mode(self.golden, cls, options.mode, flags["mode"], self.hw, self.dtype)
+        check_noise(self.golden, self.dtype, [*options.cli_tolerances, *options.ini_tolerances])
         self.runner = ParityRunner(
             self.golden,
             self.backend,
@@ -210,86 +180,6 @@ class ParitySession:
             f"pass the candidate checkpoint with {flags['model']} DIR"
         )
 
-    def _check_config(self) -> None:
-        assert self.candidate_dir is not None
-        config_file = self.candidate_dir / "config.json"
-        if not config_file.is_file():
-            raise SetupError(f"candidate {self.candidate_dir} is not a transformers checkpoint (no config.json)")
-        try:
-            candidate = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise SetupError(f"{config_file} is not valid JSON ({exc})") from None
-        golden_cfg = {**self.golden.config, "model_type": self.golden.model_type}
-        diffs = config_differences(golden_cfg, candidate)
-        if diffs:
-            raise SetupError(f"candidate {self.candidate_dir} does not match the golden's model: " + "; ".join(diffs))
-
-    def _layers(self) -> list[int] | None:
-        text = self.options.layers
-        if text is None or not str(text).strip():
-            return None
-        flag = self.options.flags["layers"]
-        try:
-            layers = parse_layers(text)
-        except ValueError as exc:
-            raise SetupError(f"{flag} {text}: {exc}") from None
-        unknown = sorted(set(layers) - set(self.golden.layers))
-        if unknown:
-            raise SetupError(
-                f"{flag} {text}: the golden has no layer {describe_layers(unknown)}; "
-                f"its layers are {describe_layers(self.golden.layers)}"
-            )
-        return layers
-
-    def _mode(self, cls: type) -> str:
-        captured = self.golden.describe_captured()  # --capture-tokens: judged chained only
-        flag, mode = self.options.flags["mode"], self.options.mode or ("chain" if captured else "isolated")
-        if mode not in MODES:
-            raise SetupError(f"{flag} {mode!r} is not a mode; use one of {', '.join(MODES)}")
-        if captured and mode != "chain":
-            raise SetupError(
-                f"{flag} {mode}: {self.golden.root} keeps only the {captured} in its points' outputs, and none "
-                f"of their inputs (moe-parity golden --capture-tokens): it is judged with {flag} chain"
-            )
-        if mode == "isolated":
-            return mode
-        if cls.chain_kind is None:
-            able = ", ".join(name for name in sorted(registry()) if _chain_of(name) in CHAIN_KINDS)
-            raise SetupError(
-                f"{flag} {mode}: the {self.hw} backend cannot run the candidate on its own inputs; "
-                f"backends that can: {able} (a backend chains by declaring `chain_kind`: see the backend contract)"
-            )
-        if cls.chain_kind not in CHAIN_KINDS:
-            raise SetupError(
-                f"{flag} {mode}: the {self.hw} backend declares chain = {cls.chain_kind!r}; "
-                f"a backend's chain is one of {', '.join(CHAIN_KINDS)} (or None)"
-            )
-        if mode == "both" and cls.chain_kind == "recorded":
-            raise SetupError(
-                f"{flag} both: a {self.hw} candidate holds one run of its own; use {flag} chain if it is "
-                "a whole-model run, isolated if it was fed the golden inputs"
-            )
-        if self.dtype.itemsize < 4 and not self.golden.has_noise(self.dtype, "chain"):
-            raise SetupError(
-                f"{flag} {mode} in {dtype_name(self.dtype)} judges each point against the reference's own "
-                f"{dtype_name(self.dtype)} error, and {self.golden.root} has none: record the golden with "
-                f"`moe-parity golden ... --noise-dtype {dtype_name(self.dtype)}`"
-            )
-        return mode
-
-    def _check_noise(self) -> None:
-        """`noise_factor` set by the user needs noise figures in the candidate's dtype."""
-        asked = [
-            p for p, values in (*self.options.cli_tolerances, *self.options.ini_tolerances) if "noise_factor" in values
-        ]
-        if asked and not self.golden.has_noise(self.dtype, "isolated"):
-            recorded = ", ".join(self.golden.noise_dtypes) or "none"
-            raise SetupError(
-                f"noise_factor ({asked[0]}) needs the reference's own error in {dtype_name(self.dtype)}, which "
-                f"{self.golden.root} does not hold (noise dtypes recorded: {recorded}): record the golden with "
-                f"`moe-parity golden ... --noise-dtype {dtype_name(self.dtype)}`"
-            )
-
     # -- points ---------------------------------------------------------------------------------
     @property
     def points(self) -> list[Point]:
@@ -326,26 +216,6 @@ class ParitySession:
         if isinstance(entry, Point):
             return unjudged_row(entry, status, message)
         return self.checkers[entry.kind].unjudged_row(entry, status, message)
-
-    def missing_steps(self, keyword: str) -> str | None:
-        """Why a -k naming a decode step the golden lacks selects nothing, in one line (or None)."""
-        import re
-
-        asked = [int(n) for n in re.findall(r"step_(\d+)", keyword or "")]
-        steps = self.golden.recorded_steps
-        lacking = [n for n in asked if n not in steps]
-        if not lacking:
-            return None
-        if not steps:
-            have = "no decode steps"
-        elif steps == list(range(1, steps[-1] + 1)):
-            have = f"decode steps 1..{steps[-1]}"
-        else:
-            have = f"decode steps {', '.join(map(str, steps))}"
-        return (
-            f"-k {keyword!r} asks for step_{max(lacking)}; this golden has {have} "
-            f"(record them with `moe-parity golden ... --decode-steps N` or `--decode-at POSITIONS`)"
-        )
 
     def prepare(self, point: Point) -> Prepared:
         return self.runner.prepare(point)
@@ -408,27 +278,11 @@ class ParitySession:
         return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
 
     def mode_hint(self, rows: list[Row]) -> str | None:
-        """A candidate that holds its own run (a dump) judged isolated, against the reference's
-        isolated error, where most failures are within the reference's own chained error: one line
-        saying the chained verdict is the one that fits a whole-model run."""
+        """Where a candidate that holds its own run (a dump) was judged isolated: whether its failures
+        read as a whole-model run's (`setup.chained_hint`)."""
         if self.mode != "isolated" or self.backend.chain_kind != "recorded":
             return None
-        failed = [r for r in rows if r.status == "failed" and r.noise_ratio]
-        figures = self.golden.unsteered_noise(self.dtype)
-        if not failed or not self.golden.has_noise(self.dtype, figures):
-            return None
-        within = 0
-        for row in failed:
-            reference = self.golden.noise(self.dtype, figures, row.id) or {}
-            ratios = [m.rel_l2 / max(reference[t]["rel_l2"], 1e-12) for t, m in row.metrics.items() if t in reference]
-            within += bool(ratios) and max(ratios) <= NOISE_FACTOR
-        if within * 2 < len(failed):
-            return None
-        return (
-            f"{within} of the {len(failed)} failed points are within the reference's own chained error: if the "
-            f"dump is the candidate's own whole-model run (not fed the golden's inputs point by point), judge it "
-            f"chained: {self.options.flags['mode']} chain"
-        )
+        return chained_hint(rows, self.golden, self.dtype, self.options.flags["mode"])
 
     def nothing_compared(self) -> str | None:
         """A run whose every point was skipped compared nothing: a mistake (a dump of other names,
@@ -493,45 +347,3 @@ class ParitySession:
         self._threads = HeldThreads()
         if count is not None:
             self._threads.set(count)
-
-
-class Candidate:
-    """The candidate of a run, for custom tests (the `candidate` fixture)."""
-
-    def __init__(self, session: ParitySession):
-        self._session = session
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._session.dtype
-
-    def module(self, point_or_path: str) -> Any:
-        """The backend's torch module for a point id or module path (backends with modules)."""
-        golden = self._session.golden
-        path = golden.point(point_or_path).module if point_or_path in golden.point_ids else point_or_path
-        return self._session.backend.module(path)
-
-    def call(self, record: Any) -> Any:
-        """The candidate's output on a golden record's inputs (cast as for the parity items)."""
-        return self._session.runner.call(record.point, record).output
-
-
-def judge_custom(
-    name: str,
-    golden: torch.Tensor,
-    candidate: torch.Tensor,
-    *,
-    component: str = "custom",
-    marker: dict[str, Any] | None = None,
-    session: ParitySession | None = None,
-) -> PointResult:
-    """A comparison of two tensors under the tolerance a point called `name` would get (the `parity`
-    fixture): the marker, then the run's --parity-tol and ini patterns, then the dtype defaults."""
-    dtype = session.dtype if session is not None else candidate.dtype
-    cli = session.runner.cli_tolerances if session is not None else []
-    ini = session.runner.ini_tolerances if session is not None else []
-    tol, sources = resolve(name, component, dtype, marker=marker, cli=cli, ini=ini)
-    result = judge_point(Case(Custom(name, component), golden, candidate, tol, dtype))
-    result.tolerance_sources = sources
-    result.golden_dtype = dtype_name(golden.dtype)
-    return result

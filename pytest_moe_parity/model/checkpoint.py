@@ -41,6 +41,18 @@ class Tensor:
         return self.numel * SIZES.get(self.dtype, 0)
 
 
+def read_config(model_dir: Path | str, error: type[Exception] = CheckpointError, missing: str = "") -> dict[str, Any]:
+    """A checkpoint's config.json as written (no transformers), or `error` with one sentence: `missing`
+    where it has none (default: not a transformers checkpoint), or the file's JSON error."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise error(missing or f"{model_dir} is not a transformers checkpoint (no config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise error(f"{path} is not valid JSON ({exc})") from None
+
+
 def read_index(model_dir: Path | str) -> dict[str, str] | None:
     """The shard index's weight map (checkpoint key -> shard file name), or None where the
     directory has no index (a single-file checkpoint)."""

@@ -12,7 +12,6 @@ checkpoint)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput, CheckpointError
 from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
-from ..model.checkpoint import SIZES, Tensor, read_tensors
+from ..model.checkpoint import SIZES, Tensor, read_config, read_tensors
 from ..points import layer_group
 
 NAMES = SAFETENSORS_FLOATS
@@ -100,14 +99,11 @@ def audit(model_dir: Path | str, expect_dtype: str | None = None) -> Audit:
     if expect_dtype is not None:
         expected, source = _spelling(expect_dtype), "--expect-dtype"
     else:
-        config = model_dir / "config.json"
-        declared = None
-        if config.is_file():
-            try:
-                data = json.loads(config.read_text())
-                declared = data.get("torch_dtype") or data.get("dtype")
-            except json.JSONDecodeError:
-                declared = None
+        try:
+            data = read_config(model_dir)
+            declared = data.get("torch_dtype") or data.get("dtype")
+        except CheckpointError:  # none, or not JSON: the dtype holding the most bytes
+            declared = None
         if isinstance(declared, str) and declared.removeprefix("torch.") in NAMES.values():
             expected, source = _spelling(declared), "config.json"
         else:
@@ -315,13 +311,7 @@ def check_context(context: Any, tokens: int, decode_steps: int = 0) -> None:
 def estimate(model_dir: Path | str, seq_len: int, dtype: str | None, max_memory: str | None) -> dict[str, Any]:
     model_dir = Path(model_dir)
     tensors = checkpoint_tensors(model_dir)
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise BadInput(f"{model_dir} has no config.json: the estimate needs the model's shape")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"{config_file} is not valid JSON ({exc})") from None
+    config = read_config(model_dir, BadInput, f"{model_dir} has no config.json: the estimate needs the model's shape")
     shape = Shape.from_config(config)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     check_context(text.get("max_position_embeddings"), seq_len)

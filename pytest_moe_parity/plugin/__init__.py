@@ -1,6 +1,8 @@
 """pytest hooks of pytest-moe-parity: with `--golden-dir`, one test item per capture point of the
 golden, in forward order; without it, the plugin adds nothing and changes nothing. The work is done
-by a `ParitySession` (session.py), which knows nothing of pytest."""
+by a `ParitySession` (session.py), which knows nothing of pytest. Its options and the session made
+from them are here; the items and their collector in `items`, the fixtures of custom tests in
+`fixtures`. Importing the plugin imports neither torch nor transformers."""
 
 from __future__ import annotations
 
@@ -10,24 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .points import COMPONENTS
+from ..points import COMPONENTS
+from .fixtures import candidate, golden, parity  # noqa: F401 (pytest finds a plugin's fixtures on it)
+from .items import SESSION_KEY, ParityCollector, ParityItem, _CheckItem, _message
 
 if TYPE_CHECKING:
-    from .drill.items import DrillEntry
-    from .golden import GoldenStore
-    from .judge.verdict import PointResult
-    from .points import Point
-    from .replay.runner import Prepared
-    from .replay.weights import WeightUnit
-    from .report.rows import Row
-    from .session import Candidate, ParitySession
+    from ..session import ParitySession
 
 COLLECTOR_NAME = "parity"
-SESSION_KEY = pytest.StashKey["ParitySession"]()
 
 
 def _tolerance_arg(text: str) -> tuple[str, dict]:
-    from .judge.tolerances import parse_override
+    from ..judge.tolerances import parse_override
 
     try:
         return parse_override(text)
@@ -92,7 +88,7 @@ _INI = (
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from .judge.tolerances import KEYS
+    from ..judge.tolerances import KEYS
 
     group = parser.getgroup("moe-parity", "MoE layer-by-layer parity against a golden recording")
     for flag, dest, extra, text in _OPTIONS:
@@ -113,8 +109,8 @@ def _golden_dir_option(config: pytest.Config) -> Path | None:
 
 
 def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
-    from .judge.tolerances import parse_ini_lines
-    from .session import ParitySession, RunOptions, SetupError, quiet_transformers
+    from ..judge.tolerances import parse_ini_lines
+    from ..session import ParitySession, RunOptions, SetupError, quiet_transformers
 
     try:
         ini_tolerances = parse_ini_lines(config.getini("parity_tolerances"))
@@ -174,7 +170,7 @@ def _xdist_role(config: pytest.Config) -> dict[str, Any]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from .judge.tolerances import KEYS
+    from ..judge.tolerances import KEYS
 
     config.addinivalue_line("markers", f"parity({'=, '.join(KEYS)}=): tolerance for a moe-parity point or "
                             "for the `parity` fixture")  # fmt: skip
@@ -187,10 +183,6 @@ def pytest_configure(config: pytest.Config) -> None:
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")
-
-
-def _session(config: pytest.Config) -> ParitySession | None:
-    return config.stash.get(SESSION_KEY, None)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -206,7 +198,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Reject unknown `parity` marker keys, whether or not a golden is given; on an xdist worker,
     make sure each layer's items carry their group."""
-    from .judge.tolerances import validate_marker
+    from ..judge.tolerances import validate_marker
 
     if getattr(config.option, "loadgroup", False):
         for item in items:
@@ -292,7 +284,7 @@ class ParityPlugin:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         row = getattr(report, "parity_row", None)
         if row is not None:
-            from .report.rows import Row
+            from ..report.rows import Row
 
             self.session.add_row(Row.from_json(row))
 
@@ -316,212 +308,12 @@ class ParityPlugin:
                 terminalreporter.write_line(line)
         for line, colour in self.session.closing_lines():
             terminalreporter.write_line(line, **({colour: True, "bold": True} if colour else {}))
-        missing = self.session.missing_steps(self.config.option.keyword)
+        from ..replay.setup import missing_steps
+
+        missing = missing_steps(self.session.golden, self.config.option.keyword)
         if missing:
             terminalreporter.write_line(missing, yellow=True, bold=True)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         del config.stash[SESSION_KEY]
         config.pluginmanager.unregister(self)
-
-
-def _message(excinfo: pytest.ExceptionInfo[BaseException] | None) -> str:
-    from .errors import ParityError
-
-    if excinfo is None:
-        return ""
-    exc = excinfo.value
-    plain = isinstance(exc, ParityError | pytest.fail.Exception | pytest.skip.Exception)
-    return str(exc).partition("\n")[0] if plain else f"{type(exc).__name__}: {exc}"
-
-
-class ParityFailure(AssertionError):
-    def __init__(self, result: PointResult):
-        super().__init__(result.id)
-        self.result = result
-
-
-class ParityCollector(pytest.Collector):
-    def collect(self):
-        from .points import Point
-
-        session = _session(self.config)
-        assert session is not None
-        xdist = self.config.pluginmanager.hasplugin("xdist")
-        kinds = {"weights": WeightItem, "drill": DrillItem}  # an item class per kind of checked item
-        for entry in session.schedule():
-            if not isinstance(entry, Point):
-                item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
-                if entry.kind == "drill":
-                    item.add_marker(pytest.mark.drill)
-            else:
-                item = ParityItem.from_parent(self, name=entry.id, entry=entry)
-                item.add_marker(getattr(pytest.mark, entry.component))
-            if xdist and entry.layer is not None:
-                item.add_marker(pytest.mark.xdist_group(name=entry.group))
-            yield item
-
-
-class _CheckItem(pytest.Item):
-    """An item the session checks in one call: its row, and its failure text (None: it passed)."""
-
-    def __init__(self, *, entry: Any, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.entry = entry
-        self.row: Row | None = None
-
-    def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        return session.check(self.entry)
-
-    def runtest(self) -> None:
-        session = _session(self.config)
-        assert session is not None
-        self.row, failure = self.check(session)
-        if failure:
-            pytest.fail(failure, pytrace=False)
-
-    def reportinfo(self):
-        return self.path, 0, f"parity {self.name}"
-
-
-class WeightItem(_CheckItem):
-    """The candidate's weights of one unit (a decoder layer, or the model-level modules) against
-    the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
-
-    entry: WeightUnit
-
-
-class DrillItem(_CheckItem):
-    """One op of a drilled point (`POINT::OP`): failed where it introduced or inherited the
-    divergence, or has no counterpart; `POINT::drill` fails with the whole op table."""
-
-    entry: DrillEntry
-
-    def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        from .errors import ParityError, PointUnavailable
-
-        try:
-            return session.check(self.entry)
-        except PointUnavailable as exc:
-            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
-        except ParityError as exc:  # a drill that cannot run here: one sentence, no traceback
-            message = f"{self.entry.id}: the drill cannot run: {exc}"
-        pytest.fail(message, pytrace=False)
-
-
-class ParityItem(pytest.Item):
-    """One point: setup runs the candidate (its failures are errors of the backend, a point it
-    lacks is skipped), the call judges it (a divergence fails)."""
-
-    def __init__(self, *, entry: Point, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.point = self.entry = entry
-        self.prepared: Prepared | None = None
-        self.result: PointResult | None = None
-        self.row: Row | None = None
-        self.drill_text = ""  # --parity-drill auto: the op table of the run's first failing component
-
-    def setup(self) -> None:
-        from .errors import BackendFailure, BackendStartFailure, GoldenError, PointUnavailable
-
-        session = _session(self.config)
-        assert session is not None
-        try:
-            self.prepared = session.prepare(self.point)
-            return
-        except PointUnavailable as exc:
-            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
-        except GoldenError as exc:
-            message = str(exc)
-        except BackendStartFailure as exc:  # no point can run: said once, at this one, and the run stops
-            self.session.shouldfail = f"moe-parity: --hw {session.hw}: {exc}"
-            message = exc.report()
-        except BackendFailure as exc:
-            message = exc.report()
-        pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
-
-    def runtest(self) -> None:
-        from .errors import BackendFailure
-
-        session = _session(self.config)
-        assert session is not None and self.prepared is not None
-        marker, message = self.get_closest_marker("parity"), ""
-        try:
-            self.result = session.judge(self.prepared, dict(marker.kwargs) if marker else None)
-        except BackendFailure as exc:  # an output the verdict cannot use: an error of this point
-            message = str(exc)
-        if self.result is None:
-            pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
-        from .report.rows import point_row
-
-        self.row = point_row(self.result)
-        self.user_properties.extend(self.result.junit_properties())
-        if not self.result.passed:
-            self.row.drill, self.drill_text = session.auto_drill(self.point)
-            raise ParityFailure(self.result)
-
-    def teardown(self) -> None:
-        self.prepared = None  # tensors go with it: items live until the end of the session
-
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
-        from .report.text import failure_text
-
-        if isinstance(excinfo.value, ParityFailure):
-            text = failure_text(excinfo.value.result)
-            return f"{text}\n{self.drill_text}" if self.drill_text else text
-        return f"{self.name}: {excinfo.exconly()}\n" + str(super().repr_failure(excinfo, style=style or "short"))
-
-    def reportinfo(self):
-        return self.path, 0, f"parity {self.name}"
-
-
-# -- fixtures for custom tests ---------------------------------------------------------------------
-
-
-def _require_session(request: pytest.FixtureRequest) -> ParitySession:
-    session = _session(request.config)
-    if session is None:
-        pytest.skip("needs a golden recording: pass --golden-dir (or set golden_dir in the ini file)")
-    return session
-
-
-@pytest.fixture(scope="session")
-def golden(request: pytest.FixtureRequest) -> GoldenStore:
-    """The golden store: `golden.load("layer_3.attention")` gives its args, kwargs and output."""
-    return _require_session(request).golden
-
-
-@pytest.fixture(scope="session")
-def candidate(request: pytest.FixtureRequest) -> Candidate:
-    """The candidate: `candidate.call(record)` runs a golden record's inputs through the backend;
-    `candidate.module("layer_3.attention")` is its torch module (cpu, cuda); `candidate.dtype`."""
-    from .session import Candidate
-
-    return Candidate(_require_session(request))
-
-
-@pytest.fixture
-def parity(request: pytest.FixtureRequest):
-    """parity(golden_tensor, candidate_tensor, component="custom") compares under the resolved
-    tolerance (the test's parity marker, --parity-tol / ini patterns over the test name, dtype
-    defaults) and fails with the metrics table; returns the PointResult."""
-
-    def check(golden_tensor, candidate_tensor, *, component: str = "custom", point_id: str | None = None):
-        __tracebackhide__ = True
-        from .report.text import failure_text
-        from .session import judge_custom
-
-        marker = request.node.get_closest_marker("parity")
-        result = judge_custom(
-            point_id or request.node.name,
-            golden_tensor,
-            candidate_tensor,
-            component=component,
-            marker=dict(marker.kwargs) if marker else None,
-            session=_session(request.config),
-        )
-        if not result.passed:
-            pytest.fail(failure_text(result), pytrace=False)
-        return result
-
-    return check
