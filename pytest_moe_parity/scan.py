@@ -25,6 +25,7 @@ import torch
 from .backends import Backend, BackendSetup, backend_class, parse_hw_options, registry
 from .dtypes import dtype_name, json_safe
 from .errors import BackendError, BadInput
+from .judge.distance import rel_l2
 from .judge.logits import compare_logits
 from .judge.tolerances import default_tolerance
 from .model.archs import plan_points
@@ -213,9 +214,7 @@ def _judge(
     rounding = set(torch.nonzero(low.argmax(-1) != ref.argmax(-1)).flatten().tolist())
     flips = [t for t in lm.top1.flipped_tokens if t not in rounding]
     ties = len(lm.top1.ties) + len(lm.top1.flipped_tokens) - len(flips)
-    norm = float(ref.double().norm()) or 1.0
-    rel = float((cand.double() - ref.double()).norm()) / norm
-    noise = float((low.double() - ref.double()).norm()) / norm
+    rel, noise = rel_l2(cand.double(), ref.double()), rel_l2(low.double(), ref.double())
     ratio = rel / max(noise, NOISE_FLOOR)
     worst = lm.kl_worst[0][0] if lm.kl_worst else None
     result = PromptResult(

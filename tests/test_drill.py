@@ -653,7 +653,7 @@ def test_a_stored_op_this_torch_lacks_is_one_sentence(pytester, golden_dir, tmp_
 
 def test_masked_entries_compare_as_masks() -> None:
     """Attention scores with the dtype's lowest at masked positions: the unmasked entries decide."""
-    from pytest_moe_parity.drill.match import rel_l2, unmasked_norm
+    from pytest_moe_parity.judge.distance import rel_l2, unmasked_norm
 
     ref = torch.tensor([1.0, 2.0, torch.finfo(torch.float32).min, -float("inf")])
     assert rel_l2(ref.clone(), ref) == 0.0

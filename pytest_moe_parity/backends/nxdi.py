@@ -46,10 +46,11 @@ from ..compat import legacy_rope, load_config
 from ..dump.nxdi_capture import read_table, table_names
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord
+from ..judge.distance import rel_l2_flat
 from ..model.calls import cache_states
 from ..model.checkpoint import weight_map
 from ..points import Point, layer_group
-from ..tree import CacheState, leaves
+from ..tree import CacheState, first_tensor, leaves
 from . import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
 
 INSTALL = (
@@ -290,21 +291,6 @@ def _merge(info: dict[str, Any], more: dict[str, Any]) -> None:
     info.update({k: v for k, v in more.items() if k not in ("notes", "hint")})
     if not info["notes"]:
         del info["notes"]
-
-
-def first_tensor(value: Any) -> torch.Tensor:
-    """The first tensor of an output (a module's hidden states, a router's logits)."""
-    while isinstance(value, tuple | list):
-        value = value[0]
-    return value
-
-
-def rel_error(candidate: torch.Tensor, expected: torch.Tensor) -> float:
-    """||candidate - expected|| / ||expected|| over the flattened values (inf where sizes differ)."""
-    if candidate.numel() != expected.numel():
-        return float("inf")
-    c, e = candidate.detach().double().flatten(), expected.detach().double().flatten()
-    return float((c - e).norm() / e.norm().clamp_min(1e-30))
 
 
 def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
@@ -575,7 +561,7 @@ class NxdiBackend(Backend):
             return out
         expected = first_tensor(self.golden.load(point).output)  # what the backend is handed has no output
         if differ:
-            summed = rel_error(sum(f.double() for f in firsts), expected) < 0.1 * rel_error(firsts[0], expected)
+            summed = rel_l2_flat(sum(f.double() for f in firsts), expected) < 0.1 * rel_l2_flat(firsts[0], expected)
             ranks = ", ".join(map(str, differ))
             out["notes"] = [f"tensor parallelism: rank(s) {ranks} of {self.tp} output other values than rank 0"]
             out["hint"] = (
@@ -601,7 +587,7 @@ class NxdiBackend(Backend):
         divergence comes from the parallelism."""
         _, spec, inputs, at_tp = self._last
         single = first_tensor(self._module(point, point.component, spec, inputs, tp=1)(*inputs))
-        err_n, err_1 = rel_error(at_tp, expected), rel_error(single, expected)
+        err_n, err_1 = rel_l2_flat(at_tp, expected), rel_l2_flat(single, expected)
         out: dict[str, Any] = {
             "notes": [f"TP differential: rel_l2 to the golden {err_n:.3g} at TP {self.tp}, {err_1:.3g} at TP 1"]
         }

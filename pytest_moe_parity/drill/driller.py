@@ -16,6 +16,7 @@ from ..dtypes import dtype_name
 from ..errors import ParityError
 from ..golden import GoldenStore
 from ..golden.spec import ParamRef, resolve_params
+from ..judge.distance import rel_l2
 from ..judge.tolerances import NOISE_FLOOR_EPS
 from ..model.calls import with_cache_kwarg, with_live_caches
 from ..points import ROUTER, Point
@@ -24,7 +25,6 @@ from ..tree import first_tensor
 from . import store
 from .capture import OpGraph, capture_ops, extend
 from .engine import Drill, Reference, run_drill
-from .match import rel_l2
 from .ranks import join_ranks
 
 if TYPE_CHECKING:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..judge.distance import rel_l2, unmasked_norm
 from ..report.text import SHOWN
 from .capture import OpGraph, OpNode, Ref
 from .match import (
@@ -50,8 +51,6 @@ from .match import (
     _consumers,
     _sources,
     match,
-    rel_l2,
-    unmasked_norm,
 )
 
 Execute = Callable[[OpNode, list, dict], Any]

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
+from .distance import rel_l2
+
 # Agreement of two float32 copies of one weight: bf16 storage rounds at 2^-8 relative.
 REL_TOL = 2.0**-7
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||, in float64."""
-    a, b = a.double(), b.double()
-    den = b.norm().item()
-    return (a - b).norm().item() / den if den > 0 else float((a - b).norm().item() > 0)
+    """||a - b|| / ||b||, in float64 (`distance.rel_l2`)."""
+    return rel_l2(a.double(), b.double())
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
