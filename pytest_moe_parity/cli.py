@@ -50,7 +50,40 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-parity", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add_arguments in (  # each command's options beside the command, in the help's order
+        _tiny_model_arguments,
+        _golden_arguments,
+        _scan_arguments,
+        _compare_arguments,
+        _demo_arguments,
+        _show_arguments,
+        _drill_ops_arguments,
+        _report_arguments,
+        _diff_arguments,
+        _audit_arguments,
+        _estimate_arguments,
+    ):
+        add_arguments(sub)
+    return parser
 
+
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 1.0:
+        raise argparse.ArgumentTypeError(f"the factor must be above 1, got {text}")
+    return value
+
+
+def _quiet_transformers() -> None:
+    from .session import quiet_transformers
+
+    quiet_transformers()
+
+
+def _tiny_model_arguments(sub: Any) -> None:
     tiny = sub.add_parser("tiny-model", help="write a deterministic tiny random-init MoE checkpoint")
     tiny.add_argument("--arch", required=True, help="a transformers model_type, e.g. minimax_m2")
     tiny.add_argument("--out", required=True, type=Path, help="directory to write the checkpoint to")
@@ -62,6 +95,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="max safetensors shard size, hub-style sharding (default: 500KB)",
     )
 
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from .record.tiny import available_archs, write_tiny_model
+
+    archs = available_archs()
+    if args.arch not in archs:
+        return _fail(f"unknown --arch {args.arch!r}; available: {', '.join(archs)}")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        return _fail(f"{args.out} exists and is not empty; choose another --out")
+    _quiet_transformers()
+    out = write_tiny_model(args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size)
+    files = sorted(p.name for p in out.iterdir())
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out}: {len(files)} files, {size / 1e6:.2f} MB")
+    return EXIT_OK
+
+
+def _noise_dtype(text: str | None, golden_dtype: str) -> str | None:
+    """The --noise-dtype, checked before anything is recorded; BadInput naming what is wrong."""
+    from .dtypes import dtype_name, parse_dtype
+    from .errors import BadInput
+
+    if text is None:
+        return None
+    try:
+        name = dtype_name(parse_dtype(text, floating=True))
+    except ValueError:
+        raise BadInput(f"--noise-dtype {text!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
+    try:
+        same = name == dtype_name(parse_dtype(golden_dtype))
+    except ValueError:
+        return name  # record_golden reports the bad --dtype
+    if same:
+        raise BadInput(f"--noise-dtype {name} is the dtype the reference records in: pick a lower one, e.g. bfloat16")
+    return name
+
+
+def _golden_arguments(sub: Any) -> None:
     golden = sub.add_parser("golden", help="record the reference model's golden run")
     golden.add_argument("--model", required=True, type=Path, help="reference checkpoint directory")
     golden.add_argument("--out", required=True, type=Path, help="golden directory to write")
@@ -95,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens of deterministic input ids when neither --prompt nor --input-ids is given (default: 16)",
     )
+    _golden_run_arguments(golden)
+
+
+def _golden_run_arguments(golden: Any) -> None:
+    """How `moe-parity golden` runs the reference: dtype, placement, what it keeps."""
     golden.add_argument("--dtype", default="float32", help="dtype to run the reference in (default: float32)")
     golden.add_argument("--device", default="cpu", help="device for a single-device run (default: cpu)")
     golden.add_argument("--device-map", default=None, help="accelerate device map: auto, balanced, sequential, ...")
@@ -169,6 +245,372 @@ def build_parser() -> argparse.ArgumentParser:
     )
     golden.add_argument("-q", "--quiet", action="store_true", help="print only the closing line")
 
+
+def cmd_golden(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .record.run import BadInput, GoldenRequest
+    from .replay.noise import record_noise
+
+    _quiet_transformers()
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
+    try:
+        noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
+        # the request's options are the command line's, by the same names
+        named = {f.name: getattr(args, f.name) for f in fields(GoldenRequest) if f.name not in ("model_dir", "out")}
+        request = GoldenRequest(args.model, args.out, **{**named, "decode_steps": args.decode_steps or 0})
+        result = request.record(progress=say)
+        seconds = result.seconds
+        if noise_dtype is not None:
+            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
+            seconds += record_noise(
+                result.out, noise_dtype, model_dir=args.model, device=device,
+                trust_remote_code=args.trust_remote_code, progress=say,
+            )["recorded"]["seconds"]  # fmt: skip
+    except BadInput as exc:
+        return _fail(str(exc))
+    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
+    if result.decode:
+        noise = f", prefill and {result.decode}{noise}"
+    print(
+        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
+    )
+    return EXIT_OK
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _show_arguments(sub: Any) -> None:
+    show = sub.add_parser("show", help="list the points of a golden directory")
+    show.add_argument("golden", type=Path)
+    show.add_argument("--verify", action="store_true", help="check every file's sha256")
+    show.add_argument(
+        "--inputs", action="store_true", help="show each point's call: args, kwargs and output, with shapes and dtypes"
+    )
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .golden import GoldenError, GoldenStore
+    from .golden.spec import describe
+    from .points import describe_layers
+
+    try:
+        store = GoldenStore(args.golden, verify=args.verify)
+        if args.verify:
+            store.verify_all()
+    except GoldenError as exc:
+        return _fail(str(exc))
+    m = store.manifest
+    model = m["model"]
+    print(f"{args.golden}: {model['model_type']} from {model['path']}")
+    print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
+    rows = f"{store.sequences} rows of " if store.sequences > 1 else ""
+    padded = f", padded {m['inputs'].get('padding_side')}" if store.padded else ""
+    print(f"  {rows}{m['inputs']['seq_len']} tokens{padded}, recorded in {m['record']['dtype']} on "
+          f"{m['record']['devices']}")  # fmt: skip
+    for i, prompt in enumerate(store.prompts):
+        print(f"    row {i}: {prompt}")
+    if "layers" in m["record"]:
+        print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
+    if store.decode_steps:
+        print(f"  then {store.describe_steps()}")
+    if args.inputs:
+        ids = m["inputs"]["input_ids"]
+        rows = ids if ids and isinstance(ids[0], list) else [ids]
+        for i, row in enumerate(rows):
+            print(f"  input ids{f' (row {i})' if len(rows) > 1 else ''}: {', '.join(map(str, row))}")
+        if store.decode_steps:
+            tokens = ", ".join(f"step_{k} {t}" for k, t in enumerate(store.decode_tokens, 1))
+            print(f"  decode tokens (the reference's greedy choice fed at each step): {tokens}")
+    for point in store.points:
+        entry = store.entry(point)
+        outputs = describe(entry["output"], entry["tensors"], "out")
+        if not args.inputs:
+            shapes = ", ".join(text.removeprefix("tensor ") for _, text in outputs if text.startswith("tensor"))
+            print(f"  {point.id:<28} {point.module:<40} out {shapes}")
+            continue
+        print(f"  {point.id}  ({point.module})")
+        tensors = entry["tensors"]
+        calls = [row for i, spec in enumerate(entry["inputs"]["args"]) for row in describe(spec, tensors, f"args.{i}")]
+        calls += [
+            row for k, spec in entry["inputs"]["kwargs"].items() for row in describe(spec, tensors, f"kwargs.{k}")
+        ]
+        for path, text in calls + outputs:
+            print(f"    {path:<36} {text}")
+    if args.verify:
+        print("  all files match their sha256")
+    return EXIT_OK
+
+
+def _compare_arguments(sub: Any) -> None:
+    compare = sub.add_parser(
+        "compare", help="compare tensors dumped by another framework with a golden (exit 1 on a divergence)"
+    )
+    compare.add_argument("golden", type=Path, help="golden directory")
+    compare.add_argument("candidate", type=Path, help="directory of dumped .safetensors / .pt files")
+    compare.add_argument("--map", type=Path, default=None, help="JSON map of point ids to dumped tensor names")
+    compare.add_argument("--report", type=Path, default=None, help="write comparison_report/summary.json here")
+    compare.add_argument(
+        "--plots",
+        choices=("yes", "no"),
+        default="yes",
+        help="draw the report's pictures beside its JSON (default: yes)",
+    )
+    compare.add_argument("--dtype", default=None, help="the candidate's dtype for the default tolerances")
+    compare.add_argument(
+        "--mode",
+        choices=("isolated", "chain"),
+        default=None,
+        help="isolated: the dump was taken on the golden's inputs; chain: it is the candidate's own whole-model run, "
+        "judged against the reference's own error (needs a golden recorded with --noise-dtype)",
+    )
+    compare.add_argument(
+        "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
+    )
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """A dump compared offline: the same session, rows and summary lines as `pytest --hw dump`."""
+    from .errors import GoldenError
+    from .judge.tolerances import parse_override
+    from .session import ParitySession, RunOptions, SetupError
+
+    try:
+        tolerances = [parse_override(t) for t in args.tol]
+    except ValueError as exc:
+        return _fail(f"--tol: {exc}")
+    flags = {
+        "golden": "GOLDEN",
+        "model": "CANDIDATE_DIR",
+        "dtype": "--dtype",
+        "hw": "--hw",
+        "layers": "--layers",
+        "mode": "--mode",
+    }
+    options = RunOptions(
+        golden_dir=args.golden,
+        hw="dump",
+        model=args.candidate,
+        dtype=args.dtype,
+        mode=args.mode,
+        hw_options=[f"map={args.map.resolve()}"] if args.map else [],
+        cli_tolerances=tolerances,
+        report_dir=args.report,
+        plots=args.plots == "yes",
+        flags=flags,
+        freeze_gc=True,
+    )
+    try:
+        session = ParitySession(options)
+    except (SetupError, GoldenError) as exc:
+        return _fail(str(exc))
+    try:
+        rows = list(session.run_all())
+        nothing = session.nothing_compared()
+        if nothing is not None:
+            return _fail(nothing)
+        session.write_reports()
+        for line, _ in session.closing_lines():
+            print(line)
+    except (SetupError, GoldenError) as exc:
+        return _fail(str(exc))
+    finally:
+        session.close()
+    failed = any(r.status in ("failed", "error") for r in rows)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _demo_arguments(sub: Any) -> None:
+    demo = sub.add_parser(
+        "demo", help="record the bundled tiny MiniMax-M2, then run the plugin on its golden with a bf16 candidate"
+    )
+    demo.add_argument("--out", type=Path, default=None, help="where to record (default: a temporary directory)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: record, check the recording against the bundled golden, run
+    `pytest --golden-dir <bundled golden> --dtype bfloat16` and print its summary."""
+    import tempfile
+
+    import pytest
+
+    from .golden import GoldenStore
+    from .record.run import record_golden
+    from .record.tiny import fixtures_dir
+
+    bundled = fixtures_dir() / "demo"
+    _quiet_transformers()
+    with tempfile.TemporaryDirectory(prefix="moe-parity-demo-") as tmp:
+        out = args.out or Path(tmp) / "golden"
+        print(f"1. recording the bundled tiny MiniMax-M2 ({bundled / 'model'}) -> {out}")
+        seq_len = GoldenStore(bundled / "golden").manifest["inputs"]["seq_len"]
+        try:
+            result = record_golden(
+                bundled / "model", out, seq_len=seq_len, overwrite=True, progress=lambda m: print("   " + m)
+            )
+        except Exception as exc:  # a BadInput here means --out is unusable
+            return _fail(str(exc))
+        print(f"   golden written: {result.points} points, {result.bytes / 1e6:.2f} MB, {result.seconds:.1f} s")
+        print(f"   {_matches_bundled(GoldenStore(out), GoldenStore(bundled / 'golden'))}")
+        print(f"2. pytest --golden-dir {bundled / 'golden'} --hw cpu --dtype bfloat16", flush=True)
+        code = pytest.main(
+            ["--golden-dir", str(bundled / "golden"), "--hw", "cpu", "--dtype", "bfloat16", "-q",
+             "-p", "no:cacheprovider", "--rootdir", tmp, "-c", os.devnull,
+             # this process imported the plugin before pytest started: nothing to rewrite
+             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        )  # fmt: skip
+    return int(code)
+
+
+def _matches_bundled(fresh, ref) -> str:
+    """Whether a fresh recording reproduces the bundled golden. Another CPU's float32 kernels may
+    sum in another order (e.g. AVX-512 against AVX2), so float tensors may differ by rounding."""
+    import torch
+
+    from .judge.metrics import compare_tensors
+
+    if fresh.point_ids != ref.point_ids:
+        return "matches the bundled golden: NO (other points: different transformers?)"
+    worst = 0.0
+    for pid in ref.point_ids:
+        a, b = fresh.tensors(pid), ref.tensors(pid)
+        if a.keys() != b.keys():
+            return f"matches the bundled golden: NO ({pid} records other tensors)"
+        for key, t in b.items():
+            if torch.equal(a[key], t):
+                continue
+            if not t.is_floating_point():
+                return f"matches the bundled golden: NO ({key} differs)"
+            worst = max(worst, compare_tensors(t, a[key]).rel_l2)
+    if worst == 0.0:
+        return "matches the bundled golden: yes (bitwise)"
+    verdict = "yes" if worst <= 1e-5 else "NO"
+    return f"matches the bundled golden: {verdict} (float32 rounding of this CPU's kernels, max rel_l2 {worst:.1e})"
+
+
+def _report_arguments(sub: Any) -> None:
+    report = sub.add_parser("report", help="redraw a report's pictures and print its summary from the JSON")
+    report.add_argument("report", type=Path, help="a --parity-report directory (or its comparison_report.json)")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
+    from .report.files import plots_line, read_report, report_rows
+    from .report.plots import PlotsUnavailable, render_plots
+    from .report.summary import summary_lines, summary_table
+
+    try:
+        report = read_report(args.report)
+    except ValueError as exc:
+        return _fail(str(exc))
+    directory = args.report if args.report.is_dir() else args.report.parent
+    rows = report_rows(report)
+    points = [r for r in rows if r.kind != "op"]  # a drill's ops are its table, not points
+    try:  # the pictures are what this command is for: without matplotlib, say so and fail
+        written = render_plots(points, directory)
+    except PlotsUnavailable as exc:
+        return _fail(str(exc))
+    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(points)} points)")
+    for line in summary_table(rows):
+        print(line)
+    for line, _ in summary_lines(rows):
+        print(line)
+    print(plots_line(written, directory))
+    return EXIT_OK
+
+
+def _describe_run(report: dict) -> str:
+    return (
+        f"{report.get('model_type', '?')} on --hw {report.get('hw', '?')} in {report.get('dtype', '?')}, "
+        f"{report.get('mode', 'isolated')} mode"
+    )
+
+
+def _diff_arguments(sub: Any) -> None:
+    diff = sub.add_parser(
+        "diff", help="points that got worse from one report to the next (exit 1 when any did, 2 if not comparable)"
+    )
+    diff.add_argument("old", type=Path, help="the earlier --parity-report directory (or its JSON)")
+    diff.add_argument("new", type=Path, help="the later one")
+    diff.add_argument(
+        "--factor", type=_factor, default=2.0, help="a figure counts as worse beyond this factor (default 2)"
+    )
+    diff.add_argument(
+        "--min-error",
+        type=float,
+        default=1e-3,
+        help="a rel_l2 below this is rounding, whatever its growth (default 1e-3)",
+    )
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Points that got worse between two reports: exit 1 when any did, 2 when they are not comparable."""
+    from .report.files import read_report
+    from .report.history import comparable, diff_reports
+
+    try:
+        old, new = read_report(args.old), read_report(args.new)
+    except ValueError as exc:
+        return _fail(str(exc))
+    reason = comparable(old, new)
+    if reason is not None:
+        return _fail(reason)
+    result = diff_reports(old, new, factor=args.factor, min_error=args.min_error)
+    if not result.common:
+        return _fail(f"{args.old} and {args.new} share no point; nothing to compare")
+    for line in result.lines(str(args.old), str(args.new), args.factor):
+        print(line)
+    return EXIT_FAILED if result.worse else EXIT_OK
+
+
+def _checkpoint_report(args: argparse.Namespace, run, lines, as_json) -> tuple[int | None, Any]:
+    """Run `run()` (audit or estimate), print `lines(result)` and write `as_json(result)` to --json;
+    (exit code, result), the exit code set only on bad input."""
+    from .errors import BadInput
+
+    try:
+        result = run()
+    except BadInput as exc:
+        return _fail(str(exc)), None
+    for line in lines(result):
+        print(line)
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(as_json(result), indent=2) + "\n")
+        except OSError as exc:
+            return _fail(f"--json {args.json}: cannot write it ({exc})"), None
+    return None, result
+
+
+def _audit_arguments(sub: Any) -> None:
+    audit = sub.add_parser(
+        "audit",
+        help="a checkpoint's dtypes and expert-fusion memory from its safetensors headers (exit 1 on a finding)",
+    )
+    audit.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
+    audit.add_argument(
+        "--expect-dtype", default=None, help="the dtype every tensor should have (default: config.json's)"
+    )
+    audit.add_argument("--json", type=Path, default=None, help="also write the audit as JSON to this file")
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
+    from .record.audit import audit, text_lines
+
+    code, result = _checkpoint_report(
+        args, lambda: audit(args.model, args.expect_dtype), lambda r: text_lines(r, args.model), lambda r: r.to_dict()
+    )
+    if code is not None:
+        return code
+    return EXIT_FAILED if result.findings else EXIT_OK
+
+
+def _scan_arguments(sub: Any) -> None:
     scan = sub.add_parser(
         "scan",
         help="find the prompts that show a problem: rank them by how far the candidate's next tokens leave the "
@@ -233,437 +675,6 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code")
     scan.add_argument("-q", "--quiet", action="store_true", help="print only the table and the closing line")
 
-    compare = sub.add_parser(
-        "compare", help="compare tensors dumped by another framework with a golden (exit 1 on a divergence)"
-    )
-    compare.add_argument("golden", type=Path, help="golden directory")
-    compare.add_argument("candidate", type=Path, help="directory of dumped .safetensors / .pt files")
-    compare.add_argument("--map", type=Path, default=None, help="JSON map of point ids to dumped tensor names")
-    compare.add_argument("--report", type=Path, default=None, help="write comparison_report/summary.json here")
-    compare.add_argument(
-        "--plots",
-        choices=("yes", "no"),
-        default="yes",
-        help="draw the report's pictures beside its JSON (default: yes)",
-    )
-    compare.add_argument("--dtype", default=None, help="the candidate's dtype for the default tolerances")
-    compare.add_argument(
-        "--mode",
-        choices=("isolated", "chain"),
-        default=None,
-        help="isolated: the dump was taken on the golden's inputs; chain: it is the candidate's own whole-model run, "
-        "judged against the reference's own error (needs a golden recorded with --noise-dtype)",
-    )
-    compare.add_argument(
-        "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
-    )
-
-    demo = sub.add_parser(
-        "demo", help="record the bundled tiny MiniMax-M2, then run the plugin on its golden with a bf16 candidate"
-    )
-    demo.add_argument("--out", type=Path, default=None, help="where to record (default: a temporary directory)")
-
-    show = sub.add_parser("show", help="list the points of a golden directory")
-    show.add_argument("golden", type=Path)
-    show.add_argument("--verify", action="store_true", help="check every file's sha256")
-    show.add_argument(
-        "--inputs", action="store_true", help="show each point's call: args, kwargs and output, with shapes and dtypes"
-    )
-    ops = sub.add_parser(
-        "drill-ops",
-        help="record the reference's ops at some points into a golden, for --parity-drill where the golden's model "
-        "cannot run (the Neuron SDK's stack) or is not copied",
-    )
-    ops.add_argument("golden", type=Path, help="golden directory (the ops go to its drill/ folder)")
-    ops.add_argument(
-        "--points", required=True, action="append", help="point ids or glob patterns, comma-separated (repeatable)"
-    )
-    ops.add_argument(
-        "--dtype",
-        action="append",
-        default=None,
-        help="the candidate's dtype, whose run of the reference gives each op its noise floor (repeatable; "
-        "default: bfloat16)",
-    )
-    ops.add_argument("--model", type=Path, default=None, help="the golden's model (default: where it was recorded)")
-    ops.add_argument(
-        "--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code (off by default)"
-    )
-    report = sub.add_parser("report", help="redraw a report's pictures and print its summary from the JSON")
-    report.add_argument("report", type=Path, help="a --parity-report directory (or its comparison_report.json)")
-
-    diff = sub.add_parser(
-        "diff", help="points that got worse from one report to the next (exit 1 when any did, 2 if not comparable)"
-    )
-    diff.add_argument("old", type=Path, help="the earlier --parity-report directory (or its JSON)")
-    diff.add_argument("new", type=Path, help="the later one")
-    diff.add_argument(
-        "--factor", type=_factor, default=2.0, help="a figure counts as worse beyond this factor (default 2)"
-    )
-    diff.add_argument(
-        "--min-error",
-        type=float,
-        default=1e-3,
-        help="a rel_l2 below this is rounding, whatever its growth (default 1e-3)",
-    )
-    audit = sub.add_parser(
-        "audit",
-        help="a checkpoint's dtypes and expert-fusion memory from its safetensors headers (exit 1 on a finding)",
-    )
-    audit.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
-    audit.add_argument(
-        "--expect-dtype", default=None, help="the dtype every tensor should have (default: config.json's)"
-    )
-    audit.add_argument("--json", type=Path, default=None, help="also write the audit as JSON to this file")
-    estimate = sub.add_parser(
-        "estimate", help="weights, activations, golden size and whether a placement fits, from headers and config"
-    )
-    estimate.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
-    estimate.add_argument("--seq-len", type=_positive_int, default=16, help="tokens of the golden run (default: 16)")
-    estimate.add_argument("--dtype", default=None, help="dtype to run in (default: the weights as stored)")
-    estimate.add_argument("--max-memory", default=None, help="devices to place on, e.g. 0:60GiB,1:60GiB,cpu:200GiB")
-    estimate.add_argument("--json", type=Path, default=None, help="also write the estimate as JSON to this file")
-    return parser
-
-
-def _factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 1.0:
-        raise argparse.ArgumentTypeError(f"the factor must be above 1, got {text}")
-    return value
-
-
-def _quiet_transformers() -> None:
-    from .session import quiet_transformers
-
-    quiet_transformers()
-
-
-def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from .record.tiny import available_archs, write_tiny_model
-
-    archs = available_archs()
-    if args.arch not in archs:
-        return _fail(f"unknown --arch {args.arch!r}; available: {', '.join(archs)}")
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        return _fail(f"{args.out} exists and is not empty; choose another --out")
-    _quiet_transformers()
-    out = write_tiny_model(args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size)
-    files = sorted(p.name for p in out.iterdir())
-    size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out}: {len(files)} files, {size / 1e6:.2f} MB")
-    return EXIT_OK
-
-
-def _noise_dtype(text: str | None, golden_dtype: str) -> str | None:
-    """The --noise-dtype, checked before anything is recorded; BadInput naming what is wrong."""
-    from .dtypes import dtype_name, parse_dtype
-    from .errors import BadInput
-
-    if text is None:
-        return None
-    try:
-        name = dtype_name(parse_dtype(text, floating=True))
-    except ValueError:
-        raise BadInput(f"--noise-dtype {text!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
-    try:
-        same = name == dtype_name(parse_dtype(golden_dtype))
-    except ValueError:
-        return name  # record_golden reports the bad --dtype
-    if same:
-        raise BadInput(f"--noise-dtype {name} is the dtype the reference records in: pick a lower one, e.g. bfloat16")
-    return name
-
-
-def cmd_golden(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from .record.run import BadInput, GoldenRequest
-    from .replay.noise import record_noise
-
-    _quiet_transformers()
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    try:
-        noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
-        # the request's options are the command line's, by the same names
-        named = {f.name: getattr(args, f.name) for f in fields(GoldenRequest) if f.name not in ("model_dir", "out")}
-        request = GoldenRequest(args.model, args.out, **{**named, "decode_steps": args.decode_steps or 0})
-        result = request.record(progress=say)
-        seconds = result.seconds
-        if noise_dtype is not None:
-            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
-            seconds += record_noise(
-                result.out, noise_dtype, model_dir=args.model, device=device,
-                trust_remote_code=args.trust_remote_code, progress=say,
-            )["recorded"]["seconds"]  # fmt: skip
-    except BadInput as exc:
-        return _fail(str(exc))
-    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
-    if result.decode:
-        noise = f", prefill and {result.decode}{noise}"
-    print(
-        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
-    )
-    return EXIT_OK
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    from .golden import GoldenError, GoldenStore
-    from .golden.spec import describe
-    from .points import describe_layers
-
-    try:
-        store = GoldenStore(args.golden, verify=args.verify)
-        if args.verify:
-            store.verify_all()
-    except GoldenError as exc:
-        return _fail(str(exc))
-    m = store.manifest
-    model = m["model"]
-    print(f"{args.golden}: {model['model_type']} from {model['path']}")
-    print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
-    rows = f"{store.sequences} rows of " if store.sequences > 1 else ""
-    padded = f", padded {m['inputs'].get('padding_side')}" if store.padded else ""
-    print(f"  {rows}{m['inputs']['seq_len']} tokens{padded}, recorded in {m['record']['dtype']} on "
-          f"{m['record']['devices']}")  # fmt: skip
-    for i, prompt in enumerate(store.prompts):
-        print(f"    row {i}: {prompt}")
-    if "layers" in m["record"]:
-        print(f"  a slice: layers {describe_layers(store.layers)} of {model.get('num_hidden_layers')}")
-    if store.decode_steps:
-        print(f"  then {store.describe_steps()}")
-    if args.inputs:
-        ids = m["inputs"]["input_ids"]
-        rows = ids if ids and isinstance(ids[0], list) else [ids]
-        for i, row in enumerate(rows):
-            print(f"  input ids{f' (row {i})' if len(rows) > 1 else ''}: {', '.join(map(str, row))}")
-        if store.decode_steps:
-            tokens = ", ".join(f"step_{k} {t}" for k, t in enumerate(store.decode_tokens, 1))
-            print(f"  decode tokens (the reference's greedy choice fed at each step): {tokens}")
-    for point in store.points:
-        entry = store.entry(point)
-        outputs = describe(entry["output"], entry["tensors"], "out")
-        if not args.inputs:
-            shapes = ", ".join(text.removeprefix("tensor ") for _, text in outputs if text.startswith("tensor"))
-            print(f"  {point.id:<28} {point.module:<40} out {shapes}")
-            continue
-        print(f"  {point.id}  ({point.module})")
-        tensors = entry["tensors"]
-        calls = [row for i, spec in enumerate(entry["inputs"]["args"]) for row in describe(spec, tensors, f"args.{i}")]
-        calls += [
-            row for k, spec in entry["inputs"]["kwargs"].items() for row in describe(spec, tensors, f"kwargs.{k}")
-        ]
-        for path, text in calls + outputs:
-            print(f"    {path:<36} {text}")
-    if args.verify:
-        print("  all files match their sha256")
-    return EXIT_OK
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    """A dump compared offline: the same session, rows and summary lines as `pytest --hw dump`."""
-    from .errors import GoldenError
-    from .judge.tolerances import parse_override
-    from .session import ParitySession, RunOptions, SetupError
-
-    try:
-        tolerances = [parse_override(t) for t in args.tol]
-    except ValueError as exc:
-        return _fail(f"--tol: {exc}")
-    flags = {
-        "golden": "GOLDEN",
-        "model": "CANDIDATE_DIR",
-        "dtype": "--dtype",
-        "hw": "--hw",
-        "layers": "--layers",
-        "mode": "--mode",
-    }
-    options = RunOptions(
-        golden_dir=args.golden,
-        hw="dump",
-        model=args.candidate,
-        dtype=args.dtype,
-        mode=args.mode,
-        hw_options=[f"map={args.map.resolve()}"] if args.map else [],
-        cli_tolerances=tolerances,
-        report_dir=args.report,
-        plots=args.plots == "yes",
-        flags=flags,
-        freeze_gc=True,
-    )
-    try:
-        session = ParitySession(options)
-    except (SetupError, GoldenError) as exc:
-        return _fail(str(exc))
-    try:
-        rows = list(session.run_all())
-        nothing = session.nothing_compared()
-        if nothing is not None:
-            return _fail(nothing)
-        session.write_reports()
-        for line, _ in session.closing_lines():
-            print(line)
-    except (SetupError, GoldenError) as exc:
-        return _fail(str(exc))
-    finally:
-        session.close()
-    failed = any(r.status in ("failed", "error") for r in rows)
-    return EXIT_FAILED if failed else EXIT_OK
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The README's first command: record, check the recording against the bundled golden, run
-    `pytest --golden-dir <bundled golden> --dtype bfloat16` and print its summary."""
-    import tempfile
-
-    import pytest
-
-    from .golden import GoldenStore
-    from .record.run import record_golden
-    from .record.tiny import fixtures_dir
-
-    bundled = fixtures_dir() / "demo"
-    _quiet_transformers()
-    with tempfile.TemporaryDirectory(prefix="moe-parity-demo-") as tmp:
-        out = args.out or Path(tmp) / "golden"
-        print(f"1. recording the bundled tiny MiniMax-M2 ({bundled / 'model'}) -> {out}")
-        seq_len = GoldenStore(bundled / "golden").manifest["inputs"]["seq_len"]
-        try:
-            result = record_golden(
-                bundled / "model", out, seq_len=seq_len, overwrite=True, progress=lambda m: print("   " + m)
-            )
-        except Exception as exc:  # a BadInput here means --out is unusable
-            return _fail(str(exc))
-        print(f"   golden written: {result.points} points, {result.bytes / 1e6:.2f} MB, {result.seconds:.1f} s")
-        print(f"   {_matches_bundled(GoldenStore(out), GoldenStore(bundled / 'golden'))}")
-        print(f"2. pytest --golden-dir {bundled / 'golden'} --hw cpu --dtype bfloat16", flush=True)
-        code = pytest.main(
-            ["--golden-dir", str(bundled / "golden"), "--hw", "cpu", "--dtype", "bfloat16", "-q",
-             "-p", "no:cacheprovider", "--rootdir", tmp, "-c", os.devnull,
-             # this process imported the plugin before pytest started: nothing to rewrite
-             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
-        )  # fmt: skip
-    return int(code)
-
-
-def _matches_bundled(fresh, ref) -> str:
-    """Whether a fresh recording reproduces the bundled golden. Another CPU's float32 kernels may
-    sum in another order (e.g. AVX-512 against AVX2), so float tensors may differ by rounding."""
-    import torch
-
-    from .judge.metrics import compare_tensors
-
-    if fresh.point_ids != ref.point_ids:
-        return "matches the bundled golden: NO (other points: different transformers?)"
-    worst = 0.0
-    for pid in ref.point_ids:
-        a, b = fresh.tensors(pid), ref.tensors(pid)
-        if a.keys() != b.keys():
-            return f"matches the bundled golden: NO ({pid} records other tensors)"
-        for key, t in b.items():
-            if torch.equal(a[key], t):
-                continue
-            if not t.is_floating_point():
-                return f"matches the bundled golden: NO ({key} differs)"
-            worst = max(worst, compare_tensors(t, a[key]).rel_l2)
-    if worst == 0.0:
-        return "matches the bundled golden: yes (bitwise)"
-    verdict = "yes" if worst <= 1e-5 else "NO"
-    return f"matches the bundled golden: {verdict} (float32 rounding of this CPU's kernels, max rel_l2 {worst:.1e})"
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
-    from .report.files import plots_line, read_report, report_rows
-    from .report.plots import PlotsUnavailable, render_plots
-    from .report.summary import summary_lines, summary_table
-
-    try:
-        report = read_report(args.report)
-    except ValueError as exc:
-        return _fail(str(exc))
-    directory = args.report if args.report.is_dir() else args.report.parent
-    rows = report_rows(report)
-    points = [r for r in rows if r.kind != "op"]  # a drill's ops are its table, not points
-    try:  # the pictures are what this command is for: without matplotlib, say so and fail
-        written = render_plots(points, directory)
-    except PlotsUnavailable as exc:
-        return _fail(str(exc))
-    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(points)} points)")
-    for line in summary_table(rows):
-        print(line)
-    for line, _ in summary_lines(rows):
-        print(line)
-    print(plots_line(written, directory))
-    return EXIT_OK
-
-
-def _describe_run(report: dict) -> str:
-    return (
-        f"{report.get('model_type', '?')} on --hw {report.get('hw', '?')} in {report.get('dtype', '?')}, "
-        f"{report.get('mode', 'isolated')} mode"
-    )
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    """Points that got worse between two reports: exit 1 when any did, 2 when they are not comparable."""
-    from .report.files import read_report
-    from .report.history import comparable, diff_reports
-
-    try:
-        old, new = read_report(args.old), read_report(args.new)
-    except ValueError as exc:
-        return _fail(str(exc))
-    reason = comparable(old, new)
-    if reason is not None:
-        return _fail(reason)
-    result = diff_reports(old, new, factor=args.factor, min_error=args.min_error)
-    if not result.common:
-        return _fail(f"{args.old} and {args.new} share no point; nothing to compare")
-    for line in result.lines(str(args.old), str(args.new), args.factor):
-        print(line)
-    return EXIT_FAILED if result.worse else EXIT_OK
-
-
-def _checkpoint_report(args: argparse.Namespace, run, lines, as_json) -> tuple[int | None, Any]:
-    """Run `run()` (audit or estimate), print `lines(result)` and write `as_json(result)` to --json;
-    (exit code, result), the exit code set only on bad input."""
-    from .errors import BadInput
-
-    try:
-        result = run()
-    except BadInput as exc:
-        return _fail(str(exc)), None
-    for line in lines(result):
-        print(line)
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(as_json(result), indent=2) + "\n")
-        except OSError as exc:
-            return _fail(f"--json {args.json}: cannot write it ({exc})"), None
-    return None, result
-
-
-def cmd_audit(args: argparse.Namespace) -> int:
-    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
-    from .record.audit import audit, text_lines
-
-    code, result = _checkpoint_report(
-        args, lambda: audit(args.model, args.expect_dtype), lambda r: text_lines(r, args.model), lambda r: r.to_dict()
-    )
-    if code is not None:
-        return code
-    return EXIT_FAILED if result.findings else EXIT_OK
-
 
 def cmd_scan(args: argparse.Namespace) -> int:
     from .errors import BadInput
@@ -718,6 +729,17 @@ def cmd_scan(args: argparse.Namespace) -> int:
     return EXIT_FAILED if beyond else EXIT_OK
 
 
+def _estimate_arguments(sub: Any) -> None:
+    estimate = sub.add_parser(
+        "estimate", help="weights, activations, golden size and whether a placement fits, from headers and config"
+    )
+    estimate.add_argument("--model", required=True, type=Path, help="checkpoint directory (safetensors)")
+    estimate.add_argument("--seq-len", type=_positive_int, default=16, help="tokens of the golden run (default: 16)")
+    estimate.add_argument("--dtype", default=None, help="dtype to run in (default: the weights as stored)")
+    estimate.add_argument("--max-memory", default=None, help="devices to place on, e.g. 0:60GiB,1:60GiB,cpu:200GiB")
+    estimate.add_argument("--json", type=Path, default=None, help="also write the estimate as JSON to this file")
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Exit 1 when the placement given does not fit, 2 on bad input."""
     from .record.audit import estimate, estimate_lines
@@ -728,6 +750,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     return EXIT_FAILED if result.get("placement", {}).get("fits") is False else EXIT_OK
+
+
+def _drill_ops_arguments(sub: Any) -> None:
+    ops = sub.add_parser(
+        "drill-ops",
+        help="record the reference's ops at some points into a golden, for --parity-drill where the golden's model "
+        "cannot run (the Neuron SDK's stack) or is not copied",
+    )
+    ops.add_argument("golden", type=Path, help="golden directory (the ops go to its drill/ folder)")
+    ops.add_argument(
+        "--points", required=True, action="append", help="point ids or glob patterns, comma-separated (repeatable)"
+    )
+    ops.add_argument(
+        "--dtype",
+        action="append",
+        default=None,
+        help="the candidate's dtype, whose run of the reference gives each op its noise floor (repeatable; "
+        "default: bfloat16)",
+    )
+    ops.add_argument("--model", type=Path, default=None, help="the golden's model (default: where it was recorded)")
+    ops.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the checkpoint's own modeling code (off by default)"
+    )
 
 
 def cmd_drill_ops(args: argparse.Namespace) -> int:

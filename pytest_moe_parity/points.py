@@ -171,22 +171,43 @@ def is_point_template(text: str) -> bool:
 TEMPLATE_EXAMPLES = "e.g. embedding, layer_{layer}.attention, logits"
 
 
-def parse_layers(text: str) -> list[int]:
-    """`1,17,20-29` -> [1, 17, 20, ..., 29]; ValueError naming the bad part."""
-    layers: set[int] = set()
+class RangeError(ValueError):
+    """A part of a list of ranges that is not a number (`kind` "number") or not LOW-HIGH with
+    0 <= LOW <= HIGH (`kind` "range"): each caller says it in its own words."""
+
+    def __init__(self, part: str, kind: str):
+        super().__init__(f"{part!r} is not a {kind}")
+        self.part, self.kind = part, kind
+
+
+def parse_ranges(text: str) -> list[int]:
+    """`1,17,20-29` -> [1, 17, 20, ..., 29], sorted, each once ([] for none); RangeError naming the
+    first bad part. The one parser of such lists: layers, NeuronCores."""
+    found: set[int] = set()
     for part in filter(None, (p.strip() for p in str(text).split(","))):
         low, dash, high = part.partition("-")
         try:
             first = int(low)
             last = int(high) if dash else first
         except ValueError:
-            raise ValueError(f"{part!r} is not a layer number or a range like 20-29") from None
+            raise RangeError(part, "number") from None
         if first < 0 or last < first:
-            raise ValueError(f"{part!r} is not a range of layers (expected LOW-HIGH with 0 <= LOW <= HIGH)")
-        layers.update(range(first, last + 1))
+            raise RangeError(part, "range")
+        found.update(range(first, last + 1))
+    return sorted(found)
+
+
+def parse_layers(text: str) -> list[int]:
+    """`1,17,20-29` -> [1, 17, 20, ..., 29]; ValueError naming the bad part."""
+    try:
+        layers = parse_ranges(text)
+    except RangeError as exc:
+        if exc.kind == "number":
+            raise ValueError(f"{exc.part!r} is not a layer number or a range like 20-29") from None
+        raise ValueError(f"{exc.part!r} is not a range of layers (expected LOW-HIGH with 0 <= LOW <= HIGH)") from None
     if not layers:
         raise ValueError(f"no layer in {text!r}; expected e.g. 1,17,20-29")
-    return sorted(layers)
+    return layers
 
 
 def describe_layers(layers: list[int]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..points import RangeError, parse_ranges
 from . import BackendError, BackendSetup, HwOption, positive_int
 from .compiled import CompiledBackend, PointModule
 
@@ -37,17 +38,12 @@ _DEVICE = re.compile(r"neuron(\d+)")
 
 def parse_cores(text: str) -> list[int]:
     """NEURON_RT_VISIBLE_CORES' forms: an index ("3"), a range ("4-7"), or a list of those ("0,2,4-5")."""
-    cores: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        low, dash, high = part.partition("-")
-        try:
-            first, last = int(low), int(high) if dash else int(low)
-        except ValueError:
+    try:
+        return parse_ranges(text)
+    except RangeError as exc:
+        if exc.kind == "number":
             raise ValueError(f"{text!r} is not a NeuronCore index, range or list (e.g. 0, 4-7, 0,2)") from None
-        if first < 0 or last < first:
-            raise ValueError(f"{text!r} is not a NeuronCore range (LOW-HIGH, 0 <= LOW <= HIGH)")
-        cores.update(range(first, last + 1))
-    return sorted(cores)
+        raise ValueError(f"{text!r} is not a NeuronCore range (LOW-HIGH, 0 <= LOW <= HIGH)") from None
 
 
 def format_cores(cores: list[int]) -> str:
