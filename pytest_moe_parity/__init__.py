@@ -2,10 +2,11 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree, compat <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan <- plugin, cli
+points, dtypes, errors, tree, compat, files, host <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
-  call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config
+  call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config;
+  files: files written whole or not at all; host: the process's state (threads, heap, collector)
 - golden: the recorded call format and the golden store (write and read); judge: metrics,
   tolerances and verdicts; model: what recording and replay share: where capture points live in a
   model, a checkpoint's index and headers, loading it one unit (decoder layer or model-level module)

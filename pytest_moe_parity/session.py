@@ -20,9 +20,9 @@ from .drill.items import DrillItems
 from .dtypes import dtype_name, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
+from .host import HeldThreads
 from .judge.tolerances import Override
 from .judge.verdict import PointResult
-from .model.lazy_model import HeldThreads
 from .points import Point, describe_layers
 from .replay.checks import Checker, Entry
 from .replay.runner import ParityRunner, Prepared

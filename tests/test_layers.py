@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 # lowest first; a module may import from its own layer's package (inside a sub-package) and below
 LAYERS = [
-    {"points", "dtypes", "errors", "tree", "compat"},
+    {"points", "dtypes", "errors", "tree", "compat", "files", "host"},
     {"golden", "judge", "model"},
     {"report"},
     {"record", "dump"},
@@ -28,6 +28,8 @@ ORDER = [
     "errors",
     "tree",
     "compat",
+    "files",
+    "host",
     "golden",
     "judge",
     "model",
@@ -103,3 +105,31 @@ def test_the_docstring_states_the_rule() -> None:
     doc = (PACKAGE / "__init__.py").read_text()
     rule = " <- ".join(", ".join(sorted(names, key=ORDER.index)) for names in LAYERS)
     assert rule in doc, rule
+
+
+def test_item_kinds_are_checkers_in_their_own_wings() -> None:
+    """Each kind of item beside the points is a checker in its own wing (the weight items beside the
+    weight check, the drill's in `drill/`); the session composes them and imports nothing else of the
+    drill's."""
+    from pytest_moe_parity.drill.items import DrillItems
+    from pytest_moe_parity.replay.checks import Checker
+    from pytest_moe_parity.replay.weights import WeightItems
+
+    assert issubclass(DrillItems, Checker) and issubclass(WeightItems, Checker)
+    drill = {module for module, _ in _imports(PACKAGE / "session.py") if _top(module) == "drill"}
+    assert drill <= {"pytest_moe_parity.drill.drill_patterns", "pytest_moe_parity.drill.items.DrillItems"}, drill
+
+
+def test_relative_errors_are_the_judges() -> None:
+    """One family of comparison functions (`judge.distance`): no module outside the judge defines a
+    relative error of its own (a repro file's template, a string, is standalone by design)."""
+    import re
+
+    own = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "judge"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and re.match(r"_?rel(_|$)", node.name)
+    ]
+    assert not own, own

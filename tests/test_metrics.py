@@ -662,7 +662,7 @@ def test_free_cores_sees_other_processes_busy() -> None:
     import multiprocessing
     import time
 
-    from pytest_moe_parity.judge.contention import free_cores
+    from pytest_moe_parity.host import free_cores
 
     cores = len(os.sched_getaffinity(0))
     ctx = multiprocessing.get_context("fork")
@@ -685,7 +685,7 @@ def test_free_cores_sees_other_processes_busy() -> None:
 
 
 def test_fitted_threads_narrows_to_the_free_cores_and_puts_them_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_moe_parity.judge import contention
+    from pytest_moe_parity import host as contention
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -707,7 +707,7 @@ def test_fitted_threads_narrows_to_the_free_cores_and_puts_them_back(monkeypatch
 
 def test_compare_tensors_runs_on_the_cores_left_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """Beside busy processes the metric pass runs on one thread, with the same figures."""
-    from pytest_moe_parity.judge import contention
+    from pytest_moe_parity import host as contention
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from ..errors import BackendError, ParityError, PointUnavailable
+from ..files import atomic_write_text
 from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
-from ..golden.writer import atomic_write_text
 from ..model.calls import cache_states, with_cache_kwarg
 from ..points import Point
 from ..tree import flatten, unflatten

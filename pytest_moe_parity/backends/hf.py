@@ -13,10 +13,11 @@ from torch import nn
 from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
+from ..host import HeldThreads
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
 from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
-from ..model.lazy_model import HeldThreads, LazyModel
+from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int

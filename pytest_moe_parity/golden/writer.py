@@ -3,11 +3,9 @@ the manifest last and atomically, so an interrupted recording never reads as com
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from safetensors.torch import save_file
 
 from ..dtypes import dtype_name
 from ..errors import GoldenError
+from ..files import atomic_write_text, file_mode
 from ..points import Point
 from .spec import Spec
 from .store import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
@@ -36,49 +35,6 @@ class Recorded:
     extras: dict[str, str] = field(default_factory=dict)
     calls: int = 1
     seconds: float = 0.0
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def atomic_replace(path: Path) -> Iterator[Path]:
-    """A temporary path beside `path` to write, moved onto `path` when the block ends cleanly (and
-    removed when it does not): a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _looks_like_golden(path: Path) -> bool:
@@ -134,7 +90,7 @@ class GoldenWriter:
         path = self.root / file
         tmp = self.root / f".{file}.tmp-{os.getpid()}"
         save_file(tensors, str(tmp), metadata={"format": "pt", "producer": FORMAT, "group": group})
-        os.chmod(tmp, 0o644 & ~_umask())
+        os.chmod(tmp, file_mode())
         digest = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, path)

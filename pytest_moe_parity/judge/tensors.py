@@ -7,7 +7,7 @@ float64 otherwise) and accumulated across chunks in float64. Cosine and Pearson 
 squared norm of the difference (law of cosines), so they stay accurate where they matter, near 1:
 their absolute error is about 1e-6 times (1 - value) plus 1e-6 times rel_l2 (see the tests against a
 float64 reference). Beside busy processes the pass runs on the cores they leave free
-(`contention.fitted_threads`): its twenty-odd operations per chunk would otherwise each wait for a
+(`host.fitted_threads`): its twenty-odd operations per chunk would otherwise each wait for a
 descheduled thread's time slice."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, json_safe
-from .contention import fitted_threads
+from ..host import fitted_threads
 
 __all__ = ["TensorMetrics", "compare_tensors", "worst_elements"]
 

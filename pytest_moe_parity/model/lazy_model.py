@@ -9,8 +9,6 @@ order), the next unit is read in a background thread while the current one runs.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import re
 import threading
@@ -23,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
 from .checkpoint import SIZES, quantization, weight_map
 
@@ -54,27 +53,6 @@ def own_memory(module: nn.Module) -> None:
                     t.data = t.data.clone()
 
 
-def malloc_trim() -> None:
-    """Hand freed heap pages back to the OS (glibc). Expert tensors of a few MB fall below glibc's
-    adaptive mmap threshold after the first frees and are then carved from the heap, where freed
-    layers would otherwise stay resident."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def map_large_allocations(threshold: int = 2**20) -> None:
-    """Serve every allocation of `threshold` bytes or more from its own mapping, handed back to the OS
-    when freed (glibc; a no-op elsewhere). glibc otherwise raises its mmap threshold to the size of
-    each large block freed, and a long prompt's activations (tens of MB each) then come from a heap
-    whose freed pages stay resident: at 4096 tokens that moved a recording's peak between 0.95 and
-    1.35 GB from run to run, against 0.84 GB with this. Process-wide, and left set."""
-    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
-        _LIBC.mallopt(M_MMAP_THRESHOLD, int(threshold))
-
-
 def _rss_bytes() -> int | None:
     """This process's resident set size (Linux), or None."""
     try:
@@ -85,42 +63,6 @@ def _rss_bytes() -> int | None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _load_libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _load_libc()
-
-
-class HeldThreads:
-    """torch's intra-op threads (the calling thread's setting under OpenMP), changed for a while and
-    put back by `restore` to what they were when first held: the session's, a backend's forwards' and
-    a lazy model's read-ahead all change this process state and give it back on close."""
-
-    def __init__(self) -> None:
-        self.before: int | None = None  # torch's threads when first held (None: not held)
-
-    def hold(self) -> None:
-        """Remember the threads to put back, without changing them (once)."""
-        if self.before is None:
-            self.before = torch.get_num_threads()
-
-    def set(self, count: int) -> None:
-        self.hold()
-        if count != torch.get_num_threads():
-            torch.set_num_threads(count)
-
-    def restore(self) -> None:
-        if self.before is not None:
-            torch.set_num_threads(self.before)
-            self.before = None
 
 
 # accelerate's `init_empty_weights` patches torch's `Module.register_parameter` for every thread while a

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..errors import BadInput
-from ..model.lazy_model import LazyModel, malloc_trim
+from ..host import malloc_trim
+from ..model.lazy_model import LazyModel
 from .memory import device_name
 
 

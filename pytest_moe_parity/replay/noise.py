@@ -125,8 +125,8 @@ def write_noise_tokens(root: Path, dtype: str, tokens: dict[str, torch.Tensor]) 
     entry names the file and its sha256."""
     from safetensors.torch import save_file
 
+    from ..files import atomic_replace
     from ..golden.store import sha256_file
-    from ..golden.writer import atomic_replace
 
     name = f"noise_tokens.{dtype}.safetensors"
     with atomic_replace(Path(root) / name) as tmp:

@@ -13,6 +13,7 @@ from ..backends import Backend, CandidateOutput
 from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
+from ..host import freeze_long_lived
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
 from ..points import ROUTER, Point
@@ -263,19 +264,6 @@ class ParityRunner:
             if self._froze:
                 gc.unfreeze()
                 self._froze = False
-
-
-def freeze_long_lived() -> bool:
-    """Keep the objects alive now (once the backend has started) out of the garbage collector's
-    sight, until the runner's `close()` thaws them. torch, transformers, the modeling code and the
-    candidate's skeleton are some 400k objects, which every full collection would walk again for
-    nothing: on 48 Mixtral-style layers, the collections during a run and pytest's two at its end
-    took ~0.7 s of ~10 s after imports, and 0.02 s frozen. Nothing is frozen where the collector is
-    off, or where someone froze objects before us (a thaw would be theirs to do)."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        return False
-    gc.freeze()
-    return True
 
 
 def _cache_write(record: GoldenRecord, cand: CandidateOutput) -> tuple | None:

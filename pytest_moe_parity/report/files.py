@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..golden.writer import atomic_write_text
+from ..files import atomic_write_text
 from .rows import Row
 from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
