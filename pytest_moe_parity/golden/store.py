@@ -60,6 +60,24 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
+@dataclass(frozen=True)
+class PointFacts:
+    """What a point is judged with beside its own record, read from the store at once
+    (`GoldenStore.facts`): its router point, the reference's own error in the candidate's dtype and
+    its per-token figures, the batch's padding and sequences, the decode position, the prompts, the
+    model's config and the golden's dtype."""
+
+    router: Point | None
+    noise: dict[str, dict[str, float]] | None
+    noise_tokens: dict[str, torch.Tensor] | None
+    padding: tuple[list[int], int] | None
+    sequences: int
+    position: int | None
+    prompts: list[str]
+    config: dict[str, Any]
+    dtype: str
+
+
 class GoldenStore:
     """Read access to a golden directory, one point (one file) at a time."""
 
@@ -349,6 +367,16 @@ class GoldenStore:
         """Which of the reference's chained runs an unsteered chain (a dump) is read against: its free
         run where recorded (`"free"`), else the steered one (goldens recorded before the free run)."""
         return "free" if self.has_noise(dtype, "free") else "chain"
+
+    def facts(self, point: Point, dtype: torch.dtype, figures: str) -> PointFacts:
+        """Everything `point` is judged with beside its record, in one value (the noise figures of
+        `figures`, "isolated", "chain" or "free", in `dtype`)."""
+        noise = self.noise(dtype, figures, point.id)
+        tokens = self.noise_tokens(dtype, figures, point.id) if noise is not None else None
+        return PointFacts(
+            self.router_of(point), noise, tokens, self.padding(point), self.sequences, self.position(point),
+            self.prompts, self.config, self.dtype,
+        )  # fmt: skip
 
     def router_of(self, point: Point) -> Point | None:
         """The router whose routing a point follows (`moe`, `output`, `experts`); None for dense

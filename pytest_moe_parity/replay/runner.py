@@ -88,6 +88,7 @@ class ParityRunner:
         self.started = False
         self.start_failure: BackendStartFailure | None = None  # what start() raised, raised again after
         self.freeze_gc = freeze_gc  # whether start() may freeze the objects alive then
+        self.keeps_tokens = golden.captured_tokens is not None  # --capture-tokens: outputs kept at some tokens
         self._froze = False  # whether it did (close() thaws them)
         self._router_cache: dict[str, GoldenRecord] = {}
         self.mode = mode
@@ -105,7 +106,7 @@ class ParityRunner:
         return ChainSetup(self.golden, self.backend, self.start, self.call, self.steer)
 
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
-        point = self.golden.point(pid)
+        point = pid if isinstance(pid, Point) else self.golden.point(pid)
         return resolve(
             point.id, point.component, self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
         )
@@ -180,15 +181,13 @@ class ParityRunner:
         (and the noise ratio where the golden has the reference's own error); chained, the noise
         ratio (the dtype's limits where the golden has no noise figures)."""
         tol, sources = self.tolerance(point, marker)
-        kept = self.golden.captured_tokens is not None and point.step is None
+        kept = self.keeps_tokens and point.step is None
         if kept:  # --capture-tokens: the candidate's output at the token positions the golden keeps
             cand = replace(cand, output=self.golden.keep_tokens(point, cand.output),
                            routing=self.golden.keep_tokens(point, cand.routing))  # fmt: skip
-        router = self.golden.router_of(point)
+        facts = self.golden.facts(point, self.dtype, self.noise_figures_for(mode))  # one read of the store
+        router, noise = facts.router, facts.noise
         golden_router = bias = None
-        figures = self.noise_figures_for(mode)
-        noise = self.golden.noise(self.dtype, figures, point.id)
-        tokens = self.golden.noise_tokens(self.dtype, figures, point.id) if noise is not None else None
         if point.component == ROUTER:
             bias = record.extras.get("score_bias")
         elif router is not None:
@@ -203,7 +202,7 @@ class ParityRunner:
                 cand.output,
                 tol,
                 self.dtype,
-                config=self.golden.config,
+                config=facts.config,
                 router=router,
                 golden_router=golden_router,
                 candidate_router=cand.routing,
@@ -212,9 +211,9 @@ class ParityRunner:
                 noise=noise,
                 exclude=(self.chain.tainted(point), self.chain.tokens(point)) if chained else None,
                 cache_write=_cache_write(record, cand),
-                noise_tokens=tokens,
-                padding=self.golden.padding(point),
-                sequences=self.golden.sequences,
+                noise_tokens=facts.noise_tokens,
+                padding=facts.padding,
+                sequences=facts.sequences,
             )
             result = judge_point(case)
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
@@ -230,9 +229,9 @@ class ParityRunner:
         result.mode = mode
         result.tolerance_sources = sources
         result.seconds = cand.seconds
-        result.golden_dtype = self.golden.dtype
-        result.position = self.golden.position(point)
-        for row, prompt in zip(result.rows, self.golden.prompts, strict=False):
+        result.golden_dtype = facts.dtype
+        result.position = facts.position
+        for row, prompt in zip(result.rows, facts.prompts, strict=False):
             row.prompt = prompt
         result.backend = cand.info
         result.notes.extend(cand.info.get("notes", []))
