@@ -210,6 +210,17 @@ def parse_layers(text: str) -> list[int]:
     return layers
 
 
+def layers_option(text: str | None, flag: str, error: type[Exception] = ValueError) -> list[int] | None:
+    """A layer option's value (`--parity-layers`, `--layers`): its layers, None where it is empty,
+    else `error` saying `flag TEXT: what is wrong`."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        return parse_layers(text)
+    except ValueError as exc:
+        raise error(f"{flag} {text}: {exc}") from None
+
+
 def describe_layers(layers: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2, 5"."""
     runs: list[str] = []

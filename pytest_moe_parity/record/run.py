@@ -29,7 +29,7 @@ from ..model.archs import plan_points
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, attention_within, score_bytes
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, own_memory
-from ..points import Point, describe_layers, parse_layers
+from ..points import Point, describe_layers, layers_option
 from .audit import Shape, check_context, gib, parse_memory
 from .capture import GoldenRecorder, SliceDone
 from .decode import DecodePlan, decode_cache, parse_positions, record_decode
@@ -376,12 +376,9 @@ def offload_dir(folder: Path | str | None, out: Path, model_dir: Path) -> Iterat
 
 def layer_slice(text: str | None, n_layers: int | None) -> list[int] | None:
     """`--layers 10-20` (or 1,17,20-29): the decoder layers to record, checked against the model's."""
-    if text is None or not str(text).strip():
+    layers = layers_option(text, "--layers", BadInput)
+    if layers is None:
         return None
-    try:
-        layers = parse_layers(text)
-    except ValueError as exc:
-        raise BadInput(f"--layers {text}: {exc}") from None
     if n_layers is not None and layers[-1] >= n_layers:
         raise BadInput(f"--layers {text}: the model has {n_layers} decoder layers (0-{n_layers - 1})")
     return layers

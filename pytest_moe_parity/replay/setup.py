@@ -18,7 +18,7 @@ from ..dtypes import dtype_name
 from ..errors import BackendError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
 from ..model.checkpoint import read_config
-from ..points import describe_layers, parse_layers
+from ..points import describe_layers, layers_option
 from ..report.rows import Row
 from .runner import MODES
 
@@ -59,12 +59,9 @@ def check_config(golden: GoldenStore, candidate: Path) -> None:
 
 def select_layers(text: str | None, golden: GoldenStore, flag: str) -> list[int] | None:
     """`--parity-layers` -> the layers (None: every one), each a layer of the golden."""
-    if text is None or not str(text).strip():
+    layers = layers_option(text, flag, SetupError)
+    if layers is None:
         return None
-    try:
-        layers = parse_layers(text)
-    except ValueError as exc:
-        raise SetupError(f"{flag} {text}: {exc}") from None
     unknown = sorted(set(layers) - set(golden.layers))
     if unknown:
         raise SetupError(
