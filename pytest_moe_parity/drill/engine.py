@@ -48,9 +48,9 @@ from .match import (
     TOWARD_INPUT,
     VALUE_TOL,
     Match,
-    _consumers,
-    _sources,
+    consumers,
     match,
+    sources,
 )
 
 Execute = Callable[[OpNode, list, dict], Any]
@@ -371,7 +371,7 @@ class Drilling:
             if m is None:
                 if _bookkeeping(value):
                     row.note = BOOKKEEPING
-                elif r.kind in GATHERS and all(_bookkeeping(self.ref.nodes[i].value) for i in _sources(self.ref, r)):
+                elif r.kind in GATHERS and all(_bookkeeping(self.ref.nodes[i].value) for i in sources(self.ref, r)):
                     row.note = "rows of the call's input, gathered: the candidate reads the input whole (dense)"
                 else:
                     row.verdict = "missing"
@@ -542,7 +542,7 @@ class Drilling:
             if a is None or b is None or not (a.is_floating_point() and b.is_floating_point()) or c.kind == "_to_copy":
                 continue
             if a.dtype != b.dtype:
-                if not listed & set(_sources(self.ref, r)):  # the first of a run: the rest follow from it
+                if not listed & set(sources(self.ref, r)):  # the first of a run: the rest follow from it
                     out.append(f"{r.name} in {_dtype(a.dtype)} (the reference: {_dtype(b.dtype)})")
                 listed.add(r.index)
         return out
@@ -589,7 +589,7 @@ class Drilling:
 
     def _input_ratios(self, node: OpNode, ratio_of: dict[int, float]) -> list[float]:
         """The chained ratios of the computing ops `node` reads (through views)."""
-        return [ratio_of[i] for i in _sources(self.ref, node) if i in ratio_of]
+        return [ratio_of[i] for i in sources(self.ref, node) if i in ratio_of]
 
     def _shape_note(self, r: OpNode, m: Match) -> str:
         shapes = [list(self.cand.nodes[c].value.shape) for c in m.cand if self.cand.nodes[c].value is not None]
@@ -679,7 +679,7 @@ class Drilling:
         elif len(nodes) > 1:
             return None, []
         else:  # missing: its value in place of what the candidate has for the op it reads
-            source = next(iter(_sources(self.ref, node)), None)
+            source = next(iter(sources(self.ref, node)), None)
             sm = self.by_ref.get(source) if source is not None else None
             if sm is None or len(sm.cand) != 1:
                 return None, []
@@ -730,11 +730,11 @@ UNUSED = "computed and never used: its value reaches no op and no output"
 
 def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
     """Per computing op of `graph`, the matched ops its values reach first (through unmatched ops)."""
-    consumers = _consumers(graph)
+    read_by = consumers(graph)
     reached: dict[int, set[int]] = {}
     for node in reversed(graph.compute()):
         out: set[int] = set()
-        for c in consumers.get(node.index, ()):
+        for c in read_by.get(node.index, ()):
             out |= {c} if c in matched else reached.get(c, set())
         reached[node.index] = out
     return reached

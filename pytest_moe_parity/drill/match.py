@@ -252,7 +252,7 @@ def _joined_rows(pair: _Pair, joined: set[int], matches: list[Match], add, free_
         pieces = [
             r for r in free_r()
             if r.expert is not None and _kind(r) == _kind(c) and r.value is not None
-            and set(_sources(reference, r)) & reads
+            and set(sources(reference, r)) & reads
         ]  # fmt: skip
         hit = _run_of(pieces, range(len(pieces), 1, -1), val(c), lambda group, c=c: _expert_rows(group, val(c)))
         if hit:
@@ -414,14 +414,14 @@ def match(
         if c.kind == "_to_copy" and _passes_on(candidate, c):  # a cast the reference does not make
             add(Match((), (c.index,), CAST))
             continue
-        owners = {m.ref for s in _sources(candidate, c) for m in matches if s in m.cand}
+        owners = {m.ref for s in sources(candidate, c) for m in matches if s in m.cand}
         if len(owners) == 1:
             (owner,) = owners
             value = reference.nodes[owner[0]].value if len(owner) == 1 else None
             if value is not None and norms.close([val(c)], value) and _same(val(c), value):
                 add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
     for r in free_r():
-        owners = {m.cand for s in _sources(reference, r) for m in matches if s in m.ref}
+        owners = {m.cand for s in sources(reference, r) for m in matches if s in m.ref}
         if len(owners) == 1:
             (owner,) = owners
             value = val(candidate.nodes[owner[0]]) if len(owner) == 1 else None
@@ -430,12 +430,12 @@ def match(
     # 4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart)
     # whose values differ (the fault may be there): by shape, kind and inputs
     for r in [] if same_code else free_r():
-        inputs = {c for s in _sources(reference, r) for m in matches if s in m.ref for c in m.cand}
+        inputs = {c for s in sources(reference, r) for m in matches if s in m.ref for c in m.cand}
         if r.value is None or r.expert is None or not inputs:
             continue
         pieces = [
             c for c in free_c()
-            if _kind(c) == _kind(r) and c.value is not None and set(_sources(candidate, c)) & inputs
+            if _kind(c) == _kind(r) and c.value is not None and set(sources(candidate, c)) & inputs
             and _experts_agree(r, c)
         ]  # fmt: skip
         hit = _run_of(pieces, (2, 3, 4), r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
@@ -715,10 +715,10 @@ def _rows_in(dense: torch.Tensor | None, part: torch.Tensor, expert: int) -> tup
 def _leading_to(graph: OpGraph, targets: set[int], matched: set[int]) -> list[int]:
     """The unmatched computing ops whose values go only into `targets` (through views, and through
     each other): the steps by which the candidate computes a reference input."""
-    consumers = _consumers(graph)
+    read_by = consumers(graph)
     found: set[int] = set()
     for node in reversed(graph.compute()):
-        users = consumers.get(node.index)
+        users = read_by.get(node.index)
         if node.index not in matched and users and users <= (targets | found):
             found.add(node.index)
     return sorted(found)
@@ -789,7 +789,7 @@ class _Runs:
         return None
 
 
-def _sources(graph: OpGraph, node: OpNode) -> list[int]:
+def sources(graph: OpGraph, node: OpNode) -> list[int]:
     """The computing ops a node reads, through views."""
     out, todo, seen = [], list(node.inputs()), set()
     while todo:
@@ -804,11 +804,11 @@ def _sources(graph: OpGraph, node: OpNode) -> list[int]:
     return out
 
 
-def _consumers(graph: OpGraph) -> dict[int, set[int]]:
+def consumers(graph: OpGraph) -> dict[int, set[int]]:
     """Per computing op, the computing ops that read it (through views)."""
     consumers: dict[int, set[int]] = {}
     for node in graph.compute():
-        for s in _sources(graph, node):
+        for s in sources(graph, node):
             consumers.setdefault(s, set()).add(node.index)
     return consumers
 
@@ -880,7 +880,7 @@ class _Pair:
             i = next((i for i, u in enumerate(reference.inputs) if _same_input(t, u)), None)
             if i is not None:
                 self.inputs[j] = i
-        self.ref_users, self.cand_users = _consumers(reference), _consumers(candidate)
+        self.ref_users, self.cand_users = consumers(reference), consumers(candidate)
 
 
 class _Flow:
@@ -964,7 +964,7 @@ class _Flow:
         """Reference ops `ops` and every reference op upstream of them."""
         out, todo = set(ops), list(ops)
         while todo:
-            for s in _sources(self.reference, self.reference.nodes[todo.pop()]):
+            for s in sources(self.reference, self.reference.nodes[todo.pop()]):
                 if s not in out:
                     out.add(s)
                     todo.append(s)
