@@ -293,169 +293,228 @@ def match(
     `same_code` (the candidate runs the reference's own modules), the passes for a port's own
     structure (fused and split ops, dense experts' rows, inputs it computes, values it computes
     twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
-    ref_ops, cand_ops = reference.compute(), candidate.compute()
-    identity = RowIdentity({}, {}, set()) if same_code else row_frames(reference, candidate)
-    frames = identity.frames
-    norms = _Norms()
-    framed = {c: candidate.nodes[c].value[f] for c, f in frames.items()}
+    matching = _Matching(reference, candidate, same_code)
+    for step in (
+        matching.by_path, matching.by_value, matching.dense_rows, matching.computed_inputs, matching.computed_again,
+        matching.passed_on, matching.pieces, matching.by_order_or_place,
+    ):  # fmt: skip
+        step()
+    return matching.result()
 
-    def val(c: OpNode) -> torch.Tensor | None:
+
+class _Matching:
+    """One matching's state: both graphs, the matches so far and each side's free ops, the candidate's
+    values with their rows in the reference's order where those are known (`val`); its passes are
+    its methods, run in order by `match`."""
+
+    def __init__(self, reference: OpGraph, candidate: OpGraph, same_code: bool):
+        self.reference, self.candidate, self.same_code = reference, candidate, same_code
+        self.ref_ops, self.cand_ops = reference.compute(), candidate.compute()
+        self.identity = RowIdentity({}, {}, set()) if same_code else row_frames(reference, candidate)
+        self.frames = self.identity.frames
+        self.norms = _Norms()
+        self.framed = {c: candidate.nodes[c].value[f] for c, f in self.frames.items()}
+        self.matches: list[Match] = []
+        self.matched_ref: set[int] = set()
+        self.matched_cand: set[int] = set()
+        self.runs: dict[str, _Runs] = {}  # each side's free ops' runs, while no match is added or dropped
+
+    def val(self, c: OpNode) -> torch.Tensor | None:
         """A candidate op's output, its rows in the reference's order where they are known."""
-        return framed.get(c.index, c.value)
+        return self.framed.get(c.index, c.value)
 
-    matches: list[Match] = []
-    matched_ref: set[int] = set()
-    matched_cand: set[int] = set()
+    def add(self, m: Match) -> None:
+        if any(c in self.frames for c in m.cand) and m.rows is None:
+            m.frames = tuple(self.frames.get(c) for c in m.cand)
+            m.as_set = any(c in self.identity.sets for c in m.cand)
+        self.matches.append(m)
+        self.matched_ref.update(m.ref)
+        self.matched_cand.update(m.cand)
+        self.runs.clear()
 
-    runs: dict[str, _Runs] = {}  # each side's free ops' runs, while no match is added or dropped
+    def drop(self, m: Match) -> None:
+        self.matches.remove(m)
+        self.matched_ref.difference_update(m.ref)
+        self.matched_cand.difference_update(m.cand)
+        self.runs.clear()
 
-    def add(m: Match) -> None:
-        if any(c in frames for c in m.cand) and m.rows is None:
-            m.frames = tuple(frames.get(c) for c in m.cand)
-            m.as_set = any(c in identity.sets for c in m.cand)
-        matches.append(m)
-        matched_ref.update(m.ref)
-        matched_cand.update(m.cand)
-        runs.clear()
+    def free_r(self) -> list[OpNode]:
+        return [r for r in self.ref_ops if r.index not in self.matched_ref]
 
-    def drop(m: Match) -> None:
-        matches.remove(m)
-        matched_ref.difference_update(m.ref)
-        matched_cand.difference_update(m.cand)
-        runs.clear()
+    def free_c(self) -> list[OpNode]:
+        return [c for c in self.cand_ops if c.index not in self.matched_cand]
 
-    def free_r() -> list[OpNode]:
-        return [r for r in ref_ops if r.index not in matched_ref]
+    def free_runs(self, side: str) -> _Runs:
+        if side not in self.runs:
+            self.runs[side] = _Runs(self.free_r() if side == "ref" else self.free_c())
+        return self.runs[side]
 
-    def free_c() -> list[OpNode]:
-        return [c for c in cand_ops if c.index not in matched_cand]
+    def by_path(self) -> None:
+        """1. by path and op: the same code; a port's own code by the module paths it shares with the
+        reference (its ops in the drilled module's own forward share no path: they go by value first)"""
+        if self.same_code:
+            pairs = _in_order(self.ref_ops, self.cand_ops, _key)
+        else:
+            pairs = [(r, c) for r, c in _in_order(self.ref_ops, self.cand_ops, _key) if r.scope and c.scope]
+        for r, c in pairs:
+            self.add(Match((r.index,), (c.index,), "path and op"))
+        if not self.same_code:
+            for r, c in _in_order(self.free_r(), self.free_c(), _leaf_key):
+                if r.scope and c.scope:  # a module's own op under a wrapper of the port's
+                    self.add(Match((r.index,), (c.index,), "path and op"))
 
-    def free_runs(side: str) -> _Runs:
-        if side not in runs:
-            runs[side] = _Runs(free_r() if side == "ref" else free_c())
-        return runs[side]
+    def by_value(self) -> None:
+        """2. by value: a top-k by the experts it selects (its values may be other scores: logits); several
+        in one (fused), one in several (split), one to one up to layout"""
+        for r in [r for r in self.free_r() if r.kind == "topk"]:
+            c = next((c for c in self.free_c() if c.kind == "topk" and _same_selection(c, r)), None)
+            if c is not None:
+                self.add(Match((r.index,), (c.index,), SAME_SELECTION))
+        for c in [] if self.same_code else self.free_c():  # the same code fuses and splits nothing
+            fused = functools.partial(lambda group, c: _joined([r.value for r in group], self.val(c), self.norms), c=c)
+            hit = self.free_runs("ref").of((2, 3, 4), self.val(c), fused)
+            if hit:
+                self.add(
+                    Match(
+                        tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {len(hit[0])} in one)", dim=hit[1]
+                    )
+                )
+        for r in [] if self.same_code else self.free_r():
+            sizes = range(2, min(65, len(self.cand_ops) + 1))
+            hit = self.free_runs("cand").of(
+                sizes, r.value, lambda group, r=r: _joined([self.val(c) for c in group], r.value, self.norms)
+            )
+            if hit:
+                self.add(
+                    Match(
+                        (r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {len(hit[0])})", dim=hit[1]
+                    )
+                )
+        for c in self.free_c():
+            for r in self.free_r():
+                if not _experts_agree(r, c) or not self.norms.close([self.val(c)], r.value):
+                    continue
+                found = _same(self.val(c), r.value)
+                if found is not None:
+                    self.add(Match((r.index,), (c.index,), found[0], perm=found[1], error=found[2]))
+                    break
 
-    # 1. by path and op: the same code; a port's own code by the module paths it shares with the
-    # reference (its ops in the drilled module's own forward share no path: they go by value first)
-    if same_code:
-        pairs = _in_order(ref_ops, cand_ops, _key)
-    else:
-        pairs = [(r, c) for r, c in _in_order(ref_ops, cand_ops, _key) if r.scope and c.scope]
-    for r, c in pairs:
-        add(Match((r.index,), (c.index,), "path and op"))
-    if not same_code:
-        for r, c in _in_order(free_r(), free_c(), _leaf_key):
-            if r.scope and c.scope:  # a module's own op under a wrapper of the port's
-                add(Match((r.index,), (c.index,), "path and op"))
-    # 2. by value: a top-k by the experts it selects (its values may be other scores: logits);
-    # several in one (fused), one in several (split), one to one up to layout
-    for r in [r for r in free_r() if r.kind == "topk"]:
-        c = next((c for c in free_c() if c.kind == "topk" and _same_selection(c, r)), None)
-        if c is not None:
-            add(Match((r.index,), (c.index,), SAME_SELECTION))
-    for c in [] if same_code else free_c():  # the same code fuses and splits nothing
-        fused = functools.partial(lambda group, c: _joined([r.value for r in group], val(c), norms), c=c)
-        hit = free_runs("ref").of((2, 3, 4), val(c), fused)
-        if hit:
-            add(Match(tuple(r.index for r in hit[0]), (c.index,), f"value (fused: {len(hit[0])} in one)", dim=hit[1]))
-    for r in [] if same_code else free_r():
-        sizes = range(2, min(65, len(cand_ops) + 1))
-        hit = free_runs("cand").of(sizes, r.value, lambda group, r=r: _joined([val(c) for c in group], r.value, norms))
-        if hit:
-            add(Match((r.index,), tuple(c.index for c in hit[0]), f"value (split: one in {len(hit[0])})", dim=hit[1]))
-    for c in free_c():
-        for r in free_r():
-            if not _experts_agree(r, c) or not norms.close([val(c)], r.value):
+    def dense_rows(self) -> None:
+        """The reference's per-expert ops where the candidate runs every expert on every token (dense,
+        experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens;
+        not where the candidate gathers each expert's rows (rows by identity): it runs no dense op"""
+        for r in [] if self.same_code or self.identity.gathers else self.free_r():
+            if r.expert is None or r.value is None or r.value.dim() < 2 or not r.value.is_floating_point():
                 continue
-            found = _same(val(c), r.value)
-            if found is not None:
-                add(Match((r.index,), (c.index,), found[0], perm=found[1], error=found[2]))
-                break
-    # the reference's per-expert ops where the candidate runs every expert on every token (dense,
-    # experts stacked: NxDI's forward_all_experts): the rows of the dense op that are the expert's tokens;
-    # not where the candidate gathers each expert's rows (rows by identity): it runs no dense op
-    for r in [] if same_code or identity.gathers else free_r():
-        if r.expert is None or r.value is None or r.value.dim() < 2 or not r.value.is_floating_point():
-            continue
-        for c in (c for c in cand_ops if c.expert is None):  # not an expert loop's own op: a dense one
-            rows = _rows_in(c.value, r.value, r.expert)
-            if rows is not None:
-                add(Match((r.index,), (c.index,), f"value (rows: expert {r.expert}'s tokens of a dense op)", rows=rows))
-                break
-    # what the reference is given and the candidate computes (NxDI's rotary cos and sin, inside its
-    # attention): matched to that input of the reference's call, and what leads to it with it
-    inputs = [(i, t) for i, t in enumerate(reference.inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    for c in [] if same_code else free_c():
-        for i, t in inputs:
-            found = _same(c.value, t)
-            if found is not None:
-                add(Match((), (c.index,), f"value (the reference's input {i})", perm=found[1], input=i))
-                break
-    toward = _leading_to(candidate, {c for m in matches if m.input is not None for c in m.cand}, matched_cand)
-    for c in toward:
-        add(Match((), (c,), TOWARD_INPUT))
-    # a value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
-    # from the affinities): the second op goes with the reference op it equals
-    by_cand = {c: m for m in matches for c in m.cand}
-    for c in [] if same_code else free_c():
-        r = _cast_of_matched(candidate, c, by_cand, frames, reference)  # its values known: not compared again
-        r = r or next(
-            (
-                r for r in ref_ops
-                if r.index in matched_ref and _experts_agree(r, c) and norms.close([val(c)], r.value)
-                and _equal(val(c), r.value)
-            ),
-            None,
-        )  # fmt: skip
-        if r is not None:
-            add(Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)"))
-    # 3. a cast or a join on one side only goes with the op whose value it passes on
-    for c in free_c():
-        if c.kind == "_to_copy" and _passes_on(candidate, c):  # a cast the reference does not make
-            add(Match((), (c.index,), CAST))
-            continue
-        owners = {m.ref for s in sources(candidate, c) for m in matches if s in m.cand}
-        if len(owners) == 1:
-            (owner,) = owners
-            value = reference.nodes[owner[0]].value if len(owner) == 1 else None
-            if value is not None and norms.close([val(c)], value) and _same(val(c), value):
-                add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
-    for r in free_r():
-        owners = {m.cand for s in sources(reference, r) for m in matches if s in m.ref}
-        if len(owners) == 1:
-            (owner,) = owners
-            value = val(candidate.nodes[owner[0]]) if len(owner) == 1 else None
-            if value is not None and norms.close([value], r.value) and _same(value, r.value):
-                add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
-    # 4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart)
-    # whose values differ (the fault may be there): by shape, kind and inputs
-    for r in [] if same_code else free_r():
-        inputs = {c for s in sources(reference, r) for m in matches if s in m.ref for c in m.cand}
-        if r.value is None or r.expert is None or not inputs:
-            continue
-        pieces = [
-            c for c in free_c()
-            if _kind(c) == _kind(r) and c.value is not None and set(sources(candidate, c)) & inputs
-            and _experts_agree(r, c)
-        ]  # fmt: skip
-        hit = _run_of(pieces, (2, 3, 4), r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value))
-        if hit:
-            add(Match((r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {len(hit[0])})", dim=hit[1]))
-    # 5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is
-    # one); in a port's own code only where what they read corresponds (two ops of one kind and size
-    # on other paths are not one op)
-    if same_code:
-        for r, c in _in_order(free_r(), [c for c in free_c() if not c.partial], _kind):
-            add(Match((r.index,), (c.index,), ORDER))
-    else:
-        pair = _Pair(reference, candidate)
-        _by_place(pair, matches, add, drop, free_r, free_c, identity.gathers)
-        if _joined_rows(pair, identity.joined, matches, add, free_r, free_c, val):
-            _by_place(pair, matches, add, drop, free_r, free_c, identity.gathers)
-    matches.sort(key=lambda m: min(m.ref, default=-1))
-    left_ref = [n.index for n in ref_ops if n.index not in matched_ref]
-    left_cand = [n.index for n in cand_ops if n.index not in matched_cand]
-    return matches, left_ref, left_cand
+            for c in (c for c in self.cand_ops if c.expert is None):  # not an expert loop's own op: a dense one
+                rows = _rows_in(c.value, r.value, r.expert)
+                if rows is not None:
+                    self.add(
+                        Match(
+                            (r.index,), (c.index,), f"value (rows: expert {r.expert}'s tokens of a dense op)", rows=rows
+                        )
+                    )
+                    break
+
+    def computed_inputs(self) -> None:
+        """What the reference is given and the candidate computes (NxDI's rotary cos and sin, inside its
+        attention): matched to that input of the reference's call, and what leads to it with it"""
+        inputs = [
+            (i, t) for i, t in enumerate(self.reference.inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+        for c in [] if self.same_code else self.free_c():
+            for i, t in inputs:
+                found = _same(c.value, t)
+                if found is not None:
+                    self.add(Match((), (c.index,), f"value (the reference's input {i})", perm=found[1], input=i))
+                    break
+        toward = _leading_to(
+            self.candidate, {c for m in self.matches if m.input is not None for c in m.cand}, self.matched_cand
+        )
+        for c in toward:
+            self.add(Match((), (c,), TOWARD_INPUT))
+
+    def computed_again(self) -> None:
+        """A value the candidate computes twice (NxDI's router's top-k over logits, its weights gathered
+        from the affinities): the second op goes with the reference op it equals"""
+        by_cand = {c: m for m in self.matches for c in m.cand}
+        for c in [] if self.same_code else self.free_c():
+            r = _cast_of_matched(
+                self.candidate, c, by_cand, self.frames, self.reference
+            )  # its values known: not compared again
+            r = r or next(
+                (
+                    r for r in self.ref_ops
+                    if r.index in self.matched_ref and _experts_agree(r, c) and self.norms.close([self.val(c)], r.value)
+                    and _equal(self.val(c), r.value)
+                ),
+                None,
+            )  # fmt: skip
+            if r is not None:
+                self.add(
+                    Match((r.index,), (c.index,), "value (computed again: a second op of the candidate's gives it)")
+                )
+
+    def passed_on(self) -> None:
+        """3. a cast or a join on one side only goes with the op whose value it passes on"""
+        for c in self.free_c():
+            if c.kind == "_to_copy" and _passes_on(self.candidate, c):  # a cast the reference does not make
+                self.add(Match((), (c.index,), CAST))
+                continue
+            owners = {m.ref for s in sources(self.candidate, c) for m in self.matches if s in m.cand}
+            if len(owners) == 1:
+                (owner,) = owners
+                value = self.reference.nodes[owner[0]].value if len(owner) == 1 else None
+                if value is not None and self.norms.close([self.val(c)], value) and _same(self.val(c), value):
+                    self.add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
+        for r in self.free_r():
+            owners = {m.cand for s in sources(self.reference, r) for m in self.matches if s in m.ref}
+            if len(owners) == 1:
+                (owner,) = owners
+                value = self.val(self.candidate.nodes[owner[0]]) if len(owner) == 1 else None
+                if value is not None and self.norms.close([value], r.value) and _same(value, r.value):
+                    self.add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
+
+    def pieces(self) -> None:
+        """4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart) whose
+        values differ (the fault may be there): by shape, kind and inputs"""
+        for r in [] if self.same_code else self.free_r():
+            inputs = {c for s in sources(self.reference, r) for m in self.matches if s in m.ref for c in m.cand}
+            if r.value is None or r.expert is None or not inputs:
+                continue
+            pieces = [
+                c for c in self.free_c()
+                if _kind(c) == _kind(r) and c.value is not None and set(sources(self.candidate, c)) & inputs
+                and _experts_agree(r, c)
+            ]  # fmt: skip
+            hit = _run_of(
+                pieces, (2, 3, 4), r.value, lambda group, r=r: _joined_shape([c.value for c in group], r.value)
+            )
+            if hit:
+                self.add(
+                    Match(
+                        (r.index,), tuple(c.index for c in hit[0]), f"shape (split: one in {len(hit[0])})", dim=hit[1]
+                    )
+                )
+
+    def by_order_or_place(self) -> None:
+        """5. what is left: the same ops in the same order (not a rank's partial sums: no reference op is
+        one); in a port's own code only where what they read corresponds (two ops of one kind and size on
+        other paths are not one op)"""
+        if self.same_code:
+            for r, c in _in_order(self.free_r(), [c for c in self.free_c() if not c.partial], _kind):
+                self.add(Match((r.index,), (c.index,), ORDER))
+        else:
+            pair = _Pair(self.reference, self.candidate)
+            _by_place(pair, self.matches, self.add, self.drop, self.free_r, self.free_c, self.identity.gathers)
+            if _joined_rows(pair, self.identity.joined, self.matches, self.add, self.free_r, self.free_c, self.val):
+                _by_place(pair, self.matches, self.add, self.drop, self.free_r, self.free_c, self.identity.gathers)
+
+    def result(self) -> tuple[list[Match], list[int], list[int]]:
+        self.matches.sort(key=lambda m: min(m.ref, default=-1))
+        left_ref = [n.index for n in self.ref_ops if n.index not in self.matched_ref]
+        left_cand = [n.index for n in self.cand_ops if n.index not in self.matched_cand]
+        return self.matches, left_ref, left_cand
 
 
 # ops that put rows back by index (an expert's outputs into the token order): a row frame ends there
