@@ -74,11 +74,11 @@ class DrillItems(Checker):
         self.golden, self.backend, self.runner, self.patterns = golden, backend, runner, patterns
         self.repro_dir = repro_dir
         self.auto_drilled = False  # --parity-drill auto drills the first failing component only
-        self._check_setup(hw, flags)
         found = golden.local_model()
+        self._check_setup(hw, flags, found)
         self.driller = Driller(golden, found[0] if found else None, backend, trust_remote_code=trust_remote_code)
 
-    def _check_setup(self, hw: str, flags: Mapping[str, str]) -> None:
+    def _check_setup(self, hw: str, flags: Mapping[str, str], found: tuple[Path, str] | None) -> None:
         from ..backends import Backend
 
         if self.golden.captured_tokens is not None:
@@ -93,7 +93,6 @@ class DrillItems(Checker):
                 f"{flags['drill']}: the {hw} backend gives no torch modules to drill into; drill with --hw cpu, "
                 f"trace or compile (or a backend that implements drill_call)"
             )
-        found = self.golden.local_model()
         if (found is None or compat.MAJOR < 5) and not store.stored_points(self.golden.root):
             why = (
                 f"the golden's model is not on this machine ({self.golden.manifest['model'].get('path')}): copy the "

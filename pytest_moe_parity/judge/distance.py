@@ -38,7 +38,7 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
         denom = norm if given else float(torch.linalg.vector_norm(r))
         if not (math.isfinite(denom) and denom < MASKED):
             denom = unmasked_norm(r)
-        return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
+        return _ratio(num, denom)
     masked = r.abs() >= MASKED
     if bool(masked.any()):  # compared as masks, not as magnitudes
         c = c.to(r.dtype)
@@ -47,16 +47,21 @@ def rel_l2(candidate: torch.Tensor, reference: torch.Tensor, norm: float | None 
         num = float(torch.linalg.vector_norm(torch.where(masked, 0.0, c - r)))
         denom = float(torch.linalg.vector_norm(torch.where(masked, 0.0, r)))
         if math.isfinite(num) and math.isfinite(denom):
-            return (num / denom if denom else (0.0 if num == 0.0 else float("inf"))) if num else 0.0
+            return _ratio(num, denom)
         c, r = torch.where(masked, 0.0, c), torch.where(masked, 0.0, r)  # what is left: NaNs, infinities
     same = (c == r) | (c.isnan() & r.isnan())
     if bool((~same & ~(c.isfinite() & r.isfinite())).any()):
         return float("inf")
     num = float(torch.linalg.vector_norm(torch.where(same, 0.0, c - r).double()))
     denom = float(torch.linalg.vector_norm(torch.where(r.isfinite(), r, 0.0).double()))
-    if denom == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return num / denom
+    return _ratio(num, denom)
+
+
+def _ratio(num: float, denom: float) -> float:
+    """num / denom, where no difference is 0 and a difference from zero infinite."""
+    if not num:
+        return 0.0
+    return num / denom if denom else float("inf")
 
 
 CHUNK = 1 << 18  # entries `_diff_norm` takes at a time on the CPU

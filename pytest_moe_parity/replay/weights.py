@@ -84,7 +84,7 @@ def weight_items(
         except ParityError as exc:  # its activations are compared all the same
             why = f"a checkpoint cannot be read ({exc})"
         else:
-            return WeightItems(check, backend, hw), []
+            return WeightItems(check, backend, hw, golden.points), []
     return None, [f"moe-parity: no weight items: {why}"] if loud else []
 
 
@@ -160,13 +160,15 @@ class WeightItems(Checker):
 
     kind = "weights"
 
-    def __init__(self, check: WeightCheck, backend: Backend, hw: str):
+    def __init__(self, check: WeightCheck, backend: Backend, hw: str, points: list[Point]):
         self.weights, self.backend, self.hw = check, backend, hw
-        self._checked: set[int | None] = set()
+        self._first: dict[int | None, str] = {}  # per unit (layer; None: model-level), its first prefill point
+        for point in points:
+            if point.step is None:
+                self._first.setdefault(point.layer, point.id)
 
     def before(self, point: Point) -> Iterator[WeightUnit]:
-        if point.step is None and point.layer not in self._checked:
-            self._checked.add(point.layer)
+        if point.step is None and self._first.get(point.layer) == point.id:
             yield WeightUnit(point.layer, point.order - 0.5)
 
     def check(self, entry: WeightUnit, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
