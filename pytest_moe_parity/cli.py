@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from . import compat
 from .model.attention import DEFAULT_BUDGET_MIB
+from .points import positive_int
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -38,13 +39,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _positive_int(text: str) -> int:
+    """`points.positive_int` as argparse reports it ("argument --decode-steps: expected ...")."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
+        return positive_int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

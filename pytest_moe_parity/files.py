@@ -1,12 +1,15 @@
 """Files written whole or not at all: a reader sees the old file or the new one, never half of one
-(the golden's manifest and groups, reports, a compile cache's records, noise figures)."""
+(the golden's manifest and groups, reports, a compile cache's records, noise figures); and the
+per-architecture JSON tables (NxDI's capture names, NxDI's modules) read one way."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,3 +55,18 @@ def file_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o644 & ~mask
+
+
+def table_names(directory: Path) -> list[str]:
+    """The architectures a directory of per-architecture JSON tables covers."""
+    return sorted(p.stem for p in directory.glob("*.json"))
+
+
+def read_table(directory: Path, model_type: str) -> dict[str, Any] | None:
+    """An architecture's JSON table from `directory` (its "source" line is documentation), or None."""
+    path = directory / f"{model_type}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    data.pop("source", None)
+    return data

@@ -171,6 +171,18 @@ def is_point_template(text: str) -> bool:
 TEMPLATE_EXAMPLES = "e.g. embedding, layer_{layer}.attention, logits"
 
 
+def positive_int(text: object) -> int:
+    """A whole number of at least 1 (`--decode-steps`, `--hw-option tp_degree=`, `--parity-threads`):
+    the one parser of such values; ValueError saying what is wrong, each caller names its option."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a whole number of at least 1, got {value}")
+    return value
+
+
 class RangeError(ValueError):
     """A part of a list of ranges that is not a number (`kind` "number") or not LOW-HIGH with
     0 <= LOW <= HIGH (`kind` "range"): each caller says it in its own words."""

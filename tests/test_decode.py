@@ -152,7 +152,7 @@ def test_compiled_backends_skip_the_points_that_read_the_cache(
 def test_golden_cli_records_decode_steps(tmp_path: Path, tiny_model, capsys) -> None:
     model = tiny_model("qwen3_moe")
     code, _, err = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "0")
-    assert code == 2 and "argument --decode-steps: expected a number of at least 1, got 0" in err
+    assert code == 2 and "argument --decode-steps: expected a whole number of at least 1, got 0" in err
     code, out, _ = cli(capsys, "golden", "--model", model, "--out", tmp_path / "g", "--decode-steps", "2", "-q")
     assert code == 0 and ", prefill and 2 decode steps (positions 16-17), " in out  # the default 16 tokens
     code, out, _ = cli(capsys, "show", tmp_path / "g", "--inputs")

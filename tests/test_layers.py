@@ -133,3 +133,37 @@ def test_relative_errors_are_the_judges() -> None:
         if isinstance(node, ast.FunctionDef) and re.match(r"_?rel(_|$)", node.name)
     ]
     assert not own, own
+
+
+NXDI_ROOMS = ["tables", "imports", "weights", "evidence", "calls", "backend"]  # lowest first
+
+
+@pytest.mark.parametrize("room", [*NXDI_ROOMS, "cpu"])
+def test_the_nxdi_backend_is_a_package_of_rooms(room: str) -> None:
+    """`backends/nxdi/`: each room imports only the rooms before it (tables, imports, weights,
+    evidence, calls, backend; the backend its CPU build too), and the CPU build (`cpu/`) only NxDI's
+    imports: it knows nothing of the backend that uses it (NxDI's own module tests run through it
+    alone)."""
+    home = PACKAGE / "backends" / "nxdi"
+    paths = sorted((home / "cpu").glob("*.py")) if room == "cpu" else [home / f"{room}.py"]
+    allowed = {"imports"} if room == "cpu" else {*NXDI_ROOMS[: NXDI_ROOMS.index(room)], *("cpu",) * (room == "backend")}
+    prefix = "pytest_moe_parity.backends.nxdi."
+    found = [
+        f"{path.name}:{line} imports {module}"
+        for path in paths
+        for module, line in _imports(path)
+        if module.startswith(prefix) and (own := module[len(prefix) :].split(".")[0]) != room and own not in allowed
+    ]
+    assert not found
+
+
+def test_per_architecture_tables_are_read_one_way() -> None:
+    """NxDI's capture names (`dump/`) and NxDI's modules (`backends/nxdi/`) are JSON tables per
+    architecture, read by `files.read_table` alone."""
+    readers = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted([*(PACKAGE / "dump").rglob("*.py"), *(PACKAGE / "backends").rglob("*.py")])
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value == "*.json"
+    ]
+    assert not readers, readers

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pytest_moe_parity import compat
-from pytest_moe_parity.backends.nxdi_cpu import ranks, standins
+from pytest_moe_parity.backends.nxdi.cpu import ranks, standins
 
 
 @pytest.fixture

@@ -123,3 +123,26 @@ def test_weights_rows_carry_their_findings_and_first_as_hint() -> None:
         "status": "error", "metrics": {}, "checks": [], "findings": [], "error": "checkpoint unreadable",
     }  # fmt: skip
     assert Row.from_json(errored.to_json()) == errored
+
+
+def test_each_kind_of_row_is_its_own_class_and_is_read_back_as_it() -> None:
+    """One class per kind (as pytest's reports): a kind's own figures live on its class alone, and a
+    report's row is read back as the class that wrote it."""
+    from pytest_moe_parity.report.rows import DrillRow, PointRow, UnjudgedRow, WeightsRow, drill_row
+
+    class Entry:  # a drill item as the drill's checker hands it
+        id, order, layer, component = "layer_1.experts::mul", 7.5, 1, "experts"
+
+    rows = {
+        PointRow: point_row(_judged(broken=True)),
+        UnjudgedRow: unjudged_row(Point("experts", 2, order=9), "skipped", "not in the dump"),
+        WeightsRow: weights_row("layer_0.weights", 0, 0.5, ["layer 0: q_proj.weight differs"]),
+        DrillRow: drill_row(Entry(), "failed", {"verdict": "introduced"}, None),
+    }
+    for cls, row in rows.items():
+        back = Row.from_json(json.loads(json.dumps(row.to_json())))
+        assert type(row) is cls and type(back) is cls and back == row
+        assert (row.main_metrics is not None) == (cls is PointRow)
+    assert {cls.kind for cls in rows} == {"point", "unjudged", "weights", "op"}
+    assert not hasattr(rows[WeightsRow], "metrics") and not hasattr(rows[PointRow], "findings")
+    assert rows[WeightsRow].verdict("isolated") == "failed" and rows[UnjudgedRow].verdict("isolated") is None

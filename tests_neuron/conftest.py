@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     import transformers
 
     from pytest_moe_parity.backends.nxdi import import_nxdi, upstream_warnings
-    from pytest_moe_parity.backends.nxdi_cpu import standins
+    from pytest_moe_parity.backends.nxdi.cpu import standins
 
     if int(transformers.__version__.split(".")[0]) != 4:
         raise pytest.UsageError(

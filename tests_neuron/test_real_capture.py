@@ -15,6 +15,7 @@ import torch
 from pytest_moe_parity.backends import nxdi
 from pytest_moe_parity.dump.nxdi_capture import MAPS_DIR
 from pytest_moe_parity.golden import GoldenStore
+from pytest_moe_parity.tree import first_tensor
 
 
 @pytest.fixture
@@ -75,9 +76,9 @@ def test_the_capture_table_names_what_nxdi_keeps(arch: str, t5: Path, cpu_group,
     finally:
         api.disable_tensor_capture(model)
     for pid, name in names.items():
-        expected = nxdi.first_tensor(golden.load(pid).output)
+        expected = first_tensor(golden.load(pid).output)
         assert kept[name].shape == expected.shape, (pid, name, kept[name].shape, expected.shape)
     # self_attn's own first output is its cos cache, not its output: the table names o_proj
-    attention = nxdi.first_tensor(golden.load("layer_0.attention").output)
+    attention = first_tensor(golden.load("layer_0.attention").output)
     assert kept["layers.0.self_attn"].shape != attention.shape
     assert "cos cache" in json.loads((MAPS_DIR / f"{arch}.json").read_text())["notes"]["layer_{layer}.attention"]

@@ -225,7 +225,9 @@ def test_a_tensor_the_checkpoint_lacks_is_an_error_not_an_initial_value(
     initial values for what the checkpoint lacks, quietly; the CPU build refuses at that point."""
     under = nxdi.under
     monkeypatch.setattr(
-        nxdi, "under", lambda converted, prefix: {k: v for k, v in under(converted, prefix).items() if k != "weight"}
+        nxdi.backend,
+        "under",
+        lambda converted, prefix: {k: v for k, v in under(converted, prefix).items() if k != "weight"},
     )
     result = run_parity(
         pytester, t5 / "qwen3_moe-golden", *CPU, "-k", "layer_0.input_norm", model=t5 / "qwen3_moe-model"

@@ -111,7 +111,7 @@ def _one_expert_s_down_projection_off(monkeypatch: pytest.MonkeyPatch) -> None:
                 out[key] = value
         return out
 
-    monkeypatch.setattr(nxdi, "convert_unit", wrong)
+    monkeypatch.setattr(nxdi.backend, "convert_unit", wrong)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from ..dtypes import parse_dtype
 from ..errors import BackendError, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import ParamRef, resolve_params
-from ..points import Point
+from ..points import Point, positive_int
 from ..tree import CacheState
 
 if TYPE_CHECKING:
@@ -269,14 +269,6 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
-
-
-def positive_int(text: str) -> int:
-    """An HwOption parser: a whole number of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a whole number of at least 1, got {text!r}")
-    return value
 
 
 def non_negative(text: str) -> float:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendError
+from ..files import read_table, table_names
 from ..points import in_step
 
 METADATA_FILE = "capture_metadata.json"
@@ -52,21 +53,6 @@ class NxdiTable:
     modules: dict[str, list[str]]
     notes: dict[str, str] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
-
-
-def table_names(directory: Path) -> list[str]:
-    """The architectures a directory of per-architecture JSON tables covers."""
-    return sorted(p.stem for p in directory.glob("*.json"))
-
-
-def read_table(directory: Path, model_type: str) -> dict[str, Any] | None:
-    """An architecture's JSON table from `directory` (its "source" line is documentation), or None."""
-    path = directory / f"{model_type}.json"
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    data.pop("source", None)
-    return data
 
 
 def available_tables() -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..points import COMPONENTS
+from ..points import COMPONENTS, positive_int
 from .fixtures import candidate, golden, parity  # noqa: F401 (pytest finds a plugin's fixtures on it)
 from .items import SESSION_KEY, ParityCollector, ParityItem, _CheckItem, _message
 
@@ -125,11 +125,10 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
         raise pytest.UsageError(f"parity_plots (ini): expected yes or no, got {plots!r}")
     raw = config.getoption("parity_threads")
     raw = raw if raw is not None else (config.getini("parity_threads") or None)
-    threads = int(raw) if raw is not None and str(raw).strip().isdigit() else raw
-    if raw is not None and not (isinstance(threads, int) and threads >= 1):
-        raise pytest.UsageError(
-            f"--parity-threads / parity_threads: expected a whole number of at least 1, got {raw!r}"
-        )
+    try:
+        threads = None if raw is None else positive_int(raw)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--parity-threads / parity_threads: {exc}") from None
     quiet_transformers()
     try:
         return ParitySession(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..judge.tolerances import TOKEN_LIMIT
 from ..points import COMPONENTS, OUTPUT
-from .rows import Row, number
+from .rows import PointRow, Row, number
 from .summary import figure
 
 HEATMAP = "heatmap.png"
@@ -82,7 +82,7 @@ def render_plots(rows: list[Row], directory: Path) -> list[Path]:
         (mode, r)
         for row in rows
         for mode, r in row.by_mode().items()
-        if r.status != "skipped" and row.verdict(mode) == "failed" and r.token_errors
+        if r.status != "skipped" and row.verdict(mode) == "failed" and isinstance(r, PointRow) and r.token_errors
     ]
     for mode, r in failed[:MAX_TOKEN_PLOTS]:
         suffix = "" if mode == "isolated" else f".{mode}"
@@ -159,7 +159,7 @@ def layer_errors(rows: list[Row], new) -> Any:
             continue
         xs = [i for i, _ in points]
         ax.plot(xs, [max(figure(m, "rel_l2"), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
-        band = [(i, m) for i, m in points if (m.noise or {}).get("targets")]
+        band = [(i, m) for i, m in points if isinstance(m, PointRow) and (m.noise or {}).get("targets")]
         if band:
             ref = [_reference(m) for _, m in band]
             factor = [number(m.limits.get("noise_factor")) or 1.0 for _, m in band]
@@ -190,13 +190,13 @@ def layer_errors(rows: list[Row], new) -> Any:
     return fig
 
 
-def _reference(row: Row) -> float:
+def _reference(row: PointRow) -> float:
     targets = (row.noise or {})["targets"]
     first = next(iter(targets.values()))
     return max(number(first.get("reference_rel_l2")) or 0.0, 1e-12)
 
 
-def token_errors(row: Row, mode: str, new) -> Any:
+def token_errors(row: PointRow, mode: str, new) -> Any:
     """Each token's error of a failed point, the token limit as a line, left-out tokens in grey."""
     values = row.token_errors or []
     fig = new(max(5.0, min(14.0, 0.12 * len(values) + 2)), 3.2)

@@ -1,11 +1,13 @@
-"""The report's rows: one :class:`Row` per item of a run, in four kinds, each with its one builder.
+"""The report's rows: one :class:`Row` per item of a run, a class per kind, each with its one builder.
 
-- a judged point (:func:`point_row`, from the judge's `PointResult`), with its chained twin under
-  ``--parity-mode both``;
-- a point or weight item that was not judged (:func:`unjudged_row`): ``skipped`` with a reason, or an
-  ``error`` with the backend's message;
-- a weight item (:func:`weights_row`): ``layer_N.weights`` / ``weights``, failed with its findings;
-- an op of a drilled component (:func:`drill_row`): ``POINT::OP``, with its figures in ``drill``.
+- a judged point (:class:`PointRow`, :func:`point_row`, from the judge's `PointResult`), with its
+  chained twin under ``--parity-mode both``;
+- a point that was not judged (:class:`UnjudgedRow`, :func:`unjudged_row`): ``skipped`` with a reason,
+  or an ``error`` with the backend's message (a weight item not judged keeps its own class);
+- a weight item (:class:`WeightsRow`, :func:`weights_row`): ``layer_N.weights`` / ``weights``, failed
+  with its findings;
+- an op of a drilled component (:class:`DrillRow`, :func:`drill_row`): ``POINT::OP``, with its figures
+  in ``op``, and the drill's summary ``POINT::drill``.
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
@@ -17,8 +19,8 @@ the drill and the backend give.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Literal
 
 from ..dtypes import json_safe
 from ..judge.logits import LogitsMetrics
@@ -27,7 +29,18 @@ from ..judge.tensors import TensorMetrics
 from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import WEIGHTS, Point
 
-__all__ = ["Row", "drill_row", "number", "point_row", "unjudged_row", "weights_row"]
+__all__ = [
+    "DrillRow",
+    "PointRow",
+    "Row",
+    "UnjudgedRow",
+    "WeightsRow",
+    "drill_row",
+    "number",
+    "point_row",
+    "unjudged_row",
+    "weights_row",
+]
 
 Kind = Literal["point", "unjudged", "weights", "op"]
 JsonDict = dict[str, Any]
@@ -45,8 +58,13 @@ def number(x: Any) -> float | None:
 
 @dataclass
 class Row:
-    """One item of a run as the reports show it. Fields a kind of row does not have stay at their
-    defaults and are not written (see :meth:`to_json`)."""
+    """One item of a run as the reports show it: what every kind has (where it stands, its status, the
+    words said about it). A kind's own figures are its class's (as pytest's ``TestReport`` and
+    ``CollectReport`` share ``BaseReport``): :class:`PointRow`, :class:`UnjudgedRow`,
+    :class:`WeightsRow`, :class:`DrillRow`. Readers of mixed rows ask :attr:`kind`, or the figures
+    every row answers (:attr:`main_metrics`, :attr:`noise_ratio`, :meth:`verdict`, :meth:`by_mode`)."""
+
+    kind: ClassVar[Kind]
 
     id: str
     order: float
@@ -54,10 +72,93 @@ class Row:
     step: int | None
     component: str
     status: str  # passed, failed, error or skipped
-    kind: Kind = "point"
     position: int | None = None  # a judged decode step's: the absolute position of its token
-    # a judged point
-    mode: str = "isolated"  # the verdict's inputs: "isolated" (the golden's) or "chain" (its own)
+    mode: str = "isolated"  # a point's verdict's inputs: "isolated" (the golden's) or "chain" (its own)
+    notes: list[str] = field(default_factory=list)
+    hint: str = ""
+    remedy: str | None = None  # the option that would accept a failure (a point's: a --parity-tol)
+    # an item that was not judged, or not to the end: the backend's error, or why it was skipped
+    error: str | None = None
+    reason: str | None = None
+    # a drill item's summary (`POINT::drill`), or a failed point drilled by --parity-drill auto
+    drill: JsonDict | None = None
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        """The figures of the main tensor (a judged point's): none for the other kinds."""
+        return None
+
+    @property
+    def noise_ratio(self) -> Any:
+        return None
+
+    @property
+    def judged(self) -> bool:
+        """Whether the row holds a judged point's figures (:class:`PointRow`)."""
+        return False
+
+    def by_mode(self) -> dict[str, Row]:
+        """The row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
+        return {self.mode: self}
+
+    def verdict(self, mode: str) -> str | None:
+        """The verdict in `mode` (None: not judged in that mode)."""
+        return None
+
+    # -- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> JsonDict:
+        """The row as comparison_report.json holds it (report schema 1)."""
+        head: JsonDict = {
+            "id": self.id,
+            "order": self.order,
+            "layer": self.layer,
+            "step": self.step,
+            "component": self.component,
+            "status": self.status,
+        }
+        return {**head, "position": self.position} if self.position is not None else head
+
+    def _message_json(self) -> JsonDict:
+        if self.error is not None:
+            return {"error": self.error}
+        return {"reason": self.reason} if self.reason is not None else {}
+
+    @staticmethod
+    def from_json(data: JsonDict) -> Row:
+        """A row of a comparison_report.json (what :meth:`to_json` wrote; absent keys take defaults),
+        of the kind its keys say."""
+        judged = any(data.get(k) for k in _JUDGED_KEYS)  # a point's own figures (an older report: no verdicts)
+        cls: type[Row] = (
+            PointRow
+            if "verdicts" in data or judged
+            else DrillRow
+            if "op" in data
+            else WeightsRow
+            if "findings" in data
+            else UnjudgedRow
+        )
+        known = {f.name for f in fields(cls) if f.name != "chained"}
+        values = {k: v for k, v in data.items() if k in known and v is not None}
+        for name, typed in _TYPED.items():  # the judge's figures, as the judge's types
+            if name in values:
+                values[name] = typed(values[name])
+        values.setdefault("order", 0)
+        values.setdefault("layer", None)
+        values.setdefault("step", None)
+        values.setdefault("component", "")
+        values.setdefault("status", "")
+        if cls is PointRow and isinstance(data.get("chain"), dict):
+            values["chained"] = Row.from_json(data["chain"])
+        return cls(**values)
+
+
+@dataclass
+class PointRow(Row):
+    """A judged point, from the judge's `PointResult` (:func:`point_row`), with its chained twin under
+    ``--parity-mode both``."""
+
+    kind: ClassVar[Kind] = "point"
+
     verdicts: dict[str, str] = field(default_factory=dict)  # each mode's own verdict
     noise: JsonDict | None = None  # {"ratio": R, "targets": {...}} against the reference's own error
     metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # per tensor compared
@@ -71,25 +172,13 @@ class Row:
     worst_experts: list[list[Any]] = field(default_factory=list)  # [expert, tokens, rel error]
     logits: LogitsMetrics | None = None
     worst_elements: dict[str, list[list[Any]]] = field(default_factory=dict)  # [index, golden, candidate, diff]
-    notes: list[str] = field(default_factory=list)
-    hint: str = ""
-    remedy: str | None = None  # the --parity-tol that would accept a failure
     candidate_dtype: str = ""
     golden_dtype: str = ""
     seconds: float = 0.0
     backend: JsonDict = field(default_factory=dict)  # what the backend said (graph, origin, ...)
-    chained: Row | None = None  # --parity-mode both: the chained verdict of the same point
+    chained: PointRow | None = None  # --parity-mode both: the chained verdict of the same point
     # a batch of several prompts: each row's figures over its real tokens (PointResult.rows)
     rows: list[BatchRow] = field(default_factory=list)
-    # an item that was not judged
-    error: str | None = None
-    reason: str | None = None
-    # a weight item
-    findings: list[str] = field(default_factory=list)
-    # a drill item (`POINT::OP`: the op's figures; `POINT::drill`: the whole drill), or a failed
-    # point drilled by --parity-drill auto (`drill`)
-    op: JsonDict | None = None
-    drill: JsonDict | None = None
 
     @property
     def main_metrics(self) -> TensorMetrics | None:
@@ -101,52 +190,22 @@ class Row:
     def noise_ratio(self) -> Any:
         return self.noise.get("ratio") if self.noise else None
 
+    @property
+    def judged(self) -> bool:
+        return True
+
     def by_mode(self) -> dict[str, Row]:
-        """The row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
-        out = {self.mode: self}
+        out: dict[str, Row] = {self.mode: self}
         if self.chained is not None:
             out[self.chained.mode] = self.chained
         return out
 
     def verdict(self, mode: str) -> str | None:
-        """The verdict in `mode`; a row judged in one way only (a weight item, a drill's op) has its
-        status as its verdict in its mode."""
-        if not self.verdicts and self.kind in ("weights", "op"):
-            return self.status if mode == self.mode else None
         return self.verdicts.get(mode)
 
-    # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> JsonDict:
-        """The row as comparison_report.json holds it (report schema 1)."""
-        head: JsonDict = {
-            "id": self.id,
-            "order": self.order,
-            "layer": self.layer,
-            "step": self.step,
-            "component": self.component,
-            "status": self.status,
-        }
-        if self.position is not None:
-            head = {**head, "position": self.position}
-        if self.kind == "point":
-            judged = {**head, **self._judged_json()}
-            return {**judged, "drill": self.drill} if self.drill is not None else judged
-        if self.kind == "op":
-            return {**head, "metrics": {}, "checks": [], "op": self.op, "drill": self.drill, **self._message_json()}
-        if self.kind == "unjudged":
-            return {**head, **self._message_json(), "metrics": {}, "checks": []}
-        weights = {**head, "metrics": {}, "checks": [], "findings": self.findings}
-        if self.findings:
-            weights["hint"] = self.hint
-        return {**weights, **self._message_json()}
-
-    def _message_json(self) -> JsonDict:
-        if self.error is not None:
-            return {"error": self.error}
-        return {"reason": self.reason} if self.reason is not None else {}
-
-    def _judged_json(self) -> JsonDict:
-        return {
+        judged = {
+            **super().to_json(),
             "mode": self.mode,
             "verdicts": self.verdicts,
             "noise": self.noise,
@@ -171,32 +230,57 @@ class Row:
             "chain": self.chained.to_json() if self.chained is not None else None,
             **({"rows": [r.to_dict() for r in self.rows]} if self.rows else {}),
         }
-
-    @classmethod
-    def from_json(cls, data: JsonDict) -> Row:
-        """A row of a comparison_report.json (what :meth:`to_json` wrote; absent keys take defaults)."""
-        kind: Kind = (
-            "point" if "verdicts" in data else "op" if "op" in data else "weights" if "findings" in data else "unjudged"
-        )
-        known = {name for name in cls.__dataclass_fields__ if name not in ("kind", "chained")}
-        values = {k: v for k, v in data.items() if k in known and v is not None}
-        for name, typed in _TYPED.items():  # the judge's figures, as the judge's types
-            if name in values:
-                values[name] = typed(values[name])
-        chain = data.get("chain")
-        return cls(
-            id=data["id"],
-            order=data.get("order", 0),
-            layer=data.get("layer"),
-            step=data.get("step"),
-            component=data.get("component", ""),
-            status=data.get("status", ""),
-            kind=kind,
-            **{k: v for k, v in values.items() if k not in ("id", "order", "layer", "step", "component", "status")},
-            chained=cls.from_json(chain) if isinstance(chain, dict) else None,
-        )
+        return {**judged, "drill": self.drill} if self.drill is not None else judged
 
 
+@dataclass
+class UnjudgedRow(Row):
+    """A point that was not judged: ``skipped`` with a reason, or an ``error`` with the backend's
+    message (:func:`unjudged_row`)."""
+
+    kind: ClassVar[Kind] = "unjudged"
+
+    def to_json(self) -> JsonDict:
+        return {**super().to_json(), **self._message_json(), "metrics": {}, "checks": []}
+
+
+@dataclass
+class WeightsRow(Row):
+    """A weight item (:func:`weights_row`): ``layer_N.weights`` / ``weights``, failed with its findings
+    (or not judged, with the error or reason of :func:`unjudged_row`)."""
+
+    kind: ClassVar[Kind] = "weights"
+
+    findings: list[str] = field(default_factory=list)
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def to_json(self) -> JsonDict:
+        weights = {**super().to_json(), "metrics": {}, "checks": [], "findings": self.findings}
+        if self.findings:
+            weights["hint"] = self.hint
+        return {**weights, **self._message_json()}
+
+
+@dataclass
+class DrillRow(Row):
+    """A drill item (:func:`drill_row`): ``POINT::OP`` with the op's figures (`op`), or
+    ``POINT::drill`` with the drill's summary (`drill`)."""
+
+    kind: ClassVar[Kind] = "op"
+
+    op: JsonDict | None = None
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def to_json(self) -> JsonDict:
+        return {**super().to_json(), "metrics": {}, "checks": [], "op": self.op, "drill": self.drill,
+                **self._message_json()}  # fmt: skip
+
+
+_JUDGED_KEYS = ("metrics", "checks", "routing", "logits", "noise", "limits", "candidate_dtype")
 _TYPED: dict[str, Any] = {  # the fields read back as the judge's types (`Row.from_json`)
     "metrics": lambda items: {k: TensorMetrics.from_dict(m) for k, m in items.items()},
     "checks": lambda items: [Check.from_dict(c) for c in items],
@@ -211,10 +295,10 @@ def _place(entry: Point | PointResult) -> JsonDict:
     return {name: getattr(entry, name) for name in ("id", "order", "layer", "step", "component")}
 
 
-def point_row(result: PointResult) -> Row:
+def point_row(result: PointResult) -> PointRow:
     """The row of a judged point (and of its chained verdict under --parity-mode both)."""
     failed = not result.passed
-    return Row(
+    return PointRow(
         **_place(result),
         status=result.status,
         position=result.position,
@@ -247,28 +331,27 @@ def point_row(result: PointResult) -> Row:
     )
 
 
-def weights_row(name: str, layer: int | None, order: float, findings: list[str]) -> Row:
+def weights_row(name: str, layer: int | None, order: float, findings: list[str]) -> WeightsRow:
     """The row of a weight item (`layer_N.weights`, `weights`): ordered just before its unit's first
     point, failed with the findings in words."""
-    return Row(
+    return WeightsRow(
         id=name,
         order=order,
         layer=layer,
         step=None,
         component=WEIGHTS,
         status="failed" if findings else "passed",
-        kind="weights",
         findings=findings,
         hint=findings[0] if findings else "",
     )
 
 
-def drill_row(entry: Any, status: str, op: JsonDict | None, drill: JsonDict | None) -> Row:
+def drill_row(entry: Any, status: str, op: JsonDict | None, drill: JsonDict | None) -> DrillRow:
     """The row of a drill item (`entry`: the session's DrillEntry): one op's figures (`op`), or the
     drill's summary (`drill`)."""
-    return Row(
+    return DrillRow(
         id=entry.id, order=entry.order, layer=entry.layer, step=None, component=entry.component,
-        status=status, kind="op", op=op, drill=drill,
+        status=status, op=op, drill=drill,
     )  # fmt: skip
 
 
@@ -278,4 +361,4 @@ def unjudged_row(entry: Point | Row, status: str, message: str) -> Row:
     said = {"error": message} if status == "error" else {"reason": message}
     if isinstance(entry, Row):
         return replace(entry, status=status, **said)
-    return Row(**_place(entry), status=status, kind="unjudged", **said)
+    return UnjudgedRow(**_place(entry), status=status, **said)

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
-from .rows import Row, number
+from .rows import PointRow, Row, WeightsRow, number
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -32,6 +32,21 @@ def short_metrics(row: Row) -> tuple[str, str, str]:
 
 
 def row_note(row: Row) -> str:
+    """The notes column of a row: a point's routing and failed checks, what was said of an item not
+    judged, a weight item's first finding."""
+    parts = _judged_notes(row) if isinstance(row, PointRow) else []
+    if row.status != "passed":
+        if row.error:
+            parts.append(row.error[:60])
+        if row.reason:
+            parts.append(row.reason[:60])
+        if isinstance(row, WeightsRow) and row.findings:  # the first tensor found wrong
+            more = len(row.findings) - 1
+            parts.append(row.findings[0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
+    return "; ".join(parts)
+
+
+def _judged_notes(row: PointRow) -> list[str]:
     parts = []
     routing = row.routing
     if routing and (routing.flips or routing.ties):
@@ -45,14 +60,7 @@ def row_note(row: Row) -> str:
         batch = next((r.rows for r in (row, row.chained) if r is not None and any(x.failed for x in r.rows)), [])
         if batch:  # a batch of several prompts: the rows that fail alone
             parts.append(f"rows {', '.join(str(x.row) for x in batch if x.failed)} of {len(batch)}")
-        if row.error:
-            parts.append(row.error[:60])
-        if row.reason:
-            parts.append(row.reason[:60])
-        if row.findings:  # a weight item: the first tensor found wrong
-            more = len(row.findings) - 1
-            parts.append(row.findings[0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
-    return "; ".join(parts)
+    return parts
 
 
 def first_divergence(rows: list[Row], mode: str | None = None) -> Row | None:
@@ -67,17 +75,17 @@ def first_divergence(rows: list[Row], mode: str | None = None) -> Row | None:
 
 def modes(rows: list[Row]) -> list[str]:
     """The modes the rows were judged in, isolated first."""
-    seen = {m for r in rows for m in r.verdicts}
+    seen = {m for r in rows if isinstance(r, PointRow) for m in r.verdicts}
     return [m for m in ("isolated", "chain") if m in seen]
 
 
-def _decode_logits(rows: list[Row]) -> list[Row]:
+def _decode_logits(rows: list[Row]) -> list[PointRow]:
     """The logits rows of the decode steps, by step."""
-    steps = (r for r in rows if r.component == LOGITS and r.step and r.logits)
+    steps = (r for r in rows if isinstance(r, PointRow) and r.component == LOGITS and r.step and r.logits)
     return sorted(steps, key=lambda r: r.step or 0)
 
 
-def first_decode_difference(rows: list[Row]) -> tuple[Row, RoutingFlip] | None:
+def first_decode_difference(rows: list[Row]) -> tuple[PointRow, RoutingFlip] | None:
     """The first decode step whose next token (the logits' top-1) differs, with its flip or tie."""
     for r in _decode_logits(rows):
         assert r.logits is not None
@@ -118,7 +126,7 @@ def counts(rows: list[Row]) -> dict[str, int]:
 def graph_summary(rows: list[Row]) -> dict[str, Any] | None:
     """For compiled backends: how many graphs served the points, how many were compiled or loaded
     from the cache, and the graphs of the decoder layers (the kinds of layer: DeepSeek-V3 has two)."""
-    info = [(r, r.backend) for r in rows if r.backend.get("graph")]
+    info = [(r, r.backend) for r in rows if isinstance(r, PointRow) and r.backend.get("graph")]
     if not info:
         return None
     compiled = [b for _, b in info if b.get("origin") == "compiled"]
@@ -188,15 +196,20 @@ def _ratio(row: Row | None) -> str:
     return fmt(ratio, 3) if ratio is not None else "-"
 
 
+def _chained(row: Row) -> PointRow | None:
+    return row.chained if isinstance(row, PointRow) else None
+
+
 def _extra_columns(rows: list[Row]) -> list[tuple[str, int, Any]]:
     """Columns shown when some row has them: the noise ratio, the chained error (both modes)."""
     columns: list[tuple[str, int, Any]] = []
-    if any(r.noise for r in rows):
+    if any(isinstance(r, PointRow) and r.noise for r in rows):
         columns.append(("noise R", 9, _ratio))
-    if any(r.chained for r in rows):
-        columns.append(("chain rel", 11, lambda r: short_metrics(r.chained)[1] if r.chained else "-"))
-        if any(r.chained is not None and r.chained.noise for r in rows):
-            columns.append(("chain R", 9, lambda r: _ratio(r.chained)))
+    chained = [c for r in rows if (c := _chained(r)) is not None]
+    if chained:
+        columns.append(("chain rel", 11, lambda r: short_metrics(c)[1] if (c := _chained(r)) else "-"))
+        if any(c.noise for c in chained):
+            columns.append(("chain R", 9, lambda r: _ratio(_chained(r))))
     return columns
 
 

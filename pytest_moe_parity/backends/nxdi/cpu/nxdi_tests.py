@@ -1,5 +1,5 @@
 """A pytest plugin that runs NxDI's own module tests on the CPU: `pytest -p
-pytest_moe_parity.backends.nxdi_cpu.nxdi_tests test/unit/models/...`. NxDI's `build_module` (trace,
+pytest_moe_parity.backends.nxdi.cpu.nxdi_tests test/unit/models/...`. NxDI's `build_module` (trace,
 compile, load on a Neuron device) is replaced by the CPU build of `--hw nxdi --hw-option build=cpu`
 before the tests import it; everything else the tests call is NxDI's and NxD's own code."""
 
@@ -11,7 +11,7 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from ..nxdi import upstream_warnings
+    from ..imports import upstream_warnings
     from . import ranks, standins
 
     standins.install()

@@ -1,0 +1,369 @@
+"""`--hw nxdi`'s backend: per point, NxDI's module of that component built (`calls.NxdiPoint`, by
+NxDI's `build_module` or the CPU build's), with that unit's converted weights (`weights`), called on
+the golden's inputs in NxDI's form; at TP > 1 on the CPU, what the ranks say (`evidence`)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import BackendError, PointUnavailable
+from ...golden import GoldenRecord
+from ...model.checkpoint import weight_map
+from ...points import Point, layer_group
+from ...tree import CacheState, first_tensor, leaves
+from .. import Backend, BackendSetup, CandidateOutput, HwOption, on_off, one_of, positive_int
+from .calls import (
+    NxdiPoint,
+    RankCapture,
+    attention_inputs,
+    cache_of,
+    experts_inputs,
+    rank_kv_heads,
+    router_as_reference,
+)
+from .evidence import merge, rank_evidence, ranks_differing, tp_differential
+from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
+from .tables import TABLES, Component, ModuleTable, load_module_table, resolve, tables
+from .weights import back_to_reference, convert_unit, nxdi_cast_state, under, unit_state
+
+BUILDS = ("neuron", "cpu")
+
+
+build_choice = one_of(*BUILDS)
+
+
+class NxdiBackend(Backend):
+    """`--hw nxdi [--hw-option tp_degree=N] [--hw-option build=cpu]`: NxDI's modules of the
+    golden's architecture, traced and compiled for a Neuron device (`build=neuron`), or run on the
+    CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo)."""
+
+    name = "nxdi"
+    options = (
+        HwOption("tp_degree", "tensor-parallel degree of each built module (default: 1)", positive_int, 1),
+        HwOption(
+            "build",
+            "neuron: traced and compiled by NxDI's build_module on a Neuron host (the default); cpu: NxDI's "
+            "real modules on this machine's CPU, one process per rank, as NxDI's CPU inference runs them",
+            build_choice,
+            "neuron",
+        ),
+        HwOption(
+            "tp_diff",
+            "with build=cpu and tp_degree > 1: also run each point at TP 1 and name where the two part (on/off)",
+            on_off,
+            False,
+        ),
+        HwOption("workdir", "where converted checkpoints and compiler artifacts go (default: a temporary directory)"),
+        HwOption("compiler_args", "neuronx-cc arguments (default: NxDI's own)"),
+    )
+
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        if importlib.util.find_spec("neuronx_distributed_inference") is None:
+            raise BackendError(f"--hw nxdi needs neuronx-distributed-inference, which is not installed: {INSTALL}")
+        table = load_module_table(self.golden.model_type)
+        if table is None:
+            raise BackendError(
+                f"--hw nxdi has no NxDI module table for {self.golden.model_type} (tables: {', '.join(tables())}); "
+                f"add one to {TABLES}, or compare an NxDI tensor capture with --hw dump"
+            )
+        if setup.model_dir is None:
+            raise BackendError("--hw nxdi needs the Hugging Face checkpoint NxDI converts: pass --model DIR")
+        self.cpu = self.hw_options["build"] == "cpu"
+        if self.cpu:
+            from .cpu import standins
+
+            standins.install()
+            self._cpu_mode = os.environ.get("NXD_CPU_MODE")
+            os.environ["NXD_CPU_MODE"] = "1"  # NxDI's modules take their CPU branches (plain-math RMSNorm)
+        with upstream_warnings():
+            import_nxdi()
+        self._check_tp(table)
+        self.tp = self.hw_options["tp_degree"]
+        if self.hw_options["tp_diff"] and not (self.cpu and self.tp > 1):
+            raise BackendError(
+                "--hw-option tp_diff=on compares TP 1 with TP N on the CPU: it needs build=cpu and tp_degree above 1"
+            )
+        self.table = table
+        self.weights = weight_map(setup.model_dir)
+        self.config: Any = None
+        self._configs: dict[int, Any] = {}
+        self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
+        self._built: dict[tuple, Any] = {}
+        self._converted: dict[tuple[int | None, int], dict[str, torch.Tensor]] = {}  # one unit's, per TP degree
+        self._workdir: Path | None = None
+
+    def _check_tp(self, table: ModuleTable) -> None:
+        """A TP degree NxD cannot shard the golden's model by is a usage error, not a run of errors."""
+        tp = self.hw_options["tp_degree"]
+        config = self.golden.config
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
+        if experts:
+            sizes["each expert's intermediate size"] = config.get("moe_intermediate_size") or config.get(
+                "intermediate_size"
+            )
+        bad = [f"{what} ({size})" for what, size in sizes.items() if size and size % tp]
+        if bad:
+            raise BackendError(
+                f"--hw-option tp_degree={tp}: NxD shards {' and '.join(bad)} by the TP degree, which does not divide "
+                f"{'it' if len(bad) == 1 else 'them'}; use a TP degree that does (e.g. 1 or 2)"
+            )
+
+    def start(self) -> None:
+        if self.config is not None:  # started already (weight items run before the first point)
+            return
+        import tempfile
+
+        self.config = self._config(self.tp)
+        if self.hw_options["workdir"]:
+            self._workdir = Path(self.hw_options["workdir"]).expanduser()
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="moe-parity-nxdi-")
+            self._workdir = Path(self._tmp.name)
+
+    def _config(self, tp: int) -> Any:
+        """NxDI's inference config of the golden's model at TP `tp` (made once per degree)."""
+        if tp not in self._configs:
+            with upstream_warnings():
+                hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
+                neuron_config = resolve(self.table.neuron_config)(tp_degree=tp, torch_dtype=self.dtype)
+                self._configs[tp] = resolve(self.table.config)(
+                    neuron_config, load_config=hf_adapter(hf_config=nxdi_hf_config(self.setup.model_dir))
+                )
+        return self._configs[tp]
+
+    def _spec_inputs(self, point: Point, golden: GoldenRecord) -> tuple[Component, tuple[torch.Tensor, ...]]:
+        """The table's entry of the point's component and its inputs in the module's form."""
+        spec = self.table.components.get(point.component)
+        if spec is None:
+            why = self.table.unavailable.get(point.component, "the table names no NxDI module for it")
+            raise PointUnavailable(f"{point.id}: not built by --hw nxdi: {why}")
+        if self.config is None:
+            self.start()
+        return spec, self._inputs(point, spec, golden)
+
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        spec, inputs = self._spec_inputs(point, golden)
+        cache = None
+        info: dict[str, Any] = {"nxdi_module": spec.module.format(layer=point.layer)}
+        with torch.no_grad(), upstream_warnings():
+            module = self._module(point, point.component, spec, inputs)
+            output = module(*inputs)
+            if self.cpu and self.tp > 1:
+                merge(info, self._parallel_evidence(point, spec, inputs, module))
+            routing = None
+            if spec.inputs == "attention":
+                output, keys, values, *caught = output
+                routing = tuple(caught) or None
+                past = cache_of(golden)
+                if past is not None and self.hw_options["tp_degree"] == 1:  # at TP > 1 K, V are rank 0's heads
+                    # token generation: the cache after the call is the past and this step's K, V
+                    cache = CacheState(
+                        past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
+                    )
+            elif point.routed_block and "router" in self.table.components:  # what the block's router chose
+                router = self.table.components["router"]
+                routing = tuple(self._module(point, "router", router, inputs)(*inputs))
+        return CandidateOutput(output, routing, info=info, cache=cache)
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
+        """`--parity-drill` on the CPU build: NxDI's module of the point, captured op by op on its
+        ranks (at TP > 1, their graphs joined into one: `drill.ranks`)."""
+        if not self.cpu:
+            raise NotImplementedError(
+                "--hw nxdi drills its CPU build (--hw-option build=cpu): on a Neuron device NxDI runs the module as "
+                "one traced graph, with no ops to capture one by one; drill the same NxDI code with build=cpu"
+            )
+        spec, inputs = self._spec_inputs(point, golden)
+        with upstream_warnings():
+            module = self._module(point, point.component, spec, inputs)
+        read_as = None
+        if point.component == "router":  # its affinities read as top-k weights, as the point's verdict reads them
+            golden_w = [t for t in leaves(self.golden.load(point).output) if isinstance(t, torch.Tensor)][1]
+            read_as = functools.partial(router_as_reference, golden_w=golden_w)
+        return RankCapture(module, read_as), list(inputs), {}, False
+
+    def _parallel_evidence(self, point: Point, spec: Component, inputs: tuple[torch.Tensor, ...], module: Any):
+        """What the ranks' own outputs say at TP > 1 (the CPU build holds every rank's): whether they
+        agree, as NxD's replicated outputs must, and where they do not, whether their sum is the golden
+        output (a missing all-reduce). With `tp_diff`, the TP 1 differential of every point too. Notes
+        for the row, and the hint of the point if it fails."""
+        firsts = [first_tensor(o) for o in module.rank_outputs]
+        self._last = (point.id, spec, inputs, firsts[0])
+        differ = ranks_differing(firsts)
+        if not differ and not self.hw_options["tp_diff"]:
+            return {}
+        expected = first_tensor(self.golden.load(point).output)  # what the backend is handed has no output
+        out = rank_evidence(firsts, differ, expected) if differ else {}
+        if self.hw_options["tp_diff"]:
+            merge(out, self._tp_differential(point, expected))
+        return out
+
+    def explain(self, point: Point, golden: GoldenRecord) -> dict[str, Any]:
+        """A failed point at TP > 1 on the CPU: the TP 1 differential (unless every point had it)."""
+        if not (self.cpu and self.tp > 1) or self.hw_options["tp_diff"] or self._last[0] != point.id:
+            return {}
+        with torch.no_grad(), upstream_warnings():
+            return self._tp_differential(point, first_tensor(golden.output))
+
+    def _tp_differential(self, point: Point, expected: torch.Tensor) -> dict[str, Any]:
+        """The same point built at TP 1, against the last point's output at TP N."""
+        _, spec, inputs, at_tp = self._last
+        single = first_tensor(self._module(point, point.component, spec, inputs, tp=1)(*inputs))
+        return tp_differential(at_tp, single, expected, self.tp)
+
+    def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+        if spec.inputs == "attention":
+            cache = cache_of(golden)
+            if cache is not None and cache.window is not None:
+                raise PointUnavailable(
+                    f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "
+                    "attention keeps its own rolling layout); compare it with --hw dump on an NxDI capture"
+                )
+            if cache is not None and self._rank_kv_heads() is None:
+                raise PointUnavailable(
+                    f"{point.id}: not built by --hw nxdi at tp_degree={self.hw_options['tp_degree']}: NxDI pads "
+                    f"{self.config.num_attention_heads} attention heads to a multiple of it, and which rank holds "
+                    "which kv heads of the cache is then not known here; use a TP degree that divides the heads, "
+                    "or compare an NxDI capture"
+                )
+            return attention_inputs(golden)
+        values = [*golden.args, *golden.kwargs.values()]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if spec.inputs == "experts":
+            hidden, index, weights = tensors[:3]
+            experts = self.golden.config.get("num_experts") or self.golden.config["num_local_experts"]
+            return experts_inputs(hidden, index, weights, int(experts))
+        return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
+
+    def _unit(self, layer: int | None, tp: int | None = None) -> dict[str, torch.Tensor]:
+        """NxDI's conversion of this unit (its layer renamed to 0) at TP `tp` (the conversion writes
+        rank tensors), converted once and kept while its points run."""
+        key = (layer, tp or self.tp)
+        if key not in self._converted:
+            if any(k[0] != layer for k in self._converted):  # one unit at a time
+                self._converted.clear()
+            application = resolve(self.table.application)
+            state = unit_state(self.setup.model_dir, layer, self.weights)
+            self._converted[key] = convert_unit(
+                state, application.convert_hf_to_neuron_state_dict, self._config(key[1]), int(layer is not None)
+            )
+        return self._converted[key]
+
+    def _weights(self, layer: int | None, module: str, tp: int) -> dict[str, torch.Tensor]:
+        """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit."""
+        return under(self._unit(layer, tp), module.format(layer=0) + ".")
+
+    def held_weights(self, layer: int | None) -> dict[str, torch.Tensor] | None:
+        """What NxDI's conversion made of the candidate checkpoint's unit, mapped back by the
+        table's inverse rules (None: the table has none, and the checkpoint itself is compared)."""
+        if self.table.weights is None:
+            return None
+        if self.config is None:
+            self.start()
+        return back_to_reference(self._unit(layer), self.table.weights, layer)
+
+    def _rank_kv_heads(self, tp: int | None = None) -> list[list[int]] | None:
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        return rank_kv_heads(tp or self.tp, heads, kv_heads)
+
+    def _kwargs(self, spec: Component, prefill: bool, tp: int) -> dict[str, Any]:
+        """The factory's keywords; the config as NxDI gives its context-encoding model
+        (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
+        base = self._config(tp)
+        kwargs = {k: getattr(base, v) for k, v in spec.args.items()}
+        kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
+        if spec.config:
+            config = copy.copy(base)
+            config.neuron_config = copy.copy(base.neuron_config)
+            config.neuron_config.is_prefill_stage = prefill
+            kwargs["config"] = config
+        return kwargs
+
+    def _module(
+        self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...], tp: int | None = None
+    ) -> Any:
+        tp = tp or self.tp
+        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp)
+        if key not in self._built:
+            from safetensors.torch import load_file, save_file
+
+            if self.cpu:
+                from .cpu.ranks import build_module
+            else:
+                build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
+            converted = nxdi_cast_state(self._weights(point.layer, spec.module, tp), self.dtype_of(tp))
+            for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
+                converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
+            assert self._workdir is not None
+            unit = "model" if point.layer is None else layer_group(point.layer)
+            token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
+            shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
+            where = self._workdir / f"{unit}.{name}.{shape}.tp{tp}"
+            where.mkdir(parents=True, exist_ok=True)
+            checkpoint = where / "checkpoint.safetensors"
+            state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
+            kv_heads = self._rank_kv_heads(tp) if token_generation and tp > 1 else None
+            if kv_heads is not None:  # the wrapper's own: its SPMDRank and which kv heads each rank holds
+                state["rank_util.rank"] = torch.arange(tp, dtype=torch.int32)
+                state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int32)
+            save_file(state, str(checkpoint))
+            if any(k[0] != point.layer for k in self._built):  # one unit's modules at a time
+                self._release()
+            self._built[key] = build_module(
+                NxdiPoint,
+                example_inputs=[tuple(inputs)],
+                module_init_kwargs={
+                    "factory": spec.factory,
+                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp),
+                    "call": spec.call,
+                    "form": spec.inputs,
+                    "routing": spec.routing,
+                    "kv_heads": kv_heads,
+                    "seq_len": 1 if point.step is not None else self.golden_seq_len(),
+                },
+                tp_degree=tp,
+                compiler_args=self.hw_options["compiler_args"],
+                compiler_workdir=str(where / "compiler"),
+                checkpoint_path=str(checkpoint),
+                checkpoint_loader_fn=load_file,
+            )
+        return self._built[key]
+
+    def dtype_of(self, tp: int) -> torch.dtype:
+        return self._config(tp).neuron_config.torch_dtype
+
+    def golden_seq_len(self) -> int:
+        """The prefill's tokens per sequence (NxD's experts pick the context-encoding path by it)."""
+        ids = self.golden.manifest.get("inputs", {}).get("input_ids") or [[]]
+        return len(ids[0])
+
+    def _release(self) -> None:
+        """Drops the built modules (on the CPU build, from their ranks too)."""
+        for module in self._built.values():
+            if hasattr(module, "release"):
+                module.release()
+        self._built.clear()
+
+    def close(self) -> None:
+        self._release()
+        self._converted.clear()
+        if getattr(self, "cpu", False):
+            from .cpu.ranks import close_pools
+
+            close_pools()
+            if self._cpu_mode is None:
+                os.environ.pop("NXD_CPU_MODE", None)
+            else:
+                os.environ["NXD_CPU_MODE"] = self._cpu_mode
+        tmp = getattr(self, "_tmp", None)
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,0 +1,163 @@
+"""The module built per point and the golden's calls in NxDI's forms: the attention's (boolean mask,
+int32 positions, the cache as K, V), the experts' (affinities over every expert), the router's outputs
+read as the reference's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...golden import GoldenRecord
+from ...model.calls import cache_states
+from ...tree import CacheState
+from .imports import upstream_warnings
+from .tables import resolve
+from .weights import nxdi_cast
+
+
+class NxdiPoint(nn.Module):
+    """The NxDI module of one point, called as the point needs it (the MoE's router, its experts on
+    given routing, the whole module; an attention or a decoder layer on (hidden, mask, position ids
+    [, past K, past V]), giving (hidden, K, V) and, with `routing`, that submodule's outputs after
+    them, caught by a forward hook as NxD's tensor capture does). Built by build_module from
+    keyword arguments."""
+
+    def __init__(
+        self,
+        factory: str,
+        kwargs: dict[str, Any],
+        call: str,
+        form: str = "hidden",
+        routing: str = "",
+        kv_heads: list[list[int]] | None = None,
+        seq_len: int = 0,
+    ):
+        super().__init__()
+        self.inner = resolve(factory)(**kwargs)
+        config = kwargs.get("config")
+        if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
+            nxdi_cast(self.inner, config.neuron_config.torch_dtype)
+        self.call = call
+        self.form = form
+        self.seq_len = seq_len
+        self._caught: list[Any] = []
+        if routing:
+            self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
+        # token generation at TP > 1: each rank takes its kv heads of the cache
+        self.register_buffer("kv_heads", None if kv_heads is None else torch.tensor(kv_heads, dtype=torch.int32))
+        if kv_heads is not None:
+            self.rank_util = resolve("neuronx_distributed.parallel_layers.layers:SPMDRank")(len(kv_heads))
+
+    def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
+        if self.form == "attention":
+            mask, positions, *past = rest
+            if past and self.kv_heads is not None:
+                mine = self.kv_heads.index_select(0, self.rank_util.get_rank()).flatten()
+                past = [t.index_select(1, mine) for t in past]
+            self._caught.clear()
+            out = self.inner(
+                hidden_states=first,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_value=tuple(past) if past else None,
+            )
+            caught = tuple(self._caught[0]) if self._caught else ()
+            return (out[0], out[1][0], out[1][1], *caught)
+        if self.call == "expert_mlps":
+            affinities, index = rest
+            out = self.inner.expert_mlps(first, affinities, index, self.seq_len)
+            return reduce_experts(self.inner, out)
+        if self.call:
+            return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
+        out = self.inner(first, *rest)
+        return out[0] if isinstance(out, tuple | list) else out
+
+
+class RankCapture:
+    """`drill_call`'s module on the CPU build: captured on its ranks (`capture_ops` gives each
+    rank's graph: the drill joins them), its outputs read as the point reads them (`read_as`)."""
+
+    def __init__(self, module: Any, read_as: Any = None):
+        self.module, self.read_as = module, read_as
+
+    def capture_ops(self, capture: Any, args: list, kwargs: dict, router: bool | None = None) -> list:
+        with upstream_warnings():
+            return self.module.capture_ops(capture, args, kwargs, router=router)
+
+
+def router_as_reference(logits: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor, golden_w: torch.Tensor):
+    """NxDI's router's (logits, affinities [T, E], ids) as the reference's (logits, top-k weights,
+    ids): the top-k ids' affinities, renormalised where the golden's are (`judge.routing`)."""
+    from ...judge.routing import topk_of_affinities
+
+    return logits, topk_of_affinities(affinities, index, golden_w)[0], index
+
+
+def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
+    """The all-reduce NxD's MoE module applies to its experts' output (`ExpertMLPsV2` leaves each
+    rank with its partial sum: the "delayed all-reduce" of `modules/moe/model.py`), over the expert-
+    parallel world where experts are sharded by EP, else the tensor-parallel group."""
+    from neuronx_distributed.parallel_layers import mappings, parallel_state
+
+    group = parallel_state.get_world_group() if getattr(moe, "ep_enabled", False) else moe.tensor_parallel_group
+    return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
+
+
+def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+    """The golden call of an attention or a decoder layer (hidden states, transformers' additive
+    mask [B, 1, Q, past + Q], position ids, the KV cache at a decode step) in NxDI's form: (hidden,
+    a boolean mask, int32 position ids) for context encoding, (hidden, the mask over the past
+    positions [B, 1, Q, past], position ids, past K, past V) for token generation. Without a
+    recorded mask or positions: causal, and positions counted on from the cache's length."""
+    hidden = golden.kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor):
+        hidden = next(a for a in golden.args if isinstance(a, torch.Tensor))
+    bsz, q_len = hidden.shape[:2]
+    cache = cache_of(golden)
+    past = int(cache.keys.shape[2]) if cache is not None else 0
+    mask = golden.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        keep = mask if mask.dtype == torch.bool else mask == 0
+        keep = keep[:, :1, :, : past + q_len].expand(bsz, 1, q_len, past + q_len)
+    else:
+        keep = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(past).expand(bsz, 1, q_len, past + q_len)
+    positions = golden.kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(past, past + q_len).expand(bsz, q_len)
+    positions = positions.to(torch.int32).expand(bsz, q_len).contiguous()
+    if cache is None:
+        return hidden, keep.contiguous(), positions
+    return hidden, keep[..., :past].contiguous(), positions, cache.keys, cache.values
+
+
+def cache_of(golden: GoldenRecord) -> CacheState | None:
+    """The KV cache a decode step's call carries (None: a prefill call)."""
+    found = cache_states(golden.kwargs) + cache_states(golden.args)
+    return found[0] if found else None
+
+
+def rank_kv_heads(tp_degree: int, heads: int, kv_heads: int) -> list[list[int]] | None:
+    """Which of the model's kv heads each rank holds, as NxD's GQA shards them
+    (`gqa.get_shardable_head_counts`, `replicate_kv`): kept where the TP degree divides them, else each
+    repeated (repeat_interleave) up to the TP degree (REPLICATE_TO_TP_DEGREE, when it is a multiple)
+    or to the attention heads (CONVERT_TO_MHA), then split evenly. None where NxDI pads the attention
+    heads (their count not a multiple of the TP degree)."""
+    if heads % tp_degree:
+        return None
+    if heads == kv_heads or kv_heads % tp_degree == 0:
+        grown = kv_heads
+    else:
+        grown = tp_degree if tp_degree % kv_heads == 0 else heads
+    repeats, each = grown // kv_heads, grown // tp_degree
+    return [[j // repeats for j in range(r * each, (r + 1) * each)] for r in range(tp_degree)]
+
+
+def experts_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int):
+    """The golden experts call (hidden [T, H], top-k ids, top-k weights) in NxD's form: (hidden,
+    affinities [T, E] with each token's top-k weights at their expert ids, ids [T, k])."""
+    ids = top_k_index.reshape(-1, top_k_index.shape[-1]).long()
+    weights = top_k_weights.reshape(ids.shape).to(hidden.dtype)
+    affinities = torch.zeros(ids.shape[0], experts, dtype=hidden.dtype).scatter(1, ids, weights)
+    return hidden.reshape(ids.shape[0], -1), affinities, ids

@@ -1,0 +1,70 @@
+"""The table per architecture (`modules/<model_type>.json`: data, so a team adds its model without
+touching the code) that names NxDI's config, application and MoE factory, and how each point's
+module is built."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...files import read_table, table_names
+
+TABLES = Path(__file__).with_name("modules")
+
+
+@dataclass
+class Component:
+    """How one point's NxDI module is built: its path in NxDI's model (`{layer}` for decoder
+    layers), the factory called with config attributes (`args`: keyword -> attribute), fixed
+    keywords (`literals`; "$dtype": the candidate's dtype), the config itself (`config`), the
+    attribute of the built module that the point calls ("": the module), the inputs' form, NxD's
+    SPMDRank tensors the module holds (`rank_buffers`: arange(tp_degree), added where the conversion
+    did not write them) and the submodule whose output is the module's routing (`routing`)."""
+
+    module: str
+    factory: str
+    args: dict[str, str] = field(default_factory=dict)
+    literals: dict[str, Any] = field(default_factory=dict)
+    config: bool = False
+    call: str = ""
+    inputs: str = "hidden"  # hidden | tokens | experts | attention
+    rank_buffers: list[str] = field(default_factory=list)
+    routing: str = ""
+
+
+@dataclass
+class ModuleTable:
+    """How an architecture's points map onto NxDI (one JSON file per `model_type`)."""
+
+    model_type: str
+    config: str  # "module:Class" of the InferenceConfig
+    neuron_config: str
+    application: str  # the NeuronXxxForCausalLM whose convert_hf_to_neuron_state_dict converts weights
+    components: dict[str, Component]
+    unavailable: dict[str, str] = field(default_factory=dict)
+    # The inverse of the application's conversion, for weight items: {"prefix", "top_level", "rules"}.
+    weights: dict[str, Any] | None = None
+
+
+def tables() -> list[str]:
+    return table_names(TABLES)
+
+
+def load_module_table(model_type: str) -> ModuleTable | None:
+    data = read_table(TABLES, model_type)
+    if data is None:
+        return None
+    data["components"] = {k: Component(**v) for k, v in data["components"].items()}
+    return ModuleTable(**data)
+
+
+def resolve(spec: str) -> Any:
+    """ "package.module:Name" -> the object (imported on use: NxDI only where it is installed);
+    "package.module:name()" -> what that function returns (NxDI's `get_rmsnorm_cls()`: the class
+    NxDI itself picks, its custom call on a device, transformers' RMSNorm in CPU mode)."""
+    module, _, name = spec.partition(":")
+    if name.endswith("()"):
+        return getattr(importlib.import_module(module), name[:-2])()
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,92 @@
+"""One unit's checkpoint through NxDI's conversion: its tensors read (renamed to layer 0), converted
+by the application's `convert_hf_to_neuron_state_dict`, cast as NxDI casts them, and mapped back to
+the reference's names for weight items."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import BackendError
+from ...model.checkpoint import weight_map
+
+
+def unit_state(model_dir: Path, layer: int | None, weights: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """One decoder layer's checkpoint tensors, renamed to layer 0, or (layer None) the model-level
+    ones, without the base-model prefix (`model.layers.17.mlp.gate.weight` ->
+    `layers.0.mlp.gate.weight`, `model.norm.weight` -> `norm.weight`), as NxDI's get_state_dict
+    hands them to its conversion: only these tensors are read."""
+    from safetensors import safe_open
+
+    weights = weights if weights is not None else weight_map(model_dir)
+    renamed: dict[str, str] = {}
+    for key in weights:
+        bare = key.removeprefix("model.")
+        if layer is not None and bare.startswith(f"layers.{layer}."):
+            renamed[key] = "layers.0." + bare[len(f"layers.{layer}.") :]
+        elif layer is None and not bare.startswith("layers."):
+            renamed[key] = bare
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({weights[k] for k in renamed}):
+        with safe_open(str(model_dir / file), framework="pt") as fh:
+            for key in (k for k in renamed if weights[k] == file):
+                state[renamed[key]] = fh.get_tensor(key)
+    return state
+
+
+def convert_unit(state: dict[str, torch.Tensor], convert: Any, config: Any, layers: int) -> dict[str, torch.Tensor]:
+    """NxDI's conversion of one unit's tensors with a config of `layers` decoder layers (1 for a
+    layer renamed to layer 0, 0 for the model-level tensors); the caller's config is untouched."""
+    one = copy.copy(config)
+    one.num_hidden_layers = layers
+    return convert(dict(state), one)
+
+
+def back_to_reference(
+    converted: dict[str, torch.Tensor], inverse: dict[str, Any], layer: int | None
+) -> dict[str, torch.Tensor]:
+    """A unit's converted tensors (its layer renamed to 0) under the reference's names and layout,
+    by the table's inverse rules: `neuron` -> `hf` (with `{layer}`), an optional `transpose` of two
+    dims; any other name is the reference's under `prefix` (except the `top_level` ones)."""
+    rules = {r["neuron"].format(layer=0): r for r in inverse.get("rules", [])}
+    prefix, top = inverse.get("prefix", ""), tuple(inverse.get("top_level", ()))
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in converted.items():
+        rule = rules.get(name)
+        if rule is None:
+            bare = name if layer is None else name.replace("layers.0.", f"layers.{layer}.", 1)
+            out[bare if bare.startswith(top) else prefix + bare] = tensor
+            continue
+        if "transpose" in rule:
+            tensor = tensor.transpose(*rule["transpose"])
+        out[rule["hf"].format(layer=layer)] = tensor
+    return out
+
+
+def under(converted: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The converted tensors under `prefix` (e.g. `layers.0.mlp.`), relative to it."""
+    kept = {k[len(prefix) :]: v for k, v in converted.items() if k.startswith(prefix)}
+    if not kept:
+        raise BackendError(f"NxDI's conversion gave no tensor under {prefix!r}; is the table's module path right?")
+    return kept
+
+
+def nxdi_cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """NxDI's model-wide cast (`ModelWrapper`'s `load_module` with `cast_type="config"`, which
+    `build_module` leaves out): every floating tensor but fp8 to the config's dtype."""
+    if dtype != torch.float32:
+        keep = (torch.float8_e4m3fn, torch.float8_e5m2)
+        module._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype not in keep else t)
+
+
+def nxdi_cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """NxDI's cast of a checkpoint with `cast_type="config"` (`get_state_dict`'s `_cast_helper`):
+    floating tensors but fp8 and `*scale` to the config's dtype."""
+    if dtype == torch.float32:
+        return state
+    cast = {k for k, v in state.items() if v.is_floating_point() and v.dtype != torch.float8_e4m3fn}
+    return {k: v.to(dtype) if k in cast and not k.endswith("scale") else v for k, v in state.items()}
