@@ -59,6 +59,11 @@ def cli(*argv: str) -> tuple[int, str]:
     return sh("-m", "pytest_moe_parity.cli", *argv)
 
 
+def progress(arch: str, step: str, code: int, started: float) -> None:
+    """One line per step as it ends (the summary is printed at the end): where a long run stands."""
+    print(f"{arch}: {step} exit {code} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
+
 def parity(golden: Path, model: Path, *argv: str) -> tuple[int, str]:
     return sh("-m", "pytest", "-p", "no:cacheprovider", "--golden-dir", str(golden), "--model", str(model), "-q", *argv)
 
@@ -106,13 +111,18 @@ def check(arch: str, root: Path) -> dict:
                      "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
         if code:
             out[name]["tail"] = text[-1500:]
+        progress(arch, name, code, started)
+    started = time.perf_counter()
     code, text = cli("golden", "--model", str(model), "--out", str(g_cuda), "--device", "cuda")
+    progress(arch, "golden --device cuda", code, started)
     out["golden_cuda"] = {"exit": code, "placement": line(text, "placement:"), "memory": line(text, "memory:")}
     code, text = parity(g_cuda, model, "--hw", "cuda")
     out["cuda_golden_on_cuda"] = {"exit": code, "summary": line(text, " points: ")}
     caps = ("--device-map", "auto", "--max-memory", "0:1MB,cpu:500KB")  # of 1.8 MB: GPU, host and disk
     placed, pretrained = root / f"g-placed-{arch}", root / f"g-fp-{arch}"
+    started = time.perf_counter()
     code, text = cli("golden", "--model", str(model), "--out", str(placed), *caps, "--offload-folder", str(root / "o1"))
+    progress(arch, "golden placed by unit", code, started)
     out["placed_by_unit"] = {"exit": code, "placement": line(text, "placement:"), "memory": line(text, "memory:")}
     if code:
         out["placed_by_unit"]["tail"] = text[-1500:]
