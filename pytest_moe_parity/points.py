@@ -29,6 +29,13 @@ MODEL_HEAD = ("embedding", "rotary")
 MODEL_TAIL = ("final_norm", "logits")
 COMPONENTS = MODEL_HEAD + LAYER_COMPONENTS + MODEL_TAIL
 
+# What a whole point's replay runs inside it (of its own layer and step): where a part failed first,
+# the whole shows that failure too.
+PARTS = {
+    "moe": ("router", "experts", "shared_experts"),
+    "output": LAYER_COMPONENTS[: LAYER_COMPONENTS.index("output")],
+}
+
 ATTENTION = "attention"
 ROUTER = "router"
 EXPERTS = "experts"

@@ -23,7 +23,7 @@ from .golden import GoldenStore
 from .host import HeldThreads
 from .judge.tolerances import Override
 from .judge.verdict import PointResult
-from .points import Point, describe_layers
+from .points import PARTS, Point, describe_layers, point_id
 from .replay.checks import Checker, Entry
 from .replay.runner import ParityRunner, Prepared
 from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
@@ -221,7 +221,22 @@ class ParitySession:
         return self.runner.prepare(point)
 
     def judge(self, prepared: Prepared, marker: dict[str, Any] | None = None) -> PointResult:
-        return self.runner.judge(prepared, marker)
+        result = self.runner.judge(prepared, marker)
+        if not result.passed:
+            self._part_failed_first(prepared.point, result)
+        return result
+
+    def _part_failed_first(self, point: Point, result: PointResult) -> None:
+        """A whole (the MoE block, the decoder layer) whose part failed before it in this run: its hint
+        names that part, whose failure shows in the whole too (the whole's own hint would say its parts
+        pass)."""
+        parts = {point_id(c, point.layer, point.step) for c in PARTS.get(point.component, ())}
+        failed = [r for pid, r in self.rows.items() if pid in parts and r.status == "failed"]
+        if failed:
+            first = min(failed, key=lambda r: r.order).id
+            result.hint = (
+                f"{first} runs inside this point and failed first: likely its failure showing here; fix {first} first"
+            )
 
     def plan(self, points: list[Point]) -> None:
         """The points this run will prepare, in order (the backend may read ahead)."""

@@ -244,11 +244,12 @@ def test_one_broken_expert_of_64_is_named() -> None:
     r = judge_point(Case(point, g, c, default_tolerance(torch.bfloat16, "experts"), torch.bfloat16,
                     golden_router=(logits, weights, index)))  # fmt: skip
     assert not r.passed
-    expert, tokens, err = r.worst_experts[0]
+    expert, tokens, err, share = r.worst_experts[0]
     assert (expert, tokens) == (rare, int(counts[rare])) and err == pytest.approx(0.6, rel=0.05)
-    assert all(e != rare and x < err for e, _, x in r.worst_experts[1:])
+    assert all(e != rare and s < share for e, _, _, s in r.worst_experts[1:])
     text = failure_text(r)
-    assert f"worst experts (rel error over their golden-routed tokens): #{rare} 0.6" in text
+    assert f"worst experts (each one's own share of the error; rel error over its tokens): #{rare} " in text
+    assert f"(rel 0.6 over {tokens} tokens)" in text.split("worst experts")[1].replace("\n    ", " ")
     row = point_row(r).to_json()
     assert row["worst_experts"][0][:2] == [rare, int(counts[rare])]
 

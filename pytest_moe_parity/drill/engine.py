@@ -42,6 +42,7 @@ import torch
 from ..judge.distance import rel_l2, unmasked_norm
 from ..report.text import SHOWN
 from .capture import OpGraph, OpNode, Ref
+from .explain import culprit_evidence, label
 from .match import (
     CAST,
     SAME_SELECTION,
@@ -108,6 +109,9 @@ class Drill:
     partial: dict[str, Any] | None = None
     accumulation: str | None = None  # the component diverges and no op leaves its floor: how it builds up
     unmatched: str | None = None  # most of the reference's ops matched nothing: matching failed, no culprit
+    # the culprit's aten op and what it was given that the reference's was not (`explain`)
+    culprit_op: str = ""
+    evidence: list[str] = field(default_factory=list)
 
     @property
     def foreign_reference(self) -> bool:
@@ -570,6 +574,14 @@ class Drilling:
                 row.verdict = "ok"
                 row.note = f"only in {side}: an expert's tokens moved in a near-tie routing flip"
 
+    def evidence(self, ref_name: str) -> list[str]:
+        """What the candidate's op of `ref_name` was given that the reference's was not (`explain`)."""
+        r = self._ref_names.get(ref_name)
+        m = self.by_ref.get(r.index) if r is not None else None
+        if r is None or m is None or len(m.cand) != 1:
+            return []
+        return culprit_evidence(self.ref, r, self.cand, self.cand.nodes[m.cand[0]])
+
     def isolated_calls(self, ref_name: str) -> tuple[tuple, tuple, OpNode, Match] | None:
         """The candidate's and the reference's (candidate dtype) calls of op `ref_name` on the
         reference's inputs, for a repro: ((node, args, kwargs), (node, args, kwargs), ref node, match)."""
@@ -814,6 +826,7 @@ def run_drill(
     error, noise, _ = d.component
     introduced = [r for r in rows if r.verdict == "introduced"]
     culprit, recovery, substituted, recovery_all, partial = None, None, [], None, None
+    culprit_op, evidence = "", []
     unmatched = _unmatched(rows)
     if introduced and unmatched is None:
         culprit_row = introduced[0]
@@ -825,6 +838,7 @@ def run_drill(
             recovery_all = d.substitute(matched)[0]
         if recovery is not None and recovery < 0.5:  # part of the error: which other op explains more
             partial = _explains_more(d, rows, culprit_row, recovery)
+        culprit_op, evidence = label(culprit, culprit_row.kind), d.evidence(culprit)
     structure = _structure(d, rows, culprit) if unmatched is None else []
     accumulation = None
     # the component diverges with no op to blame: its point failed, or, not judged in this run, its
@@ -837,6 +851,7 @@ def run_drill(
         point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
         time.perf_counter() - started, substituted, recovery_all,
         structure=structure, partial=partial, accumulation=accumulation, unmatched=unmatched,
+        culprit_op=culprit_op, evidence=evidence,
     )  # fmt: skip
     result.state = d  # for a repro file; not part of the JSON
     return result
@@ -857,7 +872,7 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
     measured = 0  # substitutions cost a replay each: for the sentences the text shows (SHOWN)
     for i, row in enumerate(rows):
         if row.verdict == "extra":
-            text = f"the candidate's own op {row.name} matches no reference op"
+            text = f"the candidate's own op {label(row.name, row.kind)} matches no reference op"
             fed = d.feeds(row)
             if fed:  # it has no reference output; the ops it feeds have
                 text += f" and feeds {listed(fed)}"
@@ -877,7 +892,7 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
         names = [r.name for r in run]
         fed = [n for r in run for n in d.feeds(r) if n not in names]
         verb = "has" if len(run) == 1 else "have"
-        text = f"the reference's {', '.join(names)} {verb} no counterpart in the candidate"
+        text = f"the reference's {', '.join(label(r.name, r.kind) for r in run)} {verb} no counterpart in the candidate"
         if fed:
             text += f", which feed{'s' * (len(run) == 1)} {listed(list(dict.fromkeys(fed)))}"
         measured += 1

@@ -334,19 +334,62 @@ def candidate_routing(rule: SelectionRule, cand_out: Any, golden_out: Any, bias:
 
 def worst_experts(
     sums: RowSums, keep_rows: torch.Tensor | None, golden_router: Any, n: int
-) -> list[tuple[int, int, float]]:
-    """The `n` experts whose (golden-routed) tokens have the largest error, as (expert, tokens, rel_l2):
-    one broken expert of many, used by a few tokens, is named where its damage is diluted in the whole
-    tensor. Empty where the rows are not the router's tokens (an unusual layout)."""
-    g_logits, _, g_idx = golden_router[:3]
+) -> list[tuple[int, int, float, float]]:
+    """The `n` experts that carry most of the error, as (expert, tokens, rel_l2 over its golden-routed
+    tokens, its own share of the error): one broken expert of many, used by a few tokens, is named where
+    its damage is diluted in the whole tensor, and a healthy expert that shares its tokens with a broken
+    one is not blamed for them (`expert_shares`). Experts with no share of it are left out. Empty where
+    the rows are not the router's tokens (an unusual layout)."""
+    g_logits, g_weights, g_idx = golden_router[:3]
     idx = g_idx.reshape(-1, g_idx.shape[-1])
     if idx.shape[0] != (keep_rows.shape[0] if keep_rows is not None else sums.d2.shape[0]):
         return []
+    weights = g_weights.reshape(idx.shape) if g_weights.numel() == idx.numel() else torch.ones(idx.shape)
     if keep_rows is not None:
-        idx = idx[keep_rows]
-    errors, counts = sums.group_errors(idx, g_logits.shape[-1])
+        idx, weights = idx[keep_rows], weights[keep_rows]
+    experts = g_logits.shape[-1]
+    errors, counts = sums.group_errors(idx, experts)
     used = torch.nonzero(counts > 0).flatten()
     if not used.numel():
         return []
-    order = torch.sort(torch.where(torch.isnan(errors[used]), -1.0, errors[used]), descending=True, stable=True)
-    return [(int(used[i]), int(counts[used[i]]), float(errors[used[i]])) for i in order.indices[:n]]
+    shares = expert_shares(torch.sqrt(sums.d2), idx, weights, experts)
+    rel = torch.where(torch.isnan(errors), -1.0, errors)
+    order = sorted(used.tolist(), key=lambda e: (-float(shares[e]), -float(rel[e])))
+    named = [e for e in order if float(shares[e]) >= SHARE_SHOWN] or order
+    return [(e, int(counts[e]), float(errors[e]), float(shares[e])) for e in named[:n]]
+
+
+# An expert is named among the worst where it carries at least this share of the block's error.
+SHARE_SHOWN = 0.02
+
+
+def expert_shares(token_error: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each expert's own share of the error (summing to 1 where there is any): each token's error
+    (`token_error`, the norm of its difference) read as the routing-weighted sum of its experts' own
+    errors per unit weight, solved for those over every token at once, none negative. A healthy expert
+    that shares tokens with a broken one explains none of their error, since its other tokens have none."""
+    design = torch.zeros(idx.shape[0], experts, dtype=torch.float64)
+    design.scatter_add_(1, idx.long(), weights.to(torch.float64).abs())
+    y = torch.nan_to_num(token_error.to(torch.float64), nan=0.0, posinf=0.0)
+    per_unit = _non_negative_least_squares(design, y)
+    carried = per_unit * design.sum(dim=0)
+    total = float(carried.sum())
+    return carried / total if total > 0 else carried
+
+
+def _non_negative_least_squares(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """min ||a x - y|| with x >= 0: least squares over the columns still free, the negative ones
+    fixed at 0, until none is negative (at most one pass per column)."""
+    free = a.abs().sum(dim=0) > 0
+    x = torch.zeros(a.shape[1], dtype=a.dtype)
+    for _ in range(a.shape[1]):
+        if not free.any():
+            break
+        columns = torch.nonzero(free).flatten()
+        solution = torch.linalg.lstsq(a[:, columns], y.unsqueeze(-1), driver="gelsd").solution.squeeze(-1)
+        negative = solution < 0
+        if not negative.any():
+            x[columns] = solution
+            break
+        free[columns[negative]] = False
+    return x

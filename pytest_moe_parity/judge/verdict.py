@@ -55,6 +55,18 @@ HINTS = {
         "most tokens routed differently: router weight layout (rows = experts) or a missing score-correction bias"
     ),
     "router": "router: gate weight rows permuted or transposed, a lost score-correction bias, or the scoring function",
+    # a router whose failure leaves some of its outputs right: only the causes those leave open
+    "router_logits": (
+        "router logits differ: the gate's weight (rows permuted or transposed, another layer's) or its dtype"
+    ),
+    "router_selection": (
+        "the chosen experts differ while the router's logits agree: the selection rule (a lost score-correction "
+        "bias, group-limited routing: n_group/topk_group, softmax vs sigmoid before top-k)"
+    ),
+    "router_weights": (
+        "the routing weights differ while the logits and the chosen experts agree: their normalisation (top-k "
+        "renormalisation: norm_topk_prob, a routed scaling factor, softmax over all experts vs over the top k)"
+    ),
     "experts": "experts wrong with golden routing: gate/up order or expert order in the fused weights, or activation",
     "shared_experts": "shared expert: its weights, gate/up order, or a scaling factor",
     "moe": (
@@ -152,8 +164,9 @@ class PointResult:
     # every token's own error in the first tensor with tokens (None: a token left out); in the report of
     # a failed point, for its per-token plot
     token_errors: list[float | None] | None = None
-    # experts / moe: the experts whose tokens have the largest error, as (expert, tokens, rel_l2)
-    worst_experts: list[tuple[int, int, float]] = field(default_factory=list)
+    # experts / moe: the experts that carry most of the error, as (expert, tokens, rel_l2 over its
+    # tokens, its own share of the error)
+    worst_experts: list[tuple[int, int, float, float]] = field(default_factory=list)
     logits: LogitsMetrics | None = None  # the logits point: next-token agreement
     # per failed tensor: the elements that differ most, as (index, golden, candidate, difference)
     worst_elements: dict[str, list[tuple[tuple[int, ...], float, float, float]]] = field(default_factory=dict)
@@ -177,6 +190,9 @@ class PointResult:
     chained: PointResult | None = None  # --parity-mode both: the chained verdict of the same point
     # a batch of several prompts: each row's figures over its real tokens
     rows: list[BatchRow] = field(default_factory=list)
+    # the tensor whose figures stand for the point (the table, the pictures, JUnit): the first with a
+    # failed check, else the output (the logits), else the first compared
+    shown: str | None = None
 
     @property
     def status(self) -> str:
@@ -207,6 +223,9 @@ class PointResult:
 
     @property
     def main(self) -> TensorMetrics | None:
+        """The figures of the tensor that stands for the point (`shown`)."""
+        if self.shown in self.metrics:
+            return self.metrics[self.shown]
         return next(iter(self.metrics.values()), None)
 
     def junit_properties(self) -> list[tuple[str, Any]]:
@@ -306,6 +325,8 @@ class Judge:
         self.rule = SelectionRule.of(router, case.dtype, tol.tie_factor, case.config)
         # per compared target: its token rows' sums and which tokens they are (see _token_check)
         self.row_sums: dict[str, tuple[RowSums, torch.Tensor | None]] = {}
+        # per tensor with several token rows: its worst tokens and every token's error (see _token_check)
+        self._token_figures: dict[str, tuple[list[tuple[int, float]], list[float | None]]] = {}
         self.result = PointResult(
             id=point.id,
             layer=point.layer,
@@ -413,17 +434,13 @@ class Judge:
             kept = torch.nonzero(keep_rows).flatten().tolist()
             worst = [(kept[i], e) for i, e in worst]
         m.max_token_rel_l2, m.worst_token = worst[0][1], worst[0][0]
-        if not self.result.worst:
-            self.result.worst = worst
-        if self.result.token_errors is None:
-            values = [json_safe(e) for e in errors.tolist()]
-            if keep_rows is None:
-                self.result.token_errors = values
-            else:
-                spread: list[float | None] = [None] * keep_rows.numel()
-                for row, e in zip(torch.nonzero(keep_rows).flatten().tolist(), values, strict=True):
-                    spread[row] = e
-                self.result.token_errors = spread
+        values: list[float | None] = [json_safe(e) for e in errors.tolist()]
+        if keep_rows is not None:
+            spread: list[float | None] = [None] * keep_rows.numel()
+            for row, e in zip(torch.nonzero(keep_rows).flatten().tolist(), values, strict=True):
+                spread[row] = e
+            values = spread
+        self._token_figures[target] = (worst, values)
         key = TOKEN_LIMIT
         limit = self.tol.limit(key)
         if limit is None or not (self.fixed or target in self._fixed_targets):
@@ -526,7 +543,7 @@ class Judge:
             self._expert_breakdown("out", golden_router)
 
     def _expert_breakdown(self, target: str, golden_router: Any) -> None:
-        """The experts whose (golden-routed) tokens have the largest error: one broken expert of many,
+        """The experts that carry most of the error (`routing.worst_experts`): one broken expert of many,
         used by a few tokens, is named even where its damage is diluted in the whole tensor."""
         if target not in self.row_sums:
             return
@@ -680,9 +697,22 @@ class Judge:
                 "at its router, near-ties allowed)"
             )
         r.passed = all(c.passed for c in r.checks) and (bool(r.checks) or nothing_left)
+        self._show(r)
         if not r.passed:
             r.hint = self._hint()
         return r
+
+    def _show(self, r: PointResult) -> None:
+        """The tensor that stands for the point: the first whose check failed (a router's weights
+        when only they are off), else its output (the logits), else the first compared; its worst
+        tokens and per-token errors are the point's."""
+        failing = [c.target for c in r.checks if not c.passed and c.target in r.metrics]
+        r.shown = next(iter(failing), None) or next((t for t in ("out", "logits") if t in r.metrics), None)
+        if r.shown is None:
+            r.shown = next(iter(r.metrics), None)
+        figures = self._token_figures.get(r.shown or "") or next(iter(self._token_figures.values()), None)
+        if figures is not None:
+            r.worst, r.token_errors = figures
 
     def _row_figures(self) -> list[BatchRow]:
         """Each row of the batch: its real tokens judged, its relative L2 error and worst token's over
@@ -715,10 +745,20 @@ class Judge:
         return figures
 
     def _hint(self) -> str:
+        """The causes the failure's own figures leave open: a router whose logits and choices agree
+        is not blamed for its gate."""
         comp = self.point.component
         routing = self.result.routing
         if comp == ROUTER and routing is not None and routing.set_agreement < 0.5:
             return HINTS["router_layout"]
+        if comp == ROUTER:
+            failed = {c.target for c in self.result.checks if not c.passed}
+            if "logits" in failed:
+                return HINTS["router_logits"]
+            if "top_k" in failed:
+                return HINTS["router_selection"]
+            if failed == {"weights"}:
+                return HINTS["router_weights"]
         if comp == ATTENTION and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"
         return HINTS.get(comp, "")

@@ -169,7 +169,7 @@ class PointRow(Row):
     excluded_tokens: list[int] = field(default_factory=list)
     worst_tokens: list[list[Any]] = field(default_factory=list)  # [token, rel error]
     token_errors: list[float | None] | None = None  # a failed point's per-token errors, for its plot
-    worst_experts: list[list[Any]] = field(default_factory=list)  # [expert, tokens, rel error]
+    worst_experts: list[list[Any]] = field(default_factory=list)  # [expert, tokens, rel error, share]
     logits: LogitsMetrics | None = None
     worst_elements: dict[str, list[list[Any]]] = field(default_factory=dict)  # [index, golden, candidate, diff]
     candidate_dtype: str = ""
@@ -179,11 +179,16 @@ class PointRow(Row):
     chained: PointRow | None = None  # --parity-mode both: the chained verdict of the same point
     # a batch of several prompts: each row's figures over its real tokens (PointResult.rows)
     rows: list[BatchRow] = field(default_factory=list)
+    # the tensor that stands for the point (PointResult.shown): a failed point's first failing one
+    shown: str | None = None
 
     @property
     def main_metrics(self) -> TensorMetrics | None:
-        """The figures of the main tensor: its output (or the logits), else its first tensor."""
+        """The figures of the tensor that stands for the point (`shown`: a failed point's first failing
+        tensor); in a report without it, its output (or the logits), else its first tensor."""
         metrics = self.metrics
+        if self.shown in metrics:
+            return metrics[self.shown]
         return metrics.get("out") or metrics.get("logits") or next(iter(metrics.values()), None)
 
     @property
@@ -229,6 +234,7 @@ class PointRow(Row):
             "backend": self.backend,
             "chain": self.chained.to_json() if self.chained is not None else None,
             **({"rows": [r.to_dict() for r in self.rows]} if self.rows else {}),
+            "shown": self.shown,
         }
         return {**judged, "drill": self.drill} if self.drill is not None else judged
 
@@ -313,7 +319,7 @@ def point_row(result: PointResult) -> PointRow:
         excluded_tokens=result.excluded_tokens,
         worst_tokens=[[t, json_safe(e)] for t, e in result.worst],
         token_errors=result.token_errors if result.verdicts[result.mode] == "failed" else None,
-        worst_experts=[[e, n, json_safe(err)] for e, n, err in result.worst_experts],
+        worst_experts=[[e, n, json_safe(err), round(share, 4)] for e, n, err, share in result.worst_experts],
         logits=result.logits,
         worst_elements={
             k: [[list(i), json_safe(g), json_safe(c), json_safe(d)] for i, g, c, d in rows]
@@ -328,6 +334,7 @@ def point_row(result: PointResult) -> PointRow:
         backend=result.backend,
         chained=point_row(result.chained) if result.chained is not None else None,
         rows=result.rows,
+        shown=result.shown,
     )
 
 

@@ -145,14 +145,27 @@ def summary_lines(rows: list[Row], *, report_dir: Any = None) -> list[tuple[str,
     """The closing lines of a run, as (text, colour): counts, the first divergence, the first
     backend error, a line per drill. The plugin, `moe-parity compare` and `report` print the same
     lines. A drill's op rows are its table: they are not counted as points."""
-    drills = [drill_line(r.drill) for r in rows if r.drill is not None and "rows" in r.drill]  # auto's too
+    drilled = [r.drill for r in rows if r.drill is not None and "rows" in r.drill]  # auto's too
+    drills = [drill_line(d) for d in drilled]
     rows = [r for r in rows if r.kind != "op"]
     if not rows:
         return drills
-    return _point_lines(rows, report_dir) + drills
+    proved = {d["point"]: found for d in drilled if (found := drill_finding(d))}
+    return _point_lines(rows, report_dir, proved) + drills
 
 
-def _point_lines(rows: list[Row], report_dir: Any) -> list[tuple[str, str | None]]:
+def drill_finding(drill: dict[str, Any]) -> str | None:
+    """What a drill proved about its point, as the point's hint (None: nothing beyond the hint)."""
+    if drill.get("culprit"):
+        recovery = drill.get("recovery")
+        said = f"; substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
+        return f"drill: {drill['culprit']} introduced the divergence{said}"
+    if drill.get("structure"):
+        return f"drill: {drill['structure'][0]}"
+    return None
+
+
+def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> list[tuple[str, str | None]]:
     n = counts(rows)
     lines: list[tuple[str, str | None]] = [
         (
@@ -166,7 +179,8 @@ def _point_lines(rows: list[Row], report_dir: Any) -> list[tuple[str, str | None
     if first is None:
         lines.append(("first divergence: none", "green"))
     else:
-        hint = f"  ({first.hint})" if first.hint else ""
+        said = proved.get(first.id) or first.hint  # what a drill of the point proved, over the usual causes
+        hint = f"  ({said})" if said else ""
         lines.append((f"first divergence: {first.id}{hint}", "red"))
     if len(modes(rows)) > 1:  # both modes: where the error is introduced, and where it shows chained
         for mode in modes(rows):

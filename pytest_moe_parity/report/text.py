@@ -167,8 +167,13 @@ def _verdict_lines(r: PointResult) -> list[str]:
         worst = ", ".join(f"{t} ({fmt(e, 3)})" for t, e in r.worst)
         lines.extend(_wrapped("  worst tokens (position, rel error): ", worst))
     if r.worst_experts:
-        experts = ", ".join(f"#{e} {fmt(err, 3)} over {n} token{'s' * (n != 1)}" for e, n, err in r.worst_experts)
-        lines.extend(_wrapped("  worst experts (rel error over their golden-routed tokens): ", experts))
+        experts = ", ".join(
+            f"#{e} {100 * share:.0f}% (rel {fmt(err, 3)} over {n} token{'s' * (n != 1)})"
+            for e, n, err, share in r.worst_experts
+        )
+        lines.extend(
+            _wrapped("  worst experts (each one's own share of the error; rel error over its tokens): ", experts)
+        )
     if r.logits is not None:
         lines.extend(_logits_lines(r.logits))
     if r.routing:
@@ -244,6 +249,9 @@ def drill_text(drill: Any, limit: int = 40) -> str:
         lines.append(f"  matching failed: {drill.unmatched}")
     elif drill.culprit:
         lines.append(f"  culprit: {drill.culprit} introduced the divergence")
+        if drill.culprit_op and drill.culprit_op != drill.culprit:
+            lines.append(f"  the culprit's op: {drill.culprit_op}")
+        lines.extend(f"  the culprit's op differs: {said}" for said in drill.evidence)
         if drill.recovery is not None:
             lines.append(
                 f"  substituting the reference's output of {drill.culprit} in the candidate's run recovers "
