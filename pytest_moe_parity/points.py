@@ -41,6 +41,7 @@ ROUTER = "router"
 EXPERTS = "experts"
 OUTPUT = "output"  # a decoder layer's output: its last point
 LOGITS = "logits"
+CONFIG = "config"  # the config item: the candidate checkpoint's config against the reference's
 WEIGHTS = "weights"  # the weight items: `layer_N.weights`, and `weights` for the model-level modules
 # Points that contain a router: judged over the tokens whose top-k routing agrees between golden
 # and candidate (a near-tie flip changes a token's output by design), so replaying them needs the

@@ -25,6 +25,7 @@ from .judge.tolerances import Override
 from .judge.verdict import PointResult
 from .points import PARTS, Point, describe_layers, point_id
 from .replay.checks import Checker, Entry
+from .replay.config import config_items
 from .replay.runner import ParityRunner, Prepared
 from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
 from .replay.weights import weight_items
@@ -61,6 +62,7 @@ class RunOptions:
     # weight items (the candidate's weights against the golden's model): None, where they apply;
     # True, also saying why not where they do not; False, none
     weights: bool | None = None
+    config: bool = True  # the config item (the candidate checkpoint's config against the reference's)
     workers: int = 1  # xdist workers (-n)
     # intra-op threads of the process running points (None: the cores / workers under xdist, else torch's)
     threads: int | None = None
@@ -159,7 +161,11 @@ class ParitySession:
                 self.golden, self.backend, self.runner, patterns, hw=self.hw, flags=flags,
                 repro_dir=options.repro_dir, trust_remote_code=options.trust_remote_code,
             )  # fmt: skip
-        self.checkers: dict[str, Checker] = {c.kind: c for c in (self.weights, self.drill) if c is not None}
+        self.config = None
+        if options.config is not False:
+            self.config = config_items(self.golden, self.candidate_dir, [p for p in self.points if self.selected(p)])
+        kinds = (self.config, self.weights, self.drill)
+        self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------
     def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
@@ -275,6 +281,7 @@ class ParitySession:
             f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
+            *(self.config.header_lines() if self.config is not None else []),
             *(self.weights.header_lines() if self.weights is not None else self._no_weights),
         ]
 

@@ -580,7 +580,7 @@ def test_drill_items_are_diffed_and_reported_as_their_table(pytester, tiny_model
     assert code == 1
     assert f"  {point}::{culprit}" in out and f"{point}::drill" in out, out
     code, out, _ = cli(capsys, "report", tmp_path / "port")
-    assert code == 0 and "1 points: 0 passed, 1 failed" in out, out  # the drill's ops are not points
+    assert code == 0 and "1 point: 0 passed, 1 failed" in out, out  # the drill's ops are not points
     # no op introduced it: the candidate leaves the renormalisation out (a structural difference)
     assert (f"drill {point}: 5 ops, 2 failed; no culprit (structure: the reference's {culprit} (sum), {culprit}#2 (div) have no "
             f"counterpart in the candidate (the reference's value of {culprit}#2 in the candidate's run recovers "

@@ -63,6 +63,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "other than the golden's model and that model is on this machine; with this flag, say why not otherwise)"),
     ("--no-parity-weights", "parity_weights", {"action": "store_false", "default": None},
      "no weight items"),
+    ("--no-parity-config", "parity_config", {"action": "store_false", "default": True},
+     "no config item (by default the candidate checkpoint's config.json is checked against the reference's, "
+     "field by field, before any forward)"),
     ("--parity-threads", "parity_threads", {"type": int, "metavar": "N"},
      "intra-op threads of each process running points (default: the cores / the xdist workers under -n, "
      "else torch's; ini: parity_threads)"),
@@ -147,6 +150,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 threads=threads,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
                 weights=config.getoption("parity_weights"),
+                config=config.getoption("parity_config"),
                 freeze_gc=True,
                 drill=config.getoption("parity_drill"),
                 repro_dir=Path(config.getoption("parity_repro")).expanduser().resolve()

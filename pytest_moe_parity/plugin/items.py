@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..drill.items import DrillEntry
     from ..judge.verdict import PointResult
     from ..points import Point
+    from ..replay.config import ConfigEntry
     from ..replay.runner import Prepared
     from ..replay.weights import WeightUnit
     from ..report.rows import Row
@@ -48,7 +49,7 @@ class ParityCollector(pytest.Collector):
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
-        kinds = {"weights": WeightItem, "drill": DrillItem}  # an item class per kind of checked item
+        kinds = {"config": ConfigItem, "weights": WeightItem, "drill": DrillItem}  # an item class per kind
         for entry in session.schedule():
             if not isinstance(entry, Point):
                 item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
@@ -82,6 +83,13 @@ class _CheckItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"parity {self.name}"
+
+
+class ConfigItem(_CheckItem):
+    """The candidate checkpoint's config against the reference's, before any forward: a failure names
+    each field the forward reads that differs."""
+
+    entry: ConfigEntry
 
 
 class WeightItem(_CheckItem):

@@ -27,14 +27,16 @@ from ..judge.logits import LogitsMetrics
 from ..judge.routing import RoutingMetrics
 from ..judge.tensors import TensorMetrics
 from ..judge.verdict import BatchRow, Check, PointResult
-from ..points import WEIGHTS, Point
+from ..points import CONFIG, WEIGHTS, Point
 
 __all__ = [
+    "ConfigRow",
     "DrillRow",
     "PointRow",
     "Row",
     "UnjudgedRow",
     "WeightsRow",
+    "config_row",
     "drill_row",
     "number",
     "point_row",
@@ -42,7 +44,7 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "op"]
+Kind = Literal["point", "unjudged", "weights", "config", "op"]
 JsonDict = dict[str, Any]
 
 
@@ -133,6 +135,8 @@ class Row:
             if "verdicts" in data or judged
             else DrillRow
             if "op" in data
+            else ConfigRow
+            if "findings" in data and data.get("component") == CONFIG
             else WeightsRow
             if "findings" in data
             else UnjudgedRow
@@ -270,6 +274,18 @@ class WeightsRow(Row):
 
 
 @dataclass
+class ConfigRow(WeightsRow):
+    """The config item (:func:`config_row`): ``config``, failed with the fields the forward reads that
+    differ from the reference's (its findings), with notes on what was not judged."""
+
+    kind: ClassVar[Kind] = "config"
+
+    def to_json(self) -> JsonDict:
+        data = super().to_json()
+        return {**data, "notes": self.notes} if self.notes else data
+
+
+@dataclass
 class DrillRow(Row):
     """A drill item (:func:`drill_row`): ``POINT::OP`` with the op's figures (`op`), or
     ``POINT::drill`` with the drill's summary (`drill`)."""
@@ -351,6 +367,20 @@ def weights_row(name: str, layer: int | None, order: float, findings: list[str])
         findings=findings,
         hint=findings[0] if findings else "",
     )
+
+
+def config_row(order: float, differ: list[str], notes: list[str]) -> ConfigRow:
+    """The row of the config item: first in order, failed with the fields that differ."""
+    hint = (
+        f"the candidate reads another config than the reference ({differ[0]}): the points that read it diverge; "
+        "make the port's config the reference's (or convert it) first"
+        if differ
+        else ""
+    )
+    return ConfigRow(
+        id=CONFIG, order=order, layer=None, step=None, component=CONFIG,
+        status="failed" if differ else "passed", findings=differ, notes=notes, hint=hint,
+    )  # fmt: skip
 
 
 def drill_row(entry: Any, status: str, op: JsonDict | None, drill: JsonDict | None) -> DrillRow:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
-from .rows import PointRow, Row, WeightsRow, number
+from .rows import ConfigRow, PointRow, Row, WeightsRow, number
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -40,7 +40,10 @@ def row_note(row: Row) -> str:
             parts.append(row.error[:60])
         if row.reason:
             parts.append(row.reason[:60])
-        if isinstance(row, WeightsRow) and row.findings:  # the first tensor found wrong
+        if isinstance(row, ConfigRow) and row.findings:  # the first field that differs
+            more = len(row.findings) - 1
+            parts.append(row.findings[0][:60] + (f" (+{more} more)" if more else ""))
+        elif isinstance(row, WeightsRow) and row.findings:  # the first tensor found wrong
             more = len(row.findings) - 1
             parts.append(row.findings[0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
     return "; ".join(parts)
@@ -169,7 +172,7 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
     n = counts(rows)
     lines: list[tuple[str, str | None]] = [
         (
-            f"{len(rows)} points: {n['passed']} passed, {n['failed']} failed, {n['error']} errors"
+            f"{len(rows)} point{'s' * (len(rows) != 1)}: {n['passed']} passed, {n['failed']} failed, {n['error']} errors"
             + (f", {n['skipped']} skipped" if n["skipped"] else "")
             + (f"; reports in {report_dir}" if report_dir else ""),
             None,
