@@ -172,7 +172,8 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
     n = counts(rows)
     lines: list[tuple[str, str | None]] = [
         (
-            f"{len(rows)} point{'s' * (len(rows) != 1)}: {n['passed']} passed, {n['failed']} failed, {n['error']} errors"
+            f"{len(rows)} point{'s' * (len(rows) != 1)}: "
+            f"{n['passed']} passed, {n['failed']} failed, {n['error']} errors"
             + (f", {n['skipped']} skipped" if n["skipped"] else "")
             + (f"; reports in {report_dir}" if report_dir else ""),
             None,
