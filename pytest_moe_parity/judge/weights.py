@@ -39,6 +39,14 @@ def dtype_finding(name: str, ref_dtype: str | None, cand_dtype: str | None) -> s
     return None
 
 
+def rounded(ref: torch.Tensor, cand: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the candidate's values are the reference's rounded to `dtype` (a conversion: a
+    checkpoint stored in a narrower dtype than the reference's), exactly."""
+    if cand.shape != ref.shape or not ref.is_floating_point():
+        return False
+    return bool(torch.equal(ref.detach().cpu().to(dtype).float(), cand.detach().cpu().float()))
+
+
 def diagnose(
     name: str,
     ref: torch.Tensor,
@@ -49,14 +57,15 @@ def diagnose(
     tol: float = REL_TOL,
 ) -> list[str]:
     """What is wrong with the candidate's `name`, in words; [] when it holds the reference's values
-    (within `tol`: storage rounding). Dtypes are the stored ones (e.g. "BF16"), when known."""
+    (within `tol`: storage rounding). Dtypes are the stored ones (e.g. "BF16"), when known: a tensor
+    stored in another dtype is a finding only where its values are wrong too (a conversion is not)."""
     if cand is None:
         return [f"{name}: missing from the candidate"]
-    narrowed = dtype_finding(name, ref_dtype, cand_dtype)
-    findings = [narrowed] if narrowed else []
     ref, cand = ref.detach().float().cpu(), cand.detach().float().cpu()
     if cand.shape == ref.shape and _close(cand, ref, tol):
-        return findings
+        return []
+    narrowed = dtype_finding(name, ref_dtype, cand_dtype)
+    findings = [narrowed] if narrowed else []
     findings.append(f"{name}: {_what(ref, cand, tol)}")
     return findings
 

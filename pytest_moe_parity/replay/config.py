@@ -169,7 +169,11 @@ class ConfigItems(Checker):
 
 
 def config_items(golden: GoldenStore, candidate: Path | None, points: list[Point]) -> ConfigItems | None:
-    """The run's config item, where the candidate is a checkpoint (a config.json beside its weights)."""
+    """The run's config item, where the candidate is a checkpoint (a config.json beside its weights)
+    other than the golden's own model (whose config the golden recorded)."""
     if candidate is None or not (candidate / "config.json").is_file() or not points:
+        return None
+    found = golden.local_model()
+    if found is not None and found[0].resolve() == candidate.resolve():
         return None
     return ConfigItems(golden, candidate, points[0])

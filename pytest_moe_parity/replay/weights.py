@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import compat
+from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import CheckpointError, ParityError
-from ..judge.weights import diagnose, dtype_finding
+from ..judge.weights import diagnose, rounded
 from ..model.checkpoint import read_tensors
 from ..model.lazy_model import LazyModel
 from ..points import Point, layer_group, weights_id
@@ -43,6 +44,11 @@ class WeightUnit:
     @property
     def group(self) -> str | None:
         return None if self.layer is None else layer_group(self.layer)
+
+
+def _stored_as(converted: dict[tuple[str, str], int]) -> str:
+    """`WeightCheck.conversion`'s counts in words."""
+    return ", ".join(f"{n} tensor(s) stored as {c}, the reference's as {r}" for (r, c), n in converted.items())
 
 
 def weight_items(
@@ -131,22 +137,52 @@ class WeightCheck:
                 params[f"{path}.{name}"] = None if p.device.type == "meta" else p
         return params
 
-    def findings(self, layer: int | None) -> list[str]:
+    def conversion(self, layer: int | None = None, every: bool = False) -> dict[tuple[str, str], int]:
+        """The unit's checkpoint tensors (with `every`, the whole checkpoint's) stored in another
+        dtype than the reference's: {(reference dtype, candidate dtype): how many}."""
+        stored_cand = self._stored["candidate"]
+        layer_of = self._model("reference").layer_of if not every else None
+        out: dict[tuple[str, str], int] = {}
+        for key, dtype in self._stored["reference"].items():
+            other = stored_cand.get(key)
+            if other and other != dtype and (layer_of is None or layer_of(key) == layer):
+                out[(dtype, other)] = out.get((dtype, other), 0) + 1
+        return out
+
+    def findings(self, layer: int | None) -> tuple[list[str], list[str]]:
+        """What is wrong with the unit's weights, in words, and notes on what is not wrong: tensors
+        stored in another dtype whose values are the reference's rounded to it are a conversion
+        (judged against that rounding), not a finding."""
         ref = self._unit_params(self._model("reference"), layer)
         held = self.held(layer) if self.held is not None else None
         cand = held if held is not None else self._unit_params(self._model("candidate"), layer)
-        stored_cand = self._stored["candidate"]
-        layer_of = self._model("reference").layer_of
-        out = [  # dtypes as stored, checkpoint key by key
-            found
-            for key, dtype in self._stored["reference"].items()
-            if layer_of(key) == layer and (found := dtype_finding(key, dtype, stored_cand.get(key)))
-        ]
+        converted = self.conversion(layer)
+        narrower = {SAFETENSORS_FLOATS.get(c) for (_, c) in converted} - {None}
+        rounding = getattr(torch, next(iter(narrower))) if len(narrower) == 1 else None
+        out: list[str] = []
+        exact = 0
         for name, r in ref.items():
             if r is None:
                 continue
-            out += diagnose(name, r, cand.get(name))
-        return out
+            c = cand.get(name)
+            if rounding is not None and c is not None and rounded(r, c, rounding):
+                exact += 1
+                continue
+            found = diagnose(name, r, c)
+            if found and converted:
+                stored = ", ".join(
+                    f"{n} tensor(s) stored as {c}, the reference's as {r}" for (r, c), n in converted.items()
+                )
+                found = [*found[:-1], f"{found[-1]} ({stored})"]
+            out += found
+        notes = []
+        if converted and not out:
+            stored = ", ".join(
+                f"{n} tensor(s) stored as {c}, the reference's as {r}" for (r, c), n in converted.items()
+            )
+            how = "each the reference's values rounded to it" if rounding is not None else "within its rounding"
+            notes.append(f"a conversion: {stored}; judged against that rounding, {how}")
+        return out, notes
 
     def close(self) -> None:
         for model in self._models.values():
@@ -173,8 +209,9 @@ class WeightItems(Checker):
 
     def check(self, entry: WeightUnit, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
         """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
-        findings = self.weights.findings(entry.layer)
+        findings, notes = self.weights.findings(entry.layer)
         row = weights_row(entry.id, entry.layer, entry.order, findings)
+        row.notes = notes
         if not findings:
             return row, None
         return row, "\n".join([f"{entry.id}: the candidate's weights differ from the reference's:", *findings])
@@ -187,7 +224,12 @@ class WeightItems(Checker):
 
         converted = type(self.backend).held_weights is not Backend.held_weights
         held = f" (the {self.hw} backend's converted weights, mapped back)" if converted else ""
-        return [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
+        lines = [f"moe-parity: weights{held} checked against the golden's model {self.weights.reference}"]
+        converted = self.weights.conversion(every=True)
+        if converted and not held:
+            lines.append(f"moe-parity: the candidate checkpoint is a conversion ({_stored_as(converted)}): its weights "
+                         "are judged against the reference's rounded to its dtype")  # fmt: skip
+        return lines
 
     def close(self) -> None:
         self.weights.close()

@@ -270,6 +270,8 @@ class WeightsRow(Row):
         weights = {**super().to_json(), "metrics": {}, "checks": [], "findings": self.findings}
         if self.findings:
             weights["hint"] = self.hint
+        if self.notes:  # what was not wrong: a conversion, fields not judged
+            weights["notes"] = self.notes
         return {**weights, **self._message_json()}
 
 
@@ -279,10 +281,6 @@ class ConfigRow(WeightsRow):
     differ from the reference's (its findings), with notes on what was not judged."""
 
     kind: ClassVar[Kind] = "config"
-
-    def to_json(self) -> JsonDict:
-        data = super().to_json()
-        return {**data, "notes": self.notes} if self.notes else data
 
 
 @dataclass

@@ -33,8 +33,10 @@ def short_metrics(row: Row) -> tuple[str, str, str]:
 
 def row_note(row: Row) -> str:
     """The notes column of a row: a point's routing and failed checks, what was said of an item not
-    judged, a weight item's first finding."""
+    judged, a weight or config item's first finding (or, passed, its first note)."""
     parts = _judged_notes(row) if isinstance(row, PointRow) else []
+    if isinstance(row, WeightsRow) and row.status == "passed" and row.notes:  # a conversion, not a finding
+        parts.append(row.notes[0][:60])
     if row.status != "passed":
         if row.error:
             parts.append(row.error[:60])
