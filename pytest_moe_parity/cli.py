@@ -498,6 +498,7 @@ def _report_arguments(sub: Any) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
+    from .report.block import bug_report, bug_report_text
     from .report.files import plots_line, read_report, report_rows
     from .report.plots import PlotsUnavailable, render_plots
     from .report.summary import summary_lines, summary_table
@@ -519,6 +520,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     for line, _ in summary_lines(rows):
         print(line)
     print(plots_line(written, directory))
+    for line in bug_report_text(bug_report(rows, report)):
+        print(line)
     return EXIT_OK
 
 

@@ -20,6 +20,28 @@ from typing import Any
 VERSION = version("transformers")  # read without importing transformers (the CLI starts fast)
 MAJOR = int(VERSION.split(".")[0])
 
+
+def versions() -> dict[str, str]:
+    """What a bug report needs to reproduce a run: this package's, torch's and transformers' versions,
+    Python's and the platform's (read without importing torch)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "moe-parity": installed("pytest-moe-parity"),
+        "torch": installed("torch"),
+        "transformers": VERSION,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+    }
+
+
 # transformers 5's spelling -> the one 4.57's config classes take, where a class takes only the latter
 RENAMED = {"num_local_experts": "num_experts"}
 

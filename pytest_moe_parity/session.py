@@ -330,6 +330,7 @@ class ParitySession:
             "layers": self.layers,
             "mode": self.mode,
             "noise_dtypes": self.golden.noise_dtypes,
+            "versions": compat.versions(),
         }
         # What this process read (absent under xdist, where the workers did the reading).
         if self.golden.opened_files:

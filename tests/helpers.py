@@ -42,6 +42,7 @@ def load_fp32(path: Path):
 # Fault tests that follow a fault to its activation point: the weight items (on wherever the
 # candidate is another checkpoint) would stop them at layer_N.weights first; tests/test_weights.py has those.
 NO_WEIGHTS = "--no-parity-weights"
+NO_CONFIG = "--no-parity-config"  # activation points only: a candidate's config edits tested where they bite
 
 
 def session(golden: Path, model: Path | None = None, **options: Any) -> ParitySession:

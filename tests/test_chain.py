@@ -9,7 +9,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import NO_WEIGHTS, TABLE_ARCHS, cli, read_json, run_parity, session, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, TABLE_ARCHS, cli, read_json, run_parity, session, usage_error
 from safetensors.torch import save_file
 
 from pytest_moe_parity import backends
@@ -84,7 +84,17 @@ def test_faults_localize_in_chain_mode(fault: str, pytester: pytest.Pytester, ti
     if config_edit:
         faults.edit_config(candidate, config_edit)
     report = pytester.path / "report"
-    args = ["--dtype", "bfloat16", "--parity-mode", "chain", "-x", NO_WEIGHTS, "--parity-report", str(report)]
+    args = [
+        "--dtype",
+        "bfloat16",
+        "--parity-mode",
+        "chain",
+        "-x",
+        NO_WEIGHTS,
+        NO_CONFIG,
+        "--parity-report",
+        str(report),
+    ]
     result = run_parity(pytester, golden, *args, model=candidate)
     result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index(expected))
     result.stdout.fnmatch_lines([f"{expected}: candidate (bfloat16) diverges * on its own inputs"])
@@ -111,7 +121,7 @@ def test_a_bug_of_1e_2_passes_fixed_limits_and_fails_the_noise_verdict(
 
     def run(golden: Path, *args: str) -> pytest.RunResult:
         with faults.code_fault(code) if code else contextlib.nullcontext():
-            return run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, *args, model=candidate)
+            return run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, NO_CONFIG, *args, model=candidate)
 
     run(plain).assert_outcomes(passed=len(GoldenStore(plain).point_ids))  # the fixed bf16 limits cannot see it
     for mode in ("isolated", "chain"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, load_fp32, read_json, run_parity
+from helpers import NO_CONFIG, NO_WEIGHTS, load_fp32, read_json, run_parity
 
 from pytest_moe_parity.backends.compiled import PointModule, flatten_call, graph_key
 from pytest_moe_parity.golden import GoldenStore
@@ -162,7 +162,7 @@ def _fault_is_caught(hw: str, fault: str, pytester: pytest.Pytester, tiny_model,
     if config_edit:
         faults.edit_config(candidate, config_edit)
     report = pytester.path / "report"
-    args = ["--hw", hw, "--dtype", "bfloat16", "-x", NO_WEIGHTS, "--hw-option", f"cache_dir={cache_dir}"]
+    args = ["--hw", hw, "--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, "--hw-option", f"cache_dir={cache_dir}"]
     result = run_parity(pytester, golden, *args, "--parity-report", str(report), model=candidate)
     order = GoldenStore(golden).point_ids
     result.assert_outcomes(failed=1, passed=order.index(expected))

@@ -8,7 +8,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, read_json, run_parity
+from helpers import NO_CONFIG, NO_WEIGHTS, read_json, run_parity
 from safetensors.torch import save_file
 
 from pytest_moe_parity.golden import GoldenStore
@@ -31,7 +31,7 @@ def test_one_broken_expert_of_64_fails_its_experts_point_and_is_named(
     rare = int(torch.where(counts > 0, counts, 10**6).argmin())  # used by the fewest tokens
     candidate = faults.edit_checkpoint(model, tmp_path / "c", faults.zero_expert(1, rare))
     report = tmp_path / "r"
-    args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, "--parity-report", str(report))
+    args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, "--parity-report", str(report))
     result = run_parity(pytester, golden, *args, model=candidate)
     n_before = GoldenStore(golden).point_ids.index("layer_1.experts")
     result.assert_outcomes(passed=n_before, failed=1)

@@ -27,7 +27,7 @@ from faults import (
     scale,
     zero_expert,
 )
-from helpers import NO_WEIGHTS, cli, read_json, rounding_bound, run_parity, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, cli, read_json, rounding_bound, run_parity, usage_error
 
 from pytest_moe_parity import backends
 from pytest_moe_parity.backends.hf import TorchBackend
@@ -469,14 +469,15 @@ def test_a_clean_bf16_candidate_drills_clean(arch, pytester, golden_dir) -> None
 def test_auto_drills_the_first_failing_component(pytester, tiny_model, golden_dir, tmp_path) -> None:
     golden, candidate, _, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
     report = pytester.path / "report"
-    result = run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", "auto", "-x",
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, NO_CONFIG, "--parity-drill", "auto", "-x",
                         "--parity-report", str(report), model=candidate)  # fmt: skip
     result.assert_outcomes(failed=1, passed=2)  # embedding and rotary, then layer_0.input_norm stops the run
     result.stdout.fnmatch_lines(
         [
             "layer_0.input_norm: drilled into * ops (bfloat16, noise factor 1.5)",
             f"  culprit: {culprit} introduced the divergence",
-            "collect these ops as items: pytest ... --parity-drill layer_0.input_norm",
+            f"collect these ops as items: pytest --golden-dir {golden} --hw cpu --model {candidate} --dtype bfloat16 "
+            "--parity-drill layer_0.input_norm -k layer_0.input_norm",
         ]
     )
     result.stdout.fnmatch_lines([f"drill layer_0.input_norm: * failed; culprit {culprit}, substituting it recovers *"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import faults
 import pytest
-from helpers import NO_WEIGHTS, cli, read_json, run_parity, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, cli, read_json, run_parity, usage_error
 from safetensors.torch import save_file
 
 from pytest_moe_parity.golden import GoldenStore
@@ -67,8 +67,8 @@ def test_a_report_draws_the_heatmap_the_layers_and_each_failed_points_tokens(
     broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "m", faults.zero_expert(2, 1))
     report = tmp_path / "report"
     result = run_parity(
-        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", NO_WEIGHTS, "--parity-report", str(report),
-        model=broken,
+        pytester, golden, "--dtype", "bfloat16", "--parity-mode", "both", NO_WEIGHTS, NO_CONFIG,
+        "--parity-report", str(report), model=broken,
     )  # fmt: skip
     result.stdout.fnmatch_lines([f"plots in {report}: heatmap.png, layers.png, * per-token plots of failed points"])
     rows = read_json(report / REPORT_FILE)["points"]
@@ -113,7 +113,10 @@ def test_report_redraws_the_pictures_from_the_json(runs, capsys) -> None:
     lines = out.splitlines()
     assert lines[0].startswith(f"moe-parity report: {directory} (qwen3_moe on --hw cpu in bfloat16, both mode")
     assert "first divergence: layer_2.experts" in out and "first chain divergence: layer_2.experts" in out
-    assert lines[-1].startswith(f"plots in {directory}: heatmap.png, layers.png, ")
+    plots = next(i for i, line in enumerate(lines) if line.startswith("plots in "))
+    assert lines[plots].startswith(f"plots in {directory}: heatmap.png, layers.png, ")
+    assert lines[plots + 1] == "--- moe-parity bug report (paste this block) ---"  # then the block to paste
+    assert lines[-1] == "--- end of the bug report ---"
 
 
 def test_report_of_what_is_not_a_report_is_bad_input(tmp_path: Path, capsys, runs, request) -> None:
@@ -250,7 +253,7 @@ def test_decode_steps_are_drawn_apart_from_the_prefill(
     golden = golden_dir("qwen3_moe", decode=2)
     broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "m", faults.zero_expert(2, 1))
     report = tmp_path / "report"
-    result = run_parity(pytester, golden, NO_WEIGHTS, "--parity-report", str(report), model=broken)
+    result = run_parity(pytester, golden, NO_WEIGHTS, NO_CONFIG, "--parity-report", str(report), model=broken)
     drew = f"plots in {report}: heatmap.png, layers.png, the same for step_1 to step_2, * per-token plots of *"
     result.stdout.fnmatch_lines([drew])
     assert drawn == [{None}, {1}, {2}]

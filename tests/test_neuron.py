@@ -12,7 +12,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, assert_within_rounding, read_json, run_parity, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, assert_within_rounding, read_json, run_parity, usage_error
 
 from pytest_moe_parity.backends.neuron import count_devices, format_cores, parse_cores, visible_cores
 from pytest_moe_parity.golden import GoldenStore
@@ -88,7 +88,7 @@ def test_port_bugs_are_caught_at_their_point(fault, neuronx, pytester, tiny_mode
     arch, expected, make = faults.CASES[fault]
     golden = golden_dir(arch)
     candidate = faults.edit_checkpoint(tiny_model(arch), tmp_path / "candidate", make(golden)[0])
-    args = neuron_args(tmp_path / "c", "--dtype", "bfloat16", "-x", NO_WEIGHTS)
+    args = neuron_args(tmp_path / "c", "--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG)
     result = run_parity(pytester, golden, *args, model=candidate)
     result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index(expected))
     result.stdout.fnmatch_lines([f"first divergence: {expected}*"])

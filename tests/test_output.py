@@ -124,3 +124,137 @@ def test_a_remapped_expert_is_named_with_the_weight_it_holds(
     # the two remapped experts carry the error; the healthy ones that share their tokens do not
     assert {e for e, *_ in row["worst_experts"][:2]} == {3, 5}, row["worst_experts"]
     assert sum(share for *_, share in row["worst_experts"][:2]) > 0.8, row["worst_experts"]
+
+
+def test_the_config_item_names_a_changed_field_before_any_forward(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    import shutil
+
+    golden = golden_dir("qwen3_moe")
+    port = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "eps")
+    edit_config(port, lambda c: c.update(rms_norm_eps=1e-3, transformers_version="4.57.1"))
+    report = tmp_path / "r"
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", "--parity-report", str(report), model=port)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "moe-parity: config differs from the golden's: rms_norm_eps: 1e-06 → 0.001",
+            "config: the candidate's config (*config.json) differs from the reference's * in 1 field(s) the forward*",
+            "  rms_norm_eps: 1e-06 → 0.001",
+            "config *failed * rms_norm_eps: 1e-06 → 0.001",
+            "first divergence: config  (the candidate reads another config than the reference (rms_norm_eps*",
+        ]
+    )
+    assert "transformers_version" not in result.stdout.str()  # metadata is not compared
+    row = read_json(report / REPORT_FILE)["points"][0]
+    assert (row["id"], row["component"], row["findings"]) == ("config", "config", ["rms_norm_eps: 1e-06 → 0.001"])
+    assert read_json(report / "comparison_summary.json")["first_divergence"] == "config"
+    # without it, the points find where the epsilon bites
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", "--no-parity-config", model=port)
+    result.stdout.fnmatch_lines(["first divergence: layer_0.input_norm*"])
+    assert "config differs" not in result.stdout.str()
+
+
+def test_a_bf16_conversion_passes_its_weights_and_config_with_a_note(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    """A checkpoint converted to bf16 storage (an fp32 reference) is a conversion, not a bug: its weights
+    are the reference's rounded to bf16, judged against that rounding; its config's dtype is not a field
+    the forward reads."""
+    model, golden = tiny_model("qwen3_moe"), golden_dir("qwen3_moe")
+
+    def to_bf16(t: dict[str, torch.Tensor]) -> None:
+        t.update({k: v.to(torch.bfloat16) for k, v in t.items() if v.is_floating_point()})
+
+    converted = edit_checkpoint(model, tmp_path / "bf16", to_bf16)
+    edit_config(converted, lambda c: c.update(dtype="bfloat16"))
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", "-x", "-k", "weights or config or layer_0",
+        "--parity-report", str(report), model=converted,
+    )  # fmt: skip
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "moe-parity: the candidate checkpoint is a conversion (* tensor(s) stored as BF16, the reference's as F32*",
+            "layer_0.weights *passed * a conversion: * tensor(s) stored as BF16*",
+            "first divergence: none",
+        ]
+    )
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert rows["config"]["status"] == "passed" and not rows["config"]["findings"]
+    assert rows["layer_0.weights"]["notes"][0].endswith(
+        "judged against that rounding, each the reference's values rounded to it"
+    )
+
+    # a wrong tensor in a converted checkpoint still fails, its storage said beside it
+    def broken(t: dict[str, torch.Tensor]) -> None:
+        to_bf16(t)
+        key = next(k for k in t if "layers.0.self_attn.q_proj.weight" in k)
+        t[key] = t[key] * 2
+
+    wrong = edit_checkpoint(model, tmp_path / "wrong", broken)
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", model=wrong)
+    result.stdout.fnmatch_lines(["*q_proj.weight: scaled by 2* (* tensor(s) stored as BF16, the reference's as F32)*"])
+
+
+def test_report_prints_one_block_to_paste_with_the_culprit(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from helpers import cli
+
+    from pytest_moe_parity.report.block import BEGIN, END
+
+    golden = golden_dir("qwen3_moe")
+    port = edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "remap", _down_projections_swapped(1, 3, 5))
+    report, repro = tmp_path / "r", tmp_path / "repro"
+    run_parity(
+        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "-k", "layer_1.experts", "--parity-drill",
+        "layer_1.experts", "--parity-repro", str(repro), "--parity-report", str(report), model=port,
+    )  # fmt: skip
+    code, out, _ = cli(capsys, "report", report)
+    assert code == 0, out
+    lines = out.splitlines()
+    block = lines[lines.index(BEGIN) + 1 : lines.index(END)]
+    fingerprint = read_json(report / REPORT_FILE)["golden_fingerprint"]
+    assert block[0].startswith("moe-parity 0.1.0, torch ") and "transformers " in block[0]
+    assert block[1] == f"golden: {golden} (qwen3_moe, fingerprint {fingerprint})"
+    assert block[2] == f"candidate: {port} (--model) on --hw cpu in bfloat16, isolated mode; --hw-option: none"
+    assert "first divergence: layer_1.experts" in block and "  out.rel_l2 0.8897 (limit <= 0.04)" in block, block
+    assert "drill layer_1.experts: culprit expert[3].down_proj (mm), substituting it recovers 49%" in block, block
+    assert any("it holds the reference's down_proj[5] (expert 5's)" in line for line in block), block
+    repro_line = next(line for line in block if line.startswith("  repro: "))
+    assert Path(repro_line.removeprefix("  repro: ")).is_file()
+    summary = read_json(report / "comparison_summary.json")["bug_report"]
+    assert (
+        summary["drill"]["culprit"] == "expert[3].down_proj" and summary["golden"]["golden_fingerprint"] == fingerprint
+    )
+    assert summary["first_divergence"]["failing"][1] == {
+        "tensor": "out", "check": "rel_l2", "value": pytest.approx(0.8897, abs=1e-3), "limit": 0.04, "op": "<="
+    }  # fmt: skip
+
+
+def test_the_commands_a_drill_suggests_run_as_printed(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    import shlex
+    import shutil
+    import sys
+
+    port = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "eps")
+    edit_config(port, lambda c: c.update(rms_norm_eps=1e-3))
+    golden = golden_dir("qwen3_moe")
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--no-parity-config", "--parity-drill", "auto", "-x",
+        model=port,
+    )  # fmt: skip
+    said = next(line for line in result.outlines if line.startswith("collect these ops as items: "))
+    command = said.removeprefix("collect these ops as items: ")
+    assert command == shlex.join(
+        ["pytest", "--golden-dir", str(golden), "--hw", "cpu", "--model", str(port), "--dtype", "bfloat16",
+         "--parity-drill", "layer_0.input_norm", "-k", "layer_0.input_norm"]
+    )  # fmt: skip
+    rerun = pytester.run(sys.executable, "-m", *shlex.split(command), "-p", "no:cacheprovider")
+    assert rerun.ret == 1, rerun.stdout.str()
+    rerun.stdout.fnmatch_lines(["drill layer_0.input_norm: * culprit add*", "FAILED *layer_0.input_norm::add - *"])

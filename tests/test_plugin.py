@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, read_json, rounding_bound, run_parity, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, read_json, rounding_bound, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.model.archs import ARCH_TABLE
@@ -122,7 +122,7 @@ def test_fault_is_caught_at_its_own_point(fault: str, pytester: pytest.Pytester,
     if config_edit:
         faults.edit_config(candidate, config_edit)
     report = pytester.path / "report"
-    args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, "--parity-report", str(report))
+    args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, "--parity-report", str(report))
     result = run_parity(pytester, golden, *args, model=candidate)
     order = GoldenStore(golden).point_ids
     result.assert_outcomes(failed=1, passed=order.index(expected))

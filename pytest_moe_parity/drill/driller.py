@@ -6,6 +6,7 @@ file."""
 from __future__ import annotations
 
 import fnmatch
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +107,7 @@ class Driller:
             raise DrillError(
                 f"{point.id}: the reference runs op by op on transformers' own modules as transformers 5 lays them "
                 f"out, and this environment has transformers {compat.VERSION}: record its ops where the golden was "
-                f"recorded (moe-parity drill-ops GOLDEN --points '{point.id}' --dtype DTYPE) and drill here"
+                f"recorded ({self._drill_ops(point, dtypes)}) and drill here"
             )
         if self.reference_dir is None:
             raise DrillError(
@@ -122,6 +123,14 @@ class Driller:
             graphs[dtype_name(dtype)], out = capture_ops(module, args, kwargs, input_names=names, router=router)
             output = out if output is None else output
         return graphs, reproduces(record.output, output)
+
+    def _drill_ops(self, point: Point, dtypes: list[torch.dtype]) -> str:
+        """The `moe-parity drill-ops` command that records the reference's ops of `point`, as pasted."""
+        dtype = next((d for d in dtypes if d != torch.float32), None) or (
+            self.backend.dtype if self.backend is not None else torch.float32
+        )
+        words = ["moe-parity", "drill-ops", str(self.golden.root), "--points", point.id, "--dtype", dtype_name(dtype)]
+        return shlex.join(words)
 
     def reference(self, point: Point) -> Reference:
         """The reference's side of the drill at `point`: its ops in float32 and in the candidate's
@@ -141,8 +150,8 @@ class Driller:
             ):  # stored, but not in this dtype, and no reference to capture here
                 raise DrillError(
                     f"{point.id}: the golden holds the reference's ops in {', '.join(others)}, not in the "
-                    f"candidate's {dtype_name(dtype)}: record them with moe-parity drill-ops GOLDEN --points "
-                    f"'{point.id}' --dtype {dtype_name(dtype)}, or drill in {others[0]} (--dtype)"
+                    f"candidate's {dtype_name(dtype)}: record them with {self._drill_ops(point, [dtype])}, or drill "
+                    f"in {others[0]} (--dtype)"
                 )
             else:
                 graphs, self.reproduced[point.id] = self.capture(point, [dtype])

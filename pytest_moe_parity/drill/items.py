@@ -6,12 +6,14 @@ each."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import compat
+from ..dtypes import dtype_name
 from ..errors import SetupError
 from ..points import Point
 from ..replay.checks import Checker
@@ -72,6 +74,7 @@ class DrillItems(Checker):
         trust_remote_code: bool = False,
     ):
         self.golden, self.backend, self.runner, self.patterns = golden, backend, runner, patterns
+        self.hw, self.flags = hw, flags
         self.repro_dir = repro_dir
         self.auto_drilled = False  # --parity-drill auto drills the first failing component only
         found = golden.local_model()
@@ -103,7 +106,7 @@ class DrillItems(Checker):
             )
             raise SetupError(
                 f"{flags['drill']} runs the reference op by op; {why} record the reference's ops with the golden where "
-                "it was recorded: moe-parity drill-ops GOLDEN --points PATTERNS --dtype DTYPE"
+                f"it was recorded: {self._drill_ops_command(flags)}"
             )
         for pattern in self.patterns:
             if pattern != AUTO and not any(selects([pattern], p.id) for p in self.golden.points):
@@ -177,8 +180,36 @@ class DrillItems(Checker):
         except Exception as exc:  # the point's own verdict stands; say why there is no table
             return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
         self.driller.release(point)
-        collect = f"collect these ops as items: pytest ... --parity-drill {point.id}"
+        collect = f"collect these ops as items: {self._rerun(point.id)}"
         return drill.to_json(), f"{drill_text(drill)}\n{collect}"
+
+    def _rerun(self, point_id: str) -> str:
+        """This run's command, drilling `point_id` into items: as it is pasted."""
+        setup, flags = self.backend.setup, self.flags
+        words = ["pytest", flags["golden"], str(self.golden.root), flags["hw"], self.hw]
+        if setup.model_dir is not None:
+            words += [flags["model"], str(setup.model_dir)]
+        words += [flags["dtype"], dtype_name(self.backend.dtype)]
+        for key, value in setup.options.items():
+            words += ["--hw-option", f"{key}={value}"]
+        words += [flags["drill"], point_id, "-k", point_id]
+        return shlex.join(words)
+
+    def _drill_ops_command(self, flags: Mapping[str, str]) -> str:
+        """`moe-parity drill-ops` for the points this run drills, in the candidate's dtype (every
+        point for auto, which drills the first that fails)."""
+        points = ",".join(p for p in self.patterns if p != AUTO) or "*"
+        return shlex.join(
+            [
+                "moe-parity",
+                "drill-ops",
+                str(self.golden.root),
+                "--points",
+                points,
+                "--dtype",
+                dtype_name(self.backend.dtype),
+            ]
+        )
 
     def close(self) -> None:
         self.driller.close()

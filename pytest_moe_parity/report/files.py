@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
+from .block import bug_report
 from .rows import Row
 from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
@@ -36,6 +37,7 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "complete": not interrupted,
         "drills": drills(ops + rows),
         **meta,
+        "bug_report": bug_report(ops + rows, meta),
     }
 
 

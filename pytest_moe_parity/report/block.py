@@ -1,0 +1,109 @@
+"""One block to paste into a bug report: the versions, the golden (its fingerprint), the candidate and
+the run's options, the first divergence with its failing figures and what is known of its cause, and
+the drill's culprit with what it was given and its repro file. In `comparison_summary.json`
+(`bug_report`) and printed by `moe-parity report`; built from the rows and the run's facts alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..dtypes import json_safe
+from .rows import PointRow, Row, WeightsRow
+from .summary import counts, drill_finding, first_divergence
+from .text import fmt
+
+CANDIDATE = ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
+BEGIN, END = "--- moe-parity bug report (paste this block) ---", "--- end of the bug report ---"
+
+
+def _failing(row: Row) -> list[dict[str, Any]]:
+    """A failed row's failing figures: a point's checks that failed, a weight or config item's findings."""
+    if isinstance(row, PointRow):
+        return [
+            {"tensor": c.target, "check": c.name, "value": json_safe(c.value), "limit": json_safe(c.limit), "op": c.op}
+            for c in row.checks
+            if not c.passed
+        ]
+    if isinstance(row, WeightsRow):
+        return [{"finding": f} for f in row.findings]
+    return []
+
+
+def _drill_of(rows: list[Row], point: str | None) -> dict[str, Any] | None:
+    """The drill of `point` (where it was drilled), else the first drill that names a cause."""
+    drills = [r.drill for r in rows if r.drill is not None and "rows" in r.drill]
+    chosen = next((d for d in drills if d["point"] == point), None)
+    chosen = chosen or next((d for d in drills if d.get("culprit") or d.get("structure")), None)
+    if chosen is None:
+        return None
+    keys = ("point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro")
+    return {k: chosen.get(k) for k in keys}
+
+
+def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
+    """The block as JSON."""
+    points = [r for r in rows if r.kind != "op"]
+    first = first_divergence(points)
+    said = drill_finding(d) if (d := _drill_of(rows, first.id if first else None)) and first else None
+    return {
+        "versions": meta.get("versions", {}),
+        "golden": {k: meta.get(k) for k in ("golden_dir", "golden_fingerprint", "model_type")},
+        "candidate": {
+            k: meta.get(k)
+            for k in ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
+        },
+        "counts": {"total": len(points), **counts(points)},
+        "first_divergence": None
+        if first is None
+        else {
+            "id": first.id,
+            "failing": _failing(first),
+            "hint": first.hint,
+            "proved": said,
+        },
+        "drill": _drill_of(rows, first.id if first else None),
+    }
+
+
+def bug_report_text(block: dict[str, Any]) -> list[str]:
+    """The block as the lines `moe-parity report` prints."""
+    versions = ", ".join(f"{k} {v}" for k, v in block["versions"].items()) or "versions not recorded"
+    golden, cand, n = block["golden"], block["candidate"], block["counts"]
+    options = ", ".join(f"{k}={v}" for k, v in (cand.get("hw_options") or {}).items()) or "none"
+    lines = [
+        BEGIN,
+        versions,
+        f"golden: {golden['golden_dir']} ({golden['model_type']}, fingerprint {golden['golden_fingerprint']})",
+        f"candidate: {cand['candidate_model']} ({cand['candidate_source']}) on --hw {cand['hw']} in {cand['dtype']}, "
+        f"{cand['mode']} mode; --hw-option: {options}" + (f"; layers {cand['layers']}" if cand.get("layers") else ""),
+        f"result: {n['total']} item{'s' * (n['total'] != 1)}: {n['passed']} passed, {n['failed']} failed, {n['error']} errors, "
+        f"{n['skipped']} skipped",
+    ]
+    first = block["first_divergence"]
+    if first is None:
+        lines.append("first divergence: none")
+    else:
+        lines.append(f"first divergence: {first['id']}")
+        for f in first["failing"]:
+            if "finding" in f:
+                lines.append(f"  {f['finding']}")
+            else:
+                limit = "" if f["limit"] is None else f" (limit {f['op']} {fmt(f['limit'])})"
+                lines.append(f"  {f['tensor']}.{f['check']} {fmt(f['value'])}{limit}")
+        if first["proved"]:
+            lines.append(f"  {first['proved']}")
+        elif first["hint"]:
+            lines.append(f"  hint: {first['hint']}")
+    drill = block["drill"]
+    if drill is not None:
+        if drill["culprit"]:
+            recovery = drill["recovery"]
+            said = f", substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
+            lines.append(f"drill {drill['point']}: culprit {drill['culprit_op'] or drill['culprit']}{said}")
+            lines.extend(f"  the culprit's op differs: {e}" for e in drill["evidence"] or [])
+        elif drill["structure"]:
+            lines.append(f"drill {drill['point']}: {drill['structure'][0]}")
+        if drill["repro"]:
+            lines.append(f"  repro: {drill['repro']}")
+    lines.append(END)
+    return lines
