@@ -230,7 +230,17 @@ class ParitySession:
         result = self.runner.judge(prepared, marker)
         if not result.passed:
             self._part_failed_first(prepared.point, result)
+            self._inherited(result)
         return result
+
+    def _inherited(self, result: PointResult) -> None:
+        """Both modes: a point right on the golden's inputs and wrong on its own, after an earlier
+        point failed on the golden's inputs (introduced a divergence), inherits that one's failure."""
+        if result.chained is None or result.verdicts.get("isolated") != "passed":
+            return
+        introduced = [r for r in self.rows.values() if r.verdict("isolated") == "failed" and r.order < result.order]
+        if introduced:
+            result.inherited = min(introduced, key=lambda r: r.order).id
 
     def _part_failed_first(self, point: Point, result: PointResult) -> None:
         """A whole (the MoE block, the decoder layer) whose part failed before it in this run: its hint

@@ -258,3 +258,37 @@ def test_the_commands_a_drill_suggests_run_as_printed(
     rerun = pytester.run(sys.executable, "-m", *shlex.split(command), "-p", "no:cacheprovider")
     assert rerun.ret == 1, rerun.stdout.str()
     rerun.stdout.fnmatch_lines(["drill layer_0.input_norm: * culprit add*", "FAILED *layer_0.input_norm::add - *"])
+
+
+def test_chain_failures_a_point_inherits_are_folded_under_the_one_that_introduced_them(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    import shutil
+
+    golden = golden_dir("qwen3_moe", noise="bfloat16")
+    port = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "eps")
+    edit_config(port, lambda c: c.update(rms_norm_eps=1e-3))
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--no-parity-config", "--parity-mode", "both",
+        "--parity-report", str(report), model=port,
+    )  # fmt: skip
+    result.stdout.fnmatch_lines(
+        [
+            "layer_0.router: inherited from layer_0.input_norm, which failed first on the golden's inputs",
+            "  isolated (golden inputs): passed (rel_l2 *)",
+            "  chain (its own inputs): failed (rel_l2 *, noise ratio *): *",
+            "layer_0.input_norm *failed * introduced here; failed out.cosine*",
+            "layer_0.router *failed * inherited from layer_0.input_norm (passes on the golden's inputs)",
+            "legend: noise R: the point's rel_l2 over the reference's own error*",
+            "legend: chain rel, chain R: the same figures on the candidate's own inputs*",
+            "first divergence: layer_0.input_norm*",
+            "inherited: * points fail only on their own inputs after layer_0.input_norm (folded under it*",
+        ]
+    )
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    inherited = {pid for pid, r in rows.items() if r.get("inherited")}
+    # each passes on the golden's inputs, and fails on its own
+    assert inherited and all(rows[p]["verdicts"] == {"isolated": "passed", "chain": "failed"} for p in inherited)
+    assert {"layer_0.router", "logits"} <= inherited and "layer_0.input_norm" not in inherited
+    assert {rows[p]["inherited"] for p in inherited} == {"layer_0.input_norm"}

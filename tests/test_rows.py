@@ -18,6 +18,7 @@ JUDGED = [
     *HEAD, "mode", "verdicts", "noise", "metrics", "checks", "limits", "tolerance_sources", "routing",
     "excluded_tokens", "worst_tokens", "token_errors", "worst_experts", "logits", "worst_elements", "notes",
     "hint", "remedy", "candidate_dtype", "golden_dtype", "seconds", "backend", "chain", "shown",
+    "inherited",
 ]  # fmt: skip
 
 

@@ -193,6 +193,9 @@ class PointResult:
     # the tensor whose figures stand for the point (the table, the pictures, JUnit): the first with a
     # failed check, else the output (the logits), else the first compared
     shown: str | None = None
+    # both modes: right on the golden's inputs, wrong on its own, after this earlier point introduced a
+    # divergence (failed on the golden's inputs): its failure is that one's, folded under it
+    inherited: str | None = None
 
     @property
     def status(self) -> str:

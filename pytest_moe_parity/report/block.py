@@ -76,8 +76,8 @@ def bug_report_text(block: dict[str, Any]) -> list[str]:
         f"golden: {golden['golden_dir']} ({golden['model_type']}, fingerprint {golden['golden_fingerprint']})",
         f"candidate: {cand['candidate_model']} ({cand['candidate_source']}) on --hw {cand['hw']} in {cand['dtype']}, "
         f"{cand['mode']} mode; --hw-option: {options}" + (f"; layers {cand['layers']}" if cand.get("layers") else ""),
-        f"result: {n['total']} item{'s' * (n['total'] != 1)}: {n['passed']} passed, {n['failed']} failed, {n['error']} errors, "
-        f"{n['skipped']} skipped",
+        f"result: {n['total']} item{'s' * (n['total'] != 1)}: {n['passed']} passed, {n['failed']} failed, "
+        f"{n['error']} errors, {n['skipped']} skipped",
     ]
     first = block["first_divergence"]
     if first is None:

@@ -185,6 +185,7 @@ class PointRow(Row):
     rows: list[BatchRow] = field(default_factory=list)
     # the tensor that stands for the point (PointResult.shown): a failed point's first failing one
     shown: str | None = None
+    inherited: str | None = None  # both modes: the earlier point whose divergence this one's failure is
 
     @property
     def main_metrics(self) -> TensorMetrics | None:
@@ -239,6 +240,7 @@ class PointRow(Row):
             "chain": self.chained.to_json() if self.chained is not None else None,
             **({"rows": [r.to_dict() for r in self.rows]} if self.rows else {}),
             "shown": self.shown,
+            "inherited": self.inherited,
         }
         return {**judged, "drill": self.drill} if self.drill is not None else judged
 
@@ -349,6 +351,7 @@ def point_row(result: PointResult) -> PointRow:
         chained=point_row(result.chained) if result.chained is not None else None,
         rows=result.rows,
         shown=result.shown,
+        inherited=result.inherited,
     )
 
 

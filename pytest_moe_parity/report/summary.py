@@ -52,7 +52,14 @@ def row_note(row: Row) -> str:
 
 
 def _judged_notes(row: PointRow) -> list[str]:
+    if row.inherited is not None:  # folded under the point that introduced the divergence
+        return [f"inherited from {row.inherited} (passes on the golden's inputs)"]
     parts = []
+    if row.chained is not None and row.status == "failed":
+        parts.append("introduced here" if row.verdict("isolated") == "failed" else "fails on its own inputs only")
+        failed = [f"{c.target}.{c.name}" for c in row.chained.checks if not c.passed]
+        if failed and row.verdict("isolated") == "passed":
+            parts.append("chain failed " + ", ".join(failed))
     routing = row.routing
     if routing and (routing.flips or routing.ties):
         parts.append(f"flips {len(routing.flips)} ties {len(routing.ties)}")
@@ -192,6 +199,15 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
         for mode in modes(rows):
             found = first_divergence(rows, mode)
             lines.append((f"first {mode} divergence: {found.id if found else 'none'}", "red" if found else None))
+    inherited: dict[str, list[str]] = {}
+    for r in rows:
+        if isinstance(r, PointRow) and r.inherited:
+            inherited.setdefault(r.inherited, []).append(r.id)
+    for source, ids in inherited.items():
+        lines.append((
+            f"inherited: {len(ids)} point{'s' * (len(ids) != 1)} fail only on their own inputs after {source} "
+            f"(folded under it: each passes on the golden's inputs)", None,
+        ))  # fmt: skip
     decode = decode_line(rows)
     if decode is not None:
         lines.append(decode)
@@ -243,8 +259,8 @@ def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) ->
         shown = set(range(len(ordered)))
     else:
         shown = set()
-        for i, r in enumerate(ordered):
-            if r.status in ("failed", "error"):
+        for i, r in enumerate(ordered):  # an inherited failure is folded under the one it inherits
+            if r.status in ("failed", "error") and not (isinstance(r, PointRow) and r.inherited):
                 shown.update(range(max(0, i - context), min(len(ordered), i + context + 1)))
     width = max([26, *(len(r.id) + 2 for r in ordered)])
     extra = _extra_columns(ordered)
@@ -264,7 +280,29 @@ def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) ->
         lines.append(f"(all {len(ordered)} points passed)")
     elif last != len(ordered) - 1:
         lines.append(f"{'...':<{width}}({len(ordered) - 1 - last} passing points)")
-    return lines
+    return lines + legend(ordered, [name for name, _, _ in extra])
+
+
+LEGEND = {
+    "noise R": "noise R: the point's rel_l2 over the reference's own error in the candidate's dtype (fails above "
+    "its noise_factor)",
+    "chain rel": "chain rel, chain R: the same figures on the candidate's own inputs (the chained run)",
+    "flips": "flips, ties: tokens whose top-k experts differ from the golden's, beyond / within the dtype's rounding "
+    "of the router's scores (ties never fail; flip_share: the share of flipped tokens)",
+    "tok excluded": "tok excluded: tokens the candidate routed otherwise at an earlier layer, left out from there "
+    "on (judged at that router)",
+    "inherited": "inherited from P: right on the golden's inputs, wrong on its own after P failed on the golden's; "
+    "introduced here: wrong on the golden's inputs",
+}
+
+
+def legend(rows: list[Row], columns: list[str]) -> list[str]:
+    """What the table's columns and notes mean, once per run, for those it shows."""
+    notes = " ".join(row_note(r) for r in rows)
+    shown = [key for key in LEGEND if key in columns or key in notes]
+    if "chain R" in columns and "chain rel" not in shown:
+        shown.append("chain rel")
+    return [f"legend: {LEGEND[key]}" for key in LEGEND if key in shown]
 
 
 def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:

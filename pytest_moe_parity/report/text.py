@@ -48,6 +48,8 @@ def failure_text(r: PointResult) -> str:
     of what differs, worst tokens and experts, routing flips, the noise ratio, a hint and the
     tolerance that would accept it. In both modes, the failing verdict in full and a line for the
     passing one."""
+    if r.inherited is not None and r.chained is not None:
+        return _inherited_text(r, r.chained)
     parts = [(r.mode, r), *((("chain", r.chained),) if r.chained is not None else ())]
     failing = [(mode, res) for mode, res in parts if res.verdicts.get(mode) == "failed"] or parts
     where = {"isolated": "", "chain": " on its own inputs"}
@@ -79,6 +81,23 @@ def failure_text(r: PointResult) -> str:
     if remedy:  # one line, however long: it is pasted as it stands
         lines.append(f"  to accept this result: {remedy}")
     lines.extend(_wrapped("  tolerance from: ", " < ".join(r.tolerance_sources)))
+    return "\n".join(lines)
+
+
+def _inherited_text(r: PointResult, chained: PointResult) -> str:
+    """A point whose failure is an earlier point's (`PointResult.inherited`): folded under it, in a
+    few lines (its figures are in the reports)."""
+    own = f"rel_l2 {fmt(r.main.rel_l2)}" if r.main is not None else "passed"
+    theirs = f"rel_l2 {fmt(chained.main.rel_l2)}" if chained.main is not None else "failed"
+    if chained.noise_ratio is not None:
+        theirs += f", noise ratio {fmt(chained.noise_ratio, 3)}"
+    failed = ", ".join(f"{c.target}.{c.name}" for c in chained.checks if not c.passed)
+    lines = [
+        f"{r.id}: inherited from {r.inherited}, which failed first on the golden's inputs",
+        f"  isolated (golden inputs): passed ({own})",
+        f"  chain (its own inputs): failed ({theirs}){f': {failed}' if failed else ''}",
+        f"  hint: fix {r.inherited} first; this point computes right on the golden's inputs",
+    ]
     return "\n".join(lines)
 
 
