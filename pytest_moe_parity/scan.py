@@ -491,6 +491,11 @@ def table(results: list[PromptResult]) -> list[str]:
             f"{n:>4}  {r.name:<14} {'BEYOND' if r.beyond else 'ok':<7} {first:>10} {r.top1_agreement:>7.1%} "
             f"{r.kl_max:>10.3g} {r.noise_ratio:>11.3g}  {r.preview}"
         )
+    lines.append(
+        "first diff: the first position (from the prompt's first token, 0-based) whose next token really differs; "
+        "worst KL: the largest per-position KL divergence from the reference's next-token distribution, in nats "
+        "(reported, not judged); noise ratio: the logits' rel_l2 over the reference's own in the dtype"
+    )
     return lines
 
 

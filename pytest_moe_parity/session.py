@@ -31,7 +31,7 @@ from .replay.setup import chained_hint, check_config, check_noise, run_mode, sel
 from .replay.weights import weight_items
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
-from .report.summary import summary_lines, summary_table
+from .report.summary import summary_lines, summary_table, table_colour
 
 
 def quiet_transformers() -> None:
@@ -300,7 +300,7 @@ class ParitySession:
         rows = list(self.rows.values())
         if not rows:
             return [("no parity items ran", None)]
-        table: list[tuple[str, str | None]] = [(line, None) for line in summary_table(rows)]
+        table: list[tuple[str, str | None]] = [(line, table_colour(line)) for line in summary_table(rows)]
         reports = [(line, None) for line in self.report_lines]
         points = [r for r in rows if r.kind != "op"]
         backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in points])]

@@ -5,6 +5,7 @@ ones that carry the error. Each on a one-line port of a tiny model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def test_a_router_whose_logits_and_choices_agree_is_not_blamed_for_its_gate(
     result.stdout.fnmatch_lines(
         [
             "  hint: the routing weights differ while the logits and the chosen experts agree*",
+            "  hints: docs/plugin.md#hints",
             "layer_0.router *failed *0.998* 0.69*  failed weights.cosine, weights.rel_l2*",
             f"first divergence: layer_0.router  ({routing_weights} (top-k renormalisation: norm_topk_prob*",
         ]
@@ -292,3 +294,50 @@ def test_chain_failures_a_point_inherits_are_folded_under_the_one_that_introduce
     assert inherited and all(rows[p]["verdicts"] == {"isolated": "passed", "chain": "failed"} for p in inherited)
     assert {"layer_0.router", "logits"} <= inherited and "layer_0.input_norm" not in inherited
     assert {rows[p]["inherited"] for p in inherited} == {"layer_0.input_norm"}
+
+
+def test_custom_tests_against_the_golden_s_own_model_in_its_dtype_are_warned(
+    pytester: pytest.Pytester, golden_dir
+) -> None:
+    pytester.makepyfile(test_custom="def test_x(candidate):\n    assert candidate.dtype is not None\n")
+    result = run_parity(pytester, golden_dir("olmoe"), "test_custom.py", "-k", "test_x", subprocess=True)
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*the candidate is the golden's own model in the golden's dtype (float32)*"])
+    result = run_parity(
+        pytester, golden_dir("olmoe"), "test_custom.py", "-k", "test_x", "--dtype", "bfloat16", subprocess=True
+    )
+    result.assert_outcomes(passed=1)
+    assert "compare the reference with itself" not in result.stdout.str()
+
+
+def test_weight_items_left_out_for_want_of_the_reference_are_said(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    """Weight items need the golden's model on this machine: where it is not, the header says so
+    (a run would otherwise just have none)."""
+    import shutil
+
+    golden = shutil.copytree(golden_dir("qwen3_moe"), tmp_path / "golden")
+    manifest = golden / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["model"].pop("path_relative", None)
+    data["model"]["path"] = str(tmp_path / "elsewhere")
+    manifest.write_text(json.dumps(data))
+    port = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "port")
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding", model=port)
+    result.stdout.fnmatch_lines(
+        ["moe-parity: no weight items: the golden's model is not on this machine (*elsewhere)*"]
+    )
+
+
+def test_failing_verdicts_and_rows_are_red_where_the_terminal_shows_colour(
+    pytester: pytest.Pytester, unrenormalised: tuple[Path, Path]
+) -> None:
+    golden, port = unrenormalised
+    args = ("--dtype", "bfloat16", "--no-parity-config", "-x", "-k", "layer_0.router")
+    result = run_parity(pytester, golden, *args, "--color=yes", model=port)
+    out = result.stdout.str()
+    assert "weights  rel_l2                  0.6987       <= 0.04  \x1b[31;1mFAIL\x1b[0m" in out, out
+    assert any("layer_0.router" in line and "failed" in line and "\x1b[31m" in line for line in out.splitlines())
+    plain = run_parity(pytester, golden, *args, "--color=no", model=port).stdout.str()
+    assert "\x1b[" not in plain and "<= 0.04  FAIL" in plain

@@ -36,7 +36,7 @@ def _tolerance_arg(text: str) -> tuple[str, dict]:
 _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--golden-dir", "parity_golden_dir", {},
      "golden directory recorded by `moe-parity golden`; enables the parity items (ini: golden_dir)"),
-    ("--hw", "parity_hw", {}, "candidate backend: cpu, cuda, trace, compile, neuron, dump, or one registered "
+    ("--hw", "parity_hw", {}, "candidate backend: cpu, cuda, trace, compile, neuron, nxdi, dump, or one registered "
      "under the entry-point group pytest_moe_parity.backends (default: cpu)"),
     ("--model", "parity_model", {}, "the candidate: a checkpoint directory, or for --hw dump a directory of "
      "dumped tensors (default: the golden's model, found relative to the golden first)"),

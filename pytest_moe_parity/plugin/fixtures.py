@@ -35,6 +35,15 @@ def candidate(request: pytest.FixtureRequest) -> Candidate:
     from ..replay.custom import Candidate
 
     session = _require_session(request)
+    if session.options.model is None and session.options.dtype is None and session.hw in ("cpu", "cuda"):
+        import warnings
+
+        warnings.warn(
+            f"the candidate is the golden's own model in the golden's dtype ({session.golden.dtype}): custom tests "
+            "compare the reference with itself; pass --model DIR (the port) or --dtype (e.g. bfloat16)",
+            pytest.PytestWarning,
+            stacklevel=2,
+        )
     return Candidate(session.golden, session.backend, session.runner)
 
 

@@ -36,6 +36,14 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException] | None) -> str:
     return str(exc).partition("\n")[0] if plain else f"{type(exc).__name__}: {exc}"
 
 
+def _marked(config: pytest.Config, text: str) -> str:
+    """A failure text with its failing verdicts in red where the terminal shows colour."""
+    if not config.get_terminal_writer().hasmarkup:
+        return text
+    red, reset = "\x1b[31;1m", "\x1b[0m"
+    return "\n".join(f"{line[:-4]}{red}FAIL{reset}" if line.endswith("  FAIL") else line for line in text.split("\n"))
+
+
 class ParityFailure(AssertionError):
     def __init__(self, result: PointResult):
         super().__init__(result.id)
@@ -176,7 +184,8 @@ class ParityItem(pytest.Item):
 
         if isinstance(excinfo.value, ParityFailure):
             text = failure_text(excinfo.value.result)
-            return f"{text}\n{self.drill_text}" if self.drill_text else text
+            text = f"{text}\n{self.drill_text}" if self.drill_text else text
+            return _marked(self.config, text)
         return f"{self.name}: {excinfo.exconly()}\n" + str(super().repr_failure(excinfo, style=style or "short"))
 
     def reportinfo(self):

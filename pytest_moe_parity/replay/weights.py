@@ -70,8 +70,9 @@ def weight_items(
     found = golden.local_model()
     if not type(backend).needs_checkpoint or candidate is None:
         why = f"the {hw} backend's candidate is not a checkpoint"
-    elif found is None:
-        why = "the golden's model is not on this machine"
+    elif found is None:  # said whatever was asked: the candidate's weights go unchecked
+        where = golden.manifest["model"].get("path")
+        loud, why = True, f"the golden's model is not on this machine ({where}): copy it here to check the weights"
     elif compat.MAJOR < 5:  # said whatever the options: the candidate's weights go unchecked
         loud, why = (
             True,

@@ -321,3 +321,9 @@ def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:
     if both is not None and both != recovery:
         said += f" ({100 * both:.0f}% with every op that introduced error)"
     return f"{head}; culprit {drill['culprit']}{said}", "red"
+
+
+def table_colour(line: str) -> str | None:
+    """The colour of a line of the summary table: a failed row red, an errored one yellow."""
+    words = line.split()
+    return {"failed": "red", "error": "yellow"}.get(words[1]) if len(words) > 1 else None

@@ -77,6 +77,7 @@ def failure_text(r: PointResult) -> str:
         hint = f"{hint}; or error accumulated from the points before (see their noise ratios)" if hint else hint
     if hint:
         lines.extend(_wrapped("  hint: ", hint))
+        lines.append(f"  hints: {HINTS_DOC}")
     remedy = r.remedy()
     if remedy:  # one line, however long: it is pasted as it stands
         lines.append(f"  to accept this result: {remedy}")
@@ -100,6 +101,8 @@ def _inherited_text(r: PointResult, chained: PointResult) -> str:
     ]
     return "\n".join(lines)
 
+
+HINTS_DOC = "docs/plugin.md#hints"  # what each hint means, per component
 
 HINT_CHAIN_ONLY = (
     "right on the golden's inputs, wrong on its own: what the candidate builds around its modules "
