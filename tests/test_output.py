@@ -89,7 +89,8 @@ def test_the_drill_prints_the_constant_its_culprit_was_given(
     result.stdout.fnmatch_lines(
         [
             "  culprit: add introduced the divergence",
-            "  the culprit's op differs: argument 1: 1e-06 in the reference, 0.001 in the candidate",
+            "  the culprit's op differs: argument 1: 1e-06 in the reference, 0.001 in the candidate "
+            "(a constant, not a kernel, bug)",
         ]
     )
 

@@ -111,7 +111,7 @@ def culprit_evidence(reference: OpGraph, ref_node: OpNode, candidate: OpGraph, c
     if len(ref_plain) == len(cand_plain):
         for (where, a), (_, b) in zip(ref_plain, cand_plain, strict=True):
             if _differs(a, b):
-                said.append(f"{where}: {a!r} in the reference, {b!r} in the candidate")
+                said.append(f"{where}: {a!r} in the reference, {b!r} in the candidate (a constant, not a kernel, bug)")
     ref_in, cand_in = ref_node.inputs(), cand_node.inputs()
     if len(ref_in) == len(cand_in):
         for ref_x, cand_x in zip(ref_in, cand_in, strict=True):
