@@ -130,6 +130,15 @@ def test_fault_is_caught_at_its_own_point(fault: str, pytester: pytest.Pytester,
     summary = read_json(report / SUMMARY_FILE)
     assert summary["first_divergence"] == expected and summary["failed"] == 1
     assert summary["hint"] and summary["first_error"] is None
+    # a router's hint names only the causes its own figures leave open
+    said = next((hints for prefix, hints in ROUTER_HINTS.items() if fault.startswith(prefix)), None)
+    assert said is None or any(h in summary["hint"] for h in said), summary["hint"]
+
+
+ROUTER_HINTS = {  # fault -> what its router's hint may say
+    "router_rows_permuted": ("most tokens routed differently", "router logits differ: the gate's weight"),
+    "score_bias_dropped": ("the chosen experts differ while the router's logits agree: the selection rule",),
+}
 
 
 def test_failure_text_is_the_diagnosis(pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
@@ -183,7 +192,7 @@ def test_failure_text_shows_counts_and_worst_elements(pytester: pytest.Pytester,
 def test_nan_in_candidate_says_where(pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
     golden = golden_dir("qwen3_moe")
     candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), pytester.path / "c", faults.poison("o_proj", 1))
-    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, model=candidate)
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, model=candidate)
     result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index("layer_1.attention"))
     result.stdout.fnmatch_lines(["*out*finite*FAIL*", "*candidate has * NaN and 0 Inf*first at index (0, *), token *"])
     assert "cosine         nan" not in result.stdout.str()
@@ -280,7 +289,16 @@ def test_outcomes_and_reports_with_and_without_xdist(xdist, pytester: pytest.Pyt
     candidate = faults.edit_checkpoint(tiny_model("mixtral"), pytester.path / "c", faults.swap_gate_up(1))
     report = pytester.path / "report"
     result = run_parity(
-        pytester, golden, "--dtype", "bfloat16", NO_WEIGHTS, "--parity-report", str(report), *xdist, model=candidate
+        pytester,
+        golden,
+        "--dtype",
+        "bfloat16",
+        NO_WEIGHTS,
+        NO_CONFIG,
+        "--parity-report",
+        str(report),
+        *xdist,
+        model=candidate,
     )
     n = len(GoldenStore(golden).point_ids)
     # experts and the MoE block of layer 1 fail; the rest gets golden inputs and passes (the whole
@@ -298,7 +316,7 @@ def test_outcomes_and_reports_with_and_without_xdist(xdist, pytester: pytest.Pyt
 def test_last_failed_and_stepwise(pytester: pytest.Pytester, tiny_model, golden_dir) -> None:
     golden = golden_dir("olmoe")
     candidate = faults.edit_checkpoint(tiny_model("olmoe"), pytester.path / "c", faults.permute_router_rows(2))
-    base = ["--golden-dir", str(golden), "--model", str(candidate), "--dtype", "bfloat16", NO_WEIGHTS]
+    base = ["--golden-dir", str(golden), "--model", str(candidate), "--dtype", "bfloat16", NO_WEIGHTS, NO_CONFIG]
     first = pytester.runpytest(*base)
     assert first.ret == 1
     failed = first.parseoutcomes()["failed"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_WEIGHTS, cli, read_json, run_parity
+from helpers import NO_CONFIG, NO_WEIGHTS, cli, read_json, run_parity
 from safetensors.torch import load_file
 
 from pytest_moe_parity.golden import GoldenStore
@@ -221,7 +221,7 @@ def test_a_fault_inside_a_slice_fails_at_its_point(pytester: pytest.Pytester, ti
     golden = pytester.path / "g"
     record_run.record_golden(model, golden, layers="2-3")
     candidate = faults.edit_checkpoint(model, pytester.path / "c", faults.swap_gate_up(2))
-    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, model=candidate)
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, model=candidate)
     result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index("layer_2.experts"))
     result.stdout.fnmatch_lines(["first divergence: layer_2.experts*"])
     weights = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", "-v", model=candidate)  # the slice's weights

@@ -30,13 +30,8 @@ pytestmark = pytest.mark.usefixtures("_import_everything_once")
             "post_attention_layernorm.weight: scaled by 2",
         ),
         (faults.lose_weight("model.norm.weight"), "weights", "model.norm.weight: every value is 1 (left at its init"),
-        (
-            faults.narrow("o_proj", 2),
-            "layer_2.weights",
-            "self_attn.o_proj.weight: stored as BF16, the reference as F32",
-        ),
     ],
-    ids=["gate-up-swapped", "experts-swapped", "router-transposed-rows", "norm-scaled", "norm-not-loaded", "narrowed"],
+    ids=["gate-up-swapped", "experts-swapped", "router-transposed-rows", "norm-scaled", "norm-not-loaded"],
 )
 def test_a_weight_fault_fails_its_weight_item_first(
     fault, item: str, words: str, pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
@@ -55,6 +50,26 @@ def test_a_weight_fault_fails_its_weight_item_first(
     assert summary["first_divergence"] == item and summary["failed"] == 1
     rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
     assert rows[item]["component"] == "weights" and any(words in f for f in rows[item]["findings"])
+
+
+def test_one_narrowed_tensor_is_a_conversion_its_activations_judge(
+    pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model
+) -> None:
+    """One tensor stored as bf16 (the reference's values rounded): its weight item passes with the
+    note; a float32 run then finds what the rounding does at the point that reads it."""
+    golden = golden_dir("qwen3_moe")
+    candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "c", faults.narrow("o_proj", 2))
+    report = tmp_path / "report"
+    result = run_parity(pytester, golden, "-x", "--parity-report", str(report), model=candidate)
+    result.stdout.fnmatch_lines(
+        [
+            "moe-parity: the candidate checkpoint is a conversion (1 tensor(s) stored as BF16, the reference's*",
+            "layer_2.weights *passed * a conversion: 1 tensor(s) stored as BF16*",
+            "first divergence: layer_2.attention*",
+        ]
+    )
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert rows["layer_2.weights"]["status"] == "passed" and rows["layer_2.weights"]["findings"] == []
 
 
 def test_clean_weights_pass_before_each_layer(pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model):
@@ -84,9 +99,10 @@ def test_diagnoses_in_words() -> None:
     assert diagnose("w", w, None) == ["w: missing from the candidate"]
     assert "transposed" in diagnose("w", w, w.T.contiguous())[0]
     assert "scaled by 0.5" in diagnose("w", w, w * 0.5)[0]
-    assert diagnose("w", w, w.to(torch.bfloat16).float(), ref_dtype="F32", cand_dtype="BF16") == [
-        "w: stored as BF16, the reference as F32"
-    ]
+    # stored narrower, the reference's values rounded: a conversion, no finding; wrong values too: both said
+    assert diagnose("w", w, w.to(torch.bfloat16).float(), ref_dtype="F32", cand_dtype="BF16") == []
+    said = diagnose("w", w, 2 * w.to(torch.bfloat16).float(), ref_dtype="F32", cand_dtype="BF16")
+    assert said[0] == "w: stored as BF16, the reference as F32" and said[1].startswith("w: scaled by")
     broken = w.clone()
     broken[2] = 0
     assert diagnose("w", w, broken) == ["w: row 2 differs (1 all zeros)"]
