@@ -161,10 +161,11 @@ class ParitySession:
                 self.golden, self.backend, self.runner, patterns, hw=self.hw, flags=flags,
                 repro_dir=options.repro_dir, trust_remote_code=options.trust_remote_code,
             )  # fmt: skip
-        self.config = None
+        self.config_item = None
         if options.config is not False:
-            self.config = config_items(self.golden, self.candidate_dir, [p for p in self.points if self.selected(p)])
-        kinds = (self.config, self.weights, self.drill)
+            selected = [p for p in self.points if self.selected(p)]
+            self.config_item = config_items(self.golden, self.candidate_dir, selected)
+        kinds = (self.config_item, self.weights, self.drill)
         self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------
@@ -291,7 +292,7 @@ class ParitySession:
             f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
-            *(self.config.header_lines() if self.config is not None else []),
+            *(self.config_item.header_lines() if self.config_item is not None else []),
             *(self.weights.header_lines() if self.weights is not None else self._no_weights),
         ]
 

@@ -113,9 +113,10 @@ def test_item_kinds_are_checkers_in_their_own_wings() -> None:
     drill's."""
     from pytest_moe_parity.drill.items import DrillItems
     from pytest_moe_parity.replay.checks import Checker
+    from pytest_moe_parity.replay.config import ConfigItems
     from pytest_moe_parity.replay.weights import WeightItems
 
-    assert issubclass(DrillItems, Checker) and issubclass(WeightItems, Checker)
+    assert all(issubclass(kind, Checker) for kind in (ConfigItems, DrillItems, WeightItems))
     drill = {module for module, _ in _imports(PACKAGE / "session.py") if _top(module) == "drill"}
     assert drill <= {"pytest_moe_parity.drill", "pytest_moe_parity.drill.items"}, drill  # the face, the checker
 
