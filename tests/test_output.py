@@ -58,6 +58,11 @@ def test_a_router_whose_logits_and_choices_agree_is_not_blamed_for_its_gate(
         router["metrics"]["weights"]["max_token_rel_l2"]
     )
     assert rows["layer_0.attention"]["shown"] == "out"
+    # the heatmap's and layers.png's figure of the point (`summary.figure`) is the failing tensor's too
+    from pytest_moe_parity.report.rows import Row
+    from pytest_moe_parity.report.summary import figure
+
+    assert figure(Row.from_json(router), "rel_l2") == pytest.approx(router["metrics"]["weights"]["rel_l2"])
 
 
 def test_the_closing_line_says_what_the_drill_proved(
