@@ -118,6 +118,7 @@ class ConfigItems(Checker):
     def __init__(self, golden: GoldenStore, candidate: Path, first: Point):
         self.golden, self.candidate, self._first = golden, candidate, first.id
         self.order = first.order - 1.0  # before the model-level weight item, which is just before it
+        self.stored: str | None = None  # the candidate's stored dtype, as its config says
         try:
             config = read_config(candidate)
         except CheckpointError as exc:

@@ -203,6 +203,11 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
     for r in rows:
         if isinstance(r, PointRow) and r.inherited:
             inherited.setdefault(r.inherited, []).append(r.id)
+    if modes(rows) == ["chain"] and n["failed"] > 1:  # on its own inputs alone, a failure may be inherited
+        lines.append((
+            f"chain mode: {n['failed']} points failed on their own inputs; --parity-mode both tells those that fail "
+            "on the golden's inputs too (introduced) from those that only inherit an earlier one's error", None,
+        ))  # fmt: skip
     for source, ids in inherited.items():
         lines.append((
             f"inherited: {len(ids)} point{'s' * (len(ids) != 1)} fail only on their own inputs after {source} "
