@@ -31,7 +31,7 @@ from .replay.setup import chained_hint, check_config, check_noise, run_mode, sel
 from .replay.weights import weight_items
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
-from .report.summary import summary_lines, summary_table, table_colour
+from .report.summary import first_introduced, mark_inherited, summary_lines, summary_table, table_colour
 
 
 def quiet_transformers() -> None:
@@ -239,9 +239,8 @@ class ParitySession:
         point failed on the golden's inputs (introduced a divergence), inherits that one's failure."""
         if result.chained is None or result.verdicts.get("isolated") != "passed":
             return
-        introduced = [r for r in self.rows.values() if r.verdict("isolated") == "failed" and r.order < result.order]
-        if introduced:
-            result.inherited = min(introduced, key=lambda r: r.order).id
+        source = first_introduced(list(self.rows.values()), result.order)
+        result.inherited = source.id if source is not None else None
 
     def _part_failed_first(self, point: Point, result: PointResult) -> None:
         """A whole (the MoE block, the decoder layer) whose part failed before it in this run: its hint
@@ -301,6 +300,7 @@ class ParitySession:
         rows = list(self.rows.values())
         if not rows:
             return [("no parity items ran", None)]
+        mark_inherited(rows)
         table: list[tuple[str, str | None]] = [(line, table_colour(line)) for line in summary_table(rows)]
         reports = [(line, None) for line in self.report_lines]
         points = [r for r in rows if r.kind != "op"]
@@ -354,6 +354,7 @@ class ParitySession:
     def write_reports(self) -> None:
         """The JSON reports and pictures (`--parity-report`); what was drawn joins the closing lines."""
         if self.options.report_dir is not None and self.rows:
+            mark_inherited(list(self.rows.values()))
             self.report_lines = write_reports(
                 self.options.report_dir,
                 list(self.rows.values()),

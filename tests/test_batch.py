@@ -10,7 +10,16 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import TABLE_ARCHS, assert_replays_bitwise, cli, load_fp32, read_json, run_parity, with_word_tokenizer
+from helpers import (
+    TABLE_ARCHS,
+    assert_replays_bitwise,
+    cli,
+    load_fp32,
+    read_json,
+    run_parity,
+    session,
+    with_word_tokenizer,
+)
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.prompts import Prompt, make_batch, positions_of, read_prompts
@@ -208,3 +217,35 @@ def test_a_causal_mask_is_made_again_not_stored(batch_golden, golden_dir, tiny_m
     specs = {p.id: sliding.entry(p)["inputs"]["kwargs"].get("attention_mask", {}).get("t") for p in sliding.points
              if p.component == "attention"}  # fmt: skip
     assert set(specs.values()) == {"causal_mask", "tensor"}  # full layers made again, sliding ones stored
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_last_token_logits_are_judged_at_each_row_s_last_real_token(side: str, batch_golden) -> None:
+    """What NxDI's context encoding returns, [B, 1, V]: judged against the golden's logits at each
+    row's last real token. A port that takes the last position instead is right on left-padded rows
+    and wrong on the right-padded rows that are shorter: those rows are named."""
+    from pytest_moe_parity.backends import CandidateOutput
+    from pytest_moe_parity.tree import first_tensor
+
+    s = session(batch_golden("qwen3_moe", side), dtype="bfloat16")
+    try:
+        point, record = s.golden.point("logits"), s.golden.load("logits")
+        logits = first_tensor(record.output)
+        last = [max(i for i, m in enumerate(row) if m) for row in s.golden.manifest["inputs"]["attention_mask"]]
+        right = logits[torch.arange(3), torch.tensor(last)].unsqueeze(1).to(torch.bfloat16)
+        result = s.runner.judge_output(point, record, CandidateOutput(right), "isolated", None)
+        assert result.passed, result.checks
+        assert (
+            f"judged against the golden's logits at each row's last real token (positions {', '.join(map(str, last))})"
+            in result.notes[-1]
+        )
+        wrong = logits[:, -1:, :].to(torch.bfloat16)  # the last position: padding, on a right-padded shorter row
+        result = s.runner.judge_output(point, record, CandidateOutput(wrong), "isolated", None)
+        shorter = [row for row, end in enumerate(last) if end != logits.shape[1] - 1]
+        assert result.passed == (side == "left")
+        assert side == "left" or [r.row for r in result.rows if r.failed] == shorter
+        other = logits[:, :2, :].to(torch.bfloat16)  # another shape: said as such, not blamed on the lm_head
+        result = s.runner.judge_output(point, record, CandidateOutput(other), "isolated", None)
+        assert not result.passed and result.hint.startswith("the candidate's output has another shape"), result.hint
+    finally:
+        s.close()

@@ -76,6 +76,10 @@ HINTS = {
     "mlp": "dense MLP: gate/up/down order, weights or activation",
     "output": "decoder layer wrong while its parts pass: residual connections or the order of the norms",
     "logits": "lm_head: wrong or scaled weights, or tied vs untied embeddings",
+    "shape": (
+        "the candidate's output has another shape than the golden's (the shapes above): what the port returns "
+        "(e.g. some tokens only) or its layout, not its numbers"
+    ),
 }
 WORST_ELEMENTS = 5
 WORST_EXPERTS = 5
@@ -752,6 +756,8 @@ class Judge:
         is not blamed for its gate."""
         comp = self.point.component
         routing = self.result.routing
+        if any(c.name == "shape" and not c.passed for c in self.result.checks):
+            return HINTS["shape"]
         if comp == ROUTER and routing is not None and routing.set_agreement < 0.5:
             return HINTS["router_layout"]
         if comp == ROUTER:

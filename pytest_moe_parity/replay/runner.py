@@ -16,8 +16,8 @@ from ..golden.spec import CausalRows, ParamRef
 from ..host import freeze_long_lived
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
-from ..points import ROUTER, Point
-from ..tree import leaves, map_structure
+from ..points import LOGITS, ROUTER, Point
+from ..tree import first_tensor, leaves, map_structure
 
 if TYPE_CHECKING:
     from .chain import ChainSetup
@@ -186,6 +186,9 @@ class ParityRunner:
             cand = replace(cand, output=self.golden.keep_tokens(point, cand.output),
                            routing=self.golden.keep_tokens(point, cand.routing))  # fmt: skip
         facts = self.golden.facts(point, self.dtype, self.noise_figures_for(mode))  # one read of the store
+        golden_out, last_note = last_token_logits(point, record.output, cand.output, self.golden)
+        if last_note:  # the golden's logits at each row's last real token: no padding, no per-token figures
+            facts = replace(facts, noise=None, noise_tokens=None, padding=None)
         router, noise = facts.router, facts.noise
         golden_router = bias = None
         if point.component == ROUTER:
@@ -198,7 +201,7 @@ class ParityRunner:
         try:
             case = Case(
                 point,
-                record.output,
+                golden_out,
                 cand.output,
                 tol,
                 self.dtype,
@@ -226,6 +229,8 @@ class ParityRunner:
             )
         if kept:
             result.notes.append(f"judged on the {self.golden.describe_captured()} the golden keeps (--capture-tokens)")
+        if last_note:
+            result.notes.append(last_note)
         result.mode = mode
         result.tolerance_sources = sources
         result.seconds = cand.seconds
@@ -285,3 +290,39 @@ def unusable(point: Point, golden: Any, candidate: Any, exc: BaseException) -> s
         f"{point.id}: the candidate's output ({_shapes(candidate)}) cannot be judged against the golden's "
         f"({_shapes(golden)}): {exc}; give this point the golden's layout (or map it to another tensor)"
     )
+
+
+def last_token_logits(point: Point, golden: Any, candidate: Any, store: GoldenStore) -> tuple[Any, str]:
+    """A prefill's logits that the candidate gives for each row's last token only ([B, 1, V] or
+    [B, V], what NxDI's context encoding returns) against the golden's [B, S, V]: the golden's at each
+    row's last real token (its attention mask's last 1), and the note that says so; else the golden's
+    output as it is, and "". A port that takes another index (the last position of a right-padded
+    row) fails here, on the rows it got wrong."""
+    g, c = first_tensor(golden), first_tensor(candidate)
+    if point.component != LOGITS or point.step is not None or store.captured_tokens is not None:
+        return golden, ""
+    if g is None or c is None or g.dim() != 3 or g.shape[1] < 2 or c.shape[0] != g.shape[0]:
+        return golden, ""
+    if c.shape[-1] != g.shape[-1] or not (c.dim() == 2 or (c.dim() == 3 and c.shape[1] == 1)):
+        return golden, ""
+    masks = store.manifest.get("inputs", {}).get("attention_mask")
+    length = g.shape[1]
+    last = [max((i for i, m in enumerate(row) if m), default=length - 1) for row in masks] if masks else None
+    if last is None or len(last) != g.shape[0]:
+        last = [length - 1] * g.shape[0]
+    picked = g[torch.arange(g.shape[0]), torch.tensor(last)]
+    picked = picked.unsqueeze(1) if c.dim() == 3 else picked
+    said = ", ".join(map(str, last))
+    note = (
+        f"last-token logits {list(c.shape)}: judged against the golden's logits at each row's last real token "
+        f"(positions {said})"
+    )
+    return picked if isinstance(golden, torch.Tensor) else _replace_first(golden, picked), note
+
+
+def _replace_first(output: Any, tensor: torch.Tensor) -> Any:
+    """`output` (a tuple of tensors) with its first tensor replaced."""
+    items = list(output)
+    index = next(i for i, item in enumerate(items) if isinstance(item, torch.Tensor))
+    items[index] = tensor
+    return type(output)(items) if isinstance(output, tuple) else items

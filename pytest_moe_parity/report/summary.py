@@ -75,6 +75,25 @@ def _judged_notes(row: PointRow) -> list[str]:
     return parts
 
 
+def first_introduced(rows: list[Row], before: float) -> Row | None:
+    """Both modes: the first point, before `before` in forward order, that failed on the golden's
+    inputs (introduced a divergence), or None."""
+    failed = [r for r in rows if isinstance(r, PointRow) and r.order < before and r.verdict("isolated") == "failed"]
+    return min(failed, key=lambda r: r.order) if failed else None
+
+
+def mark_inherited(rows: list[Row]) -> None:
+    """Both modes: each point right on the golden's inputs and wrong on its own after an earlier
+    point failed on the golden's inputs inherits from the first such point (`PointRow.inherited`).
+    The session marks it as it judges; this marks it over every row of a run (under xdist a worker
+    holds some layers' rows only)."""
+    for r in rows:
+        only_chained = r.verdict("isolated") == "passed" and r.verdict("chain") == "failed"
+        if isinstance(r, PointRow) and r.inherited is None and only_chained:
+            source = first_introduced(rows, r.order)
+            r.inherited = source.id if source is not None else None
+
+
 def first_divergence(rows: list[Row], mode: str | None = None) -> Row | None:
     """The first failed point in forward order (with `mode`, the first whose verdict in that mode
     failed). Errors are the backend's, not divergences."""
