@@ -291,9 +291,32 @@ class ParitySession:
             f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
+            self.inputs_line(),
             *(self.config_item.header_lines() if self.config_item is not None else []),
             *(self.weights.header_lines() if self.weights is not None else self._no_weights),
         ]
+
+    def inputs_line(self) -> str:
+        """Which inputs came from the golden: a port's own mask, position or rotary builder is
+        exercised only where the candidate builds them (a chained whole-model run, a dump of its run)."""
+        kind = self.backend.chain_kind
+        if self.mode == "isolated" or kind is None:
+            return (
+                "moe-parity: inputs: each point on the golden's recorded call (hidden states, masks, position ids, "
+                "rotary tables, caches): the port's own mask and position builders are not exercised here"
+                + ("; --parity-mode chain runs them" if kind == "model" else "")
+            )
+        if kind == "model":
+            return (
+                "moe-parity: inputs: chained, the candidate's own whole-model run on the golden's input ids (its own "
+                "masks, positions, rotary)"
+            )
+        if kind == "recorded":
+            return "moe-parity: inputs: chained, the candidate's own run as its dump holds it"
+        return (
+            "moe-parity: inputs: chained, each point on the candidate's own earlier outputs; masks, position ids "
+            "and rotary tables stay the golden's"
+        )
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""

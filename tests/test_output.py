@@ -347,3 +347,17 @@ def test_failing_verdicts_and_rows_are_red_where_the_terminal_shows_colour(
     assert any("layer_0.router" in line and "failed" in line and "\x1b[31m" in line for line in out.splitlines())
     plain = run_parity(pytester, golden, *args, "--color=no", model=port).stdout.str()
     assert "\x1b[" not in plain and "<= 0.04  FAIL" in plain
+
+
+def test_the_run_says_which_inputs_came_from_the_golden(pytester: pytest.Pytester, golden_dir) -> None:
+    """A backend fed the golden's masks and positions never runs the port's own builders: the run says
+    so, and says where the candidate builds its own (a chained whole-model run)."""
+    golden = golden_dir("qwen3_moe", noise="bfloat16")
+    isolated = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding")
+    isolated.stdout.fnmatch_lines(
+        ["moe-parity: inputs: each point on the golden's recorded call (*masks, position ids*not exercised here*"]
+    )
+    chained = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding", "--parity-mode", "chain")
+    chained.stdout.fnmatch_lines(
+        ["moe-parity: inputs: chained, the candidate's own whole-model run on the golden's input ids (its own masks*"]
+    )
