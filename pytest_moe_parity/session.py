@@ -300,6 +300,8 @@ class ParitySession:
         """Which inputs came from the golden: a port's own mask, position or rotary builder is
         exercised only where the candidate builds them (a chained whole-model run, a dump of its run)."""
         kind = self.backend.chain_kind
+        if kind == "recorded":  # a dump: whatever the mode, its outputs are of the candidate's own run
+            return "moe-parity: inputs: the candidate's own run as its dump holds it (its own masks and positions)"
         if self.mode == "isolated" or kind is None:
             return (
                 "moe-parity: inputs: each point on the golden's recorded call (hidden states, masks, position ids, "
@@ -311,8 +313,6 @@ class ParitySession:
                 "moe-parity: inputs: chained, the candidate's own whole-model run on the golden's input ids (its own "
                 "masks, positions, rotary)"
             )
-        if kind == "recorded":
-            return "moe-parity: inputs: chained, the candidate's own run as its dump holds it"
         return (
             "moe-parity: inputs: chained, each point on the candidate's own earlier outputs; masks, position ids "
             "and rotary tables stay the golden's"
