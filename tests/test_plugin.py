@@ -154,8 +154,8 @@ def test_failure_text_is_the_diagnosis(pytester: pytest.Pytester, tiny_model, go
             "*routing: 16 tokens, top-2 of 8 experts, set agreement*real flips*",
             "*token*golden only*candidate only*score gap*kind*",
             "*flip",
-            "*hint: most tokens routed differently: router weight layout*",
-            "*score-correction bias",
+            "*hint: the chosen experts differ while the router's logits agree: the selection rule*",
+            "*score-correction bias*",
             "*to accept this result: --parity-tol 'layer_2.router:max_flip_share=*'",
         ]
     )

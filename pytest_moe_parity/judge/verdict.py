@@ -52,9 +52,9 @@ HINTS = {
         "(interleaved vs half-split), softmax scale or mask"
     ),
     "router_layout": (
-        "most tokens routed differently: router weight layout (rows = experts) or a missing score-correction bias"
+        "most tokens routed differently and the logits differ: the router's weight layout (rows = experts, "
+        "transposed) or another layer's gate"
     ),
-    "router": "router: gate weight rows permuted or transposed, a lost score-correction bias, or the scoring function",
     # a router whose failure leaves some of its outputs right: only the causes those leave open
     "router_logits": (
         "router logits differ: the gate's weight (rows permuted or transposed, another layer's) or its dtype"
@@ -758,16 +758,14 @@ class Judge:
         routing = self.result.routing
         if any(c.name == "shape" and not c.passed for c in self.result.checks):
             return HINTS["shape"]
-        if comp == ROUTER and routing is not None and routing.set_agreement < 0.5:
-            return HINTS["router_layout"]
         if comp == ROUTER:
             failed = {c.target for c in self.result.checks if not c.passed}
-            if "logits" in failed:
-                return HINTS["router_logits"]
-            if "top_k" in failed:
+            if "logits" in failed or not failed & {"logits", "top_k", "weights"}:
+                most = routing is not None and routing.set_agreement < 0.5  # most tokens routed otherwise
+                return HINTS["router_layout" if most else "router_logits"]
+            if "top_k" in failed:  # the logits agree: not the gate
                 return HINTS["router_selection"]
-            if failed == {"weights"}:
-                return HINTS["router_weights"]
+            return HINTS["router_weights"]
         if comp == ATTENTION and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"
         return HINTS.get(comp, "")
