@@ -31,7 +31,7 @@ from .replay.setup import chained_hint, check_config, check_noise, run_mode, sel
 from .replay.weights import weight_items
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
-from .report.summary import first_introduced, mark_inherited, summary_lines, summary_table, table_colour
+from .report.summary import coloured_table, first_introduced, mark_inherited, summary_lines
 
 
 def quiet_transformers() -> None:
@@ -246,8 +246,8 @@ class ParitySession:
         """A whole (the MoE block, the decoder layer) whose part failed before it in this run: its hint
         names that part, whose failure shows in the whole too (the whole's own hint would say its parts
         pass)."""
-        parts = {point_id(c, point.layer, point.step) for c in PARTS.get(point.component, ())}
-        failed = [r for pid, r in self.rows.items() if pid in parts and r.status == "failed"]
+        parts = [self.rows.get(point_id(c, point.layer, point.step)) for c in PARTS.get(point.component, ())]
+        failed = [r for r in parts if r is not None and r.status == "failed"]
         if failed:
             first = min(failed, key=lambda r: r.order).id
             result.hint = (
@@ -324,7 +324,7 @@ class ParitySession:
         if not rows:
             return [("no parity items ran", None)]
         mark_inherited(rows)
-        table: list[tuple[str, str | None]] = [(line, table_colour(line)) for line in summary_table(rows)]
+        table = coloured_table(rows)
         reports = [(line, None) for line in self.report_lines]
         points = [r for r in rows if r.kind != "op"]
         backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in points])]

@@ -44,6 +44,12 @@ def drill_patterns(values: list[str]) -> list[str]:
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
 
 
+def drill_ops_command(golden: Path, points: str, dtype: torch.dtype) -> str:
+    """The `moe-parity drill-ops` command that records the reference's ops of `points` in `dtype`,
+    as it is pasted."""
+    return shlex.join(["moe-parity", "drill-ops", str(golden), "--points", points, "--dtype", dtype_name(dtype)])
+
+
 def selects(patterns: list[str], point_id: str) -> bool:
     return any(p != AUTO and fnmatch.fnmatchcase(point_id, p) for p in patterns)
 
@@ -125,12 +131,11 @@ class Driller:
         return graphs, reproduces(record.output, output)
 
     def _drill_ops(self, point: Point, dtypes: list[torch.dtype]) -> str:
-        """The `moe-parity drill-ops` command that records the reference's ops of `point`, as pasted."""
+        """The `moe-parity drill-ops` command that records the reference's ops of `point`."""
         dtype = next((d for d in dtypes if d != torch.float32), None) or (
             self.backend.dtype if self.backend is not None else torch.float32
         )
-        words = ["moe-parity", "drill-ops", str(self.golden.root), "--points", point.id, "--dtype", dtype_name(dtype)]
-        return shlex.join(words)
+        return drill_ops_command(self.golden.root, point.id, dtype)
 
     def reference(self, point: Point) -> Reference:
         """The reference's side of the drill at `point`: its ops in float32 and in the candidate's

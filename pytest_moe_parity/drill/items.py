@@ -19,7 +19,7 @@ from ..points import Point
 from ..replay.checks import Checker
 from ..report.rows import Row, drill_row, unjudged_row
 from . import store
-from .driller import AUTO, Driller, selects
+from .driller import AUTO, Driller, drill_ops_command, selects
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -104,9 +104,10 @@ class DrillItems(Checker):
                 else f"this environment's transformers {compat.VERSION} cannot run the golden's modules (transformers 5"
                 "'s layout):"
             )
+            points = ",".join(p for p in self.patterns if p != AUTO) or "*"  # auto drills whichever fails first
             raise SetupError(
                 f"{flags['drill']} runs the reference op by op; {why} record the reference's ops with the golden where "
-                f"it was recorded: {self._drill_ops_command(flags)}"
+                f"it was recorded: {drill_ops_command(self.golden.root, points, self.backend.dtype)}"
             )
         for pattern in self.patterns:
             if pattern != AUTO and not any(selects([pattern], p.id) for p in self.golden.points):
@@ -194,22 +195,6 @@ class DrillItems(Checker):
             words += ["--hw-option", f"{key}={value}"]
         words += [flags["drill"], point_id, "-k", point_id]
         return shlex.join(words)
-
-    def _drill_ops_command(self, flags: Mapping[str, str]) -> str:
-        """`moe-parity drill-ops` for the points this run drills, in the candidate's dtype (every
-        point for auto, which drills the first that fails)."""
-        points = ",".join(p for p in self.patterns if p != AUTO) or "*"
-        return shlex.join(
-            [
-                "moe-parity",
-                "drill-ops",
-                str(self.golden.root),
-                "--points",
-                points,
-                "--dtype",
-                dtype_name(self.backend.dtype),
-            ]
-        )
 
     def close(self) -> None:
         self.driller.close()

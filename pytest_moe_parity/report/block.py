@@ -44,14 +44,12 @@ def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
     """The block as JSON."""
     points = [r for r in rows if r.kind != "op"]
     first = first_divergence(points)
-    said = drill_finding(d) if (d := _drill_of(rows, first.id if first else None)) and first else None
+    drill = _drill_of(rows, first.id if first else None)
+    said = drill_finding(drill) if drill is not None and first is not None else None
     return {
         "versions": meta.get("versions", {}),
         "golden": {k: meta.get(k) for k in ("golden_dir", "golden_fingerprint", "model_type")},
-        "candidate": {
-            k: meta.get(k)
-            for k in ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
-        },
+        "candidate": {k: meta.get(k) for k in CANDIDATE},
         "counts": {"total": len(points), **counts(points)},
         "first_divergence": None
         if first is None
@@ -61,7 +59,7 @@ def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
             "hint": first.hint,
             "proved": said,
         },
-        "drill": _drill_of(rows, first.id if first else None),
+        "drill": drill,
     }
 
 

@@ -94,11 +94,6 @@ class Row:
     def noise_ratio(self) -> Any:
         return None
 
-    @property
-    def judged(self) -> bool:
-        """Whether the row holds a judged point's figures (:class:`PointRow`)."""
-        return False
-
     def by_mode(self) -> dict[str, Row]:
         """The row's verdicts per mode: {"isolated": row, "chain": its chained row}."""
         return {self.mode: self}
@@ -199,10 +194,6 @@ class PointRow(Row):
     @property
     def noise_ratio(self) -> Any:
         return self.noise.get("ratio") if self.noise else None
-
-    @property
-    def judged(self) -> bool:
-        return True
 
     def by_mode(self) -> dict[str, Row]:
         out: dict[str, Row] = {self.mode: self}

@@ -5,6 +5,7 @@ JSON summary reads the same figures. No pytest here."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..judge.routing import RoutingFlip
@@ -13,6 +14,7 @@ from .rows import ConfigRow, PointRow, Row, WeightsRow, number
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
+STATUS_COLOURS = {"failed": "red", "error": "yellow"}  # a table row's colour by its status
 
 
 def figure(row: Row, name: str) -> float | None:
@@ -87,11 +89,13 @@ def mark_inherited(rows: list[Row]) -> None:
     point failed on the golden's inputs inherits from the first such point (`PointRow.inherited`).
     The session marks it as it judges; this marks it over every row of a run (under xdist a worker
     holds some layers' rows only)."""
+    source = first_introduced(rows, math.inf)  # the source of every inherited failure after it
+    if source is None:
+        return
     for r in rows:
         only_chained = r.verdict("isolated") == "passed" and r.verdict("chain") == "failed"
-        if isinstance(r, PointRow) and r.inherited is None and only_chained:
-            source = first_introduced(rows, r.order)
-            r.inherited = source.id if source is not None else None
+        if isinstance(r, PointRow) and r.inherited is None and only_chained and r.order > source.order:
+            r.inherited = source.id
 
 
 def first_divergence(rows: list[Row], mode: str | None = None) -> Row | None:
@@ -276,6 +280,11 @@ def _extra_columns(rows: list[Row]) -> list[tuple[str, int, Any]]:
 def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -> list[str]:
     """Every point's row for small runs; for big ones the failures with `context` rows around them
     (a drill's op rows are in its own table, not here)."""
+    return [line for line, _ in coloured_table(rows, full_limit=full_limit, context=context)]
+
+
+def coloured_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -> list[tuple[str, str | None]]:
+    """`summary_table`'s lines with their colours: a failed row red, an errored one yellow."""
     ordered = sorted((r for r in rows if r.kind != "op"), key=lambda r: r.order)
     if not ordered:
         return []
@@ -289,22 +298,25 @@ def summary_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) ->
     width = max([26, *(len(r.id) + 2 for r in ordered)])
     extra = _extra_columns(ordered)
     head = "".join(f"{name:>{w}}" for name, w, _ in extra)
-    lines = [f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{head}{'max_abs':>11}  notes"]
+    lines: list[tuple[str, str | None]] = [
+        (f"{'point':<{width}}{'status':<8}{'cosine':>12}{'rel_l2':>11}{head}{'max_abs':>11}  notes", None)
+    ]
     last = -1
     for i, r in enumerate(ordered):
         if i not in shown:
             continue
         if i != last + 1:
-            lines.append(f"{'...':<{width}}({i - last - 1} passing points)")
+            lines.append((f"{'...':<{width}}({i - last - 1} passing points)", None))
         cos, rel, mx = short_metrics(r)
         cells = "".join(f"{value(r):>{w}}" for _, w, value in extra)
-        lines.append(f"{r.id:<{width}}{r.status:<8}{cos:>12}{rel:>11}{cells}{mx:>11}  {row_note(r)}")
+        line = f"{r.id:<{width}}{r.status:<8}{cos:>12}{rel:>11}{cells}{mx:>11}  {row_note(r)}"
+        lines.append((line, STATUS_COLOURS.get(r.status)))
         last = i
     if not shown:
-        lines.append(f"(all {len(ordered)} points passed)")
+        lines.append((f"(all {len(ordered)} points passed)", None))
     elif last != len(ordered) - 1:
-        lines.append(f"{'...':<{width}}({len(ordered) - 1 - last} passing points)")
-    return lines + legend(ordered, [name for name, _, _ in extra])
+        lines.append((f"{'...':<{width}}({len(ordered) - 1 - last} passing points)", None))
+    return lines + [(line, None) for line in legend(ordered, [name for name, _, _ in extra])]
 
 
 LEGEND = {
@@ -345,9 +357,3 @@ def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:
     if both is not None and both != recovery:
         said += f" ({100 * both:.0f}% with every op that introduced error)"
     return f"{head}; culprit {drill['culprit']}{said}", "red"
-
-
-def table_colour(line: str) -> str | None:
-    """The colour of a line of the summary table: a failed row red, an errored one yellow."""
-    words = line.split()
-    return {"failed": "red", "error": "yellow"}.get(words[1]) if len(words) > 1 else None
