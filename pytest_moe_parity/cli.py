@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         _demo_arguments,
         _show_arguments,
         _drill_ops_arguments,
+        _routes_arguments,
         _report_arguments,
         _diff_arguments,
         _audit_arguments,
@@ -821,6 +822,56 @@ def cmd_drill_ops(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _routes_arguments(sub: Any) -> None:
+    routes = sub.add_parser(
+        "routes",
+        help="an engine's routed-experts trace (tokens, moe_layers, top_k) against the golden's routing "
+        "(exit 1 where a layer routes otherwise); --write: the golden's routing as a trace",
+    )
+    routes.add_argument("golden", type=Path)
+    routes.add_argument("trace", type=Path, nargs="?", help="the engine's trace: .npy, .safetensors, .pt or .json")
+    routes.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the engine's router dtype: flips within its rounding are ties",
+    )
+    routes.add_argument("--json", type=Path, metavar="FILE", help="also write the verdict per layer as JSON")
+    routes.add_argument(
+        "--write", type=Path, metavar="FILE", help="write the golden's own routing as a trace (for routing replay)"
+    )
+
+
+def cmd_routes(args: argparse.Namespace) -> int:
+    """`moe-parity routes`: see `routes`. Exit 1 where a layer's real flips exceed its limit."""
+    from .dtypes import parse_dtype
+    from .errors import GoldenError
+    from .golden import GoldenStore
+    from .routes import TraceError, golden_trace, judge_routes, read_trace, routes_lines, write_trace
+
+    if (args.trace is None) == (args.write is None):
+        return _fail("give the engine's TRACE to judge, or --write FILE to write the golden's routing (one of them)")
+    try:
+        dtype = parse_dtype(args.dtype, floating=True)
+    except ValueError:
+        return _fail(f"--dtype {args.dtype!r} is not a floating-point torch dtype (e.g. bfloat16)")
+    try:
+        golden = GoldenStore(args.golden)
+        if args.write is not None:
+            ids = golden_trace(golden)
+            write_trace(args.write, ids)
+            print(f"routes: the golden's routing {list(ids.shape)} (tokens, moe_layers, top_k) -> {args.write}")
+            return EXIT_OK
+        result = judge_routes(golden, read_trace(args.trace), dtype, str(args.trace))
+    except (GoldenError, TraceError) as exc:
+        return _fail(str(exc))
+    for line in routes_lines(result):
+        print(line)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    return EXIT_FAILED if result.first_divergence is not None else EXIT_OK
+
+
 COMMANDS = {
     "drill-ops": cmd_drill_ops,
     "tiny-model": cmd_tiny_model,
@@ -833,6 +884,7 @@ COMMANDS = {
     "audit": cmd_audit,
     "estimate": cmd_estimate,
     "scan": cmd_scan,
+    "routes": cmd_routes,
 }
 
 

@@ -26,6 +26,7 @@ from .judge.verdict import PointResult
 from .points import PARTS, Point, describe_layers, point_id
 from .replay.checks import Checker, Entry
 from .replay.config import config_items
+from .replay.routing import routing_items
 from .replay.runner import ParityRunner, Prepared
 from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
 from .replay.weights import weight_items
@@ -72,6 +73,7 @@ class RunOptions:
     freeze_gc: bool = False
     drill: Sequence[str] = ()  # --parity-drill: point ids or globs to drill into, or "auto"
     repro_dir: Path | None = None  # --parity-repro: where a drill's culprit gets its repro file
+    routing: str | None = None  # --parity-routing: the level of the golden's routing to force up to (None: no items)
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -82,6 +84,7 @@ class RunOptions:
             "mode": "--parity-mode",
             "drill": "--parity-drill",
             "repro": "--parity-repro",
+            "routing": "--parity-routing",
         }
     )
 
@@ -165,7 +168,10 @@ class ParitySession:
         if options.config is not False:
             selected = [p for p in self.points if self.selected(p)]
             self.config_item = config_items(self.golden, self.candidate_dir, selected)
-        kinds = (self.config_item, self.weights, self.drill)
+        routing = routing_items(
+            self.golden, self.runner, options.routing, self.hw, flags.get("routing", "--parity-routing")
+        )
+        kinds = (self.config_item, self.weights, self.drill, routing)
         self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------

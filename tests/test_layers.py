@@ -18,7 +18,7 @@ LAYERS = [
     {"backends"},
     {"replay"},
     {"drill"},
-    {"session", "scan"},
+    {"session", "scan", "routes"},
     {"plugin", "cli"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -41,6 +41,7 @@ ORDER = [
     "drill",
     "session",
     "scan",
+    "routes",
     "plugin",
     "cli",
 ]  # how the docstring lists them

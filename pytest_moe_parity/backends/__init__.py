@@ -142,6 +142,8 @@ class Backend(ABC):
     # (`tree.whole_masks`). Off: every mask is a tensor. A subclass that defines its own `run` has it
     # off unless it sets it again.
     row_masks: ClassVar[bool] = False
+    # `run_routed` replaces a router's output inside the block that calls it (--parity-routing)
+    forces_routing: ClassVar[bool] = False
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -201,6 +203,13 @@ class Backend(ABC):
     @abstractmethod
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         """The candidate's output for `point` on the golden inputs in `golden`."""
+
+    def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
+        """Backends with `forces_routing`: `run` of a point that contains a router (a MoE block), the
+        router's output replaced by `force(its own output)` before the block goes on with it (the
+        golden's expert ids, or ids and weights: `--parity-routing`); `routing` is what the block was
+        given."""
+        raise BackendError(f"the {self.name} backend cannot replace a router's output inside its block")
 
     def run_model(
         self,

@@ -48,7 +48,7 @@ from ..golden.store import sha256_file
 from ..model.calls import cache_states, with_cache_kwarg
 from ..points import Point
 from ..tree import flatten, unflatten
-from . import BackendSetup, CandidateOutput, HwOption
+from . import Backend, BackendSetup, CandidateOutput, HwOption
 from .experts import DENSE
 from .experts import register as register_dense_experts
 from .hf import TorchBackend
@@ -274,6 +274,8 @@ class CompiledBackend(TorchBackend):
     docstring). Subclasses implement `_compile` and `_swap`, and `_save`/`_load` to be cached."""
 
     chain_kind = "points"  # the same graphs, fed the candidate's own earlier outputs
+    forces_routing = False  # a block's graph holds its router: nothing to replace between them
+    run_routed = Backend.run_routed
     options = _options_with(
         HwOption("cache_dir", "where compiled graphs are kept between runs (default: ~/.cache/pytest-moe-parity)"),
         HwOption("experts", "experts implementation of the candidate: dense (static shapes, the default), eager, ..."),

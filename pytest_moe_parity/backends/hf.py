@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ class TorchBackend(Backend):
     chain_kind = "model"
     steers_chain = True
     chains_decode = True
+    forces_routing = True
     row_masks = True  # `run` makes a causal mask a block of query rows at a time where attention runs in blocks
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
@@ -100,6 +102,12 @@ class TorchBackend(Backend):
         return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        return self._run(point, golden)
+
+    def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
+        return self._run(point, golden, force)
+
+    def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None = None) -> CandidateOutput:
         lazy = self._model()
         module = lazy.module(point.module)
         attention, block = self._attention(self.golden.sequences, self.golden.prefill_tokens)
@@ -112,8 +120,13 @@ class TorchBackend(Backend):
         routing: list[Any] = []
         handle = None
         router = self.golden.router_of(point)
-        if router is not None and point.routed_block:  # the router runs inside: see its routing
-            handle = lazy.module(router.module).register_forward_hook(lambda m, a, out: routing.append(out))
+        if router is not None and point.routed_block:  # the router runs inside: see its routing (or replace it)
+
+            def seen(module: nn.Module, args: Any, out: Any) -> Any:
+                routing.append(out if force is None else force(out))
+                return routing[-1]
+
+            handle = lazy.module(router.module).register_forward_hook(seen)
         started = time.perf_counter()
         try:
             with torch.no_grad(), attention:

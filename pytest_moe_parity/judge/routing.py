@@ -24,6 +24,7 @@ __all__ = [
     "tie_tolerance",
     "topk_agreement",
     "topk_of_affinities",
+    "weights_for",
     "worst_experts",
 ]
 
@@ -59,6 +60,11 @@ class RoutingMetrics:
     flips: list[RoutingFlip]
     ties: list[RoutingFlip]
     tie_tolerance: float
+    # the golden's routing weight on the experts real flips lost: its share of all the golden's routing
+    # weight, and the most of one token's own (None: the golden's weights were not given). Flips that
+    # carry little weight move the output little: accumulation, where heavy ones are a bug.
+    flipped_weight: float | None = None
+    max_flipped_weight: float | None = None
 
     @property
     def flipped_tokens(self) -> list[int]:
@@ -94,7 +100,38 @@ class RoutingMetrics:
             flips=[RoutingFlip.from_dict(f) for f in data.get("flips", [])],
             ties=[RoutingFlip.from_dict(f) for f in data.get("ties", [])],
             tie_tolerance=float(data.get("tie_tolerance", "nan")),
+            flipped_weight=_optional(data.get("flipped_weight")),
+            max_flipped_weight=_optional(data.get("max_flipped_weight")),
         )
+
+    def weigh(self, golden_ids: torch.Tensor, golden_weights: torch.Tensor) -> None:
+        """Fill `flipped_weight` and `max_flipped_weight` from the golden's top-k ids and weights."""
+        ids = golden_ids.reshape(-1, golden_ids.shape[-1])
+        if golden_weights.numel() != ids.numel() or ids.shape[0] != self.num_tokens:
+            return
+        weights = golden_weights.reshape(ids.shape).to(F64).abs()
+        total = float(weights.sum())
+        lost = []
+        for flip in self.flips:
+            gone = set(flip.golden_experts) - set(flip.candidate_experts)
+            row, own = ids[flip.token].tolist(), weights[flip.token]
+            carried = sum(float(own[i]) for i, e in enumerate(row) if e in gone)
+            lost.append((carried, float(own.sum())))
+        self.flipped_weight = sum(c for c, _ in lost) / total if total > 0 else 0.0
+        self.max_flipped_weight = max((c / t for c, t in lost if t > 0), default=0.0)
+
+    def weight_words(self) -> str:
+        """The weight real flips carry, in words ("" where there is none to say)."""
+        if not self.flips or self.flipped_weight is None:
+            return ""
+        return (
+            f"the {len(self.flips)} real flip(s) carry {self.flipped_weight:.1%} of the golden's routing weight "
+            f"(at most {self.max_flipped_weight or 0.0:.1%} of one token's)"
+        )
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0) -> torch.Tensor:
@@ -300,18 +337,21 @@ def topk_agreement(
     a chained verdict, `exclude` (tokens, number of tokens) leaves out the tokens already routed unlike
     the golden before this layer (following other experts since): their flips are where they first
     happened. Flips and ties keep the tokens' own positions."""
-    g_logits, _, g_idx = golden_router_out[:3]
+    g_logits, g_w, g_idx = golden_router_out[:3]
     c_idx = candidate_router_out[2].detach().to("cpu")
     scores, tol = rule.scores(g_logits, bias)
     rows = scores.shape[0]
     if exclude is None or rows != exclude[1] or g_idx.numel() != c_idx.numel():
-        return compare_routing(scores, g_idx, c_idx, tolerance=tol)
+        rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+        rm.weigh(g_idx, g_w)
+        return rm
     keep = torch.ones(rows, dtype=torch.bool)
     keep[exclude[0]] = False
     positions = keep.nonzero().flatten().tolist()
     g_idx, c_idx = g_idx.reshape(rows, -1)[keep], c_idx.reshape(rows, -1)[keep]
     scores, tol = scores[keep], (tol[keep] if isinstance(tol, torch.Tensor) and tol.dim() else tol)
     rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)
+    rm.weigh(g_idx, g_w.reshape(rows, -1)[keep] if g_w.numel() == rows * g_idx.shape[-1] else g_w)
     rm.flips = [replace(f, token=positions[f.token]) for f in rm.flips]
     rm.ties = [replace(f, token=positions[f.token]) for f in rm.ties]
     return rm
@@ -330,6 +370,24 @@ def candidate_routing(rule: SelectionRule, cand_out: Any, golden_out: Any, bias:
     logits = kept[0]
     ids = rule.pick(logits.detach().to("cpu"), g_idx.shape[-1], bias).reshape(g_idx.shape)
     return logits, None, ids
+
+
+def weights_for(
+    rule: SelectionRule, logits: torch.Tensor, ids: torch.Tensor, golden_weights: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
+    """The top-k weights [T, k] the reference's rule gives the experts `ids` [T, k] from `logits`
+    [T, E]: each expert's affinity (the softmax of the logits; their sigmoid for sigmoid routers),
+    renormalised to the golden's row sum where the golden's top-k weights sum to one constant per token
+    (normalised weights, times a scaling factor), else times `scale` (the config's scaling factor)."""
+    flat = logits.reshape(-1, logits.shape[-1]).to(F64)
+    sigmoid = rule.kind in ("sigmoid_bias", "grouped_sigmoid_bias")
+    affinity = torch.sigmoid(flat) if sigmoid else torch.softmax(flat, dim=-1)
+    picked = affinity.gather(1, ids.reshape(flat.shape[0], -1).long().to(flat.device))
+    sums = golden_weights.reshape(picked.shape).to(F64).sum(-1)
+    constant = float(sums.mean()) if sums.numel() else 1.0
+    if sums.numel() and bool(torch.allclose(sums, torch.full_like(sums, constant), rtol=1e-2, atol=1e-3)):
+        return picked / picked.sum(-1, keepdim=True).clamp(min=1e-20) * constant
+    return picked * scale
 
 
 def worst_experts(

@@ -471,6 +471,8 @@ class Judge:
         rm = topk_agreement(self.rule, golden_router_out, candidate_router_out, bias, self.exclude)
         r = self.result
         r.routing = rm
+        if judge_flips and rm.weight_words():
+            r.notes.append(rm.weight_words())
         if judge_flips:
             for key in ROUTING_LIMITS:
                 value, limit = getattr(rm, key.figure), self._flip_limit(key, "top_k")

@@ -75,6 +75,10 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "auto: the op table of the run's first failing component in its failure text"),
     ("--parity-repro", "parity_repro", {"metavar": "DIR"},
      "with --parity-drill: write each culprit op's standalone repro (test_*.py + .safetensors) to DIR"),
+    ("--parity-routing", "parity_routing", {"choices": ("ids", "ids+weights")},
+     "after each MoE block, an item (POINT::routing) that replays it with the golden's expert ids (ids), then "
+     "also its weights (ids+weights): it fails where the routing alone changes the block and names the level "
+     "that recovers it (--hw cpu or cuda)"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -156,6 +160,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 repro_dir=Path(config.getoption("parity_repro")).expanduser().resolve()
                 if config.getoption("parity_repro")
                 else None,
+                routing=config.getoption("parity_routing"),
                 **_xdist_role(config),
             )
         )
@@ -183,6 +188,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
     config.addinivalue_line("markers", "drill: moe-parity items of a drill (POINT::OP, --parity-drill)")
+    config.addinivalue_line("markers", "routing: moe-parity items of a MoE block's forced routing (--parity-routing)")
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..judge.verdict import PointResult
     from ..points import Point
     from ..replay.config import ConfigEntry
+    from ..replay.routing import RoutingEntry
     from ..replay.runner import Prepared
     from ..replay.weights import WeightUnit
     from ..report.rows import Row
@@ -57,12 +58,13 @@ class ParityCollector(pytest.Collector):
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
-        kinds = {"config": ConfigItem, "weights": WeightItem, "drill": DrillItem}  # an item class per kind
+        # an item class per kind
+        kinds = {"config": ConfigItem, "weights": WeightItem, "drill": DrillItem, "routing": RoutingItem}
         for entry in session.schedule():
             if not isinstance(entry, Point):
                 item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
-                if entry.kind == "drill":
-                    item.add_marker(pytest.mark.drill)
+                if entry.kind in ("drill", "routing"):
+                    item.add_marker(getattr(pytest.mark, entry.kind))
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
                 item.add_marker(getattr(pytest.mark, entry.component))
@@ -122,6 +124,24 @@ class DrillItem(_CheckItem):
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
         except ParityError as exc:  # a drill that cannot run here: one sentence, no traceback
             message = f"{self.entry.id}: the drill cannot run: {exc}"
+        pytest.fail(message, pytrace=False)
+
+
+class RoutingItem(_CheckItem):
+    """A MoE block replayed with the golden's routing, level by level (`POINT::routing`): failed where
+    the routing alone changes the block, with the level that recovers it."""
+
+    entry: RoutingEntry
+
+    def check(self, session: ParitySession) -> tuple[Row, str | None]:
+        from ..errors import BackendFailure, PointUnavailable
+
+        try:
+            return session.check(self.entry)
+        except PointUnavailable as exc:
+            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
+        except BackendFailure as exc:
+            message = exc.report()
         pytest.fail(message, pytrace=False)
 
 

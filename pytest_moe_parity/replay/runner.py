@@ -4,6 +4,7 @@ command line. `prepare` runs the candidate (its failures are the backend's error
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -127,12 +128,15 @@ class ParityRunner:
             self.started = True
             self._froze = self.freeze_gc and freeze_long_lived()
 
-    def call(self, point: Point, record: GoldenRecord) -> CandidateOutput:
-        """The backend's output for a golden record; anything it raises but `PointUnavailable` is
-        a `BackendFailure` (an error of the backend, not a divergence)."""
+    def call(self, point: Point, record: GoldenRecord, force: Callable[[Any], Any] | None = None) -> CandidateOutput:
+        """The backend's output for a golden record (with `force`, its router's output replaced:
+        `Backend.run_routed`); anything it raises but `PointUnavailable` is a `BackendFailure` (an
+        error of the backend, not a divergence)."""
         self.start(point)
         inputs = candidate_inputs(record, self.dtype, self.backend.device)
         try:
+            if force is not None:
+                return self.backend.run_routed(point, inputs, force)
             return self.backend.run(point, inputs)
         except PointUnavailable:
             raise
@@ -155,7 +159,7 @@ class ParityRunner:
         decode steps are judged on the golden's inputs."""
         return self.chain is not None and (point.step is None or self.chain.decodes)
 
-    def _router_record(self, router: Point) -> GoldenRecord:
+    def router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
             self._router_cache.clear()  # one layer at a time
             self._router_cache[router.id] = self.golden.load(router)
@@ -194,7 +198,7 @@ class ParityRunner:
         if point.component == ROUTER:
             bias = record.extras.get("score_bias")
         elif router is not None:
-            router_record = self._router_record(router)
+            router_record = self.router_record(router)
             golden_router = router_record.output
             bias = router_record.extras.get("score_bias")
         chained = mode == "chain" and self.chain is not None

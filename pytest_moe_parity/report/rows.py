@@ -7,7 +7,9 @@
 - a weight item (:class:`WeightsRow`, :func:`weights_row`): ``layer_N.weights`` / ``weights``, failed
   with its findings;
 - an op of a drilled component (:class:`DrillRow`, :func:`drill_row`): ``POINT::OP``, with its figures
-  in ``op``, and the drill's summary ``POINT::drill``.
+  in ``op``, and the drill's summary ``POINT::drill``;
+- a MoE block replayed with the golden's routing (:class:`RoutingRow`): ``POINT::routing``, with each
+  level's figures (``--parity-routing``).
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
@@ -33,6 +35,7 @@ __all__ = [
     "ConfigRow",
     "DrillRow",
     "PointRow",
+    "RoutingRow",
     "Row",
     "UnjudgedRow",
     "WeightsRow",
@@ -44,7 +47,7 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "config", "op"]
+Kind = Literal["point", "unjudged", "weights", "config", "op", "routing"]
 JsonDict = dict[str, Any]
 
 
@@ -126,7 +129,9 @@ class Row:
         of the kind its keys say."""
         judged = any(data.get(k) for k in _JUDGED_KEYS)  # a point's own figures (an older report: no verdicts)
         cls: type[Row] = (
-            PointRow
+            RoutingRow
+            if "levels" in data
+            else PointRow
             if "verdicts" in data or judged
             else DrillRow
             if "op" in data
@@ -291,6 +296,38 @@ class DrillRow(Row):
     def to_json(self) -> JsonDict:
         return {**super().to_json(), "metrics": {}, "checks": [], "op": self.op, "drill": self.drill,
                 **self._message_json()}  # fmt: skip
+
+
+@dataclass
+class RoutingRow(Row):
+    """A MoE block replayed at each level of the golden's routing (``POINT::routing``,
+    ``--parity-routing``): its own routing (near ties forgiven), the golden's expert ids, then ids and
+    weights. `levels`: each level's verdict and figures, in that order; `recovered`: the first forced
+    level within the block's limits where its own routing is not (the routing's fault is there), else
+    None; `routing`: its own routing's flips, ties and the weight the flips carry."""
+
+    kind: ClassVar[Kind] = "routing"
+
+    levels: list[JsonDict] = field(default_factory=list)  # {"level", "status", "rel_l2", "cosine", ...}
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # each level's main tensor
+    recovered: str | None = None
+    routing: RoutingMetrics | None = None
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        """Its own routing's figures (the level a real run has)."""
+        return self.metrics.get("own")
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def to_json(self) -> JsonDict:
+        return {
+            **super().to_json(), "mode": self.mode, "levels": self.levels,
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
+            "recovered": self.recovered, "routing": self.routing.to_dict() if self.routing is not None else None,
+            "notes": self.notes, "hint": self.hint, **self._message_json(),
+        }  # fmt: skip
 
 
 _JUDGED_KEYS = ("metrics", "checks", "routing", "logits", "noise", "limits", "candidate_dtype")

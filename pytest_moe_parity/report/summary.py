@@ -10,7 +10,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
-from .rows import ConfigRow, PointRow, Row, WeightsRow, number
+from .rows import ConfigRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -37,6 +37,8 @@ def row_note(row: Row) -> str:
     """The notes column of a row: a point's routing and failed checks, what was said of an item not
     judged, a weight or config item's first finding (or, passed, its first note)."""
     parts = _judged_notes(row) if isinstance(row, PointRow) else []
+    if isinstance(row, RoutingRow) and row.levels:
+        parts.append(_routing_note(row))
     if isinstance(row, WeightsRow) and row.status == "passed" and row.notes:  # a conversion, not a finding
         parts.append(row.notes[0][:60])
     if row.status != "passed":
@@ -51,6 +53,21 @@ def row_note(row: Row) -> str:
             more = len(row.findings) - 1
             parts.append(row.findings[0].rpartition(".")[2][:60] + (f" (+{more} more)" if more else ""))
     return "; ".join(parts)
+
+
+def _routing_note(row: RoutingRow) -> str:
+    """A routing item in a few words: the level that recovers the block, or why none had to."""
+    figures = {level["level"]: fmt(level.get("rel_l2")) for level in row.levels}
+    if row.recovered is not None:
+        return f"recovered by {row.recovered} (rel_l2 {figures.get('own')} -> {figures[row.recovered]})"
+    own = next((level for level in row.levels if level["level"] == "own"), {})
+    if own.get("status") == "failed":
+        forced_all = "ids+weights" in figures
+        return "not the routing: no level recovers it" if forced_all else "the golden's ids do not recover it"
+    flips = row.routing.flips if row.routing is not None else []
+    weight = row.routing.flipped_weight if row.routing is not None else None
+    carried = f": {len(flips)} flips carry {weight:.1%} of its weight" if flips and weight is not None else ""
+    return f"own routing within limits{carried}"
 
 
 def _judged_notes(row: PointRow) -> list[str]:
