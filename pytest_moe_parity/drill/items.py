@@ -16,7 +16,7 @@ from .. import compat
 from ..dtypes import dtype_name
 from ..errors import SetupError
 from ..points import Point
-from ..replay.checks import Checker
+from ..replay.checks import AtPoint, Checker
 from ..report.rows import Row, drill_row, unjudged_row
 from . import store
 from .driller import AUTO, Driller, drill_ops_command, selects
@@ -29,30 +29,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DrillEntry:
+class DrillEntry(AtPoint):
     """One op of a drilled point (`layer_17.attention::q_norm.add`), or the drill's own summary
     (`::drill`: the op table, the culprit, the candidate's unmatched ops), right after the point."""
 
-    point: Point
     op: str
     order: float
     kind = "drill"
 
     @property
-    def id(self) -> str:
-        return f"{self.point.id}::{self.op}"
-
-    @property
-    def layer(self) -> int | None:
-        return self.point.layer
-
-    @property
-    def group(self) -> str:
-        return self.point.group
-
-    @property
-    def component(self) -> str:
-        return self.point.component
+    def name(self) -> str:
+        return self.op
 
 
 class DrillItems(Checker):

@@ -81,8 +81,23 @@ class _CheckItem(pytest.Item):
         self.entry = entry
         self.row: Row | None = None
 
+    # what the check may raise that fails the item with a sentence (`cannot_run`), where it is not
+    # the candidate's fault; a point the candidate lacks (`PointUnavailable`) skips it
+    failures: tuple[type[BaseException], ...] = ()
+
+    def cannot_run(self, exc: BaseException) -> str:
+        return str(exc)
+
     def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        return session.check(self.entry)
+        from ..errors import PointUnavailable
+
+        try:
+            return session.check(self.entry)
+        except PointUnavailable as exc:
+            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
+        except self.failures as exc:
+            message = self.cannot_run(exc)
+        pytest.fail(message, pytrace=False)  # outside the handler: no chained exceptions shown
 
     def runtest(self) -> None:
         session = _session(self.config)
@@ -115,16 +130,14 @@ class DrillItem(_CheckItem):
 
     entry: DrillEntry
 
-    def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        from ..errors import ParityError, PointUnavailable
+    @property
+    def failures(self) -> tuple[type[BaseException], ...]:
+        from ..errors import ParityError
 
-        try:
-            return session.check(self.entry)
-        except PointUnavailable as exc:
-            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
-        except ParityError as exc:  # a drill that cannot run here: one sentence, no traceback
-            message = f"{self.entry.id}: the drill cannot run: {exc}"
-        pytest.fail(message, pytrace=False)
+        return (ParityError,)  # a drill that cannot run here: one sentence, no traceback
+
+    def cannot_run(self, exc: BaseException) -> str:
+        return f"{self.entry.id}: the drill cannot run: {exc}"
 
 
 class RoutingItem(_CheckItem):
@@ -133,16 +146,14 @@ class RoutingItem(_CheckItem):
 
     entry: RoutingEntry
 
-    def check(self, session: ParitySession) -> tuple[Row, str | None]:
-        from ..errors import BackendFailure, PointUnavailable
+    @property
+    def failures(self) -> tuple[type[BaseException], ...]:
+        from ..errors import BackendFailure
 
-        try:
-            return session.check(self.entry)
-        except PointUnavailable as exc:
-            raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
-        except BackendFailure as exc:
-            message = exc.report()
-        pytest.fail(message, pytrace=False)
+        return (BackendFailure,)  # the backend's error at the block: its message and traceback
+
+    def cannot_run(self, exc: BaseException) -> str:
+        return exc.report()  # type: ignore[attr-defined]
 
 
 class ParityItem(pytest.Item):

@@ -7,6 +7,7 @@ that adds it to the session."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..points import Point
@@ -30,6 +31,34 @@ class Entry(Protocol):
 
     @property
     def group(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class AtPoint:
+    """An entry that belongs to a point (a drilled op, a MoE block's routing item): its layer, xdist
+    group and component are the point's; its id is the point's, `::` and its own `name`."""
+
+    point: Point
+
+    @property
+    def id(self) -> str:
+        return f"{self.point.id}::{self.name}"
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def layer(self) -> int | None:
+        return self.point.layer
+
+    @property
+    def group(self) -> str:
+        return self.point.group
+
+    @property
+    def component(self) -> str:
+        return self.point.component
 
 
 class Checker:

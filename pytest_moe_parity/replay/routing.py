@@ -38,7 +38,7 @@ from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import RoutingRow, Row, unjudged_row
 from ..report.text import fmt
-from .checks import Checker
+from .checks import AtPoint, Checker
 from .runner import ParityRunner
 
 KIND = "routing"
@@ -65,31 +65,15 @@ HINTS = {
 
 
 @dataclass(frozen=True)
-class RoutingEntry:
-    """The routing item of a MoE block: right after it (after its drill items, if any)."""
+class RoutingEntry(AtPoint):
+    """The routing item of a MoE block (`layer_N.moe::routing`): right after it (after its drill items)."""
 
-    point: Point
     kind = KIND
-
-    @property
-    def id(self) -> str:
-        return f"{self.point.id}::{KIND}"
+    name = KIND
 
     @property
     def order(self) -> float:
         return self.point.order + 0.999
-
-    @property
-    def layer(self) -> int | None:
-        return self.point.layer
-
-    @property
-    def group(self) -> str:
-        return self.point.group
-
-    @property
-    def component(self) -> str:
-        return self.point.component
 
 
 def forced(level: str, rule: SelectionRule, golden: tuple, scale: float) -> Any:
