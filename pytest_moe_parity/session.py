@@ -24,6 +24,7 @@ from .host import HeldThreads
 from .judge.tolerances import Override
 from .judge.verdict import PointResult
 from .points import PARTS, Point, describe_layers, point_id
+from .replay.batch import batch_items
 from .replay.checks import Checker, Entry
 from .replay.config import config_items
 from .replay.routing import routing_items
@@ -74,6 +75,7 @@ class RunOptions:
     drill: Sequence[str] = ()  # --parity-drill: point ids or globs to drill into, or "auto"
     repro_dir: Path | None = None  # --parity-repro: where a drill's culprit gets its repro file
     routing: str | None = None  # --parity-routing: the level of the golden's routing to force up to (None: no items)
+    batch: bool = False  # --parity-batch-invariance: each prefill point on the batch and on each row alone
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -85,6 +87,7 @@ class RunOptions:
             "drill": "--parity-drill",
             "repro": "--parity-repro",
             "routing": "--parity-routing",
+            "batch": "--parity-batch-invariance",
         }
     )
 
@@ -171,7 +174,8 @@ class ParitySession:
         routing = routing_items(
             self.golden, self.runner, options.routing, self.hw, flags.get("routing", "--parity-routing")
         )
-        kinds = (self.config_item, self.weights, self.drill, routing)
+        batch = batch_items(self.golden, self.runner, options.batch, flags.get("batch", "--parity-batch-invariance"))
+        kinds = (self.config_item, self.weights, self.drill, batch, routing)
         self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------

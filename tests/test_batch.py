@@ -168,8 +168,8 @@ def test_a_right_padded_batch_is_not_touched_by_positions_counted_from_the_pad(
         ('{"ids": 5}\n', [], '--prompts *, line 1: a JSON line needs a "text" string or an "ids" list of token ids'),
         ("{oops\n", [], "--prompts *, line 1: not valid JSON*"),
         ("hello\n", [], "--prompts: prompt 0 is text and the model has no tokenizer*"),
-        ('{"ids": [5]}\n{"ids": [6, 7]}\n', ["--decode-steps", "2"], "decode steps are recorded for one unpadded *"),
-        ('{"ids": [5, 6]}\n', ["--pad-to", "4", "--decode-at", "5"], "*--prompts gives a padded prompt: *"),
+        ('{"ids": [5]}\n{"ids": [6, 7]}\n', ["--decode-at", "2"], "--decode-at names positions of one unpadded *"),
+        ('{"ids": [5, 6]}\n', ["--pad-to", "4", "--decode-at", "5"], "*--prompts gives a padded prompt (each row *"),
     ],
 )
 def test_bad_prompts_say_so_in_one_line(

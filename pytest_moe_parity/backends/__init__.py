@@ -216,7 +216,7 @@ class Backend(ABC):
         input_ids: torch.Tensor,
         points: list[Point],
         steer: Any = None,
-        decode_tokens: list[int] = (),
+        decode_tokens: list[int] | list[list[int]] = (),
         padding: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """Backends with `chain_kind = "model"`: the candidate's own forward on `input_ids` ([B, T]),
@@ -226,8 +226,9 @@ class Backend(ABC):
         structured as the golden's; a router's output is its routing). Backends that declare
         `steers_chain` call `steer(point, output, outputs_so_far)` as each point returns and go on
         with what it returns (it puts the rows of near-tie tokens back to the golden's). Backends
-        that declare `chains_decode` then run one decode step per token of `decode_tokens` with
-        their own KV cache, masks and positions, capturing the `step_k.*` points among `points`."""
+        that declare `chains_decode` then run one decode step per token of `decode_tokens` (a batch's:
+        a token per row, each row at its own position: `model.calls.next_inputs`) with their own KV
+        cache, masks and positions, capturing the `step_k.*` points among `points`."""
         raise BackendError(f"the {self.name} backend has no whole-model run")
 
     def module(self, path: str) -> nn.Module:

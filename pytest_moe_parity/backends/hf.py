@@ -16,7 +16,7 @@ from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..host import HeldThreads
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
-from ..model.calls import cache_kwarg, cache_state, with_cache_kwarg, with_live_caches
+from ..model.calls import cache_kwarg, cache_state, next_inputs, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
@@ -148,7 +148,7 @@ class TorchBackend(Backend):
         input_ids: torch.Tensor,
         points: list[Point],
         steer: Any = None,
-        decode_tokens: list[int] = (),
+        decode_tokens: list[int] | list[list[int]] = (),
         padding: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """The candidate's own forward, its layers loaded as they run (a few in memory at once), on a
@@ -174,8 +174,9 @@ class TorchBackend(Backend):
             outputs.update(capture.outputs)
             for step, token in enumerate(decode_tokens, 1):
                 with OutputCapture(model, [p for p in points if p.step == step], steer) as capture:
-                    ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-                    model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+                    chosen = torch.tensor(token if isinstance(token, list) else [token], device=self.device)
+                    feed = next_inputs(chosen, padded or None)  # a padded batch: each row at its own position
+                    model(**feed, use_cache=True, **{cache_kwarg(model): cache})
                 outputs.update(capture.outputs)
         return outputs
 

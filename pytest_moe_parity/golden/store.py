@@ -210,8 +210,8 @@ class GoldenStore:
         return int(self.manifest.get("decode", {}).get("steps", 0))
 
     @property
-    def decode_tokens(self) -> list[int]:
-        """The token fed at each decode step (the reference's greedy choice)."""
+    def decode_tokens(self) -> list[int] | list[list[int]]:
+        """The token fed at each decode step (the reference's greedy choice); a batch's, a token per row."""
         return list(self.manifest.get("decode", {}).get("tokens", []))
 
     @property
@@ -244,10 +244,13 @@ class GoldenStore:
 
     def padding(self, point: Point | str) -> tuple[list[int], int] | None:
         """The padding tokens of a point's tensors (as token indices over the batch's rows, row-major)
-        and how many tokens they have: (padding, tokens); None where the point has no padding (a
-        decode step feeds one real token per row)."""
-        if not self.padded or self.point(point).step is not None:
+        and how many tokens they have: (padding, tokens); None where the point has no padding. A decode
+        step feeds a token per row: its padding is the rows of padding only."""
+        if not self.padded:
             return None
+        if self.point(point).step is not None:  # a token per row: the rows of padding only (--batch-size)
+            empty = [i for i, row in enumerate(self.manifest["inputs"]["attention_mask"]) if not any(row)]
+            return (empty, self.sequences) if empty else None
         if self._padding is None:  # the same for every prefill point: worked out once
             kept = self.captured_tokens  # (over the positions a --capture-tokens golden keeps)
             rows = self.manifest["inputs"]["attention_mask"]

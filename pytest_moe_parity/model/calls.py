@@ -164,3 +164,18 @@ def with_live_caches(args: list[Any], kwargs: dict[str, Any], config: Any) -> tu
         return x
 
     return [live(a) for a in args], {k: live(v) for k, v in kwargs.items()}, pairs
+
+
+def next_inputs(tokens: torch.Tensor, padding: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The inputs of the decode step that feeds `tokens` ([B], a token per row), and, for a padded
+    batch, its attention mask grown by the new position and each row's own position (how many real
+    tokens it holds so far): `padding` (`attention_mask`, `position_ids` [B, T]) is updated in place to
+    the step's. What generate() feeds; the recorder and the candidate's own decode feed the same."""
+    feed = {"input_ids": tokens.reshape(-1, 1).to(torch.long)}
+    if padding is not None and "attention_mask" in padding:
+        mask = padding["attention_mask"]
+        positions = mask.sum(-1, keepdim=True) - 1 + 1  # the real tokens so far: the new token's position
+        padding["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        padding["position_ids"] = positions.to(torch.long)
+        feed.update(attention_mask=padding["attention_mask"], position_ids=padding["position_ids"])
+    return feed

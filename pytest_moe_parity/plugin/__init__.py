@@ -79,6 +79,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "after each MoE block, an item (POINT::routing) that replays it with the golden's expert ids (ids), then "
      "also its weights (ids+weights): it fails where the routing alone changes the block and names the level "
      "that recovers it (--hw cpu or cuda)"),
+    ("--parity-batch-invariance", "parity_batch", {"action": "store_true", "default": False},
+     "with a batch golden (--prompts): after each prefill point, an item (POINT::batch) that runs it on each row "
+     "alone too and fails where a row's output in the batch differs from its own alone, naming the rows"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -161,6 +164,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 if config.getoption("parity_repro")
                 else None,
                 routing=config.getoption("parity_routing"),
+                batch=config.getoption("parity_batch"),
                 **_xdist_role(config),
             )
         )
@@ -189,6 +193,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
     config.addinivalue_line("markers", "drill: moe-parity items of a drill (POINT::OP, --parity-drill)")
     config.addinivalue_line("markers", "routing: moe-parity items of a MoE block's forced routing (--parity-routing)")
+    config.addinivalue_line(
+        "markers", "batch: moe-parity items of a point run on each row alone (--parity-batch-invariance)"
+    )
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")

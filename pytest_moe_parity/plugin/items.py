@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..drill.items import DrillEntry
     from ..judge.verdict import PointResult
     from ..points import Point
+    from ..replay.batch import BatchEntry
     from ..replay.config import ConfigEntry
     from ..replay.routing import RoutingEntry
     from ..replay.runner import Prepared
@@ -59,11 +60,14 @@ class ParityCollector(pytest.Collector):
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
         # an item class per kind
-        kinds = {"config": ConfigItem, "weights": WeightItem, "drill": DrillItem, "routing": RoutingItem}
+        kinds = {
+            "config": ConfigItem, "weights": WeightItem, "drill": DrillItem, "routing": DifferentialItem,
+            "batch": DifferentialItem,
+        }  # fmt: skip
         for entry in session.schedule():
             if not isinstance(entry, Point):
                 item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
-                if entry.kind in ("drill", "routing"):
+                if entry.kind in ("drill", "routing", "batch"):
                     item.add_marker(getattr(pytest.mark, entry.kind))
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
@@ -140,11 +144,12 @@ class DrillItem(_CheckItem):
         return f"{self.entry.id}: the drill cannot run: {exc}"
 
 
-class RoutingItem(_CheckItem):
-    """A MoE block replayed with the golden's routing, level by level (`POINT::routing`): failed where
-    the routing alone changes the block, with the level that recovers it."""
+class DifferentialItem(_CheckItem):
+    """A point run again under a condition: a MoE block with the golden's routing, level by level
+    (`POINT::routing`), a point on each row of the batch alone (`POINT::batch`); failed where the
+    condition alone changes the candidate."""
 
-    entry: RoutingEntry
+    entry: RoutingEntry | BatchEntry
 
     @property
     def failures(self) -> tuple[type[BaseException], ...]:

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import BadInput
 from ..golden import Recorded
-from ..model.calls import cache_kwarg
+from ..model.calls import cache_kwarg, next_inputs
 from ..points import Point, describe_steps
 from .capture import GoldenRecorder
 
@@ -97,7 +97,7 @@ def decode_cache(model: Any) -> Any:
 def record_decode(
     model: Any,
     points: list[Point],
-    ids: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
     plan: DecodePlan,
     on_group: Callable[[str, list[Recorded]], None],
     say: Callable[[str], None],
@@ -108,17 +108,21 @@ def record_decode(
     points recorded as `step_k.*`, the cache each module reads stored as its layer's tensors (the steps
     between are run for their cache only). Each recorded step's line says what it wrote and took, the
     first also what all the steps will (at least: each step stores the cache, which grows). Returns the
-    manifest's "decode" entry: the steps run, the token fed at each, and those recorded."""
+    manifest's "decode" entry: the steps run, the token fed at each (a batch's: a token per row), and
+    those recorded. A padded batch decodes each row at its own position (`next_inputs`)."""
     started, before = time.perf_counter(), written()
     cache = decode_cache(model)
-    out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    out = model(**inputs, use_cache=True, **{cache_kwarg(model): cache})
+    padding = {k: v for k, v in inputs.items() if k in ("attention_mask", "position_ids")} or None
+    rows = inputs["input_ids"].shape[0]
     order = max(p.order for p in points) + 1
-    tokens: list[int] = []
+    tokens: list[Any] = []
     wanted = set(plan.recorded)
     for step in range(1, plan.run + 1):
-        token = int(out.logits[0, -1].float().argmax())
+        chosen = out.logits[:, -1].float().argmax(-1)
+        token = chosen.tolist() if rows > 1 else int(chosen[0])
         tokens.append(token)
-        feed = {"input_ids": torch.tensor([[token]], dtype=torch.long, device=ids.device), "use_cache": True}
+        feed = {**next_inputs(chosen, padding), "use_cache": True}
         if step not in wanted:  # run for the cache the recorded steps read
             out = model(**feed, **{cache_kwarg(model): cache})
             continue
@@ -134,8 +138,9 @@ def record_decode(
         if step == plan.recorded[0] and n > 1:  # each step stores the cache, which grows: at least this
             ahead = f"; all {n}: at least {size * n:.1f} MB, {seconds * n:.0f} s"
         recorded = len(step_points) - len(missing)
+        said = f"tokens {', '.join(map(str, token))}" if isinstance(token, list) else f"token {token}"
         say(
-            f"  step_{step} (pos {plan.position(step)}): token {token}, {recorded} points "
+            f"  step_{step} (pos {plan.position(step)}): {said}, {recorded} points "
             f"[{size:.2f} MB, {seconds:.1f}s so far{ahead}]"
         )
     entry: dict[str, Any] = {"steps": plan.run, "tokens": tokens, "cache": type(cache).__name__}

@@ -488,11 +488,11 @@ class GoldenRequest:
             batch_size=self.batch_size,
             seq_len=self.seq_len,
         )
-        if (batch.rows > 1 or batch.padded) and (self.decode_steps or positions):
+        if (batch.rows > 1 or batch.padded) and positions:
             shape = f"a batch of {batch.rows} rows" if batch.rows > 1 else "a padded prompt"
             raise BadInput(
-                f"decode steps are recorded for one unpadded prompt, and --prompts gives {shape}: record the "
-                "batch's prefill without --decode-steps/--decode-at, or one prompt with them"
+                f"--decode-at names positions of one unpadded prompt, and --prompts gives {shape} (each row decodes "
+                "at its own position): record the batch with --decode-steps N, or one prompt with --decode-at"
             )
         return self._checked(torch_dtype, config, batch.input_ids[0], positions, batch)
 
@@ -787,8 +787,7 @@ class _GoldenRun:
             if not decode.run:
                 return skipped, None
             written = lambda: self.writer.bytes_written  # noqa: E731
-            ids = inputs["input_ids"]
-            return skipped, record_decode(model, points, ids, decode, self._on_group, self.say, written)
+            return skipped, record_decode(model, points, inputs, decode, self._on_group, self.say, written)
 
     def _attention(self, model: Any, shape: torch.Size) -> contextlib.AbstractContextManager:
         """Eager attention whole, or a block of query rows at a time where a prompt's score arrays

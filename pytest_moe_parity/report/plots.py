@@ -20,7 +20,7 @@ from typing import Any
 
 from ..judge.tolerances import TOKEN_LIMIT
 from ..points import COMPONENTS, OUTPUT
-from .rows import PointRow, Row, number
+from .rows import DIFFERENTIALS, PointRow, Row, number
 from .summary import figure
 
 HEATMAP = "heatmap.png"
@@ -64,8 +64,8 @@ def render_plots(rows: list[Row], directory: Path) -> list[Path]:
     """Draw every picture of a run's rows into `directory`; returns the paths written. Raises
     PlotsUnavailable without matplotlib. Old pictures of failed points that no longer fail are removed,
     so the directory shows one run."""
-    # a routing item is its MoE block replayed again, a drill's op a step inside a point: not the pictures' points
-    rows = [r for r in rows if r.kind not in ("op", "routing")]
+    # a differential's item runs its point again, a drill's op is a step inside one: not the pictures' points
+    rows = [r for r in rows if r.kind != "op" and r.kind not in DIFFERENTIALS]
     new = _canvas()
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(f"{TOKENS_PREFIX}*.png"):

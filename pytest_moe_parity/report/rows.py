@@ -9,7 +9,9 @@
 - an op of a drilled component (:class:`DrillRow`, :func:`drill_row`): ``POINT::OP``, with its figures
   in ``op``, and the drill's summary ``POINT::drill``;
 - a MoE block replayed with the golden's routing (:class:`RoutingRow`): ``POINT::routing``, with each
-  level's figures (``--parity-routing``).
+  level's figures (``--parity-routing``);
+- a point run on the batch and on each row alone (:class:`BatchInvarianceRow`): ``POINT::batch``, with
+  each row's figures (``--parity-batch-invariance``).
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
@@ -32,6 +34,7 @@ from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import CONFIG, WEIGHTS, Point
 
 __all__ = [
+    "BatchInvarianceRow",
     "ConfigRow",
     "DrillRow",
     "PointRow",
@@ -47,7 +50,10 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "config", "op", "routing"]
+Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch"]
+# the kinds that run a point again under a condition (a differential): rows of their own, not the
+# pictures' points
+DIFFERENTIALS = ("routing", "batch")
 JsonDict = dict[str, Any]
 
 
@@ -131,6 +137,8 @@ class Row:
         cls: type[Row] = (
             RoutingRow
             if "levels" in data
+            else BatchInvarianceRow
+            if "batch_rows" in data
             else PointRow
             if "verdicts" in data or judged
             else DrillRow
@@ -327,6 +335,38 @@ class RoutingRow(Row):
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
             "recovered": self.recovered, "routing": self.routing.to_dict() if self.routing is not None else None,
             "notes": self.notes, "hint": self.hint, **self._message_json(),
+        }  # fmt: skip
+
+
+@dataclass
+class BatchInvarianceRow(Row):
+    """A point run on the golden's batch and on each row alone (``POINT::batch``,
+    ``--parity-batch-invariance``): `batch_rows`, each row's figures in the batch against its own run
+    alone (and its run alone against the golden's row); `changed_rows`, the rows batching alone
+    changes; `condition`, "padding" (only padded rows change) or "neighbours"."""
+
+    kind: ClassVar[Kind] = "batch"
+
+    batch_rows: list[JsonDict] = field(default_factory=list)
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # each row's, in the batch vs alone
+    changed_rows: list[int] = field(default_factory=list)
+    condition: str | None = None
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        """The row that differs most between the batch and alone."""
+        rows = [m for m in self.metrics.values() if m is not None]
+        return max(rows, key=lambda m: number(m.rel_l2) or 0.0) if rows else None
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def to_json(self) -> JsonDict:
+        return {
+            **super().to_json(), "mode": self.mode, "batch_rows": self.batch_rows,
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
+            "changed_rows": self.changed_rows, "condition": self.condition, "notes": self.notes, "hint": self.hint,
+            **self._message_json(),
         }  # fmt: skip
 
 

@@ -1,0 +1,250 @@
+"""`--parity-batch-invariance`: whether a row's output depends on its neighbours or on its padding.
+After each prefill point of a batch golden (`moe-parity golden --prompts`), an item
+`POINT::batch` runs the point on the candidate twice over: on the golden's batch (the rows padded
+together, as the point's own item runs it) and on each row alone, its real tokens only (the golden's
+call cut to that row: its hidden states, its mask over its own tokens, its positions, its rotary
+tables). A batch-invariant candidate gives each row the same output both ways, up to its dtype's
+rounding; the item fails where a row's output in the batch leaves the limits of the point's
+tolerance around its own output alone (read as the golden is: the same checks, routing flips within
+the dtype's rounding forgiven), and names the rows. Each row's output alone is also judged against
+the golden's row: a row wrong alone is the point's own fault, a row right alone and wrong in the
+batch is the batch's.
+
+Where the rows that fail are exactly the padded ones, the padding is the condition (a mask that lets
+real tokens see padding, positions or offsets that ignore it); where an unpadded row fails too, its
+neighbours are (a kernel that is not batch invariant, capacity shared across rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..errors import BackendFailure, SetupError
+from ..golden import GoldenStore
+from ..judge.routing import router_triple
+from ..judge.verdict import Case, PointResult, judge_point
+from ..points import EXPERTS, ROUTER, Point
+from ..report.rows import BatchInvarianceRow, Row, unjudged_row
+from ..report.text import fmt
+from ..tree import map_structure
+from .checks import AtPoint, Checker
+from .runner import ParityRunner
+
+KIND = "batch"
+
+HINTS = {
+    "padding": (
+        "only the padded rows change in the batch: the candidate lets padding reach real tokens (a mask that "
+        "lets them attend to padding, positions or cache offsets that ignore it, padding routed to experts)"
+    ),
+    "neighbours": (
+        "a row without padding changes in the batch: the candidate's output depends on its neighbours (a kernel "
+        "that is not batch invariant, expert capacity shared across rows, a reduction over the batch)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class BatchEntry(AtPoint):
+    """The batch-invariance item of a prefill point (`layer_N.attention::batch`): right after it."""
+
+    kind = KIND
+    name = KIND
+
+    @property
+    def order(self) -> float:
+        return self.point.order + 0.998
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The golden's batch: its rows, their tokens per row, and each row's real token positions."""
+
+    count: int
+    tokens: int
+    real: tuple[tuple[int, ...], ...]
+    side: str | None
+
+    @classmethod
+    def of(cls, golden: GoldenStore) -> Rows:
+        inputs = golden.manifest["inputs"]
+        ids = inputs["input_ids"]
+        rows = ids if ids and isinstance(ids[0], list) else [ids]
+        masks = inputs.get("attention_mask") or [[1] * len(r) for r in rows]
+        real = tuple(tuple(i for i, m in enumerate(mask) if m) for mask in masks)
+        return cls(len(rows), len(rows[0]), real, inputs.get("padding_side"))
+
+    def padding(self, row: int) -> int:
+        return self.tokens - len(self.real[row])
+
+    def cut(self, obj: Any, row: int) -> Any:
+        """`obj` (a call's args, kwargs or output) as row `row` alone has it: every tensor laid out over
+        the batch's rows and tokens cut to that row's real tokens, the row dimension kept where it is
+        its own ([B, S, ...] -> [1, T, ...]; a mask [B, 1, S, S] -> [1, 1, T, T]; the tokens of every
+        row flattened [B * S, ...] -> [T, ...]; cache positions [S] -> [T])."""
+        index = torch.tensor(self.real[row], dtype=torch.long)
+        rows, tokens = self.count, self.tokens
+
+        def take(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            shape = t.shape
+            at = index.to(t.device)
+            if t.dim() == 4 and shape[0] == rows and shape[2] == tokens and shape[3] == tokens:  # a mask
+                return t[row : row + 1].index_select(2, at).index_select(3, at)
+            if t.dim() >= 2 and shape[0] == rows and shape[1] == tokens:
+                return t[row : row + 1].index_select(1, at)
+            if shape[0] == rows * tokens:
+                return t.reshape(rows, tokens, *shape[1:])[row].index_select(0, at)
+            if t.dim() == 1 and shape[0] == tokens and not t.is_floating_point():  # cache positions
+                return torch.arange(len(self.real[row]), dtype=t.dtype, device=t.device)
+            if t.dim() >= 2 and shape[0] == 1 and shape[1] == tokens:  # shared by every row
+                return t.index_select(1, at)
+            return t
+
+        return map_structure(obj, take)
+
+
+def _cut_routing(rows: Rows, routing: Any, row: int) -> Any:
+    return tuple(rows.cut(list(routing), row)) if routing is not None else None
+
+
+class BatchItems(Checker):
+    """The batch-invariance items of a run over a batch golden."""
+
+    kind = KIND
+
+    def __init__(self, golden: GoldenStore, runner: ParityRunner):
+        self.golden, self.runner = golden, runner
+        self.rows = Rows.of(golden)
+
+    def after(self, point: Point, selected: bool) -> Iterator[BatchEntry]:
+        if selected and point.step is None:
+            yield BatchEntry(point)
+
+    def unjudged_row(self, entry: BatchEntry, status: str, message: str) -> Row:
+        return unjudged_row(self._row(entry, "passed", []), status, message)
+
+    def check(self, entry: BatchEntry, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
+        point, runner = entry.point, self.runner
+        record = self.golden.load(point)  # whole masks: they are cut to a row
+        batch = runner.call(point, record)
+        router = self.golden.router_of(point)
+        bias = runner.router_record(router).extras.get("score_bias") if router is not None else record.extras.get(
+            "score_bias"
+        )  # fmt: skip
+        tol, _ = runner.tolerance(point)
+        results = []
+        for row in range(self.rows.count):
+            alone_record = replace(
+                record, args=self.rows.cut(record.args, row), kwargs=self.rows.cut(record.kwargs, row)
+            )
+            try:
+                alone = runner.call(point, alone_record)
+            except BackendFailure as exc:
+                raise BackendFailure(entry.id, exc.original) from exc
+            in_batch = self.rows.cut(batch.output, row)
+            routing = (router, _cut_routing(self.rows, batch.routing, row), alone.routing)
+            against_alone = self._judge(point, alone.output, in_batch, tol, routing, bias)
+            golden_row = self.rows.cut(record.output, row)
+            alone_vs_golden = self._judge(point, golden_row, alone.output, tol, (router, None, None), bias)
+            results.append((row, against_alone, alone_vs_golden))
+        return self._verdict(entry, results)
+
+    def _judge(self, point: Point, reference: Any, candidate: Any, tol: Any, routing: tuple, bias: Any) -> PointResult:
+        """`candidate` judged against `reference` (a row's output alone, or the golden's row) by the point's
+        tolerance; a routed block's tokens routed otherwise in the two runs (within rounding) left out."""
+        router, routed, own = routing
+        follows = point.follows_router and point.component != EXPERTS
+        golden_router = own if follows and own is not None and router_triple(own) else None
+        case = Case(
+            point, detached(reference), detached(candidate), tol, self.runner.dtype, config=self.golden.config,
+            router=router, golden_router=golden_router, candidate_router=routed if golden_router is not None else None,
+            score_bias=bias if point.component == ROUTER or golden_router is not None else None,
+        )  # fmt: skip
+        try:
+            return judge_point(case)
+        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
+            raise BackendFailure(point.id, exc) from exc
+
+    def _row(self, entry: BatchEntry, status: str, results: list, **more: Any) -> BatchInvarianceRow:
+        point = entry.point
+        figures, metrics = [], {}
+        for row, against_alone, alone_vs_golden in results:
+            main, golden_main = against_alone.main, alone_vs_golden.main
+            if main is not None:
+                metrics[f"row_{row}"] = main
+            figures.append({
+                "row": row, "tokens": len(self.rows.real[row]), "padding": self.rows.padding(row),
+                "status": against_alone.status, "rel_l2": main.rel_l2 if main else None,
+                "cosine": main.cosine if main else None,
+                "max_token_rel_l2": main.max_token_rel_l2 if main else None,
+                "failed": [f"{c.target}.{c.name}" for c in against_alone.checks if not c.passed],
+                "alone_vs_golden": golden_main.rel_l2 if golden_main else None,
+                "alone_status": alone_vs_golden.status,
+            })  # fmt: skip
+        return BatchInvarianceRow(
+            id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
+            status=status, batch_rows=figures, metrics=metrics, **more,
+        )  # fmt: skip
+
+    def _verdict(self, entry: BatchEntry, results: list) -> tuple[Row, str | None]:
+        changed = [row for row, against_alone, _ in results if not against_alone.passed]
+        padded = [row for row in range(self.rows.count) if self.rows.padding(row)]
+        if not changed:
+            note = f"each of the {self.rows.count} rows gives the same output in the batch as alone, within its limits"
+            return self._row(entry, "passed", results, notes=[note]), None
+        condition = "padding" if set(changed) <= set(padded) else "neighbours"
+        said = ", ".join(map(str, changed))
+        note = (
+            f"batching alone changes row{'s' if len(changed) > 1 else ''} {said} of {self.rows.count}: "
+            f"{'its' if len(changed) == 1 else 'their'} output in the batch differs from "
+            f"{'its' if len(changed) == 1 else 'their'} own run alone"
+        )
+        row = self._row(entry, "failed", results, notes=[note], hint=HINTS[condition], changed_rows=changed,
+                        condition=condition)  # fmt: skip
+        return row, "\n".join([f"{entry.id}: {note}", *_rows_table(row, self.rows.side), f"  hint: {row.hint}"])
+
+
+def detached(obj: Any) -> Any:
+    return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
+
+
+def _rows_table(row: BatchInvarianceRow, side: str | None) -> list[str]:
+    """Each row's figures, a line each, its verdict last (FAIL marked as the point tables are)."""
+    lines = [
+        f"  {'row':<4} {'tokens':>6} {'padding':>8} {'rel_l2 vs alone':>16} {'cosine':>10} {'worst token':>12} "
+        f"{'alone vs golden':>16}  verdict"
+    ]
+    for r in row.batch_rows:
+        padding = f"{r['padding']} {side or ''}".strip() if r["padding"] else "0"
+        lines.append(
+            f"  {r['row']:<4} {r['tokens']:>6} {padding:>8} {fmt(r['rel_l2']):>16} {fmt(r['cosine'], 6):>10} "
+            f"{fmt(r['max_token_rel_l2']):>12} {fmt(r['alone_vs_golden']):>16}  "
+            f"{'FAIL' if r['status'] == 'failed' else 'pass'}"
+        )
+    return lines
+
+
+def batch_items(golden: GoldenStore, runner: ParityRunner, asked: bool, flag: str) -> BatchItems | None:
+    """The run's batch-invariance items (`--parity-batch-invariance`), or None where not asked; SetupError
+    where the golden is not a batch."""
+    if not asked:
+        return None
+    rows = Rows.of(golden)
+    if rows.count < 2:
+        raise SetupError(
+            f"{flag}: this golden holds one row; record a batch (moe-parity golden --prompts FILE with two or more "
+            "prompts, --padding-side left|right, --pad-to N or --batch-size B)"
+        )
+    if golden.captured_tokens is not None:
+        raise SetupError(f"{flag}: this golden keeps some tokens' outputs only (--capture-tokens): record it without")
+    if runner.backend.chain_kind == "recorded":
+        raise SetupError(
+            f"{flag}: a dump holds the candidate's run of the batch only; its rows' runs alone are not in it "
+            "(judge two dumps, the batch's and a row's, with moe-parity compare)"
+        )
+    return BatchItems(golden, runner)
