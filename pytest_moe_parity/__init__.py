@@ -2,7 +2,7 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-points, dtypes, errors, tree, compat, files, host <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan, routes <- plugin, cli
+points, dtypes, errors, tree, compat, files, host <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan, routes <- sweep <- plugin, cli
 
 - points, dtypes, errors, tree: point ids and forward order, dtype names, the error classes, nested
   call structures (no torch needed at import); compat: transformers 4.57 and 5 reading one config;
@@ -21,7 +21,8 @@ points, dtypes, errors, tree, compat, files, host <- golden, judge, model <- rep
   introduced the divergence, golden substitution, repro files, the drill's items
 - session: a whole parity run without pytest, composing the item checkers; scan: prompts ranked by
   how far a candidate's next tokens leave the reference's (`moe-parity scan`); routes: an engine's
-  routed-experts trace against the golden's routing (`moe-parity routes`)
+  routed-experts trace against the golden's routing (`moe-parity routes`); sweep: a candidate over a
+  length sweep's goldens, accumulation or a defect (`moe-parity sweep`)
 - plugin: the pytest glue; cli: the `moe-parity` command
 """
 

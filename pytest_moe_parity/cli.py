@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         _show_arguments,
         _drill_ops_arguments,
         _routes_arguments,
+        _sweep_arguments,
         _report_arguments,
         _diff_arguments,
         _audit_arguments,
@@ -166,6 +167,13 @@ def _golden_arguments(sub: Any) -> None:
         default=None,
         help="tokens of deterministic input ids when neither --prompt nor --input-ids is given (default: 16)",
     )
+    golden.add_argument(
+        "--sweep-lengths",
+        default=None,
+        metavar="N,N,...",
+        help="a length sweep: one golden per length under OUT/len_N, the same prompt family (each a prefix of the "
+        "longest; a short --prompt or --input-ids repeated), for `moe-parity sweep OUT`",
+    )
     _golden_run_arguments(golden)
 
 
@@ -258,7 +266,10 @@ def cmd_golden(args: argparse.Namespace) -> int:
         noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
         # the request's options are the command line's, by the same names
         named = {f.name: getattr(args, f.name) for f in fields(GoldenRequest) if f.name not in ("model_dir", "out")}
-        request = GoldenRequest(args.model, args.out, **{**named, "decode_steps": args.decode_steps or 0})
+        named["decode_steps"] = args.decode_steps or 0
+        if args.sweep_lengths is not None:
+            return _golden_sweep(args, named, noise_dtype, say)
+        request = GoldenRequest(args.model, args.out, **named)
         result = request.record(progress=say)
         seconds = result.seconds
         if noise_dtype is not None:
@@ -276,6 +287,88 @@ def cmd_golden(args: argparse.Namespace) -> int:
         f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
     )
     return EXIT_OK
+
+
+def _golden_sweep(args: argparse.Namespace, named: dict[str, Any], noise_dtype: Any, say: Any) -> int:
+    """`moe-parity golden --sweep-lengths`: one golden per length, the sweep's manifest written last (a
+    sweep cut short reads as none). Every length is checked against the model's context first."""
+    import shutil
+
+    from .record.run import GoldenRequest
+    from .replay.noise import record_noise
+    from .sweep import DIR, SweepError, family, parse_lengths, write_manifest
+
+    try:
+        lengths = parse_lengths(args.sweep_lengths)
+    except SweepError as exc:
+        return _fail(str(exc))
+    for flag, value in (("--prompts", args.prompts), ("--decode-at", args.decode_at),
+                        ("--capture-tokens", args.capture_tokens), ("--seq-len", args.seq_len)):  # fmt: skip
+        if value is not None:
+            return _fail(f"--sweep-lengths sets each golden's length from one prompt family; drop {flag}")
+    out = args.out
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        return _fail(f"{out} exists and is not empty; choose another --out (or --overwrite)")
+    longest = GoldenRequest(args.model, out / "check", **{**named, "seq_len": max(lengths)}).check()  # the context
+    ids = family(longest.ids, lengths)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    seconds = 0.0
+    for length in lengths:
+        say(f"length {length}:")
+        options = {**named, "prompt": None, "input_ids": ids[length], "seq_len": None}
+        result = GoldenRequest(args.model, out / DIR.format(length=length), **options).record(progress=say)
+        seconds += result.seconds
+        if noise_dtype is not None:
+            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
+            seconds += record_noise(
+                result.out, noise_dtype, model_dir=args.model, device=device,
+                trust_remote_code=args.trust_remote_code, progress=say,
+            )["recorded"]["seconds"]  # fmt: skip
+    write_manifest(out, lengths)
+    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
+    print(f"length sweep written: {len(lengths)} goldens ({', '.join(map(str, lengths))} tokens){noise}, "
+          f"{seconds:.1f} s -> {out}")  # fmt: skip
+    return EXIT_OK
+
+
+def _sweep_arguments(sub: Any) -> None:
+    sweep = sub.add_parser(
+        "sweep",
+        help="a candidate over every length of a sweep (moe-parity golden --sweep-lengths): each layer's error "
+        "curve over length beside the reference's own, and whether it is accumulation or a defect (exit 1)",
+    )
+    sweep.add_argument("sweep", type=Path, help="the sweep's directory")
+    sweep.add_argument("--hw", default="cpu", help="the candidate's backend (default: cpu)")
+    sweep.add_argument("--model", type=Path, default=None, help="the candidate (default: the goldens' model)")
+    sweep.add_argument("--dtype", default=None, help="the candidate's dtype, e.g. bfloat16")
+    sweep.add_argument("--hw-option", action="append", default=[], metavar="KEY=VALUE", help="a backend setting")
+    sweep.add_argument("--mode", choices=("isolated", "chain"), default=None, help="each point's inputs")
+    sweep.add_argument("--json", type=Path, metavar="FILE", help="also write the grid and the verdict as JSON")
+    sweep.add_argument("--plot", type=Path, metavar="PNG", help="the curves' picture (default: SWEEP/sweep.png)")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .errors import GoldenError
+    from .session import SetupError
+    from .sweep import Sweep, SweepError, draw_sweep, run_sweep, sweep_lines
+
+    _quiet_transformers()
+    try:
+        sweep = Sweep.read(args.sweep)
+        result = run_sweep(
+            sweep, hw=args.hw, model=args.model, dtype=args.dtype, hw_options=args.hw_option, mode=args.mode
+        )
+    except (SweepError, SetupError, GoldenError) as exc:
+        return _fail(str(exc))
+    picture = draw_sweep(result, args.plot or sweep.root / "sweep.png")
+    for line in sweep_lines(result, str(picture) if picture else None):
+        print(line)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    return EXIT_FAILED if result.defect is not None else EXIT_OK
 
 
 def _cuda() -> bool:
@@ -885,11 +978,12 @@ COMMANDS = {
     "estimate": cmd_estimate,
     "scan": cmd_scan,
     "routes": cmd_routes,
+    "sweep": cmd_sweep,
 }
 
 
 # Commands that run transformers' own modules of the golden's architecture (its transformers 5 layout)
-NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops", "scan"}
+NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops", "scan", "sweep"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ LAYERS = [
     {"replay"},
     {"drill"},
     {"session", "scan", "routes"},
+    {"sweep"},
     {"plugin", "cli"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -42,6 +43,7 @@ ORDER = [
     "session",
     "scan",
     "routes",
+    "sweep",
     "plugin",
     "cli",
 ]  # how the docstring lists them

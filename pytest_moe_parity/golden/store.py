@@ -118,6 +118,12 @@ class GoldenStore:
         if not root.is_dir():
             raise GoldenError(f"golden directory {root} does not exist")
         path = root / MANIFEST
+        if not path.is_file() and (root / "sweep.json").is_file():  # `moe-parity golden --sweep-lengths`
+            lengths = sorted(d.name for d in root.glob("len_*") if d.is_dir())
+            raise GoldenError(
+                f"{root} is a length sweep, a golden per length ({', '.join(lengths)}): run `moe-parity sweep {root}`, "
+                f"or name one length's golden ({root / (lengths[0] if lengths else 'len_N')})"
+            )
         if not path.is_file():
             raise GoldenError(
                 f"{path} is missing: {root} is not a golden directory, or its recording did not finish; "
