@@ -183,3 +183,66 @@ def test_a_row_is_cut_from_the_batch_call(batch) -> None:
     router = store.load(next(p for p in store.points if p.component == "router"))
     assert rows.cut(router.args, 2)[0].shape == (6, 64)  # flattened tokens: the row's real ones
     torch.testing.assert_close(rows.cut(router.args, 2)[0], router.args[0].reshape(3, 8, 64)[2, 2:])
+
+
+# -- a port's own runs, dumped: the batch's and each row's alone ---------------------------------------
+
+DUMPED = {
+    "rotary": "model.rotary_emb",
+    "layer_{layer}.attention": "model.layers.{layer}.self_attn",
+    "layer_{layer}.router": "model.layers.{layer}.mlp.gate",
+    "layer_{layer}.moe": "model.layers.{layer}.mlp",
+    "layer_{layer}.output": "model.layers.{layer}",
+    "logits": "lm_head",
+}
+
+
+def _port_dumps(model_dir: Path, golden: Path, out: Path, *, positions: bool) -> tuple[Path, Path]:
+    """The port's bf16 run of the golden's batch (with the batch's position ids, or without: then it
+    counts positions from the first column, padding included), and of each row alone, dumped."""
+    from transformers import AutoModelForCausalLM
+
+    from pytest_moe_parity.dump import record
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    inputs = GoldenStore(golden).manifest["inputs"]
+    names = ("input_ids", "attention_mask", "position_ids") if positions else ("input_ids", "attention_mask")
+    with torch.no_grad(), record(model, out / "batch", DUMPED):
+        model(**{k: torch.tensor(inputs[k]) for k in names})
+    for row, ids in enumerate(PROMPTS):
+        with torch.no_grad(), record(model, out / "rows" / f"row_{row}", DUMPED):
+            model(input_ids=torch.tensor([ids]))
+    return out / "batch", out / "rows"
+
+
+@pytest.mark.parametrize("positions", [True, False], ids=["own positions right", "positions ignore padding"])
+def test_a_port_s_own_batch_and_rows_dumped(
+    pytester: pytest.Pytester, batch, tiny_model, tmp_path: Path, positions: bool
+) -> None:
+    golden = batch("qwen3_moe", "left")
+    dumped, rows = _port_dumps(tiny_model("qwen3_moe", LAYERS), golden, tmp_path, positions=positions)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, "--hw", "dump", "--model", str(dumped), "--hw-option", f"rows={rows}",
+        "--parity-batch-invariance", "-k", "batch", "--parity-report", str(report),
+    )  # fmt: skip
+    if positions:
+        result.stdout.fnmatch_lines(["rotary::batch *passed*every row as alone*", "first divergence: none"])
+        assert result.ret == 0
+        return
+    result.stdout.fnmatch_lines(["rotary::batch: batching alone changes rows 1, 2 of 3*", "  hint: only the padded*"])
+    assert read_json(report / "comparison_summary.json")["first_divergence"] == "rotary::batch"
+
+
+def test_a_dump_needs_its_rows_own_dumps(pytester: pytest.Pytester, batch, tiny_model, tmp_path: Path) -> None:
+    golden = batch("qwen3_moe", "left")
+    dumped, _ = _port_dumps(tiny_model("qwen3_moe", LAYERS), golden, tmp_path, positions=True)
+    usage_error(
+        run_parity(pytester, golden, "--hw", "dump", "--model", str(dumped), "--parity-batch-invariance"),
+        "--parity-batch-invariance with --hw dump: give the rows' own dumps too",
+    )
+    usage_error(
+        run_parity(pytester, golden, "--hw", "dump", "--model", str(dumped), "--hw-option", f"rows={tmp_path}",
+                   "--parity-batch-invariance"),
+        f"{tmp_path} lacks row_0, row_1, row_2",
+    )  # fmt: skip

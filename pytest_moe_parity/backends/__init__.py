@@ -211,6 +211,12 @@ class Backend(ABC):
         given."""
         raise BackendError(f"the {self.name} backend cannot replace a router's output inside its block")
 
+    def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
+        """`--parity-batch-invariance`: the candidate's output for `point` on row `row` of the golden's
+        batch alone (`golden`: the point's call cut to that row's real tokens). By default `run` on that
+        call; a backend that holds the candidate's runs (a dump) gives the row's own run."""
+        return self.run(point, golden)
+
     def run_model(
         self,
         input_ids: torch.Tensor,

@@ -4,6 +4,7 @@ anything. The dump's layout, its map file and NxDI captures: see `pytest_moe_par
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,14 @@ class DumpBackend(Backend):
     name = "dump"
     needs_checkpoint = False
     chain_kind = "recorded"  # a dump of the candidate's own forward is a chained run already
-    options = (HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),)
+    options = (
+        HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),
+        HwOption(
+            "rows",
+            "with --parity-batch-invariance: a directory of each row's own dump alone (DIR/row_0, DIR/row_1, ...), "
+            "named as the batch's dump is",
+        ),
+    )
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
@@ -41,6 +49,29 @@ class DumpBackend(Backend):
         self._dtype_from = ""
         if setup.dtype is None:
             self.native_dtype, self._dtype_from = self._dumped_dtype()
+        self._rows: dict[int, DumpDir] = {}
+
+    def row_dump(self, row: int) -> DumpDir:
+        """Row `row`'s own dump alone (`rows=DIR`: DIR/row_N), indexed once."""
+        if row not in self._rows:
+            root = self.hw_options["rows"]
+            if not root:
+                raise DumpError("the rows' own dumps are not given: --hw-option rows=DIR (DIR/row_0, DIR/row_1, ...)")
+            self._rows[row] = DumpDir(Path(root).expanduser() / f"row_{row}", self.hw_options["map"],
+                                      self.golden.model_type)  # fmt: skip
+        return self._rows[row]
+
+    def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
+        """The row's own dump of `point` (as the port ran that row alone), as it was dumped."""
+        dump = self.row_dump(row)
+        found = dump.find(point)
+        if found is None:
+            raise PointNotDumped(f"{point.id} is not in row {row}'s dump {dump.root}")
+        name, output, notes = found
+        router = self.golden.router_of(point)
+        routed = dump.find(router) if router is not None else None
+        routing = tuple(routed[1]) if routed is not None and isinstance(routed[1], tuple | list) else None
+        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes})
 
     def _dumped_dtype(self) -> tuple[torch.dtype | None, str]:
         """The candidate's dtype when --dtype is not given: the one every dumped output the golden's

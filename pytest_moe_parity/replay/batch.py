@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,10 +144,11 @@ class BatchItems(Checker):
                 record, args=self.rows.cut(record.args, row), kwargs=self.rows.cut(record.kwargs, row)
             )
             try:
-                alone = runner.call(point, alone_record)
+                alone = runner.call(point, alone_record, row=row)
             except BackendFailure as exc:
                 raise BackendFailure(entry.id, exc.original) from exc
             in_batch = self.rows.cut(batch.output, row)
+            alone = replace(alone, output=_as_shaped(alone.output, in_batch))
             routing = (router, _cut_routing(self.rows, batch.routing, row), alone.routing)
             against_alone = self._judge(point, alone.output, in_batch, tol, routing, bias)
             golden_row = self.rows.cut(record.output, row)
@@ -209,6 +211,17 @@ class BatchItems(Checker):
         return row, "\n".join([f"{entry.id}: {note}", *_rows_table(row, self.rows.side), f"  hint: {row.hint}"])
 
 
+def _as_shaped(output: Any, like: Any) -> Any:
+    """A row's own output laid out as its cut from the batch is, where they hold the same elements (a
+    dump of one row without its row dimension: [T, H] for [1, T, H])."""
+    if isinstance(output, torch.Tensor) and isinstance(like, torch.Tensor):
+        same = output.shape != like.shape and output.numel() == like.numel()
+        return output.reshape(like.shape) if same else output
+    if isinstance(output, tuple | list) and isinstance(like, tuple | list) and len(output) == len(like):
+        return type(output)(_as_shaped(o, k) for o, k in zip(output, like, strict=True))
+    return output
+
+
 def detached(obj: Any) -> Any:
     return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
 
@@ -242,9 +255,15 @@ def batch_items(golden: GoldenStore, runner: ParityRunner, asked: bool, flag: st
         )
     if golden.captured_tokens is not None:
         raise SetupError(f"{flag}: this golden keeps some tokens' outputs only (--capture-tokens): record it without")
-    if runner.backend.chain_kind == "recorded":
-        raise SetupError(
-            f"{flag}: a dump holds the candidate's run of the batch only; its rows' runs alone are not in it "
-            "(judge two dumps, the batch's and a row's, with moe-parity compare)"
-        )
+    backend = runner.backend
+    if backend.chain_kind == "recorded":  # a dump: each row's own run is another dump
+        root = backend.hw_options.get("rows")
+        if not root:
+            raise SetupError(
+                f"{flag} with --hw {backend.name}: give the rows' own dumps too, each the port's run of one row "
+                f"alone: --hw-option rows=DIR (DIR/row_0 ... DIR/row_{rows.count - 1})"
+            )
+        missing = [f"row_{r}" for r in range(rows.count) if not (Path(root).expanduser() / f"row_{r}").is_dir()]
+        if missing:
+            raise SetupError(f"{flag}: {root} lacks {', '.join(missing)} (a dump of each row alone, row_0 on)")
     return BatchItems(golden, runner)

@@ -128,15 +128,20 @@ class ParityRunner:
             self.started = True
             self._froze = self.freeze_gc and freeze_long_lived()
 
-    def call(self, point: Point, record: GoldenRecord, force: Callable[[Any], Any] | None = None) -> CandidateOutput:
+    def call(
+        self, point: Point, record: GoldenRecord, force: Callable[[Any], Any] | None = None, row: int | None = None
+    ) -> CandidateOutput:
         """The backend's output for a golden record (with `force`, its router's output replaced:
-        `Backend.run_routed`); anything it raises but `PointUnavailable` is a `BackendFailure` (an
-        error of the backend, not a divergence)."""
+        `Backend.run_routed`; with `row`, the record is that row of the batch alone: `Backend.run_row`);
+        anything it raises but `PointUnavailable` is a `BackendFailure` (an error of the backend, not a
+        divergence)."""
         self.start(point)
         inputs = candidate_inputs(record, self.dtype, self.backend.device)
         try:
             if force is not None:
                 return self.backend.run_routed(point, inputs, force)
+            if row is not None:
+                return self.backend.run_row(point, inputs, row)
             return self.backend.run(point, inputs)
         except PointUnavailable:
             raise
