@@ -27,6 +27,7 @@ from .points import PARTS, Point, describe_layers, point_id
 from .replay.batch import batch_items
 from .replay.checks import Checker, Entry
 from .replay.config import config_items
+from .replay.parallel import parallel_items
 from .replay.routing import routing_items
 from .replay.runner import ParityRunner, Prepared
 from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
@@ -76,6 +77,7 @@ class RunOptions:
     repro_dir: Path | None = None  # --parity-repro: where a drill's culprit gets its repro file
     routing: str | None = None  # --parity-routing: the level of the golden's routing to force up to (None: no items)
     batch: bool = False  # --parity-batch-invariance: each prefill point on the batch and on each row alone
+    parallel: str | None = None  # --parity-parallel A:B: each point under two parallel plans
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -88,6 +90,7 @@ class RunOptions:
             "repro": "--parity-repro",
             "routing": "--parity-routing",
             "batch": "--parity-batch-invariance",
+            "parallel": "--parity-parallel",
         }
     )
 
@@ -175,7 +178,10 @@ class ParitySession:
             self.golden, self.runner, options.routing, self.hw, flags.get("routing", "--parity-routing")
         )
         batch = batch_items(self.golden, self.runner, options.batch, flags.get("batch", "--parity-batch-invariance"))
-        kinds = (self.config_item, self.weights, self.drill, batch, routing)
+        parallel = parallel_items(
+            self.golden, self.runner, options.parallel, self.hw, flags.get("parallel", "--parity-parallel")
+        )
+        kinds = (self.config_item, self.weights, self.drill, parallel, batch, routing)
         self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
 
     # -- setup ----------------------------------------------------------------------------------

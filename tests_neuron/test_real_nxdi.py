@@ -278,3 +278,62 @@ def test_a_left_padded_batch_passes_on_nxdi_s_real_modules(
     rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
     assert [row["tokens"] for row in rows["layer_1.attention"]["rows"]] == [8, 3, 6]
     assert any("padding token(s) of the batch are not judged" in n for n in rows["layer_1.moe"]["notes"])
+
+
+# -- --parity-parallel: the same candidate under two plans, point by point ---------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_tp_plans_of_a_clean_candidate_agree_at_every_point(arch: str, t5: Path, pytester: pytest.Pytester):
+    golden = t5 / f"{arch}-golden"
+    result = run_parity(
+        pytester, golden, *CPU, "--parity-parallel", "tp=1:tp=2", "-k", "parallel and not rotary", "-W", "error",
+        model=t5 / f"{arch}-model",
+    )  # fmt: skip
+    ids = [p for p in points(golden) if not p.endswith("rotary")]
+    result.assert_outcomes(passed=len(ids))
+    result.stdout.fnmatch_lines([f"{len(ids)} points: {len(ids)} passed, 0 failed, 0 errors", "first divergence: none"])
+
+
+@pytest.mark.parametrize(
+    "fault, where",
+    [
+        (_missing_all_reduce, "layer_0.attention"),
+        (_column_shard_of_the_wrong_half, "layer_0.attention"),
+        (_every_rank_takes_rank_0_s_shard, "embedding"),
+    ],
+    ids=["missing-all-reduce", "column-shard-wrong-half", "rank-0-shard-everywhere"],
+)
+def test_a_tp_only_bug_is_where_plan_b_leaves_plan_a(
+    fault, where: str, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The backend's own TP degree is 1, so every point passes; only the parallel differential, which
+    builds each point at TP 1 and TP 2, sees the fault, at its first point, and names the parallelism."""
+    golden, model = t5 / "mixtral-golden", t5 / "mixtral-model"
+    fault(monkeypatch)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, *CPU, "--parity-parallel", "tp=1:tp=2", "--parity-report", str(report), model=model
+    )
+    result.stdout.fnmatch_lines(
+        [f"{where}::parallel: the parallelism alone changes it: tp=2 against tp=1, rel_l2 *",
+         "  hint: tensor parallelism (tp=2 against tp=1): the same candidate under tp=1 gives another output*",
+         f"first divergence: {where}::parallel  (tensor parallelism (tp=2 against tp=1)*"]
+    )  # fmt: skip
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert all(r["status"] == "passed" for r in rows.values() if "::" not in r["id"] and r["status"] != "skipped")
+    row = rows[f"{where}::parallel"]
+    assert row["plans"] == ["tp=1", "tp=2"] and row["figures"]["a_vs_golden"] < 1e-4 < row["figures"]["b_vs_golden"]
+
+
+def test_expert_parallelism_on_the_cpu_build_is_a_usage_error_that_says_why(t5: Path, pytester: pytest.Pytester):
+    usage_error(
+        run_parity(pytester, t5 / "mixtral-golden", *CPU, "--parity-parallel", "tp=2:tp=2,ep=2",
+                   model=t5 / "mixtral-model"),
+        "--parity-parallel tp=2:tp=2,ep=2: expert parallelism does not run on the nxdi backend yet: NxD builds its "
+        "expert-parallel process groups as XLA mesh groups",
+    )  # fmt: skip
+    usage_error(
+        run_parity(pytester, t5 / "mixtral-golden", *CPU, "--parity-parallel", "tp=1:tp=3", model=t5 / "mixtral-model"),
+        "--parity-parallel tp=1:tp=3: tp=3: NxD shards",
+    )

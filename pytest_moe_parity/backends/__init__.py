@@ -144,6 +144,8 @@ class Backend(ABC):
     row_masks: ClassVar[bool] = False
     # `run_routed` replaces a router's output inside the block that calls it (--parity-routing)
     forces_routing: ClassVar[bool] = False
+    # the parallel settings `run_plan` takes (--parity-parallel), e.g. ("tp",); none: one process
+    parallel_keys: ClassVar[tuple[str, ...]] = ()
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -210,6 +212,15 @@ class Backend(ABC):
         golden's expert ids, or ids and weights: `--parity-routing`); `routing` is what the block was
         given."""
         raise BackendError(f"the {self.name} backend cannot replace a router's output inside its block")
+
+    def check_plan(self, plan: dict[str, int]) -> None:  # noqa: B027 - optional hook
+        """`--parity-parallel`: BackendError saying why the candidate cannot run `plan` (its keys are
+        among `parallel_keys`), e.g. a degree the model cannot be sharded by. Nothing by default."""
+
+    def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
+        """Backends with `parallel_keys`: `run` of `point` with the candidate built under the parallel
+        plan `plan` (e.g. {"tp": 2}), whatever the backend's own settings."""
+        raise BackendError(f"the {self.name} backend runs one parallel plan only")
 
     def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
         """`--parity-batch-invariance`: the candidate's output for `point` on row `row` of the golden's

@@ -82,6 +82,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-batch-invariance", "parity_batch", {"action": "store_true", "default": False},
      "with a batch golden (--prompts): after each prefill point, an item (POINT::batch) that runs it on each row "
      "alone too and fails where a row's output in the batch differs from its own alone, naming the rows"),
+    ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
+     "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
+     "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi: tp)"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -165,6 +168,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 else None,
                 routing=config.getoption("parity_routing"),
                 batch=config.getoption("parity_batch"),
+                parallel=config.getoption("parity_parallel"),
                 **_xdist_role(config),
             )
         )
@@ -196,6 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "batch: moe-parity items of a point run on each row alone (--parity-batch-invariance)"
     )
+    config.addinivalue_line("markers", "parallel: moe-parity items of a point under two parallel plans")
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..points import Point
     from ..replay.batch import BatchEntry
     from ..replay.config import ConfigEntry
+    from ..replay.parallel import ParallelEntry
     from ..replay.routing import RoutingEntry
     from ..replay.runner import Prepared
     from ..replay.weights import WeightUnit
@@ -63,11 +64,12 @@ class ParityCollector(pytest.Collector):
         kinds = {
             "config": ConfigItem, "weights": WeightItem, "drill": DrillItem, "routing": DifferentialItem,
             "batch": DifferentialItem,
+            "parallel": DifferentialItem,
         }  # fmt: skip
         for entry in session.schedule():
             if not isinstance(entry, Point):
                 item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
-                if entry.kind in ("drill", "routing", "batch"):
+                if entry.kind in ("drill", "routing", "batch", "parallel"):
                     item.add_marker(getattr(pytest.mark, entry.kind))
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
@@ -149,7 +151,7 @@ class DifferentialItem(_CheckItem):
     (`POINT::routing`), a point on each row of the batch alone (`POINT::batch`); failed where the
     condition alone changes the candidate."""
 
-    entry: RoutingEntry | BatchEntry
+    entry: RoutingEntry | BatchEntry | ParallelEntry
 
     @property
     def failures(self) -> tuple[type[BaseException], ...]:

@@ -25,9 +25,7 @@ import torch
 
 from ..errors import BackendFailure, SetupError
 from ..golden import GoldenStore
-from ..judge.routing import router_triple
-from ..judge.verdict import Case, PointResult, judge_point
-from ..points import EXPERTS, ROUTER, Point
+from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
 from ..tree import map_structure
@@ -137,7 +135,6 @@ class BatchItems(Checker):
         bias = runner.router_record(router).extras.get("score_bias") if router is not None else record.extras.get(
             "score_bias"
         )  # fmt: skip
-        tol, _ = runner.tolerance(point)
         results = []
         for row in range(self.rows.count):
             alone_record = replace(
@@ -150,27 +147,11 @@ class BatchItems(Checker):
             in_batch = self.rows.cut(batch.output, row)
             alone = replace(alone, output=_as_shaped(alone.output, in_batch))
             routing = (router, _cut_routing(self.rows, batch.routing, row), alone.routing)
-            against_alone = self._judge(point, alone.output, in_batch, tol, routing, bias)
+            against_alone = runner.judge_between(point, alone.output, in_batch, routing, bias)
             golden_row = self.rows.cut(record.output, row)
-            alone_vs_golden = self._judge(point, golden_row, alone.output, tol, (router, None, None), bias)
+            alone_vs_golden = runner.judge_between(point, golden_row, alone.output, (router, None, None), bias)
             results.append((row, against_alone, alone_vs_golden))
         return self._verdict(entry, results)
-
-    def _judge(self, point: Point, reference: Any, candidate: Any, tol: Any, routing: tuple, bias: Any) -> PointResult:
-        """`candidate` judged against `reference` (a row's output alone, or the golden's row) by the point's
-        tolerance; a routed block's tokens routed otherwise in the two runs (within rounding) left out."""
-        router, routed, own = routing
-        follows = point.follows_router and point.component != EXPERTS
-        golden_router = own if follows and own is not None and router_triple(own) else None
-        case = Case(
-            point, detached(reference), detached(candidate), tol, self.runner.dtype, config=self.golden.config,
-            router=router, golden_router=golden_router, candidate_router=routed if golden_router is not None else None,
-            score_bias=bias if point.component == ROUTER or golden_router is not None else None,
-        )  # fmt: skip
-        try:
-            return judge_point(case)
-        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
-            raise BackendFailure(point.id, exc) from exc
 
     def _row(self, entry: BatchEntry, status: str, results: list, **more: Any) -> BatchInvarianceRow:
         point = entry.point
@@ -220,10 +201,6 @@ def _as_shaped(output: Any, like: Any) -> Any:
     if isinstance(output, tuple | list) and isinstance(like, tuple | list) and len(output) == len(like):
         return type(output)(_as_shaped(o, k) for o, k in zip(output, like, strict=True))
     return output
-
-
-def detached(obj: Any) -> Any:
-    return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
 
 
 def _rows_table(row: BatchInvarianceRow, side: str | None) -> list[str]:

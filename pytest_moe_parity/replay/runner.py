@@ -15,9 +15,10 @@ from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, Unus
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
 from ..host import freeze_long_lived
+from ..judge.routing import router_triple
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
-from ..points import LOGITS, ROUTER, Point
+from ..points import EXPERTS, LOGITS, ROUTER, Point
 from ..tree import first_tensor, leaves, map_structure
 
 if TYPE_CHECKING:
@@ -129,10 +130,16 @@ class ParityRunner:
             self._froze = self.freeze_gc and freeze_long_lived()
 
     def call(
-        self, point: Point, record: GoldenRecord, force: Callable[[Any], Any] | None = None, row: int | None = None
+        self,
+        point: Point,
+        record: GoldenRecord,
+        force: Callable[[Any], Any] | None = None,
+        row: int | None = None,
+        plan: dict[str, int] | None = None,
     ) -> CandidateOutput:
         """The backend's output for a golden record (with `force`, its router's output replaced:
-        `Backend.run_routed`; with `row`, the record is that row of the batch alone: `Backend.run_row`);
+        `Backend.run_routed`; with `row`, the record is that row of the batch alone: `Backend.run_row`;
+        with `plan`, the candidate built under that parallel plan: `Backend.run_plan`);
         anything it raises but `PointUnavailable` is a `BackendFailure` (an error of the backend, not a
         divergence)."""
         self.start(point)
@@ -142,6 +149,8 @@ class ParityRunner:
                 return self.backend.run_routed(point, inputs, force)
             if row is not None:
                 return self.backend.run_row(point, inputs, row)
+            if plan is not None:
+                return self.backend.run_plan(point, inputs, plan)
             return self.backend.run(point, inputs)
         except PointUnavailable:
             raise
@@ -258,6 +267,29 @@ class ParityRunner:
             result.hint = hint
         return result
 
+    def judge_between(
+        self, point: Point, reference: Any, candidate: Any, routing: tuple = (None, None, None), bias: Any = None
+    ) -> PointResult:
+        """`candidate` judged against `reference` (two outputs of the candidate under two conditions, or
+        one against the golden's) by the point's tolerance and the dtype's limits. `routing`: the point's
+        router and the two runs' own routings (candidate's, reference's): a routed block's tokens that the
+        two runs routed otherwise (beyond rounding) are left out, as a block's verdict leaves them."""
+        router, routed, own = routing
+        follows = point.follows_router and point.component != EXPERTS
+        golden_router = own if follows and own is not None and router_triple(own) else None
+        tol, _ = self.tolerance(point)
+        if point.component == ROUTER:  # a router that gives every expert's affinity: its top-k's, as both read
+            reference, candidate = _topk_form(reference), _topk_form(candidate)
+        case = Case(
+            point, _detached(reference), _detached(candidate), tol, self.dtype, config=self.golden.config,
+            router=router, golden_router=golden_router, candidate_router=routed if golden_router is not None else None,
+            score_bias=bias if point.component == ROUTER or golden_router is not None else None,
+        )  # fmt: skip
+        try:
+            return judge_point(case)
+        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
+            raise BackendFailure(point.id, UnusableOutput(unusable(point, reference, candidate, exc))) from exc
+
     def noise_figures_for(self, mode: str) -> str:
         """Which of the reference's own runs a verdict in `mode` is read against: isolated, or the
         chained run steered as this chain is (`"chain"`), or free (`"free"`, where the golden has it)."""
@@ -277,6 +309,24 @@ class ParityRunner:
             if self._froze:
                 gc.unfreeze()
                 self._froze = False
+
+
+def _topk_form(out: Any) -> Any:
+    """A router's (logits, affinities [T, E], top-k ids [T, k]) (NxDI's RouterTopK) as (logits, the
+    top-k ids' affinities [T, k], ids); any other output as it is."""
+    if not router_triple(out):
+        return out
+    logits, weights, ids = out[:3]
+    if weights.shape[-1] == logits.shape[-1] and ids.shape[-1] < logits.shape[-1]:
+        flat = weights.reshape(-1, weights.shape[-1]).gather(
+            1, ids.reshape(-1, ids.shape[-1]).long().to(weights.device)
+        )
+        return (logits, flat.reshape(ids.shape), ids, *out[3:])
+    return out
+
+
+def _detached(obj: Any) -> Any:
+    return map_structure(obj, lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t)
 
 
 def _cache_write(record: GoldenRecord, cand: CandidateOutput) -> tuple | None:

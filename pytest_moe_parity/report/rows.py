@@ -11,7 +11,9 @@
 - a MoE block replayed with the golden's routing (:class:`RoutingRow`): ``POINT::routing``, with each
   level's figures (``--parity-routing``);
 - a point run on the batch and on each row alone (:class:`BatchInvarianceRow`): ``POINT::batch``, with
-  each row's figures (``--parity-batch-invariance``).
+  each row's figures (``--parity-batch-invariance``);
+- a point run under two parallel plans (:class:`ParallelRow`): ``POINT::parallel``
+  (``--parity-parallel``).
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
@@ -37,6 +39,7 @@ __all__ = [
     "BatchInvarianceRow",
     "ConfigRow",
     "DrillRow",
+    "ParallelRow",
     "PointRow",
     "RoutingRow",
     "Row",
@@ -50,10 +53,10 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch"]
+Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch", "parallel"]
 # the kinds that run a point again under a condition (a differential): rows of their own, not the
 # pictures' points
-DIFFERENTIALS = ("routing", "batch")
+DIFFERENTIALS = ("routing", "batch", "parallel")
 JsonDict = dict[str, Any]
 
 
@@ -139,6 +142,8 @@ class Row:
             if "levels" in data
             else BatchInvarianceRow
             if "batch_rows" in data
+            else ParallelRow
+            if "plans" in data
             else PointRow
             if "verdicts" in data or judged
             else DrillRow
@@ -367,6 +372,33 @@ class BatchInvarianceRow(Row):
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
             "changed_rows": self.changed_rows, "condition": self.condition, "notes": self.notes, "hint": self.hint,
             **self._message_json(),
+        }  # fmt: skip
+
+
+@dataclass
+class ParallelRow(Row):
+    """A point run with the candidate built under two parallel plans (``POINT::parallel``,
+    ``--parity-parallel A:B``): `plans` [A, B]; `figures`, B's relative L2 to A (`b_vs_a`) and each
+    plan's to the golden; `metrics`, B against A."""
+
+    kind: ClassVar[Kind] = "parallel"
+
+    plans: list[str] = field(default_factory=list)
+    figures: JsonDict = field(default_factory=dict)
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        return self.metrics.get("b_vs_a")
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def to_json(self) -> JsonDict:
+        return {
+            **super().to_json(), "mode": self.mode, "plans": self.plans, "figures": self.figures,
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [], "notes": self.notes,
+            "hint": self.hint, **self._message_json(),
         }  # fmt: skip
 
 

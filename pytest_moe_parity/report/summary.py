@@ -10,7 +10,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
-from .rows import BatchInvarianceRow, ConfigRow, PointRow, RoutingRow, Row, WeightsRow, number
+from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -39,6 +39,8 @@ def row_note(row: Row) -> str:
     parts = _judged_notes(row) if isinstance(row, PointRow) else []
     if isinstance(row, RoutingRow) and row.levels:
         parts.append(_routing_note(row))
+    if isinstance(row, ParallelRow) and len(row.plans) == 2 and row.status in ("passed", "failed"):
+        parts.append(f"{row.plans[1]} vs {row.plans[0]}" + (" differ" if row.status == "failed" else " agree"))
     if isinstance(row, BatchInvarianceRow) and row.batch_rows:
         changed = ", ".join(map(str, row.changed_rows))
         parts.append(f"rows {changed} change in the batch ({row.condition})" if changed else "every row as alone")

@@ -30,7 +30,7 @@ from .calls import (
 )
 from .evidence import merge, rank_evidence, ranks_differing, tp_differential
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
-from .tables import TABLES, Component, ModuleTable, load_module_table, resolve, tables
+from .tables import TABLES, Component, load_module_table, resolve, tables
 from .weights import back_to_reference, convert_unit, nxdi_cast_state, under, unit_state
 
 BUILDS = ("neuron", "cpu")
@@ -45,6 +45,7 @@ class NxdiBackend(Backend):
     CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo)."""
 
     name = "nxdi"
+    parallel_keys = ("tp",)
     options = (
         HwOption("tp_degree", "tensor-parallel degree of each built module (default: 1)", positive_int, 1),
         HwOption(
@@ -85,7 +86,7 @@ class NxdiBackend(Backend):
             os.environ["NXD_CPU_MODE"] = "1"  # NxDI's modules take their CPU branches (plain-math RMSNorm)
         with upstream_warnings():
             import_nxdi()
-        self._check_tp(table)
+        self._check_tp(self.hw_options["tp_degree"], "--hw-option tp_degree")
         self.tp = self.hw_options["tp_degree"]
         if self.hw_options["tp_diff"] and not (self.cpu and self.tp > 1):
             raise BackendError(
@@ -100,9 +101,8 @@ class NxdiBackend(Backend):
         self._converted: dict[tuple[int | None, int], dict[str, torch.Tensor]] = {}  # one unit's, per TP degree
         self._workdir: Path | None = None
 
-    def _check_tp(self, table: ModuleTable) -> None:
+    def _check_tp(self, tp: int, said: str) -> None:
         """A TP degree NxD cannot shard the golden's model by is a usage error, not a run of errors."""
-        tp = self.hw_options["tp_degree"]
         config = self.golden.config
         experts = config.get("num_experts") or config.get("num_local_experts")
         sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
@@ -113,7 +113,7 @@ class NxdiBackend(Backend):
         bad = [f"{what} ({size})" for what, size in sizes.items() if size and size % tp]
         if bad:
             raise BackendError(
-                f"--hw-option tp_degree={tp}: NxD shards {' and '.join(bad)} by the TP degree, which does not divide "
+                f"{said}={tp}: NxD shards {' and '.join(bad)} by the TP degree, which does not divide "
                 f"{'it' if len(bad) == 1 else 'them'}; use a TP degree that does (e.g. 1 or 2)"
             )
 
@@ -150,28 +150,39 @@ class NxdiBackend(Backend):
             self.start()
         return spec, self._inputs(point, spec, golden)
 
+    def check_plan(self, plan: dict[str, int]) -> None:
+        self._check_tp(plan.get("tp", 1), "tp")
+
+    def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
+        """The point's module built at TP `plan["tp"]` (the ranks' own evidence left to the point's item)."""
+        return self._run(point, golden, plan.get("tp", 1))
+
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        return self._run(point, golden)
+
+    def _run(self, point: Point, golden: GoldenRecord, tp: int | None = None) -> CandidateOutput:
         spec, inputs = self._spec_inputs(point, golden)
         cache = None
         info: dict[str, Any] = {"nxdi_module": spec.module.format(layer=point.layer)}
+        degree = tp or self.tp
         with torch.no_grad(), upstream_warnings():
-            module = self._module(point, point.component, spec, inputs)
+            module = self._module(point, point.component, spec, inputs, tp=degree)
             output = module(*inputs)
-            if self.cpu and self.tp > 1:
+            if self.cpu and self.tp > 1 and tp is None:
                 merge(info, self._parallel_evidence(point, spec, inputs, module))
             routing = None
             if spec.inputs == "attention":
                 output, keys, values, *caught = output
                 routing = tuple(caught) or None
                 past = cache_of(golden)
-                if past is not None and self.hw_options["tp_degree"] == 1:  # at TP > 1 K, V are rank 0's heads
+                if past is not None and degree == 1:  # at TP > 1 K, V are rank 0's heads
                     # token generation: the cache after the call is the past and this step's K, V
                     cache = CacheState(
                         past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
                     )
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
-                routing = tuple(self._module(point, "router", router, inputs)(*inputs))
+                routing = tuple(self._module(point, "router", router, inputs, tp=degree)(*inputs))
         return CandidateOutput(output, routing, info=info, cache=cache)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:

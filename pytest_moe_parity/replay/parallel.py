@@ -1,0 +1,170 @@
+"""`--parity-parallel "tp=1:tp=2"`: whether the parallelism alone changes the candidate. After each
+point, an item `POINT::parallel` runs the point on the golden's call with the candidate built under
+plan A and under plan B (`Backend.run_plan`) and judges B's output against A's by the point's
+tolerance: it fails where B leaves A's limits, naming the parallelism, and says each plan's error to
+the golden beside it (A right and B wrong: the parallelism is the fault). A plan is
+`KEY=DEGREE[,KEY=DEGREE]`: `tp` (tensor parallelism) and `ep` (expert parallelism); a backend says
+which it runs (`Backend.parallel_keys`: NxDI's modules take `tp`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import BackendError, SetupError
+from ..golden import GoldenStore
+from ..points import Point, positive_int
+from ..report.rows import ParallelRow, Row, unjudged_row
+from .checks import AtPoint, Checker
+from .runner import ParityRunner
+
+KIND = "parallel"
+KEYS = {"tp": "tensor parallelism", "ep": "expert parallelism"}
+# why expert parallelism does not run where NxDI's modules run on this machine's CPU
+EP_ON_CPU = (
+    "NxD builds its expert-parallel process groups as XLA mesh groups (torch.distributed.new_group with "
+    "xla_pg_options, read back through ProcessGroup._mesh), which the CPU build's gloo groups lack"
+)
+
+
+def parse_plans(text: str) -> tuple[dict[str, int], dict[str, int]]:
+    """`tp=1:tp=2,ep=2` -> ({"tp": 1}, {"tp": 2, "ep": 2}); ValueError saying what is wrong."""
+    halves = str(text).split(":")
+    if len(halves) != 2:
+        raise ValueError(f"expected two plans, A:B, e.g. tp=1:tp=2, got {text!r}")
+    plans = []
+    for half in halves:
+        plan: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in half.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or key not in KEYS:
+                raise ValueError(f"{part!r} is not KEY=DEGREE with KEY one of {', '.join(KEYS)}")
+            try:
+                plan[key] = positive_int(value)
+            except ValueError as exc:
+                raise ValueError(f"{part}: {exc}") from None
+        if not plan:
+            raise ValueError(f"a plan is empty in {text!r}; e.g. tp=1:tp=2")
+        plans.append(plan)
+    if plans[0] == plans[1]:
+        raise ValueError(f"the two plans are the same ({halves[0]}): compare two plans that differ")
+    return plans[0], plans[1]
+
+
+def spelled(plan: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in plan.items())
+
+
+@dataclass(frozen=True)
+class ParallelEntry(AtPoint):
+    """The parallel differential of a point (`layer_N.attention::parallel`): right after it."""
+
+    kind = KIND
+    name = KIND
+
+    @property
+    def order(self) -> float:
+        return self.point.order + 0.997
+
+
+class ParallelItems(Checker):
+    """The parallel differential's items of a run: plan B against plan A at every point."""
+
+    kind = KIND
+
+    def __init__(self, golden: GoldenStore, runner: ParityRunner, plans: tuple[dict[str, int], dict[str, int]]):
+        self.golden, self.runner, self.plans = golden, runner, plans
+
+    def after(self, point: Point, selected: bool) -> Iterator[ParallelEntry]:
+        if selected:
+            yield ParallelEntry(point)
+
+    def unjudged_row(self, entry: ParallelEntry, status: str, message: str) -> Row:
+        return unjudged_row(self._row(entry, "passed"), status, message)
+
+    def _row(self, entry: ParallelEntry, status: str, **more: Any) -> ParallelRow:
+        point = entry.point
+        return ParallelRow(
+            id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
+            status=status, plans=[spelled(p) for p in self.plans], **more,
+        )  # fmt: skip
+
+    def check(self, entry: ParallelEntry, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
+        point, runner = entry.point, self.runner
+        record = self.golden.load(point, row_masks=runner.backend.row_masks)
+        a_plan, b_plan = self.plans
+        a = runner.call(point, record, plan=a_plan)
+        b = runner.call(point, record, plan=b_plan)
+        router = self.golden.router_of(point)
+        bias = runner.router_record(router).extras.get("score_bias") if router is not None else None
+        b_vs_a = runner.judge_between(point, a.output, b.output, (router, b.routing, a.routing), bias)
+        golden = [
+            runner.judge_between(point, record.output, out.output, (router, None, None), bias).main for out in (a, b)
+        ]
+        main = b_vs_a.main
+        figures = {
+            "b_vs_a": main.rel_l2 if main else None,
+            "a_vs_golden": golden[0].rel_l2 if golden[0] else None,
+            "b_vs_golden": golden[1].rel_l2 if golden[1] else None,
+            "failed": [f"{c.target}.{c.name}" for c in b_vs_a.checks if not c.passed],
+        }
+        a_said, b_said = spelled(a_plan), spelled(b_plan)
+        metrics = {"b_vs_a": main} if main is not None else {}
+        if b_vs_a.passed:
+            note = f"{b_said} gives what {a_said} gives, within the point's limits"
+            return self._row(entry, "passed", figures=figures, metrics=metrics, notes=[note]), None
+        which = " and ".join(KEYS[k] for k in b_plan if b_plan.get(k) != a_plan.get(k)) or "the parallelism"
+        note = (
+            f"the parallelism alone changes it: {b_said} against {a_said}, rel_l2 {_g(figures['b_vs_a'])} "
+            f"(to the golden: {a_said} {_g(figures['a_vs_golden'])}, {b_said} {_g(figures['b_vs_golden'])})"
+        )
+        hint = (
+            f"{which} ({b_said} against {a_said}): the same candidate under {a_said} gives another output; a "
+            "sharding bug (a rank loading another rank's shard, the wrong half of a split), a missing or "
+            "misapplied collective, or tokens an expert-parallel exchange drops"
+        )
+        row = self._row(entry, "failed", figures=figures, metrics=metrics, notes=[note], hint=hint)
+        return row, "\n".join([f"{entry.id}: {note}", f"  failed: {', '.join(figures['failed'])}", f"  hint: {hint}"])
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def parallel_items(
+    golden: GoldenStore, runner: ParityRunner, text: str | None, hw: str, flag: str
+) -> ParallelItems | None:
+    """The run's parallel differential (`--parity-parallel A:B`), or None where not asked; SetupError
+    where the plans are malformed or the backend cannot run them."""
+    if not text:
+        return None
+    try:
+        plans = parse_plans(text)
+    except ValueError as exc:
+        raise SetupError(f"{flag} {text}: {exc}") from None
+    backend = runner.backend
+    if not backend.parallel_keys:
+        raise SetupError(
+            f"{flag} {text}: the {hw} backend runs the candidate in one process, under one plan; the parallel "
+            "differential builds it under two (--hw nxdi: tp), or compare the ranks of a sharded dump with --hw dump "
+            "and a map's concat_dim and ranks"
+        )
+    keys = sorted({k for plan in plans for k in plan})
+    if "ep" in keys and "ep" not in backend.parallel_keys:
+        raise SetupError(
+            f"{flag} {text}: expert parallelism does not run on the {hw} backend yet"
+            + (f": {EP_ON_CPU}" if backend.hw_options.get("build") == "cpu" else "")
+            + f"; it runs {', '.join(backend.parallel_keys)}"
+        )
+    other = [k for k in keys if k not in backend.parallel_keys]
+    if other:
+        raise SetupError(
+            f"{flag} {text}: the {hw} backend runs {', '.join(backend.parallel_keys)}, not {', '.join(other)}"
+        )
+    for plan in plans:
+        try:
+            backend.check_plan(plan)
+        except BackendError as exc:
+            raise SetupError(f"{flag} {text}: {exc}") from None
+    return ParallelItems(golden, runner, plans)
