@@ -246,3 +246,28 @@ def test_a_dump_needs_its_rows_own_dumps(pytester: pytest.Pytester, batch, tiny_
                    "--parity-batch-invariance"),
         f"{tmp_path} lacks row_0, row_1, row_2",
     )  # fmt: skip
+
+
+def test_the_reference_s_own_batch_difference_is_recorded_with_its_noise_floor(
+    pytester: pytest.Pytester, batch, tiny_model, tmp_path: Path
+) -> None:
+    """`--noise-dtype` on a batch golden also keeps what batching alone costs the reference in that
+    dtype, per point and row; the batch items show it beside the candidate's, and allow up to
+    `noise_factor` times it."""
+    import shutil
+
+    from pytest_moe_parity.replay.noise import record_noise
+
+    golden = shutil.copytree(batch("qwen3_moe", "left"), tmp_path / "golden")
+    record_noise(golden, "bfloat16", model_dir=tiny_model("qwen3_moe", LAYERS))
+    store = GoldenStore(golden)
+    own = store.noise("bfloat16", "batch", "layer_0.attention")
+    assert len(own) == len(PROMPTS) and all(x is not None and x >= 0 for x in own)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, "--dtype", "bfloat16", "--parity-batch-invariance", "-k", "layer_0 and batch",
+        "--parity-report", str(report),
+    )  # fmt: skip
+    assert result.ret == 0, result.stdout.str()
+    row = _rows(report)["layer_0.attention::batch"]
+    assert [r["reference"] for r in row["batch_rows"]] == pytest.approx(own)

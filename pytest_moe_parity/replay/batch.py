@@ -8,7 +8,9 @@ rounding; the item fails where a row's output in the batch leaves the limits of 
 tolerance around its own output alone (read as the golden is: the same checks, routing flips within
 the dtype's rounding forgiven), and names the rows. Each row's output alone is also judged against
 the golden's row: a row wrong alone is the point's own fault, a row right alone and wrong in the
-batch is the batch's.
+batch is the batch's. Where the golden holds the noise floor, it holds the reference's own
+batch-vs-alone difference per point and row in that dtype (`replay.noise.batch_vs_alone`): a row
+changes only beyond `noise_factor` times it too.
 
 Where the rows that fail are exactly the padded ones, the padding is the condition (a mask that lets
 real tokens see padding, positions or offsets that ignore it); where an unpadded row fails too, its
@@ -24,7 +26,9 @@ from typing import Any
 import torch
 
 from ..errors import BackendFailure, SetupError
-from ..golden import GoldenStore
+from ..golden import GoldenRecord, GoldenStore
+from ..judge.tolerances import NOISE_FLOOR_EPS
+from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
@@ -59,6 +63,20 @@ class BatchEntry(AtPoint):
 
 
 @dataclass(frozen=True)
+class RowResult:
+    """One row at one point: its output in the batch against alone, alone against the golden's row, the
+    reference's own batch-vs-alone difference there (the noise floor's, where recorded), and whether
+    batching alone changed it: beyond the point's limits, and beyond `noise_factor` times the
+    reference's own difference."""
+
+    row: int
+    against_alone: PointResult
+    alone_vs_golden: PointResult
+    reference: float | None
+    changed: bool
+
+
+@dataclass(frozen=True)
 class Rows:
     """The golden's batch: its rows, their tokens per row, and each row's real token positions."""
 
@@ -78,6 +96,10 @@ class Rows:
 
     def padding(self, row: int) -> int:
         return self.tokens - len(self.real[row])
+
+    def alone(self, record: GoldenRecord, row: int) -> GoldenRecord:
+        """The golden's call of a point as row `row` alone makes it (its output left whole)."""
+        return replace(record, args=self.cut(record.args, row), kwargs=self.cut(record.kwargs, row))
 
     def cut(self, obj: Any, row: int) -> Any:
         """`obj` (a call's args, kwargs or output) as row `row` alone has it: every tensor laid out over
@@ -135,13 +157,13 @@ class BatchItems(Checker):
         bias = runner.router_record(router).extras.get("score_bias") if router is not None else record.extras.get(
             "score_bias"
         )  # fmt: skip
+        reference = self.golden.noise(runner.dtype, "batch", point.id) or []  # the reference's own, per row
+        tol, _ = runner.tolerance(point)
+        floor = torch.finfo(runner.dtype).eps / NOISE_FLOOR_EPS if runner.dtype.is_floating_point else 0.0
         results = []
         for row in range(self.rows.count):
-            alone_record = replace(
-                record, args=self.rows.cut(record.args, row), kwargs=self.rows.cut(record.kwargs, row)
-            )
             try:
-                alone = runner.call(point, alone_record, row=row)
+                alone = runner.call(point, self.rows.alone(record, row), row=row)
             except BackendFailure as exc:
                 raise BackendFailure(entry.id, exc.original) from exc
             in_batch = self.rows.cut(batch.output, row)
@@ -150,24 +172,29 @@ class BatchItems(Checker):
             against_alone = runner.judge_between(point, alone.output, in_batch, routing, bias)
             golden_row = self.rows.cut(record.output, row)
             alone_vs_golden = runner.judge_between(point, golden_row, alone.output, (router, None, None), bias)
-            results.append((row, against_alone, alone_vs_golden))
+            own = reference[row] if row < len(reference) else None
+            main = against_alone.main
+            within = own is not None and main is not None and main.rel_l2 <= tol.noise_factor * max(own, floor)
+            results.append(RowResult(row, against_alone, alone_vs_golden, own, not against_alone.passed and not within))
         return self._verdict(entry, results)
 
     def _row(self, entry: BatchEntry, status: str, results: list, **more: Any) -> BatchInvarianceRow:
         point = entry.point
         figures, metrics = [], {}
-        for row, against_alone, alone_vs_golden in results:
-            main, golden_main = against_alone.main, alone_vs_golden.main
+        for r in results:
+            row, against_alone = r.row, r.against_alone
+            main, golden_main = against_alone.main, r.alone_vs_golden.main
             if main is not None:
                 metrics[f"row_{row}"] = main
             figures.append({
                 "row": row, "tokens": len(self.rows.real[row]), "padding": self.rows.padding(row),
-                "status": against_alone.status, "rel_l2": main.rel_l2 if main else None,
+                "status": "failed" if r.changed else "passed", "rel_l2": main.rel_l2 if main else None,
+                "reference": r.reference,
                 "cosine": main.cosine if main else None,
                 "max_token_rel_l2": main.max_token_rel_l2 if main else None,
                 "failed": [f"{c.target}.{c.name}" for c in against_alone.checks if not c.passed],
                 "alone_vs_golden": golden_main.rel_l2 if golden_main else None,
-                "alone_status": alone_vs_golden.status,
+                "alone_status": r.alone_vs_golden.status,
             })  # fmt: skip
         return BatchInvarianceRow(
             id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
@@ -175,7 +202,7 @@ class BatchItems(Checker):
         )  # fmt: skip
 
     def _verdict(self, entry: BatchEntry, results: list) -> tuple[Row, str | None]:
-        changed = [row for row, against_alone, _ in results if not against_alone.passed]
+        changed = [r.row for r in results if r.changed]
         padded = [row for row in range(self.rows.count) if self.rows.padding(row)]
         if not changed:
             note = f"each of the {self.rows.count} rows gives the same output in the batch as alone, within its limits"
@@ -207,13 +234,13 @@ def _rows_table(row: BatchInvarianceRow, side: str | None) -> list[str]:
     """Each row's figures, a line each, its verdict last (FAIL marked as the point tables are)."""
     lines = [
         f"  {'row':<4} {'tokens':>6} {'padding':>8} {'rel_l2 vs alone':>16} {'cosine':>10} {'worst token':>12} "
-        f"{'alone vs golden':>16}  verdict"
+        f"{'reference own':>14} {'alone vs golden':>16}  verdict"
     ]
     for r in row.batch_rows:
         padding = f"{r['padding']} {side or ''}".strip() if r["padding"] else "0"
         lines.append(
             f"  {r['row']:<4} {r['tokens']:>6} {padding:>8} {fmt(r['rel_l2']):>16} {fmt(r['cosine'], 6):>10} "
-            f"{fmt(r['max_token_rel_l2']):>12} {fmt(r['alone_vs_golden']):>16}  "
+            f"{fmt(r['max_token_rel_l2']):>12} {fmt(r.get('reference')):>14} {fmt(r['alone_vs_golden']):>16}  "
             f"{'FAIL' if r['status'] == 'failed' else 'pass'}"
         )
     return lines

@@ -22,6 +22,7 @@ from ..golden import GoldenStore
 from ..golden.writer import update_manifest
 from ..judge.verdict import PointResult
 from ..points import ROUTER
+from .batch import Rows
 from .runner import ParityRunner
 
 FIGURES = ("rel_l2", "max_token_rel_l2")
@@ -79,6 +80,9 @@ def record_noise(
     started = time.perf_counter()
     say(f"noise floor: the reference in {name}, isolated and chained (steered, free), at {len(golden.points)} points")
     figures: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
+    rows = Rows.of(golden) if not captured else None
+    if rows is not None and rows.count > 1:
+        figures["batch"] = {}  # each prefill point's rows: the reference's own output in the batch against alone
     tokens: dict[str, torch.Tensor] = {}  # mode/point/tensor -> each token's squared error (NaN: left out)
     layer_groups = list(dict.fromkeys(p.group for p in golden.points if p.layer is not None))
     ends = {p.group: p.id for p in golden.points}  # each group's last point
@@ -93,6 +97,8 @@ def record_noise(
             for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chained)) if prepared else ():
                 if cand is not None:
                     _keep(figures, tokens, mode, point, runner.judge_output(point, prepared.golden, cand, mode, None))
+            if "batch" in figures and prepared is not None and prepared.candidate is not None and point.step is None:
+                figures["batch"][point.id] = batch_vs_alone(runner, rows, point, prepared.candidate)
             if prepared is not None and free._chained(point):
                 free.started = runner.started  # one backend, started once
                 own = free.chain.output(point, prepared.golden)
@@ -112,6 +118,19 @@ def record_noise(
     update_manifest(golden.root, "noise", noise)
     say(f"noise floor recorded in {time.perf_counter() - started:.1f}s")
     return entry
+
+
+def batch_vs_alone(runner: ParityRunner, rows: Rows, point: Any, batch: Any) -> list[float | None]:
+    """Each row's relative L2 between the reference's own output for it in the batch and alone (the
+    golden's call cut to the row), in the noise floor's dtype: what batching alone costs the reference."""
+    record = runner.golden.load(point)
+    out: list[float | None] = []
+    for row in range(rows.count):
+        alone = runner.call(point, rows.alone(record, row))
+        result = runner.judge_between(point, alone.output, rows.cut(batch.output, row))
+        main = result.main
+        out.append(float(main.rel_l2) if main is not None and math.isfinite(main.rel_l2) else None)
+    return out
 
 
 def _keep(figures: dict, tokens: dict, mode: str, point: Any, result: PointResult) -> None:
