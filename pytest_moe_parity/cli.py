@@ -983,7 +983,7 @@ COMMANDS = {
 
 
 # Commands that run transformers' own modules of the golden's architecture (its transformers 5 layout)
-NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops", "scan", "sweep"}
+NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "drill-ops", "scan"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -196,7 +196,7 @@ def sweep_lines(result: SweepResult, picture: str | None) -> list[str]:
     head = "".join(f"{n:>22}" for n in result.lengths)
     lines = [
         f"length sweep: {len(result.lengths)} lengths, candidate in {result.dtype}, {result.mode}; rel_l2 of each "
-        f"layer's output (the reference's own in {result.dtype} in brackets)",
+        f"layer's output" + (f" (the reference's own in {result.dtype} in brackets)" if result.noise else ""),
         f"  {'point':<{width}}{head}",
     ]
     for pid, cells in result.curves().items():

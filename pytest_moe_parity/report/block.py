@@ -26,7 +26,7 @@ def _failing(row: Row) -> list[dict[str, Any]]:
         ]
     if isinstance(row, WeightsRow):
         return [{"finding": f} for f in row.findings]
-    return []
+    return [{"finding": row.notes[0]}] if row.notes else []  # a differential's item: what the condition changed
 
 
 def _drill_of(rows: list[Row], point: str | None) -> dict[str, Any] | None:
