@@ -464,6 +464,14 @@ def _compare_arguments(sub: Any) -> None:
     compare.add_argument(
         "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
     )
+    compare.add_argument(
+        "--rows",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="batch invariance: each row's own dump alone (DIR/row_0, DIR/row_1, ...), compared point by point with "
+        "the dump of the batch (the golden of that batch)",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -483,14 +491,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "hw": "--hw",
         "layers": "--layers",
         "mode": "--mode",
+        "batch": "--rows",
     }
+    hw_options = [f"map={args.map.resolve()}"] if args.map else []
+    hw_options += [f"rows={args.rows.resolve()}"] if args.rows else []
     options = RunOptions(
         golden_dir=args.golden,
         hw="dump",
         model=args.candidate,
         dtype=args.dtype,
         mode=args.mode,
-        hw_options=[f"map={args.map.resolve()}"] if args.map else [],
+        hw_options=hw_options,
+        batch=args.rows is not None,
         cli_tolerances=tolerances,
         report_dir=args.report,
         plots=args.plots == "yes",
@@ -502,7 +514,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except (SetupError, GoldenError) as exc:
         return _fail(str(exc))
     try:
-        rows = list(session.run_all())
+        rows = list(session.run_all(items=True))
         nothing = session.nothing_compared()
         if nothing is not None:
             return _fail(nothing)

@@ -274,17 +274,20 @@ class ParitySession:
         """The points this run will prepare, in order (the backend may read ahead)."""
         self.backend.plan(points)
 
-    def run_all(self) -> Iterator[Row]:
-        """Judge every selected point in forward order, recording and yielding its row."""
+    def run_all(self, items: bool = False) -> Iterator[Row]:
+        """Judge every selected point in forward order, recording and yielding its row; with `items`,
+        the other kinds' items too, each where the schedule puts it (what pytest would collect)."""
         points = [p for p in self.points if self.selected(p)]
         self.plan(points)
-        for point in points:
+        for entry in self.schedule() if items else points:
+            if isinstance(entry, Point) and not self.selected(entry):
+                continue
             try:
-                row = point_row(self.judge(self.prepare(point)))
+                row = point_row(self.judge(self.prepare(entry))) if isinstance(entry, Point) else self.check(entry)[0]
             except PointUnavailable as exc:
-                row = unjudged_row(point, "skipped", str(exc))
+                row = self.unjudged_row(entry, "skipped", str(exc))
             except BackendFailure as exc:
-                row = unjudged_row(point, "error", str(exc))
+                row = self.unjudged_row(entry, "error", str(exc))
             self.add_row(row)
             yield row
             if self.runner.start_failure is not None:  # no point can run: said once, at the first

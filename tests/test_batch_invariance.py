@@ -271,3 +271,19 @@ def test_the_reference_s_own_batch_difference_is_recorded_with_its_noise_floor(
     assert result.ret == 0, result.stdout.str()
     row = _rows(report)["layer_0.attention::batch"]
     assert [r["reference"] for r in row["batch_rows"]] == pytest.approx(own)
+
+
+def test_moe_parity_compare_takes_the_rows_dumps(capsys, batch, tiny_model, tmp_path: Path) -> None:
+    from helpers import cli
+
+    golden = batch("qwen3_moe", "left")
+    dumped, rows = _port_dumps(tiny_model("qwen3_moe", LAYERS), golden, tmp_path, positions=False)
+    code, out, err = cli(
+        capsys, "compare", str(golden), str(dumped), "--rows", str(rows), "--report", str(tmp_path / "r")
+    )
+    assert code == 1, out + err
+    rows_of = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    assert rows_of["rotary::batch"]["changed_rows"] == [1, 2]  # the port's one position table for every row
+    assert "rotary::batch" in out and "rows 1, 2 change in the batch (padding)" in out
+    code, _, err = cli(capsys, "compare", str(golden), str(dumped), "--rows", str(tmp_path / "nowhere"))
+    assert code == 2 and "--rows: " in err and "lacks row_0, row_1, row_2" in err
