@@ -258,7 +258,6 @@ def cmd_golden(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from .record.run import BadInput, GoldenRequest
-    from .replay.noise import record_noise
 
     _quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -273,11 +272,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
         result = request.record(progress=say)
         seconds = result.seconds
         if noise_dtype is not None:
-            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
-            seconds += record_noise(
-                result.out, noise_dtype, model_dir=args.model, device=device,
-                trust_remote_code=args.trust_remote_code, progress=say,
-            )["recorded"]["seconds"]  # fmt: skip
+            seconds += _noise_floor(args, result.out, noise_dtype, say)
     except BadInput as exc:
         return _fail(str(exc))
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
@@ -289,13 +284,22 @@ def cmd_golden(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _noise_floor(args: argparse.Namespace, golden: Path, dtype: Any, say: Any) -> float:
+    """`--noise-dtype`: the reference's own error recorded into `golden`; the seconds it took."""
+    from .replay.noise import record_noise
+
+    device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
+    return record_noise(
+        golden, dtype, model_dir=args.model, device=device, trust_remote_code=args.trust_remote_code, progress=say
+    )["recorded"]["seconds"]
+
+
 def _golden_sweep(args: argparse.Namespace, named: dict[str, Any], noise_dtype: Any, say: Any) -> int:
     """`moe-parity golden --sweep-lengths`: one golden per length, the sweep's manifest written last (a
     sweep cut short reads as none). Every length is checked against the model's context first."""
     import shutil
 
     from .record.run import GoldenRequest
-    from .replay.noise import record_noise
     from .sweep import DIR, SweepError, family, parse_lengths, write_manifest
 
     try:
@@ -321,11 +325,7 @@ def _golden_sweep(args: argparse.Namespace, named: dict[str, Any], noise_dtype: 
         result = GoldenRequest(args.model, out / DIR.format(length=length), **options).record(progress=say)
         seconds += result.seconds
         if noise_dtype is not None:
-            device = args.device if not args.device_map else ("cuda" if _cuda() else "cpu")
-            seconds += record_noise(
-                result.out, noise_dtype, model_dir=args.model, device=device,
-                trust_remote_code=args.trust_remote_code, progress=say,
-            )["recorded"]["seconds"]  # fmt: skip
+            seconds += _noise_floor(args, result.out, noise_dtype, say)
     write_manifest(out, lengths)
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
     print(f"length sweep written: {len(lengths)} goldens ({', '.join(map(str, lengths))} tokens){noise}, "

@@ -43,6 +43,10 @@ def load_fp32(path: Path):
 # candidate is another checkpoint) would stop them at layer_N.weights first; tests/test_weights.py has those.
 NO_WEIGHTS = "--no-parity-weights"
 NO_CONFIG = "--no-parity-config"  # activation points only: a candidate's config edits tested where they bite
+# A batch of three prompts of unequal length, the first the longest (its row holds no padding), as ids.
+PADDED_PROMPTS = [[5, 17, 23, 42, 8, 99, 64, 7], [11, 12, 13], [30, 31, 32, 33, 34, 35]]
+# Inner runs whose conftest patches a transformers forward: its deprecation notes are not the test's.
+IGNORE_FUTURE = ("-W", "ignore::FutureWarning")
 
 
 def session(golden: Path, model: Path | None = None, **options: Any) -> ParitySession:

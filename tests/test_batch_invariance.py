@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_json, run_parity, usage_error
+from helpers import IGNORE_FUTURE, PADDED_PROMPTS, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.run import record_golden
@@ -22,8 +22,6 @@ from pytest_moe_parity.report.rows import BatchInvarianceRow, Row
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
 LAYERS = 2
-PROMPTS = [[5, 17, 23, 42, 8, 99, 64, 7], [11, 12, 13], [30, 31, 32, 33, 34, 35]]  # row 0 unpadded
-IGNORE = ("-W", "ignore::FutureWarning")  # transformers' own deprecation notes about a patched forward
 
 FORGETS_PADDING = """
 import torch
@@ -71,14 +69,14 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="module")
 def batch(tiny_model, tmp_path_factory: pytest.TempPathFactory):
-    """batch(arch, side) -> a golden of PROMPTS padded on `side`, recorded once."""
+    """batch(arch, side) -> a golden of PADDED_PROMPTS padded on `side`, recorded once."""
     cache: dict[tuple[str, str], Path] = {}
 
     def make(arch: str, side: str) -> Path:
         if (arch, side) not in cache:
             folder = tmp_path_factory.mktemp(f"batch-{arch}-{side}")
             prompts = folder / "prompts.jsonl"
-            prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PROMPTS))
+            prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PADDED_PROMPTS))
             record_golden(tiny_model(arch, LAYERS), folder / "golden", prompts=prompts, padding_side=side)
             cache[arch, side] = folder / "golden"
         return cache[arch, side]
@@ -114,7 +112,7 @@ def test_a_mask_that_forgets_left_padding_changes_the_padded_rows(pytester: pyte
     report = tmp_path / "r"
     result = run_parity(
         pytester, batch("qwen3_moe", "left"), "--dtype", "bfloat16", "--parity-batch-invariance", "-k", "batch",
-        "--parity-report", str(report), *IGNORE,
+        "--parity-report", str(report), *IGNORE_FUTURE,
     )  # fmt: skip
     result.stdout.fnmatch_lines(
         [
@@ -141,7 +139,7 @@ def test_a_right_padded_batch_cannot_show_a_left_padding_bug(pytester: pytest.Py
     pytester.makeconftest(FORGETS_PADDING)
     result = run_parity(
         pytester, batch("qwen3_moe", "right"), "--dtype", "bfloat16", "--parity-batch-invariance", "-k", "batch",
-        *IGNORE,
+        *IGNORE_FUTURE,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["first divergence: none"])
     assert result.ret == 0
@@ -152,7 +150,7 @@ def test_a_statistic_over_the_batch_changes_every_row(pytester: pytest.Pytester,
     report = tmp_path / "r"
     result = run_parity(
         pytester, batch("mixtral", "left"), "--dtype", "bfloat16", "--parity-batch-invariance", "-k",
-        "layer_0 and batch", "--parity-report", str(report), *IGNORE,
+        "layer_0 and batch", "--parity-report", str(report), *IGNORE_FUTURE,
     )  # fmt: skip
     result.stdout.fnmatch_lines(["layer_0.router::batch: batching alone changes rows 0, 1, 2 of 3*",
                                  "  hint: a row without padding changes in the batch*"])  # fmt: skip
@@ -209,7 +207,7 @@ def _port_dumps(model_dir: Path, golden: Path, out: Path, *, positions: bool) ->
     names = ("input_ids", "attention_mask", "position_ids") if positions else ("input_ids", "attention_mask")
     with torch.no_grad(), record(model, out / "batch", DUMPED):
         model(**{k: torch.tensor(inputs[k]) for k in names})
-    for row, ids in enumerate(PROMPTS):
+    for row, ids in enumerate(PADDED_PROMPTS):
         with torch.no_grad(), record(model, out / "rows" / f"row_{row}", DUMPED):
             model(input_ids=torch.tensor([ids]))
     return out / "batch", out / "rows"
@@ -262,7 +260,7 @@ def test_the_reference_s_own_batch_difference_is_recorded_with_its_noise_floor(
     record_noise(golden, "bfloat16", model_dir=tiny_model("qwen3_moe", LAYERS))
     store = GoldenStore(golden)
     own = store.noise("bfloat16", "batch", "layer_0.attention")
-    assert len(own) == len(PROMPTS) and all(x is not None and x >= 0 for x in own)
+    assert len(own) == len(PADDED_PROMPTS) and all(x is not None and x >= 0 for x in own)
     report = tmp_path / "r"
     result = run_parity(
         pytester, golden, "--dtype", "bfloat16", "--parity-batch-invariance", "-k", "layer_0 and batch",

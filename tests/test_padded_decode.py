@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import NO_CONFIG, read_json, run_parity
+from helpers import IGNORE_FUTURE, NO_CONFIG, PADDED_PROMPTS, read_json, run_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.record.run import record_golden
@@ -19,8 +19,6 @@ from pytest_moe_parity.report.files import REPORT_FILE
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
 LAYERS = 2
-PROMPTS = [[5, 17, 23, 42, 8, 99, 64, 7], [11, 12, 13], [30, 31, 32, 33, 34, 35]]  # row 0 unpadded
-IGNORE = ("-W", "ignore::FutureWarning")  # transformers' own deprecation notes about a patched forward
 
 # a port whose decode step puts every row at the batch's one position (the longest row's): right for
 # an unpadded batch, wrong for a padded row at every step
@@ -47,10 +45,10 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="module")
 def decoded(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A left-padded batch of PROMPTS with two decode steps and the reference's own bf16 error."""
+    """A left-padded batch of PADDED_PROMPTS with two decode steps and the reference's own bf16 error."""
     folder = tmp_path_factory.mktemp("padded-decode")
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PROMPTS))
+    prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PADDED_PROMPTS))
     model = tiny_model("qwen3_moe", LAYERS)
     record_golden(model, folder / "golden", prompts=prompts, padding_side="left", decode_steps=2)
     record_noise(folder / "golden", "bfloat16", model_dir=model)
@@ -62,9 +60,9 @@ def test_each_row_decodes_as_it_would_alone(decoded: Path, tiny_model) -> None:
 
     store = GoldenStore(decoded)
     tokens = store.decode_tokens
-    assert len(tokens) == 2 and all(len(step) == len(PROMPTS) for step in tokens)
+    assert len(tokens) == 2 and all(len(step) == len(PADDED_PROMPTS) for step in tokens)
     model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3_moe", LAYERS), dtype=torch.float32)
-    for row, ids in enumerate(PROMPTS):
+    for row, ids in enumerate(PADDED_PROMPTS):
         alone = model.generate(torch.tensor([ids]), max_new_tokens=2, do_sample=False, pad_token_id=0)
         assert alone[0, len(ids) :].tolist() == [step[row] for step in tokens], row
     # each step's calls hold every row, at its own position
@@ -88,7 +86,9 @@ def test_decode_positions_that_ignore_the_padding_fail_on_the_padded_rows(
 ) -> None:
     pytester.makeconftest(ONE_POSITION)
     report = tmp_path / "r"
-    result = run_parity(pytester, decoded, "--dtype", "bfloat16", NO_CONFIG, "--parity-report", str(report), *IGNORE)
+    result = run_parity(
+        pytester, decoded, "--dtype", "bfloat16", NO_CONFIG, "--parity-report", str(report), *IGNORE_FUTURE
+    )
     result.stdout.fnmatch_lines(["step_1.rotary *failed*rows 1, 2 of 3*", "first divergence: step_1.rotary *"])
     rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
     assert all(r["status"] == "passed" for r in rows.values() if r["step"] is None)  # the prefill is right

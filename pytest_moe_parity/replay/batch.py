@@ -33,7 +33,7 @@ from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
 from ..tree import map_structure
-from .checks import AtPoint, Checker
+from .checks import Checker, RunAgain
 from .runner import ParityRunner
 
 KIND = "batch"
@@ -51,15 +51,11 @@ HINTS = {
 
 
 @dataclass(frozen=True)
-class BatchEntry(AtPoint):
+class BatchEntry(RunAgain):
     """The batch-invariance item of a prefill point (`layer_N.attention::batch`): right after it."""
 
     kind = KIND
-    name = KIND
-
-    @property
-    def order(self) -> float:
-        return self.point.order + 0.998
+    offset = 0.998
 
 
 @dataclass(frozen=True)

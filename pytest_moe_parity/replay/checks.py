@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..points import Point
 from ..report.rows import Row
@@ -59,6 +59,22 @@ class AtPoint:
     @property
     def component(self) -> str:
         return self.point.component
+
+
+@dataclass(frozen=True)
+class RunAgain(AtPoint):
+    """A differential's item: its point run again under a condition (`POINT::batch`, `::parallel`,
+    `::routing`), after the point and its drill items, in the order of `offset`."""
+
+    offset: ClassVar[float] = 0.999
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def order(self) -> float:
+        return self.point.order + self.offset
 
 
 class Checker:

@@ -16,7 +16,7 @@ from ..errors import BackendError, SetupError
 from ..golden import GoldenStore
 from ..points import Point, positive_int
 from ..report.rows import ParallelRow, Row, unjudged_row
-from .checks import AtPoint, Checker
+from .checks import Checker, RunAgain
 from .runner import ParityRunner
 
 KIND = "parallel"
@@ -57,15 +57,11 @@ def spelled(plan: dict[str, int]) -> str:
 
 
 @dataclass(frozen=True)
-class ParallelEntry(AtPoint):
+class ParallelEntry(RunAgain):
     """The parallel differential of a point (`layer_N.attention::parallel`): right after it."""
 
     kind = KIND
-    name = KIND
-
-    @property
-    def order(self) -> float:
-        return self.point.order + 0.997
+    offset = 0.997
 
 
 class ParallelItems(Checker):

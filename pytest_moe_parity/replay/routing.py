@@ -38,7 +38,7 @@ from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import RoutingRow, Row, unjudged_row
 from ..report.text import fmt
-from .checks import AtPoint, Checker
+from .checks import Checker, RunAgain
 from .runner import ParityRunner
 
 KIND = "routing"
@@ -65,15 +65,11 @@ HINTS = {
 
 
 @dataclass(frozen=True)
-class RoutingEntry(AtPoint):
+class RoutingEntry(RunAgain):
     """The routing item of a MoE block (`layer_N.moe::routing`): right after it (after its drill items)."""
 
     kind = KIND
-    name = KIND
-
-    @property
-    def order(self) -> float:
-        return self.point.order + 0.999
+    offset = 0.999
 
 
 def forced(level: str, rule: SelectionRule, golden: tuple, scale: float) -> Any:
