@@ -285,3 +285,28 @@ def test_moe_parity_compare_takes_the_rows_dumps(capsys, batch, tiny_model, tmp_
     assert "rotary::batch" in out and "rows 1, 2 change in the batch (padding)" in out
     code, _, err = cli(capsys, "compare", str(golden), str(dumped), "--rows", str(tmp_path / "nowhere"))
     assert code == 2 and "--rows: " in err and "lacks row_0, row_1, row_2" in err
+
+
+@pytest.mark.parametrize(
+    ("shape", "note"),
+    [
+        ({"padding_side": "left", "batch_size": 4}, "(1 of padding only, not run alone)"),
+        ({"padding_side": "right", "pad_to": 12}, "each of the 3 rows gives the same output"),
+    ],
+    ids=["a fixed batch size", "a bucket"],
+)
+def test_a_batch_padded_to_a_shape_is_judged_on_its_prompt_rows(
+    pytester: pytest.Pytester, tiny_model, tmp_path: Path, shape: dict, note: str
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PADDED_PROMPTS))
+    record_golden(tiny_model("qwen3_moe", LAYERS), tmp_path / "golden", prompts=prompts, **shape)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, tmp_path / "golden", "--dtype", "bfloat16", "--parity-batch-invariance", "-k", "layer_0 and batch",
+        "--parity-report", str(report),
+    )  # fmt: skip
+    assert result.ret == 0, result.stdout.str()
+    row = _rows(report)["layer_0.attention::batch"]
+    assert note in row["notes"][0]
+    assert [r["row"] for r in row["batch_rows"]] == [0, 1, 2]  # the prompts' rows

@@ -158,6 +158,8 @@ class BatchItems(Checker):
         floor = torch.finfo(runner.dtype).eps / NOISE_FLOOR_EPS if runner.dtype.is_floating_point else 0.0
         results = []
         for row in range(self.rows.count):
+            if not self.rows.real[row]:  # a row of padding only (--batch-size): nothing of it runs alone
+                continue
             try:
                 alone = runner.call(point, self.rows.alone(record, row), row=row)
             except BackendFailure as exc:
@@ -201,7 +203,9 @@ class BatchItems(Checker):
         changed = [r.row for r in results if r.changed]
         padded = [row for row in range(self.rows.count) if self.rows.padding(row)]
         if not changed:
-            note = f"each of the {self.rows.count} rows gives the same output in the batch as alone, within its limits"
+            note = f"each of the {len(results)} rows gives the same output in the batch as alone, within its limits"
+            if len(results) < self.rows.count:
+                note += f" ({self.rows.count - len(results)} of padding only, not run alone)"
             return self._row(entry, "passed", results, notes=[note]), None
         condition = "padding" if set(changed) <= set(padded) else "neighbours"
         said = ", ".join(map(str, changed))

@@ -126,6 +126,9 @@ def batch_vs_alone(runner: ParityRunner, rows: Rows, point: Any, batch: Any) -> 
     record = runner.golden.load(point)
     out: list[float | None] = []
     for row in range(rows.count):
+        if not rows.real[row]:  # a row of padding only: nothing runs alone
+            out.append(None)
+            continue
         alone = runner.call(point, rows.alone(record, row))
         result = runner.judge_between(point, alone.output, rows.cut(batch.output, row))
         main = result.main
