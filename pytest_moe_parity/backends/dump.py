@@ -26,8 +26,14 @@ class DumpBackend(Backend):
     name = "dump"
     needs_checkpoint = False
     chain_kind = "recorded"  # a dump of the candidate's own forward is a chained run already
+    parallel_keys = ("tp", "ep")  # whatever plans the runs were dumped under (`plans=DIR`)
     options = (
         HwOption("map", "JSON map of point ids to dumped tensor names (same as --parity-map)"),
+        HwOption(
+            "plans",
+            "with --parity-parallel A:B: a directory of the dumps of the runs under each plan, named as the plan is "
+            "spelled (DIR/tp=1, DIR/tp=2,ep=2), each read as the candidate's own dump is",
+        ),
         HwOption(
             "rows",
             "with --parity-batch-invariance: a directory of each row's own dump alone (DIR/row_0, DIR/row_1, ...), "
@@ -50,6 +56,7 @@ class DumpBackend(Backend):
         if setup.dtype is None:
             self.native_dtype, self._dtype_from = self._dumped_dtype()
         self._rows: dict[int, DumpDir] = {}
+        self._plans: dict[str, DumpDir] = {}
 
     def row_dump(self, row: int) -> DumpDir:
         """Row `row`'s own dump alone (`rows=DIR`: DIR/row_N), indexed once."""
@@ -141,13 +148,40 @@ class DumpBackend(Backend):
         )
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
-        found = self.dump.find(point)
+        return self._read(self.dump, point)
+
+    def check_plan(self, plan: dict[str, int]) -> None:
+        self.plan_dump(plan)
+
+    def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
+        """The dump of the run under `plan` (`plans=DIR`: DIR/tp=2,ep=2, named as the plan is spelled),
+        read and fitted as the candidate's own dump is (its ranks joined by the map's layout)."""
+        return self._read(self.plan_dump(plan), point)
+
+    def plan_dump(self, plan: dict[str, int]) -> DumpDir:
+        """The dump of the run under `plan`, indexed once; DumpError where it is not there."""
+        spelled = ",".join(f"{k}={v}" for k, v in plan.items())
+        if spelled not in self._plans:
+            root = self.hw_options["plans"]
+            if not root:
+                raise DumpError(
+                    "the dumps of the runs under each plan are not given: --hw-option plans=DIR (DIR/tp=1, DIR/tp=2)"
+                )
+            where = Path(root).expanduser() / spelled
+            if not where.is_dir():
+                raise DumpError(f"{where} does not exist: put the dump of the run under {spelled} there")
+            self._plans[spelled] = DumpDir(where, self.hw_options["map"], self.golden.model_type)
+        return self._plans[spelled]
+
+    def _read(self, dump: DumpDir, point: Point) -> CandidateOutput:
+        """`point`'s output in `dump`, fitted to the golden's layout, with its router's and its cache."""
+        found = dump.find(point)
         if found is None:
-            why = self.dump.why_missing(point)
+            why = dump.why_missing(point)
             if why is not None:
                 raise PointNotDumped(f"{point.id}: not in the NxDI capture: {why}")
-            tried = ", ".join(self.dump.candidates(point))
-            raise PointNotDumped(f"{point.id} is not in the dump {self.dump.root} (looked for {tried})")
+            tried = ", ".join(dump.candidates(point))
+            raise PointNotDumped(f"{point.id} is not in the dump {dump.root} (looked for {tried})")
         name, output, notes = found
         shape = self._golden_shape(point)
         note = None
@@ -158,7 +192,7 @@ class DumpBackend(Backend):
         routing = None
         router = self.golden.router_of(point)
         if router is not None:
-            dumped = self.dump.find(router)
+            dumped = dump.find(router)
             if dumped is not None and isinstance(dumped[1], tuple | list):
                 routing = tuple(dumped[1])
             elif dumped is not None:  # its logits only (a capture): the verdict picks the top k from them
@@ -168,19 +202,8 @@ class DumpBackend(Backend):
                     logits = fit(logits, shape, self.batch, self._positions(point), self.left)[0]
                 routing = (logits,)
         return CandidateOutput(
-            output, routing, info={"dumped_as": name, "notes": notes}, cache=self._cache(point, name)
+            output, routing, info={"dumped_as": name, "notes": notes}, cache=_cache(dump, point, name)
         )
-
-    def _cache(self, point: Point, name: str) -> CacheState | None:
-        """A decode step's attention: the layer's KV cache after the call, where the dump holds it
-        (`NAME.cache.keys` and `.values`, as `Recorder.keep_cache` writes them)."""
-        if point.step is None or point.component != "attention":
-            return None
-        for base in dict.fromkeys((name, point.id)):
-            keys, values = f"{base}.cache.keys", f"{base}.cache.values"
-            if self.dump.has(keys) and self.dump.has(values):
-                return CacheState(point.layer, self.dump.read(keys), self.dump.read(values))
-        return None
 
     def _positions(self, point: Point) -> int:
         """The golden's positions per sequence at `point`: the prompt's, or one at a decode step."""
@@ -219,6 +242,18 @@ class DumpBackend(Backend):
         if missing:
             line += f"; not in the dump: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
         return [line]
+
+
+def _cache(dump: DumpDir, point: Point, name: str) -> CacheState | None:
+    """A decode step's attention: the layer's KV cache after the call, where the dump holds it
+    (`NAME.cache.keys` and `.values`, as `Recorder.keep_cache` writes them)."""
+    if point.step is None or point.component != "attention":
+        return None
+    for base in dict.fromkeys((name, point.id)):
+        keys, values = f"{base}.cache.keys", f"{base}.cache.values"
+        if dump.has(keys) and dump.has(values):
+            return CacheState(point.layer, dump.read(keys), dump.read(values))
+    return None
 
 
 def _some(names: list[str]) -> str:
