@@ -89,10 +89,11 @@ def _a_rank_s_experts_dropped(model) -> None:
     ],
     ids=["clean", "missing-all-reduce", "ep-drops-a-rank"],
 )
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "minimax_m2"])
 def test_dumps_of_two_plans_part_where_the_parallelism_is_wrong(
-    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path, plans: str, fault, where, parallelism
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path, arch: str, plans: str, fault, where, parallelism
 ) -> None:
-    model, golden = tiny_model("qwen3_moe", 2), golden_dir("qwen3_moe", 2)
+    model, golden = tiny_model(arch, 2), golden_dir(arch, 2)
     a, b = plans.split(":")
     _dump_run(model, golden, tmp_path / "plans" / a)
     candidate = _dump_run(model, golden, tmp_path / "plans" / b, fault)
