@@ -337,3 +337,18 @@ def test_expert_parallelism_on_the_cpu_build_is_a_usage_error_that_says_why(t5: 
         run_parity(pytester, t5 / "mixtral-golden", *CPU, "--parity-parallel", "tp=1:tp=3", model=t5 / "mixtral-model"),
         "--parity-parallel tp=1:tp=3: tp=3: NxD shards",
     )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_row_of_a_batch_gives_nxdi_s_modules_what_it_gives_alone(tp: int, t5: Path, pytester: pytest.Pytester):
+    """`--parity-batch-invariance` on NxDI's real modules: each prefill point of the left-padded batch
+    golden, run on the batch and on each row's real tokens alone, agrees (the rotary embedding, which
+    NxDI computes inside its attention, skipped with its point)."""
+    golden = t5 / "qwen3_moe-batch"
+    result = run_parity(
+        pytester, golden, *CPU, "--hw-option", f"tp_degree={tp}", "--parity-batch-invariance", "-k", "batch",
+        "-W", "error", model=t5 / "qwen3_moe-model",
+    )  # fmt: skip
+    prefill = [p for p in points(golden) if not p.startswith("step_")]
+    result.assert_outcomes(passed=len(prefill) - 1, skipped=1)
+    result.stdout.fnmatch_lines(["first divergence: none"])
