@@ -352,3 +352,60 @@ def test_each_row_of_a_batch_gives_nxdi_s_modules_what_it_gives_alone(tp: int, t
     prefill = [p for p in points(golden) if not p.startswith("step_")]
     result.assert_outcomes(passed=len(prefill) - 1, skipped=1)
     result.stdout.fnmatch_lines(["first divergence: none"])
+
+
+# -- --parity-routing on NxDI's own MoE module: its router's output replaced inside it -------------------
+
+
+def _selection_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxD's top-k router picks its experts by biased logits (a lost score correction), its affinities
+    the true ones."""
+    from neuronx_distributed.modules.moe import routing
+
+    forward = routing.RouterTopK.forward
+
+    def biased(self, hidden_states):
+        logits, affinities, _ = forward(self, hidden_states)
+        bias = torch.linspace(0.0, 2.0, logits.shape[-1], dtype=logits.dtype)
+        return logits, affinities, torch.topk(logits + bias, self.top_k).indices.to(torch.long)
+
+    monkeypatch.setattr(routing.RouterTopK, "forward", biased)
+
+
+def _weights_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxD's top-k router gives sharpened affinities (its activation applied twice), the same experts."""
+    from neuronx_distributed.modules.moe import routing
+
+    forward = routing.RouterTopK.forward
+
+    def sharpened(self, hidden_states):
+        logits, affinities, index = forward(self, hidden_states)
+        return logits, torch.softmax(affinities.float() * 8, dim=-1).to(affinities.dtype), index
+
+    monkeypatch.setattr(routing.RouterTopK, "forward", sharpened)
+
+
+@pytest.mark.parametrize(
+    ("fault", "level"), [(None, None), (_selection_off, "ids"), (_weights_off, "ids+weights")],
+    ids=["clean", "selection", "weights"],
+)  # fmt: skip
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_routing_levels_on_nxdi_s_own_moe(
+    arch: str, fault, level, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The MoE block replayed in NxDI's own module with its router's output replaced (the golden's ids,
+    then ids and weights): clean, every level passes; a selection fault is recovered by the ids, a
+    weights fault only by ids and weights."""
+    if fault is not None:
+        fault(monkeypatch)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, t5 / f"{arch}-golden", *CPU, "--parity-routing", "ids+weights", "-k", "layer_0.moe",
+        "--parity-report", str(report), model=t5 / f"{arch}-model",
+    )  # fmt: skip
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    routing = rows["layer_0.moe::routing"]
+    assert routing["recovered"] == level, routing["notes"]
+    assert routing["status"] == ("passed" if level is None else "failed")
+    said = "layer_0.moe::routing *own routing within limits*" if level is None else f"*recovered by {level} *"
+    result.stdout.fnmatch_lines([said])

@@ -253,7 +253,8 @@ def routing_items(
     if not runner.backend.forces_routing:
         raise SetupError(
             f"{flag} {level}: the {hw} backend cannot replace a router's output inside its block; force the routing "
-            "with --hw cpu or cuda, or judge an engine's own routing with `moe-parity routes GOLDEN TRACE`"
+            "with --hw cpu, cuda or nxdi (build=cpu), or judge an engine's own routing with `moe-parity routes GOLDEN "
+            "TRACE`"
         )
     if golden.captured_tokens is not None:
         raise SetupError(

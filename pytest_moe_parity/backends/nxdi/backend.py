@@ -5,6 +5,7 @@ the golden's inputs in NxDI's form; at TP > 1 on the CPU, what the ranks say (`e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -149,6 +150,32 @@ class NxdiBackend(Backend):
         if self.config is None:
             self.start()
         return spec, self._inputs(point, spec, golden)
+
+    @property
+    def forces_routing(self) -> bool:  # type: ignore[override]
+        """The CPU build replaces the MoE's router output inside NxDI's own MoE module (the ranks run it)."""
+        return self.cpu and "router" in self.table.components and "moe" in self.table.components
+
+    def run_routed(self, point: Point, golden: GoldenRecord, force: Any) -> CandidateOutput:
+        """NxDI's MoE module of `point` with its router's output replaced: the router module's own output
+        (logits, affinities over every expert, top-k ids), `force`d, back in NxDI's form (the forced
+        top-k weights scattered over the experts) and given to the router inside the MoE."""
+        if not self.forces_routing or point.component != "moe":
+            return super().run_routed(point, golden, force)
+        spec, inputs = self._spec_inputs(point, golden)
+        router = self.table.components["router"]
+        with torch.no_grad(), upstream_warnings():
+            own = tuple(self._module(point, "router", router, inputs)(*inputs))
+            logits, affinities, index = own[:3]
+            _, weights, ids = force(own)[:3]
+            ids = ids.reshape(index.shape).to(index.device)
+            dense = torch.zeros_like(affinities).scatter(-1, ids.long(), weights.reshape(ids.shape).to(affinities))
+            forced = dataclasses.replace(spec, inputs="forced", forced=router.call or "router")
+            module = self._module(point, "moe_forced", forced, (*inputs, dense, ids))
+            output = module(*inputs, dense, ids)
+        return CandidateOutput(
+            output, (logits, dense, ids), info={"nxdi_module": spec.module.format(layer=point.layer)}
+        )
 
     def check_plan(self, plan: dict[str, int]) -> None:
         self._check_tp(plan.get("tp", 1), "tp")
@@ -340,6 +367,7 @@ class NxdiBackend(Backend):
                     "routing": spec.routing,
                     "kv_heads": kv_heads,
                     "seq_len": 1 if point.step is not None else self.golden_seq_len(),
+                    "forced": spec.forced,
                 },
                 tp_degree=tp,
                 compiler_args=self.hw_options["compiler_args"],

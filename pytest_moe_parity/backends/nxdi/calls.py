@@ -33,6 +33,7 @@ class NxdiPoint(nn.Module):
         routing: str = "",
         kv_heads: list[list[int]] | None = None,
         seq_len: int = 0,
+        forced: str = "",
     ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
@@ -45,12 +46,28 @@ class NxdiPoint(nn.Module):
         self._caught: list[Any] = []
         if routing:
             self.inner.get_submodule(routing).register_forward_hook(lambda _m, _i, out: self._caught.append(out))
+        self._forced: tuple[torch.Tensor, ...] | None = None  # (affinities [T, E], top-k ids) the router gives
+        if forced:
+            self.inner.get_submodule(forced).register_forward_hook(self._force)
         # token generation at TP > 1: each rank takes its kv heads of the cache
         self.register_buffer("kv_heads", None if kv_heads is None else torch.tensor(kv_heads, dtype=torch.int32))
         if kv_heads is not None:
             self.rank_util = resolve("neuronx_distributed.parallel_layers.layers:SPMDRank")(len(kv_heads))
 
+    def _force(self, module: nn.Module, args: Any, out: Any) -> Any:
+        if self._forced is None:
+            return out
+        affinities, index = self._forced
+        return (out[0], affinities.to(out[1].dtype), index.to(out[2].dtype), *out[3:])
+
     def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
+        if self.form == "forced":  # the whole module, its router's affinities and top-k ids given
+            self._forced = (rest[0], rest[1])
+            try:
+                out = self.inner(first)
+            finally:
+                self._forced = None
+            return out[0] if isinstance(out, tuple | list) else out
         if self.form == "attention":
             mask, positions, *past = rest
             if past and self.kv_heads is not None:

@@ -32,6 +32,9 @@ class Component:
     inputs: str = "hidden"  # hidden | tokens | experts | attention
     rank_buffers: list[str] = field(default_factory=list)
     routing: str = ""
+    # the submodule whose output the call replaces by its last two inputs (a MoE's router, its affinities
+    # and top-k ids given: --parity-routing); "": none
+    forced: str = ""
 
 
 @dataclass
