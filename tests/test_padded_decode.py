@@ -105,3 +105,35 @@ def test_a_batch_still_refuses_decode_at(tiny_model, tmp_path: Path, capsys) -> 
         "--decode-at", "3",
     )  # fmt: skip
     assert code == 2 and "--decode-at names positions of one unpadded prompt" in err
+
+
+def test_a_row_that_ends_its_sequence_is_fed_padding_as_generate_feeds_it(
+    pytester: pytest.Pytester, tiny_model, tmp_path: Path
+) -> None:
+    """A row fed its end-of-sequence token is finished: the next steps feed it padding, as generate()
+    does for a batch, and judge it no more."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("qwen3_moe", LAYERS)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": ids}) + "\n" for ids in PADDED_PROMPTS))
+    first = record_golden(model_dir, tmp_path / "probe", prompts=prompts, padding_side="left", decode_steps=1)
+    eos = GoldenStore(first.out).decode_tokens[0][1]  # what row 1 is fed at step 1 becomes its end of sequence
+    ending = shutil.copytree(model_dir, tmp_path / "ending")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((ending / name).read_text())
+        config["eos_token_id"] = eos
+        (ending / name).write_text(json.dumps(config))
+    golden = record_golden(ending, tmp_path / "golden", prompts=prompts, padding_side="left", decode_steps=3).out
+    store = GoldenStore(golden)
+    assert store.manifest["decode"]["finished"] == {"1": 1}
+    assert [step[1] for step in store.decode_tokens] == [eos, 0, 0]
+    model = AutoModelForCausalLM.from_pretrained(ending, dtype=torch.float32)
+    batch = {k: torch.tensor(store.manifest["inputs"][k]) for k in ("input_ids", "attention_mask")}
+    generated = model.generate(**batch, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated[:, batch["input_ids"].shape[1] :].T.tolist() == store.decode_tokens
+    assert store.padding("step_2.logits") == ([1], 3) and store.padding("step_1.logits") is None
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "--parity-mode", "isolated")
+    assert result.ret == 0, result.stdout.str()

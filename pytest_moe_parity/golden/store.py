@@ -251,12 +251,17 @@ class GoldenStore:
     def padding(self, point: Point | str) -> tuple[list[int], int] | None:
         """The padding tokens of a point's tensors (as token indices over the batch's rows, row-major)
         and how many tokens they have: (padding, tokens); None where the point has no padding. A decode
-        step feeds a token per row: its padding is the rows of padding only."""
+        step feeds a token per row: its padding is the rows of padding only, and the rows that finished
+        before it (fed padding since their end of sequence)."""
+        step = self.point(point).step
+        if step is not None:  # a token per row
+            masks = self.manifest["inputs"].get("attention_mask") or []
+            empty = [i for i, row in enumerate(masks) if not any(row)]
+            finished = self.manifest.get("decode", {}).get("finished", {})
+            empty += [int(r) for r, at in finished.items() if at < step and int(r) not in empty]
+            return (sorted(empty), self.sequences) if empty else None
         if not self.padded:
             return None
-        if self.point(point).step is not None:  # a token per row: the rows of padding only (--batch-size)
-            empty = [i for i, row in enumerate(self.manifest["inputs"]["attention_mask"]) if not any(row)]
-            return (empty, self.sequences) if empty else None
         if self._padding is None:  # the same for every prefill point: worked out once
             kept = self.captured_tokens  # (over the positions a --capture-tokens golden keeps)
             rows = self.manifest["inputs"]["attention_mask"]

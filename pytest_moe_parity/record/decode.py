@@ -94,6 +94,16 @@ def decode_cache(model: Any) -> Any:
     return cache
 
 
+def end_of_sequence(model: Any) -> list[int]:
+    """The model's end-of-sequence token ids (its generation config's, else its config's); [] for none."""
+    config = getattr(model, "generation_config", None)
+    found = getattr(config, "eos_token_id", None)
+    if found is None:
+        found = getattr(model.config, "eos_token_id", None)
+    ids = found if isinstance(found, list | tuple) else [found]
+    return [int(i) for i in ids if isinstance(i, int)]
+
+
 def record_decode(
     model: Any,
     points: list[Point],
@@ -102,6 +112,7 @@ def record_decode(
     on_group: Callable[[str, list[Recorded]], None],
     say: Callable[[str], None],
     written: Callable[[], int] = lambda: 0,
+    pad_id: int | None = None,
 ) -> dict[str, Any]:
     """After the prefill, `plan.run` greedy decode steps with a transformers DynamicCache: the prefill
     runs again with the cache (not recorded: its points are), then each step of `plan.recorded` has its
@@ -109,7 +120,10 @@ def record_decode(
     between are run for their cache only). Each recorded step's line says what it wrote and took, the
     first also what all the steps will (at least: each step stores the cache, which grows). Returns the
     manifest's "decode" entry: the steps run, the token fed at each (a batch's: a token per row), and
-    those recorded. A padded batch decodes each row at its own position (`next_inputs`)."""
+    those recorded. A padded batch decodes each row at its own position (`next_inputs`); a row of a
+    batch that is fed its end-of-sequence token is finished, and is fed `pad_id` from the next step on,
+    as generate() feeds it (the entry's "finished": row -> the step that fed its end of sequence; the
+    steps after judge it no more)."""
     started, before = time.perf_counter(), written()
     cache = decode_cache(model)
     out = model(**inputs, use_cache=True, **{cache_kwarg(model): cache})
@@ -118,8 +132,16 @@ def record_decode(
     order = max(p.order for p in points) + 1
     tokens: list[Any] = []
     wanted = set(plan.recorded)
+    ends = end_of_sequence(model) if rows > 1 and pad_id is not None else []
+    done = torch.zeros(rows, dtype=torch.bool)
+    finished: dict[str, int] = {}
     for step in range(1, plan.run + 1):
         chosen = out.logits[:, -1].float().argmax(-1)
+        if ends:  # a finished row is fed padding; a row fed its end of sequence now is finished
+            chosen = torch.where(done.to(chosen.device), torch.full_like(chosen, int(pad_id)), chosen)
+            now = torch.isin(chosen.cpu(), torch.tensor(ends)) & ~done
+            finished.update({str(r): step for r in now.nonzero().flatten().tolist()})
+            done |= now
         token = chosen.tolist() if rows > 1 else int(chosen[0])
         tokens.append(token)
         feed = {**next_inputs(chosen, padding), "use_cache": True}
@@ -144,6 +166,8 @@ def record_decode(
             f"[{size:.2f} MB, {seconds:.1f}s so far{ahead}]"
         )
     entry: dict[str, Any] = {"steps": plan.run, "tokens": tokens, "cache": type(cache).__name__}
+    if finished:
+        entry["finished"] = finished
     if len(plan.recorded) < plan.run:
         entry["recorded"] = list(plan.recorded)
     return entry

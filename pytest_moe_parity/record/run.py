@@ -787,7 +787,10 @@ class _GoldenRun:
             if not decode.run:
                 return skipped, None
             written = lambda: self.writer.bytes_written  # noqa: E731
-            return skipped, record_decode(model, points, inputs, decode, self._on_group, self.say, written)
+            pad_id = self.checked.batch.pad_id if self.checked.batch is not None else None
+            return skipped, record_decode(
+                model, points, inputs, decode, self._on_group, self.say, written, pad_id=pad_id
+            )
 
     def _attention(self, model: Any, shape: torch.Size) -> contextlib.AbstractContextManager:
         """Eager attention whole, or a block of query rows at a time where a prompt's score arrays
