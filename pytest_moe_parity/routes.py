@@ -148,17 +148,19 @@ def golden_trace(store: GoldenStore) -> torch.Tensor:
     keep = real_tokens(store)
     layers = []
     for router in golden_routers(store):
-        ids = _triple(store, router)[2]
+        ids = _routing(store, router)[0][2]
         ids = ids.reshape(-1, ids.shape[-1])
         layers.append(ids[keep] if keep is not None else ids)
     return torch.stack(layers, dim=1)
 
 
-def _triple(store: GoldenStore, router: Point) -> tuple:
-    out = store.load(router).output
+def _routing(store: GoldenStore, router: Point) -> tuple[tuple, Any]:
+    """The golden router's (logits, weights, top-k ids) and its score-correction bias, read once."""
+    record = store.load(router)
+    out = record.output
     if not router_triple(out):
         raise TraceError(f"{router.id}: the golden's router gives no (logits, weights, top-k ids)")
-    return out
+    return out, record.extras.get("score_bias")
 
 
 # -- judging a trace --------------------------------------------------------------------------------------
@@ -209,14 +211,15 @@ def judge_routes(store: GoldenStore, trace: torch.Tensor, dtype: torch.dtype, so
     if not routers:
         raise TraceError("the golden has no router: it records no MoE layer")
     keep = real_tokens(store)
-    first = _triple(store, routers[0])
-    tokens = first[2].reshape(-1, first[2].shape[-1]).shape[0] if keep is None else keep.numel()
-    k = first[2].shape[-1]
+    first = _routing(store, routers[0])
+    first_ids = first[0][2]
+    tokens = first_ids.reshape(-1, first_ids.shape[-1]).shape[0] if keep is None else keep.numel()
+    k = first_ids.shape[-1]
     notes = _fit(store, trace, routers, tokens, k)
     result = RoutesResult(source, dtype_name(dtype), tokens, notes=notes)
     unsteered = store.unsteered_noise(dtype) if store.has_noise(dtype, "chain") else None
     for index, router in enumerate(routers):
-        g_logits, g_weights, g_ids = _triple(store, router) if index else first
+        (g_logits, g_weights, g_ids), bias = _routing(store, router) if index else first
         experts = g_logits.shape[-1]
         ids = trace[:tokens, index, :]
         if int(ids.min()) < 0 or int(ids.max()) >= experts:
@@ -226,7 +229,7 @@ def judge_routes(store: GoldenStore, trace: torch.Tensor, dtype: torch.dtype, so
             )
         tol, _ = resolve(router.id, ROUTER, dtype)
         rule = SelectionRule.of(router, dtype, tol.tie_factor, store.config)
-        scores, tie = rule.scores(g_logits, store.load(router).extras.get("score_bias"))
+        scores, tie = rule.scores(g_logits, bias)
         g_ids, g_weights = g_ids.reshape(-1, k), g_weights.reshape(-1, g_weights.shape[-1])
         if keep is not None:
             scores, tie, g_ids, g_weights = scores[keep], tie[keep], g_ids[keep], g_weights[keep]

@@ -25,6 +25,7 @@ from .golden import GoldenStore
 from .judge.tolerances import NOISE_FLOOR_EPS, resolve
 from .points import LOGITS, OUTPUT, parse_point_id
 from .report.rows import PointRow
+from .report.text import brief
 
 SWEEP_FILE = "sweep.json"
 DIR = "len_{length}"
@@ -226,22 +227,18 @@ def sweep_lines(result: SweepResult, picture: str | None) -> list[str]:
             if cell.ratio is not None
             else ""
         )
-        lines.append(f"verdict: a defect at {pid}: {where} (rel_l2 {_g(cell.rel_l2)}{reference}; {cell.status})")
+        lines.append(f"verdict: a defect at {pid}: {where} (rel_l2 {brief(cell.rel_l2)}{reference}; {cell.status})")
     if picture:
         lines.append(f"picture: {picture}")
     return lines
-
-
-def _g(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def _figure(cell: Cell | None) -> str:
     if cell is None:
         return "-"
     mark = " !" if cell.defect else ""
-    reference = f" ({_g(cell.reference)})" if cell.reference is not None else ""
-    return f"{_g(cell.rel_l2)}{reference}{mark}"
+    reference = f" ({brief(cell.reference)})" if cell.reference is not None else ""
+    return f"{brief(cell.rel_l2)}{reference}{mark}"
 
 
 def draw_sweep(result: SweepResult, path: Path) -> Path | None:

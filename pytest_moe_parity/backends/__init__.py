@@ -327,6 +327,12 @@ def one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def plan_name(plan: dict[str, int]) -> str:
+    """A parallel plan as it is spelled (`tp=2,ep=2`): on the command line, in messages, and as the name
+    of the directory a dump of the run under it is in."""
+    return ",".join(f"{k}={v}" for k, v in plan.items())
+
+
 def parse_hw_options(items: Iterable[str]) -> dict[str, str]:
     """`KEY=VALUE` strings (later ones win) -> {KEY: VALUE}; ValueError naming a malformed one."""
     options: dict[str, str] = {}

@@ -15,7 +15,7 @@ from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, Point
-from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption
+from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
 
 _RANK_PART = re.compile(r"\.\d+$")  # NAME.0, NAME.1: the parts of one output
 
@@ -160,7 +160,7 @@ class DumpBackend(Backend):
 
     def plan_dump(self, plan: dict[str, int]) -> DumpDir:
         """The dump of the run under `plan`, indexed once; DumpError where it is not there."""
-        spelled = ",".join(f"{k}={v}" for k, v in plan.items())
+        spelled = plan_name(plan)
         if spelled not in self._plans:
             root = self.hw_options["plans"]
             if not root:

@@ -33,7 +33,7 @@ from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
 from ..tree import map_structure
-from .checks import Checker, RunAgain
+from .checks import Checker, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "batch"
@@ -150,9 +150,7 @@ class BatchItems(Checker):
         record = self.golden.load(point)  # whole masks: they are cut to a row
         batch = runner.call(point, record)
         router = self.golden.router_of(point)
-        bias = runner.router_record(router).extras.get("score_bias") if router is not None else record.extras.get(
-            "score_bias"
-        )  # fmt: skip
+        bias = runner.score_bias(point, record)
         reference = self.golden.noise(runner.dtype, "batch", point.id) or []  # the reference's own, per row
         tol, _ = runner.tolerance(point)
         floor = torch.finfo(runner.dtype).eps / NOISE_FLOOR_EPS if runner.dtype.is_floating_point else 0.0
@@ -178,25 +176,20 @@ class BatchItems(Checker):
 
     def _row(self, entry: BatchEntry, status: str, results: list, **more: Any) -> BatchInvarianceRow:
         point = entry.point
-        figures, metrics = [], {}
+        per_row, metrics = [], {}
         for r in results:
             row, against_alone = r.row, r.against_alone
-            main, golden_main = against_alone.main, r.alone_vs_golden.main
-            if main is not None:
-                metrics[f"row_{row}"] = main
-            figures.append({
+            if against_alone.main is not None:
+                metrics[f"row_{row}"] = against_alone.main
+            alone = result_figures(r.alone_vs_golden)
+            per_row.append({
                 "row": row, "tokens": len(self.rows.real[row]), "padding": self.rows.padding(row),
-                "status": "failed" if r.changed else "passed", "rel_l2": main.rel_l2 if main else None,
-                "reference": r.reference,
-                "cosine": main.cosine if main else None,
-                "max_token_rel_l2": main.max_token_rel_l2 if main else None,
-                "failed": [f"{c.target}.{c.name}" for c in against_alone.checks if not c.passed],
-                "alone_vs_golden": golden_main.rel_l2 if golden_main else None,
-                "alone_status": r.alone_vs_golden.status,
+                **result_figures(against_alone), "status": "failed" if r.changed else "passed",
+                "reference": r.reference, "alone_vs_golden": alone["rel_l2"], "alone_status": alone["status"],
             })  # fmt: skip
         return BatchInvarianceRow(
             id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
-            status=status, batch_rows=figures, metrics=metrics, **more,
+            status=status, batch_rows=per_row, metrics=metrics, **more,
         )  # fmt: skip
 
     def _verdict(self, entry: BatchEntry, results: list) -> tuple[Row, str | None]:

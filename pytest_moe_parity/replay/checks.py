@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import Row
 
@@ -75,6 +76,20 @@ class RunAgain(AtPoint):
     @property
     def order(self) -> float:
         return self.point.order + self.offset
+
+
+def result_figures(result: PointResult) -> dict[str, Any]:
+    """A judged output's figures as a differential's row keeps them (a routing level, a batch row, B
+    against A): its verdict, its main tensor's relative L2, cosine and worst token, the checks that
+    failed."""
+    main = result.main
+    return {
+        "status": result.status,
+        "rel_l2": main.rel_l2 if main else None,
+        "cosine": main.cosine if main else None,
+        "max_token_rel_l2": main.max_token_rel_l2 if main else None,
+        "failed": [f"{c.target}.{c.name}" for c in result.checks if not c.passed],
+    }
 
 
 class Checker:

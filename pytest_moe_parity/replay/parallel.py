@@ -12,11 +12,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends import plan_name
 from ..errors import BackendError, SetupError
 from ..golden import GoldenStore
 from ..points import Point, positive_int
 from ..report.rows import ParallelRow, Row, unjudged_row
-from .checks import Checker, RunAgain
+from ..report.text import brief
+from .checks import Checker, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "parallel"
@@ -52,10 +54,6 @@ def parse_plans(text: str) -> tuple[dict[str, int], dict[str, int]]:
     return plans[0], plans[1]
 
 
-def spelled(plan: dict[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in plan.items())
-
-
 @dataclass(frozen=True)
 class ParallelEntry(RunAgain):
     """The parallel differential of a point (`layer_N.attention::parallel`): right after it."""
@@ -83,7 +81,7 @@ class ParallelItems(Checker):
         point = entry.point
         return ParallelRow(
             id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
-            status=status, plans=[spelled(p) for p in self.plans], **more,
+            status=status, plans=[plan_name(p) for p in self.plans], **more,
         )  # fmt: skip
 
     def check(self, entry: ParallelEntry, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
@@ -93,7 +91,7 @@ class ParallelItems(Checker):
         a = runner.call(point, record, plan=a_plan)
         b = runner.call(point, record, plan=b_plan)
         router = self.golden.router_of(point)
-        bias = runner.router_record(router).extras.get("score_bias") if router is not None else None
+        bias = runner.score_bias(point, record)
         b_vs_a = runner.judge_between(point, a.output, b.output, (router, b.routing, a.routing), bias)
         golden = [
             runner.judge_between(point, record.output, out.output, (router, None, None), bias).main for out in (a, b)
@@ -103,17 +101,17 @@ class ParallelItems(Checker):
             "b_vs_a": main.rel_l2 if main else None,
             "a_vs_golden": golden[0].rel_l2 if golden[0] else None,
             "b_vs_golden": golden[1].rel_l2 if golden[1] else None,
-            "failed": [f"{c.target}.{c.name}" for c in b_vs_a.checks if not c.passed],
+            "failed": result_figures(b_vs_a)["failed"],
         }
-        a_said, b_said = spelled(a_plan), spelled(b_plan)
+        a_said, b_said = plan_name(a_plan), plan_name(b_plan)
         metrics = {"b_vs_a": main} if main is not None else {}
         if b_vs_a.passed:
             note = f"{b_said} gives what {a_said} gives, within the point's limits"
             return self._row(entry, "passed", figures=figures, metrics=metrics, notes=[note]), None
         which = " and ".join(KEYS[k] for k in b_plan if b_plan.get(k) != a_plan.get(k)) or "the parallelism"
         note = (
-            f"the parallelism alone changes it: {b_said} against {a_said}, rel_l2 {_g(figures['b_vs_a'])} "
-            f"(to the golden: {a_said} {_g(figures['a_vs_golden'])}, {b_said} {_g(figures['b_vs_golden'])})"
+            f"the parallelism alone changes it: {b_said} against {a_said}, rel_l2 {brief(figures['b_vs_a'])} "
+            f"(to the golden: {a_said} {brief(figures['a_vs_golden'])}, {b_said} {brief(figures['b_vs_golden'])})"
         )
         hint = (
             f"{which} ({b_said} against {a_said}): the same candidate under {a_said} gives another output; a "
@@ -122,10 +120,6 @@ class ParallelItems(Checker):
         )
         row = self._row(entry, "failed", figures=figures, metrics=metrics, notes=[note], hint=hint)
         return row, "\n".join([f"{entry.id}: {note}", f"  failed: {', '.join(figures['failed'])}", f"  hint: {hint}"])
-
-
-def _g(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def parallel_items(

@@ -38,7 +38,7 @@ from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import RoutingRow, Row, unjudged_row
 from ..report.text import fmt
-from .checks import Checker, RunAgain
+from .checks import Checker, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "routing"
@@ -146,15 +146,9 @@ class RoutingItems(Checker):
         point = entry.point
         levels, metrics = [], {}
         for level, result in results:
-            main = result.main
-            if main is not None:
-                metrics[level] = main
-            failed = [f"{c.target}.{c.name}" for c in result.checks if not c.passed]
-            levels.append({
-                "level": level, "status": result.status, "rel_l2": main.rel_l2 if main else None,
-                "cosine": main.cosine if main else None, "max_token_rel_l2": main.max_token_rel_l2 if main else None,
-                "tokens_left_out": len(result.excluded_tokens), "failed": failed,
-            })  # fmt: skip
+            if result.main is not None:
+                metrics[level] = result.main
+            levels.append({"level": level, **result_figures(result), "tokens_left_out": len(result.excluded_tokens)})
         return RoutingRow(
             id=entry.id, order=entry.order, layer=point.layer, step=point.step, component=point.component,
             status=status, levels=levels, metrics=metrics, **more,

@@ -173,6 +173,14 @@ class ParityRunner:
         decode steps are judged on the golden's inputs."""
         return self.chain is not None and (point.step is None or self.chain.decodes)
 
+    def score_bias(self, point: Point, record: GoldenRecord) -> Any:
+        """The golden's score-correction bias a point's routing is read with (sigmoid routers): a
+        router's own record's, else its router's; None where there is none."""
+        if point.component == ROUTER:
+            return record.extras.get("score_bias")
+        router = self.golden.router_of(point)
+        return self.router_record(router).extras.get("score_bias") if router is not None else None
+
     def router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
             self._router_cache.clear()  # one layer at a time
@@ -208,13 +216,8 @@ class ParityRunner:
         if last_note:  # the golden's logits at each row's last real token: no padding, no per-token figures
             facts = replace(facts, noise=None, noise_tokens=None, padding=None)
         router, noise = facts.router, facts.noise
-        golden_router = bias = None
-        if point.component == ROUTER:
-            bias = record.extras.get("score_bias")
-        elif router is not None:
-            router_record = self.router_record(router)
-            golden_router = router_record.output
-            bias = router_record.extras.get("score_bias")
+        golden_router = self.router_record(router).output if router is not None and point.component != ROUTER else None
+        bias = self.score_bias(point, record)
         chained = mode == "chain" and self.chain is not None
         try:
             case = Case(

@@ -31,6 +31,11 @@ def fmt(x: Any, digits: int = 4) -> str:
     return f"{x:.{digits - 1}e}"
 
 
+def brief(x: float | None) -> str:
+    """A figure in a sentence: three significant digits, "-" for none."""
+    return "-" if x is None else f"{x:.3g}"
+
+
 def _wrapped(prefix: str, text: str, indent: int = 4) -> list[str]:
     """`text` wrapped at spaces only: a token (a point id, a figure, a path) is never cut."""
     return textwrap.wrap(
