@@ -18,13 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .dtypes import dtype_name, json_safe
-from .golden import GoldenStore
-from .judge.tolerances import NOISE_FLOOR_EPS, resolve
 from .points import LOGITS, OUTPUT, parse_point_id
-from .report.rows import PointRow
+from .report.rows import PointRow, number
 from .report.text import brief
 
 SWEEP_FILE = "sweep.json"
@@ -106,7 +102,11 @@ class SweepResult:
     mode: str
     points: list[str] = field(default_factory=list)  # forward order
     cells: dict[tuple[str, int], Cell] = field(default_factory=dict)
-    noise: bool = False  # whether the sweep holds the reference's own error in the candidate's dtype
+
+    @property
+    def noise(self) -> bool:
+        """Whether the sweep holds the reference's own error in the candidate's dtype (a cell read it)."""
+        return any(c.reference is not None for c in self.cells.values())
 
     @property
     def defect(self) -> tuple[str, int] | None:
@@ -160,11 +160,8 @@ def run_sweep(sweep: Sweep, *, hw: str, model: Path | None, dtype: str | None, h
             if result is None:
                 result = SweepResult(sweep.lengths, dtype_name(session.dtype), session.mode)
                 result.points = [p.id for p in session.points]
-            golden = session.golden
-            figures = "isolated" if session.mode == "isolated" else golden.unsteered_noise(session.dtype)
-            result.noise = result.noise or golden.has_noise(session.dtype, figures)
             for row in session.run_all():
-                result.cells[row.id, length] = _cell(row, golden, session.dtype, figures)
+                result.cells[row.id, length] = _cell(row)
             failed = sum(1 for (_, n), c in result.cells.items() if n == length and c.defect)
             say(f"  length {length}: {sum(1 for (_, n) in result.cells if n == length)} points, {failed} over limits")
         finally:
@@ -173,20 +170,20 @@ def run_sweep(sweep: Sweep, *, hw: str, model: Path | None, dtype: str | None, h
     return result
 
 
-def _cell(row: Any, golden: GoldenStore, dtype: torch.dtype, figures: str) -> Cell:
+def _cell(row: Any) -> Cell:
+    """A point's row at one length: its error, and the reference's own and their ratio as its verdict
+    read them (over the same tokens: `PointRow.noise`)."""
     main = row.main_metrics
     rel = float(main.rel_l2) if main is not None and main.rel_l2 is not None else None
     cell = Cell(row.status, rel)
-    if not isinstance(row, PointRow) or rel is None:
+    if not isinstance(row, PointRow) or rel is None or not row.noise:
         return cell
-    noise = golden.noise(dtype, figures, row.id)
-    target = row.shown if row.shown and noise and row.shown in noise else (next(iter(noise)) if noise else None)
-    if noise and target is not None and noise[target].get("rel_l2") is not None:
-        cell.reference = float(noise[target]["rel_l2"])
-        floor = torch.finfo(dtype).eps / NOISE_FLOOR_EPS
-        cell.ratio = rel / max(cell.reference, floor)
-        tol, _ = resolve(row.id, row.component, dtype)
-        cell.limit = tol.noise_factor
+    targets = row.noise.get("targets", {})
+    target = row.shown if row.shown in targets else next(iter(targets), None)
+    if target is not None and targets[target].get("reference_rel_l2") is not None:
+        cell.reference = float(targets[target]["reference_rel_l2"])
+        cell.ratio = float(targets[target]["rel_l2_ratio"])
+        cell.limit = number(row.limits.get("noise_factor"))
     return cell
 
 
