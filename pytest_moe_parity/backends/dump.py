@@ -17,6 +17,13 @@ from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, Point
 from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
 
+# the options naming other runs' dumps: what to say where one is not given, and what its directory holds
+OTHER_DUMPS = {
+    "rows": ("the rows' own dumps are not given: --hw-option rows=DIR (DIR/row_0, DIR/row_1, ...)",
+             "the dump of {name} run alone"),
+    "plans": ("the dumps of the runs under each plan are not given: --hw-option plans=DIR (DIR/tp=1, DIR/tp=2)",
+              "the dump of the run under {name}"),
+}  # fmt: skip
 _RANK_PART = re.compile(r"\.\d+$")  # NAME.0, NAME.1: the parts of one output
 
 
@@ -55,22 +62,25 @@ class DumpBackend(Backend):
         self._dtype_from = ""
         if setup.dtype is None:
             self.native_dtype, self._dtype_from = self._dumped_dtype()
-        self._rows: dict[int, DumpDir] = {}
-        self._plans: dict[str, DumpDir] = {}
+        self._others: dict[tuple[str, str], DumpDir] = {}  # other runs' dumps (`other_dump`)
 
-    def row_dump(self, row: int) -> DumpDir:
-        """Row `row`'s own dump alone (`rows=DIR`: DIR/row_N), indexed once."""
-        if row not in self._rows:
-            root = self.hw_options["rows"]
+    def other_dump(self, option: str, name: str) -> DumpDir:
+        """Another run's dump beside the candidate's, under `--hw-option OPTION=DIR` as DIR/NAME (a row's
+        alone: `rows`, row_N; a parallel plan's: `plans`, tp=2,ep=2), indexed once; DumpError where
+        it is not given or not there."""
+        if (option, name) not in self._others:
+            root = self.hw_options[option]
             if not root:
-                raise DumpError("the rows' own dumps are not given: --hw-option rows=DIR (DIR/row_0, DIR/row_1, ...)")
-            self._rows[row] = DumpDir(Path(root).expanduser() / f"row_{row}", self.hw_options["map"],
-                                      self.golden.model_type)  # fmt: skip
-        return self._rows[row]
+                raise DumpError(OTHER_DUMPS[option][0])
+            where = Path(root).expanduser() / name
+            if not where.is_dir():
+                raise DumpError(f"{where} does not exist: put {OTHER_DUMPS[option][1].format(name=name)} there")
+            self._others[option, name] = DumpDir(where, self.hw_options["map"], self.golden.model_type)
+        return self._others[option, name]
 
     def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
         """The row's own dump of `point` (as the port ran that row alone), as it was dumped."""
-        dump = self.row_dump(row)
+        dump = self.other_dump("rows", f"row_{row}")
         found = dump.find(point)
         if found is None:
             raise PointNotDumped(f"{point.id} is not in row {row}'s dump {dump.root}")
@@ -151,27 +161,12 @@ class DumpBackend(Backend):
         return self._read(self.dump, point)
 
     def check_plan(self, plan: dict[str, int]) -> None:
-        self.plan_dump(plan)
+        self.other_dump("plans", plan_name(plan))
 
     def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
         """The dump of the run under `plan` (`plans=DIR`: DIR/tp=2,ep=2, named as the plan is spelled),
         read and fitted as the candidate's own dump is (its ranks joined by the map's layout)."""
-        return self._read(self.plan_dump(plan), point)
-
-    def plan_dump(self, plan: dict[str, int]) -> DumpDir:
-        """The dump of the run under `plan`, indexed once; DumpError where it is not there."""
-        spelled = plan_name(plan)
-        if spelled not in self._plans:
-            root = self.hw_options["plans"]
-            if not root:
-                raise DumpError(
-                    "the dumps of the runs under each plan are not given: --hw-option plans=DIR (DIR/tp=1, DIR/tp=2)"
-                )
-            where = Path(root).expanduser() / spelled
-            if not where.is_dir():
-                raise DumpError(f"{where} does not exist: put the dump of the run under {spelled} there")
-            self._plans[spelled] = DumpDir(where, self.hw_options["map"], self.golden.model_type)
-        return self._plans[spelled]
+        return self._read(self.other_dump("plans", plan_name(plan)), point)
 
     def _read(self, dump: DumpDir, point: Point) -> CandidateOutput:
         """`point`'s output in `dump`, fitted to the golden's layout, with its router's and its cache."""

@@ -174,7 +174,7 @@ def next_inputs(tokens: torch.Tensor, padding: dict[str, torch.Tensor] | None) -
     feed = {"input_ids": tokens.reshape(-1, 1).to(torch.long)}
     if padding is not None and "attention_mask" in padding:
         mask = padding["attention_mask"]
-        positions = mask.sum(-1, keepdim=True) - 1 + 1  # the real tokens so far: the new token's position
+        positions = mask.sum(-1, keepdim=True)  # the real tokens so far: the new token's position
         padding["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         padding["position_ids"] = positions.to(torch.long)
         feed.update(attention_mask=padding["attention_mask"], position_ids=padding["position_ids"])

@@ -97,6 +97,13 @@ class Rows:
         """The golden's call of a point as row `row` alone makes it (its output left whole)."""
         return replace(record, args=self.cut(record.args, row), kwargs=self.cut(record.kwargs, row))
 
+    def runs_alone(self, runner: ParityRunner, point: Point, record: GoldenRecord) -> Iterator[tuple[int, Any]]:
+        """Each row's own run of `point` (`record`, the golden's call with whole masks, cut to the row):
+        (row, the candidate's output); a row of padding only (--batch-size) has nothing to run alone."""
+        for row in range(self.count):
+            if self.real[row]:
+                yield row, runner.call(point, self.alone(record, row), row=row)
+
     def cut(self, obj: Any, row: int) -> Any:
         """`obj` (a call's args, kwargs or output) as row `row` alone has it: every tensor laid out over
         the batch's rows and tokens cut to that row's real tokens, the row dimension kept where it is
@@ -155,13 +162,11 @@ class BatchItems(Checker):
         tol, _ = runner.tolerance(point)
         floor = torch.finfo(runner.dtype).eps / NOISE_FLOOR_EPS if runner.dtype.is_floating_point else 0.0
         results = []
-        for row in range(self.rows.count):
-            if not self.rows.real[row]:  # a row of padding only (--batch-size): nothing of it runs alone
-                continue
-            try:
-                alone = runner.call(point, self.rows.alone(record, row), row=row)
-            except BackendFailure as exc:
-                raise BackendFailure(entry.id, exc.original) from exc
+        try:
+            runs = list(self.rows.runs_alone(runner, point, record))
+        except BackendFailure as exc:
+            raise BackendFailure(entry.id, exc.original) from exc
+        for row, alone in runs:
             in_batch = self.rows.cut(batch.output, row)
             alone = replace(alone, output=_as_shaped(alone.output, in_batch))
             routing = (router, _cut_routing(self.rows, batch.routing, row), alone.routing)

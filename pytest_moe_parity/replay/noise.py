@@ -123,16 +123,10 @@ def record_noise(
 def batch_vs_alone(runner: ParityRunner, rows: Rows, point: Any, batch: Any) -> list[float | None]:
     """Each row's relative L2 between the reference's own output for it in the batch and alone (the
     golden's call cut to the row), in the noise floor's dtype: what batching alone costs the reference."""
-    record = runner.golden.load(point)
-    out: list[float | None] = []
-    for row in range(rows.count):
-        if not rows.real[row]:  # a row of padding only: nothing runs alone
-            out.append(None)
-            continue
-        alone = runner.call(point, rows.alone(record, row))
-        result = runner.judge_between(point, alone.output, rows.cut(batch.output, row))
-        main = result.main
-        out.append(float(main.rel_l2) if main is not None and math.isfinite(main.rel_l2) else None)
+    out: list[float | None] = [None] * rows.count  # None: a row of padding only
+    for row, alone in rows.runs_alone(runner, point, runner.golden.load(point)):
+        main = runner.judge_between(point, alone.output, rows.cut(batch.output, row)).main
+        out[row] = float(main.rel_l2) if main is not None and math.isfinite(main.rel_l2) else None
     return out
 
 
