@@ -312,17 +312,39 @@ class DrillRow(Row):
 
 
 @dataclass
-class RoutingRow(Row):
+class RunAgainRow(Row):
+    """What the rows of a differential share (a point run again under a condition): the figures of
+    each run compared (`metrics`), a verdict of the mode it ran in, and the keys of its JSON that every
+    row holds; each kind adds its own figures (`_own_json`)."""
+
+    metrics: dict[str, TensorMetrics] = field(default_factory=dict)
+
+    def verdict(self, mode: str) -> str | None:
+        return self.status if mode == self.mode else None
+
+    def _own_json(self) -> JsonDict:
+        return {}
+
+    def to_json(self) -> JsonDict:
+        return {
+            **super().to_json(), "mode": self.mode, **self._own_json(),
+            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [], "notes": self.notes,
+            "hint": self.hint, **self._message_json(),
+        }  # fmt: skip
+
+
+@dataclass
+class RoutingRow(RunAgainRow):
     """A MoE block replayed at each level of the golden's routing (``POINT::routing``,
     ``--parity-routing``): its own routing (near ties forgiven), the golden's expert ids, then ids and
-    weights. `levels`: each level's verdict and figures, in that order; `recovered`: the first forced
-    level within the block's limits where its own routing is not (the routing's fault is there), else
-    None; `routing`: its own routing's flips, ties and the weight the flips carry."""
+    weights. `levels`: each level's verdict and figures, in that order (`metrics`: each level's main
+    tensor); `recovered`: the first forced level within the block's limits where its own routing is not
+    (the routing's fault is there), else None; `routing`: its own routing's flips, ties and the weight
+    the flips carry."""
 
     kind: ClassVar[Kind] = "routing"
 
     levels: list[JsonDict] = field(default_factory=list)  # {"level", "status", "rel_l2", "cosine", ...}
-    metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # each level's main tensor
     recovered: str | None = None
     routing: RoutingMetrics | None = None
 
@@ -331,29 +353,22 @@ class RoutingRow(Row):
         """Its own routing's figures (the level a real run has)."""
         return self.metrics.get("own")
 
-    def verdict(self, mode: str) -> str | None:
-        return self.status if mode == self.mode else None
-
-    def to_json(self) -> JsonDict:
-        return {
-            **super().to_json(), "mode": self.mode, "levels": self.levels,
-            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
-            "recovered": self.recovered, "routing": self.routing.to_dict() if self.routing is not None else None,
-            "notes": self.notes, "hint": self.hint, **self._message_json(),
-        }  # fmt: skip
+    def _own_json(self) -> JsonDict:
+        routing = self.routing.to_dict() if self.routing is not None else None
+        return {"levels": self.levels, "recovered": self.recovered, "routing": routing}
 
 
 @dataclass
-class BatchInvarianceRow(Row):
+class BatchInvarianceRow(RunAgainRow):
     """A point run on the golden's batch and on each row alone (``POINT::batch``,
     ``--parity-batch-invariance``): `batch_rows`, each row's figures in the batch against its own run
-    alone (and its run alone against the golden's row); `changed_rows`, the rows batching alone
-    changes; `condition`, "padding" (only padded rows change) or "neighbours"."""
+    alone (and its run alone against the golden's row; `metrics`: each row's, in the batch vs alone);
+    `changed_rows`, the rows batching alone changes; `condition`, "padding" (only padded rows change) or
+    "neighbours"."""
 
     kind: ClassVar[Kind] = "batch"
 
     batch_rows: list[JsonDict] = field(default_factory=list)
-    metrics: dict[str, TensorMetrics] = field(default_factory=dict)  # each row's, in the batch vs alone
     changed_rows: list[int] = field(default_factory=list)
     condition: str | None = None
 
@@ -363,20 +378,12 @@ class BatchInvarianceRow(Row):
         rows = [m for m in self.metrics.values() if m is not None]
         return max(rows, key=lambda m: number(m.rel_l2) or 0.0) if rows else None
 
-    def verdict(self, mode: str) -> str | None:
-        return self.status if mode == self.mode else None
-
-    def to_json(self) -> JsonDict:
-        return {
-            **super().to_json(), "mode": self.mode, "batch_rows": self.batch_rows,
-            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [],
-            "changed_rows": self.changed_rows, "condition": self.condition, "notes": self.notes, "hint": self.hint,
-            **self._message_json(),
-        }  # fmt: skip
+    def _own_json(self) -> JsonDict:
+        return {"batch_rows": self.batch_rows, "changed_rows": self.changed_rows, "condition": self.condition}
 
 
 @dataclass
-class ParallelRow(Row):
+class ParallelRow(RunAgainRow):
     """A point run with the candidate built under two parallel plans (``POINT::parallel``,
     ``--parity-parallel A:B``): `plans` [A, B]; `figures`, B's relative L2 to A (`b_vs_a`) and each
     plan's to the golden; `metrics`, B against A."""
@@ -385,21 +392,13 @@ class ParallelRow(Row):
 
     plans: list[str] = field(default_factory=list)
     figures: JsonDict = field(default_factory=dict)
-    metrics: dict[str, TensorMetrics] = field(default_factory=dict)
 
     @property
     def main_metrics(self) -> TensorMetrics | None:
         return self.metrics.get("b_vs_a")
 
-    def verdict(self, mode: str) -> str | None:
-        return self.status if mode == self.mode else None
-
-    def to_json(self) -> JsonDict:
-        return {
-            **super().to_json(), "mode": self.mode, "plans": self.plans, "figures": self.figures,
-            "metrics": {k: m.to_dict() for k, m in self.metrics.items()}, "checks": [], "notes": self.notes,
-            "hint": self.hint, **self._message_json(),
-        }  # fmt: skip
+    def _own_json(self) -> JsonDict:
+        return {"plans": self.plans, "figures": self.figures}
 
 
 _JUDGED_KEYS = ("metrics", "checks", "routing", "logits", "noise", "limits", "candidate_dtype")
