@@ -365,9 +365,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     picture = draw_sweep(result, args.plot or sweep.root / "sweep.png")
     for line in sweep_lines(result, str(picture) if picture else None):
         print(line)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    if args.json is not None and (failed := _write_json(args.json, result.to_json())) is not None:
+        return failed
     return EXIT_FAILED if result.defect is not None else EXIT_OK
 
 
@@ -686,12 +685,18 @@ def _checkpoint_report(args: argparse.Namespace, run, lines, as_json) -> tuple[i
         return _fail(str(exc)), None
     for line in lines(result):
         print(line)
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(as_json(result), indent=2) + "\n")
-        except OSError as exc:
-            return _fail(f"--json {args.json}: cannot write it ({exc})"), None
-    return None, result
+    failed = _write_json(args.json, as_json(result)) if args.json is not None else None
+    return (failed, None) if failed is not None else (None, result)
+
+
+def _write_json(path: Path, data: Any) -> int | None:
+    """`--json FILE`: `data` written there (its folder made); None, or exit 2 with one line where it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        return _fail(f"--json {path}: cannot write it ({exc})")
+    return None
 
 
 def _audit_arguments(sub: Any) -> None:
@@ -971,9 +976,8 @@ def cmd_routes(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     for line in routes_lines(result):
         print(line)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    if args.json is not None and (failed := _write_json(args.json, result.to_json())) is not None:
+        return failed
     return EXIT_FAILED if result.first_divergence is not None else EXIT_OK
 
 
