@@ -597,12 +597,37 @@ def _matches_bundled(fresh, ref) -> str:
 
 
 def _report_arguments(sub: Any) -> None:
-    report = sub.add_parser("report", help="redraw a report's pictures and print its summary from the JSON")
-    report.add_argument("report", type=Path, help="a --parity-report directory (or its comparison_report.json)")
+    report = sub.add_parser(
+        "report",
+        help="redraw a report's pictures and print its summary from the JSON; --merge: the shards of a sharded run "
+        "made one run's report (exit 1 where it failed or lacks a shard, 2 if they are not one run)",
+    )
+    report.add_argument(
+        "report", type=Path, nargs="?", help="a --parity-report directory (or its comparison_report.json)"
+    )
+    report.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="the --parity-report directories of a run's shards (--parity-layers selections of one golden, candidate "
+        "and settings): merged into --out",
+    )
+    report.add_argument("--out", type=Path, metavar="DIR", help="where --merge writes the merged run's reports")
+    report.add_argument(
+        "--previous",
+        type=Path,
+        metavar="DIR",
+        help="with --merge: the previous run's merged report, diffed against tonight's (absent: said, not a failure)",
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Redraw the pictures of a --parity-report directory from its JSON and print its summary."""
+    if args.merge is not None or args.out is not None or args.previous is not None:
+        return _report_merge(args)
+    if args.report is None:
+        return _fail("give a --parity-report DIR to redraw, or --merge DIR... --out DIR")
     from .report.block import bug_report, bug_report_text
     from .report.files import plots_line, read_report, report_rows
     from .report.plots import PlotsUnavailable, render_plots
@@ -628,6 +653,59 @@ def cmd_report(args: argparse.Namespace) -> int:
     for line in bug_report_text(bug_report(rows, report)):
         print(line)
     return EXIT_OK
+
+
+def _report_merge(args: argparse.Namespace) -> int:
+    """`moe-parity report --merge DIR... --out DIR`: exit 0 when the merged run is whole and every item passed,
+    1 when an item failed or errored or the run lacks a shard (named, in the output and the merged summary), 2
+    when the directories are not the shards of one run."""
+    from .report.merge import MergeError, merge, merge_lines, problem_lines, write_merged
+    from .report.summary import summary_lines, summary_table
+
+    if args.report is not None:
+        return _fail(f"--merge takes the shards' directories; {args.report} is one more: add it after --merge")
+    if not args.merge or args.out is None:
+        return _fail("--merge DIR... and --out DIR go together: the shards' reports, and where the merged one goes")
+    if args.out.resolve() in {p.resolve() for p in args.merge}:
+        return _fail(f"--out {args.out} is one of the shards: write the merged report elsewhere")
+    try:
+        merged = merge(args.merge)
+    except MergeError as exc:
+        return _fail(str(exc))
+    try:
+        written = write_merged(merged, args.out)
+    except OSError as exc:
+        return _fail(f"--out {args.out}: cannot write the merged report ({exc})")
+    for line in merge_lines(merged):
+        print(line)
+    for line in summary_table(merged.rows):
+        print(line)
+    for line, _ in summary_lines(merged.rows, report_dir=args.out):
+        print(line)
+    for line in [*problem_lines(merged), *written]:
+        print(line)
+    if args.previous is not None:
+        for line in _previous_lines(args.previous, args.out):
+            print(line)
+    return EXIT_OK if merged.passed else EXIT_FAILED
+
+
+def _previous_lines(previous: Path, tonight: Path) -> list[str]:
+    """The previous run's report diffed against tonight's merged one, best effort: a previous report
+    that is not there or not comparable is said in a line, never a failure (a first night has none)."""
+    from .report.files import read_report
+    from .report.history import comparable, diff_reports
+
+    if not previous.exists():
+        return [f"no previous report at {previous}: nothing to diff against (a first run)"]
+    try:
+        old, new = read_report(previous), read_report(tonight)
+    except ValueError as exc:
+        return [f"previous report not read: {exc}"]
+    reason = comparable(old, new)
+    if reason is not None:
+        return [f"previous report not diffed: {reason}"]
+    return diff_reports(old, new).lines(str(previous), str(tonight), 2.0)
 
 
 def _describe_run(report: dict) -> str:

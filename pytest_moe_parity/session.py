@@ -17,7 +17,7 @@ from . import compat
 from .backends import BackendSetup, backend_class, parse_hw_options, registry
 from .drill import drill_patterns
 from .drill.items import DrillItems
-from .dtypes import dtype_name, parse_dtype
+from .dtypes import dtype_name, json_safe, parse_dtype
 from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
 from .host import HeldThreads
@@ -30,7 +30,7 @@ from .replay.config import config_items
 from .replay.parallel import parallel_items
 from .replay.routing import routing_items
 from .replay.runner import ParityRunner, Prepared
-from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_layers
+from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_units
 from .replay.weights import weight_items
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
@@ -144,7 +144,7 @@ class ParitySession:
             raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
         self.dtype: torch.dtype = self.backend.dtype
         self._fit_threads()
-        self.layers = select_layers(options.layers, self.golden, flags["layers"])
+        self.layers, self.model_points = select_units(options.layers, self.golden, flags["layers"])
         self.mode = run_mode(self.golden, cls, options.mode, flags["mode"], self.hw, self.dtype)
         check_noise(self.golden, self.dtype, [*options.cli_tolerances, *options.ini_tolerances])
         self.runner = ParityRunner(
@@ -211,8 +211,10 @@ class ParitySession:
 
     def selected(self, point: Point | int | None) -> bool:
         """Whether --parity-layers keeps the point, or the weight item of a layer (None: the
-        model-level ones, which are not layers)."""
+        model-level ones, which are not layers: kept with no selection, or with its word `model`)."""
         layer = point.layer if isinstance(point, Point) else point
+        if layer is None:
+            return self.model_points
         return self.layers is None or layer in self.layers
 
     def schedule(self) -> Iterator[Point | Entry]:
@@ -299,7 +301,8 @@ class ParitySession:
 
     def header_lines(self) -> list[str]:
         m = self.golden.manifest
-        layers = f", layers {describe_layers(self.layers)}" if self.layers is not None else ""
+        layers = self.describe_selection()
+        layers = f", {layers}" if layers else ""
         recorded = f"{m['model'].get('num_hidden_layers')} layers"
         if "layers" in m["record"]:  # a slice: `moe-parity golden --layers`
             recorded = f"a slice: layers {describe_layers(self.golden.layers)} of {recorded}"
@@ -314,6 +317,15 @@ class ParitySession:
             *(self.config_item.header_lines() if self.config_item is not None else []),
             *(self.weights.header_lines() if self.weights is not None else self._no_weights),
         ]
+
+    def describe_selection(self) -> str:
+        """What --parity-layers kept, in words ("" for everything)."""
+        if self.layers is None:
+            return ""
+        if not self.layers:
+            return "the model-level points only"
+        said = f"layers {describe_layers(self.layers)}"
+        return f"{said} and the model-level points" if self.model_points else said
 
     def inputs_line(self) -> str:
         """Which inputs came from the golden: a port's own mask, position or rotary builder is
@@ -381,6 +393,12 @@ class ParitySession:
             "hw_options": dict(self.backend.setup.options),  # as given (KEY: VALUE), parsed once at setup
             "dtype": dtype_name(self.dtype),
             "layers": self.layers,
+            # what `moe-parity report --merge` checks shards by: their selection, and the run's settings
+            "parity_layers": self.options.layers or None,
+            "model_points": self.model_points,
+            "golden_layers": self.golden.layers,
+            "planned_points": [p.id for p in self.points if self.selected(p)],
+            "run_options": self.run_options(),
             "mode": self.mode,
             "noise_dtypes": self.golden.noise_dtypes,
             "versions": compat.versions(),
@@ -392,6 +410,20 @@ class ParitySession:
         if reads:
             meta["candidate_reads"] = reads
         return meta
+
+    def run_options(self) -> dict[str, Any]:
+        """The options that decide which items a run has and how they are judged, beside the golden, the
+        candidate, the backend, the dtype and the mode: shards of one run share them (`report --merge`)."""
+        o = self.options
+        return {
+            "tolerances": [[pattern, json_safe(values)] for pattern, values in [*o.cli_tolerances, *o.ini_tolerances]],
+            "weights": o.weights,
+            "config": o.config,
+            "drill": list(o.drill),
+            "routing": o.routing,
+            "batch": o.batch,
+            "parallel": o.parallel,
+        }
 
     def write_reports(self) -> None:
         """The JSON reports and pictures (`--parity-report`); what was drawn joins the closing lines."""

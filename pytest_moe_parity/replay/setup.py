@@ -18,7 +18,7 @@ from ..dtypes import dtype_name
 from ..errors import BackendError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
 from ..model.checkpoint import read_config
-from ..points import describe_layers, layers_option
+from ..points import describe_layers, parse_layers
 from ..report.rows import Row
 from .runner import MODES
 
@@ -57,18 +57,33 @@ def check_config(golden: GoldenStore, candidate: Path) -> None:
         raise SetupError(f"candidate {candidate} does not match the golden's model: " + "; ".join(diffs))
 
 
-def select_layers(text: str | None, golden: GoldenStore, flag: str) -> list[int] | None:
-    """`--parity-layers` -> the layers (None: every one), each a layer of the golden."""
-    layers = layers_option(text, flag, SetupError)
-    if layers is None:
-        return None
+MODEL_POINTS = "model"  # the word of --parity-layers for the items that are not a layer's
+
+
+def select_units(text: str | None, golden: GoldenStore, flag: str) -> tuple[list[int] | None, bool]:
+    """`--parity-layers` -> (its decoder layers, each a layer of the golden, None for every one;
+    whether the model-level items run: embedding, rotary, final norm, logits, the config and
+    model-level weight items). They run with no selection, or where the word `model` is in it
+    (`model,0-15`; `model` alone: those only): a shard of a sharded run must be able to take them, or
+    no shard would (`moe-parity report --merge`)."""
+    if text is None or not str(text).strip():
+        return None, True
+    parts = [p.strip() for p in str(text).split(",")]
+    model = MODEL_POINTS in parts
+    rest = ",".join(p for p in parts if p and p != MODEL_POINTS)
+    if model and not rest:
+        return [], True
+    try:
+        layers = parse_layers(rest)
+    except ValueError as exc:
+        raise SetupError(f"{flag} {text}: {exc}") from None
     unknown = sorted(set(layers) - set(golden.layers))
     if unknown:
         raise SetupError(
             f"{flag} {text}: the golden has no layer {describe_layers(unknown)}; "
             f"its layers are {describe_layers(golden.layers)}"
         )
-    return layers
+    return layers, model
 
 
 def _chain_of(name: str) -> str | None:
