@@ -6,6 +6,7 @@ defaults and print the same lines."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,7 @@ class ParitySession:
 
     def __init__(self, options: RunOptions):
         self.options = options
+        self.started = time.perf_counter()  # the run's wall in its report: `moe-parity estimate --from-report`
         flags = options.flags
         try:
             self.golden = GoldenStore(options.golden_dir)
@@ -399,6 +401,11 @@ class ParitySession:
             "golden_layers": self.golden.layers,
             "planned_points": [p.id for p in self.points if self.selected(p)],
             "run_options": self.run_options(),
+            # what `moe-parity estimate --from-report` scales a run's measured seconds by
+            "tokens": self.golden.prefill_tokens * self.golden.sequences,
+            "host": {"cores": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()},
+            "workers": self.options.workers,
+            "wall_seconds": round(time.perf_counter() - self.started, 3),
             "mode": self.mode,
             "noise_dtypes": self.golden.noise_dtypes,
             "versions": compat.versions(),

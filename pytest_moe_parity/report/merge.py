@@ -109,6 +109,7 @@ class Shard:
             **{k: n[k] for k in ("passed", "failed", "error", "skipped")},
             "first_divergence": first.id if first else None,
             "complete": bool(self.report.get("complete", True)),
+            "wall_seconds": self.report.get("wall_seconds"),
             "problem": self.problem(),
         }
 
@@ -229,6 +230,9 @@ def merge(paths: list[Path]) -> Merged:
         parity_layers=None if every else ";".join(s.selection for s in shards),
         model_points=model,
         planned_points=sorted(planned, key=lambda pid: order.get(pid, math.inf)),
+        # the shards' runner-seconds together (they ran side by side): what one runner would have taken,
+        # as `moe-parity estimate --from-report` reads a run's wall
+        wall_seconds=round(sum(float(s.report.get("wall_seconds") or 0.0) for s in shards), 3),
         shards=[s.entry() for s in shards],
         shard_problems=problems,
     )
