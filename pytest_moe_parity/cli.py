@@ -630,6 +630,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         return _fail("give a --parity-report DIR to redraw, or --merge DIR... --out DIR")
     from .report.block import bug_report, bug_report_text
     from .report.files import plots_line, read_report, report_rows
+    from .report.html import DIFF_FILE, HTML_FILE, load_diff, write_html
     from .report.plots import PlotsUnavailable, render_plots
     from .report.summary import summary_lines, summary_table
 
@@ -644,11 +645,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         written = render_plots(points, directory)
     except PlotsUnavailable as exc:
         return _fail(str(exc))
+    try:  # the page shows them: written again with them, and with a diff.json beside the report
+        page = write_html(directory, report, pictures=written)
+    except OSError as exc:
+        return _fail(f"{directory}: cannot write {HTML_FILE} ({exc})")
+    _, not_shown = load_diff(directory, report)
     print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(points)} points)")
     for line in summary_table(rows):
         print(line)
     for line, _ in summary_lines(rows):
         print(line)
+    print(f"page: {page}" + (f" ({DIFF_FILE} not shown: {not_shown})" if not_shown else ""))
     print(plots_line(written, directory))
     for line in bug_report_text(bug_report(rows, report)):
         print(line)
@@ -695,6 +702,7 @@ def _previous_lines(previous: Path, tonight: Path) -> list[str]:
     that is not there or not comparable is said in a line, never a failure (a first night has none)."""
     from .report.files import read_report
     from .report.history import comparable, diff_reports
+    from .report.html import write_diff
 
     if not previous.exists():
         return [f"no previous report at {previous}: nothing to diff against (a first run)"]
@@ -705,7 +713,13 @@ def _previous_lines(previous: Path, tonight: Path) -> list[str]:
     reason = comparable(old, new)
     if reason is not None:
         return [f"previous report not diffed: {reason}"]
-    return diff_reports(old, new).lines(str(previous), str(tonight), 2.0)
+    diff = diff_reports(old, new)
+    lines = diff.lines(str(previous), str(tonight), 2.0)
+    try:  # the merged run's page shows the diff too (diff.json beside its report)
+        write_diff(tonight, new, diff.to_json(str(previous), str(tonight), 2.0))
+    except OSError as exc:
+        lines.append(f"the diff is not on the page: {exc}")
+    return lines
 
 
 def _describe_run(report: dict) -> str:
@@ -730,6 +744,12 @@ def _diff_arguments(sub: Any) -> None:
         default=1e-3,
         help="a rel_l2 below this is rounding, whatever its growth (default 1e-3)",
     )
+    diff.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the diff as JSON (as NEW/diff.json, report.html shows it: moe-parity report NEW)",
+    )
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -749,6 +769,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         return _fail(f"{args.old} and {args.new} share no point; nothing to compare")
     for line in result.lines(str(args.old), str(args.new), args.factor):
         print(line)
+    as_json = result.to_json(str(args.old), str(args.new), args.factor)
+    if args.json is not None and (failed := _write_json(args.json, as_json)) is not None:
+        return failed
     return EXIT_FAILED if result.worse else EXIT_OK
 
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.html import HTML_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
@@ -193,14 +194,15 @@ def test_a_copied_golden_keeps_its_fingerprint(runs, tmp_path: Path) -> None:
 
 
 def test_the_pictures_can_be_turned_off(pytester: pytest.Pytester, golden_dir, tmp_path: Path, capsys) -> None:
-    """`--parity-plots no` (ini `parity_plots = no`, `compare --plots no`): the JSON reports alone."""
+    """`--parity-plots no` (ini `parity_plots = no`, `compare --plots no`): the JSON reports and the page
+    (report.html, without pictures) alone."""
     golden = golden_dir("olmoe")
     for how, args in (("flag", ["--parity-plots", "no"]), ("ini", ["-o", "parity_plots=no"])):
         report = tmp_path / how
         result = run_parity(pytester, golden, "-m", "final_norm", "--parity-report", str(report), *args)
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines(["plots: off (the JSON reports are written)"])
-        assert sorted(p.name for p in report.iterdir()) == sorted([REPORT_FILE, SUMMARY_FILE])
+        assert sorted(p.name for p in report.iterdir()) == sorted([REPORT_FILE, SUMMARY_FILE, HTML_FILE])
     usage_error(run_parity(pytester, golden, "-o", "parity_plots=maybe"), "parity_plots (ini): expected yes or no")
     dump = tmp_path / "dump"
     dump.mkdir()

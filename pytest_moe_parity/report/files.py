@@ -67,31 +67,52 @@ def drills(rows: list[Row]) -> dict[str, Any]:
 def write_reports(
     directory: Path, rows: list[Row], *, meta: dict[str, Any], interrupted: bool, plots: bool = True
 ) -> list[str]:
-    """The two JSON reports, then the pictures (unless `plots` is off); returns the line that says what
-    was drawn."""
+    """The two JSON reports, then the pictures (unless `plots` is off), then the page (report.html)
+    that shows them; returns the line that says what was drawn, and one more where the page could not
+    be written."""
     directory.mkdir(parents=True, exist_ok=True)
     ordered = sorted(rows, key=lambda r: r.order)
     points = [r.to_json() for r in ordered]
     report = {"schema_version": REPORT_SCHEMA_VERSION, **meta, "complete": not interrupted, "points": points}
-    atomic_write_text(directory / REPORT_FILE, json.dumps(report, indent=1) + "\n")
-    atomic_write_text(
-        directory / SUMMARY_FILE, json.dumps(summary(ordered, meta=meta, interrupted=interrupted), indent=1) + "\n"
-    )
+    text = json.dumps(report, indent=1)
+    atomic_write_text(directory / REPORT_FILE, text + "\n")
+    said = summary(ordered, meta=meta, interrupted=interrupted)
+    atomic_write_text(directory / SUMMARY_FILE, json.dumps(said, indent=1) + "\n")
     drawn = [r for r in ordered if r.kind != "op"]  # a drill's ops are its table, not the plots' points
-    return [draw(drawn, directory) if plots else "plots: off (the JSON reports are written)"]
+    line, pictures = _draw(drawn, directory) if plots else ("plots: off (the JSON reports are written)", [])
+    # the page from the report as written (as `moe-parity report DIR` reads it): the same page either way
+    page = page_line(directory, json.loads(text), json.loads(json.dumps(said)), pictures)
+    return [line, page] if page else [line]
 
 
 def draw(rows: list[Row], directory: Path) -> str:
     """Draw the rows' pictures; one line saying which, or why none (the JSON stands either way)."""
+    return _draw(rows, directory)[0]
+
+
+def _draw(rows: list[Row], directory: Path) -> tuple[str, list[Path]]:
+    """:func:`draw`'s line, and the pictures it drew (none where it drew none)."""
     from .plots import PlotsUnavailable, render_plots
 
     try:
         written = render_plots(rows, directory)
     except PlotsUnavailable as exc:
-        return f"{exc} (the JSON reports are written)"
+        return f"{exc} (the JSON reports are written)", []
     except Exception as exc:  # a picture must never cost the reports
-        return f"plots not drawn: {type(exc).__name__}: {exc} (the JSON reports are written)"
-    return plots_line(written, directory)
+        return f"plots not drawn: {type(exc).__name__}: {exc} (the JSON reports are written)", []
+    return plots_line(written, directory), written
+
+
+def page_line(directory: Path, report: dict[str, Any], said: dict[str, Any], pictures: list[Path]) -> str | None:
+    """Write report.html (the pictures embedded); None, or the one line that says why it is not
+    written (the JSON stands either way)."""
+    from .html import HTML_FILE, write_html
+
+    try:
+        write_html(directory, report, said, pictures=pictures)
+    except Exception as exc:  # the page must never cost the reports
+        return f"{HTML_FILE} not written: {type(exc).__name__}: {exc} (the JSON reports are written)"
+    return None
 
 
 def plots_line(written: list[Path], directory: Path) -> str:

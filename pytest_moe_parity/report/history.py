@@ -3,6 +3,8 @@ beyond a factor, which newly fail or error, which were fixed. Nightly regression
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +15,7 @@ from .summary import figure
 # figures a regression is judged on, with the value under which a growth does not count: rel_l2 below
 # `min_error` is rounding whatever its growth; a noise ratio under 1 is within the reference's own error
 FIGURES = ("rel_l2", "noise_ratio")
+DIFF_SCHEMA_VERSION = 1  # of the diff's JSON (`Diff.to_json`)
 
 
 @dataclass
@@ -31,6 +34,11 @@ class Change:
             factor = f" (x{new / old:.3g})" if old else ""
             parts.append(f"{what} {old:.3g} -> {new:.3g}{factor}")
         return f"{self.id:<28} {self.mode:<9} " + "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        figures = [{"figure": what, "old": old, "new": new} for what, old, new in self.figures]
+        return {"id": self.id, "mode": self.mode, "status": list(self.status) if self.status else None,
+                "figures": figures}  # fmt: skip
 
 
 @dataclass
@@ -61,6 +69,32 @@ class Diff:
                 shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
                 out.append(f"only in {name} (not compared): {shown}")
         return out
+
+    def to_json(self, old_name: str, new_name: str, factor: float) -> dict[str, Any]:
+        """The diff as `moe-parity diff --json` writes it, and as report.html's section reads it
+        (report/html.py): `new_digest` names the report it was taken against, so a page never shows
+        it for another."""
+        return {
+            "schema_version": DIFF_SCHEMA_VERSION,
+            "old": old_name,
+            "new": new_name,
+            "old_run": _run(self.old),
+            "new_run": _run(self.new),
+            "factor": factor,
+            "common": self.common,
+            "new_digest": report_digest(self.new),
+            "worse": [c.to_json() for c in self.worse],
+            "fixed": [c.to_json() for c in self.fixed],
+            "better": [c.to_json() for c in self.better],
+            "only_old": self.only_old,
+            "only_new": self.only_new,
+        }
+
+
+def report_digest(report: dict[str, Any]) -> str:
+    """What a report's points hold, in 16 hex digits: the same for the dict a run wrote and for the
+    file read back."""
+    return hashlib.sha256(json.dumps(report["points"], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _run(report: dict[str, Any]) -> str:
