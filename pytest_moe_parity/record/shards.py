@@ -65,9 +65,9 @@ def parse_duration(text: str, flag: str = "--budget") -> float:
 
 
 def duration(seconds: float) -> str:
-    """12345 -> "3h25m45s"; under a minute with one decimal."""
+    """12345 -> "3h25m45s"; under a minute to three figures ("0.25s", "42.5s")."""
     if seconds < 60:
-        return f"{seconds:.1f}s"
+        return f"{seconds:.3g}s"
     s = round(seconds)
     h, rest = divmod(s, 3600)
     m, s = divmod(rest, 60)
@@ -346,8 +346,8 @@ def _line(x: list[float], y: list[float]) -> tuple[float, float, str | None]:
         sum(x) / sum(y),
         0.0,
         (
-            "the points' seconds do not grow with their FLOPs (each call's own cost dominates): the rate is their FLOPs "
-            "over their seconds, which overstates the time of bigger points"
+            "the points' seconds do not grow with their FLOPs (each call's own cost dominates): the rate is their "
+            "FLOPs over their seconds, which overstates the time of bigger points"
         ),
     )
 
@@ -510,9 +510,8 @@ def shard_lines(plan: dict[str, Any], hw: str, tokens: int) -> list[str]:
         if fit is None:
             lines.append(f"--budget {budget}: no number of shards fits (one unit per shard is still longer)")
         else:
-            lines.append(
-                f"--budget {budget}: {fit} shard{'s' * (fit != 1)} fit (the fewest whose longest is within it)"
-            )
+            fewest = f"{fit} shard fits" if fit == 1 else f"{fit} shards fit"
+            lines.append(f"--budget {budget}: {fewest} (the fewest whose longest is within it)")
         if not plan["fits"]:
             lines.append(f"these {len(shards)} shards do not fit --budget {budget}")
     return lines

@@ -25,6 +25,7 @@ from ..files import atomic_write_text
 from ..judge.tolerances import JUNIT_FIGURES
 from ..points import describe_layers
 from .files import REPORT_FILE, SUMMARY_FILE, read_report, report_rows, write_reports
+from .html import HTML_FILE
 from .rows import Row
 from .summary import counts, first_divergence, mark_inherited, row_note
 
@@ -243,7 +244,8 @@ def write_merged(merged: Merged, out: Path, *, plots: bool = True) -> list[str]:
     """The merged run's JSON reports, pictures and JUnit file in `out`; the lines saying what was written."""
     drawn = write_reports(out, merged.rows, meta=merged.meta, interrupted=not merged.complete, plots=plots)
     atomic_write_text(out / JUNIT_FILE, junit_xml(merged))
-    return [f"merged report in {out}: {REPORT_FILE}, {SUMMARY_FILE}, {JUNIT_FILE}", *drawn]
+    files = [f for f in (REPORT_FILE, SUMMARY_FILE, JUNIT_FILE, HTML_FILE) if (out / f).is_file()]
+    return [f"merged report in {out}: {', '.join(files)}", *drawn]
 
 
 def junit_xml(merged: Merged) -> str:
