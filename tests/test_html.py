@@ -242,6 +242,43 @@ def test_every_text_of_the_run_is_escaped() -> None:
     assert page == render_html(report)  # deterministic
 
 
+def test_every_kind_of_item_has_its_place_on_the_page() -> None:
+    """A point not judged, the differentials' items (in the table, not the grid: they run a point
+    again), a drill (its op table, the culprit marked), and a run that stopped early."""
+    moe = {"layer": 0, "step": None, "component": "moe", "mode": "isolated", "metrics": {}, "checks": []}
+    points = [
+        {"id": "embedding", "order": 0, "layer": None, "step": None, "component": "embedding", "status": "skipped",
+         "reason": "not in the dump", "metrics": {}, "checks": []},
+        {"id": "layer_0.attention::drill", "order": 1, "layer": 0, "step": None, "component": "attention",
+         "status": "failed", "op": None, "metrics": {}, "checks": [],
+         "drill": {"point": "layer_0.attention", "culprit": "mm", "recovery": 0.9, "structure": [], "repro": None,
+                   "evidence": ["argument 1 differs"], "rows": [
+                       {"name": "softmax", "kind": "_softmax", "shape": [2, 3], "verdict": "ok", "error": 1e-4},
+                       {"name": "mm", "kind": "mm", "shape": [2, 3], "verdict": "introduced", "error": 0.1}]}},
+        {**moe, "id": "layer_0.moe::routing", "order": 2, "status": "failed", "recovered": "ids",
+         "levels": [{"level": "own", "status": "failed", "rel_l2": 0.5}, {"level": "ids", "status": "passed"}]},
+        {**moe, "id": "layer_0.moe::batch", "order": 3, "status": "failed", "condition": "padding",
+         "changed_rows": [1], "batch_rows": [{"row": 0, "failed": False}, {"row": 1, "failed": True}]},
+        {**moe, "id": "layer_0.moe::parallel", "order": 4, "status": "passed", "plans": ["tp=1", "tp=2"],
+         "figures": {"b_vs_a": 1e-6}},
+    ]  # fmt: skip
+    report = {"schema_version": 1, "model_type": "qwen3_moe", "hw": "dump", "dtype": "bfloat16", "mode": "isolated",
+              "complete": False, "points": points}  # fmt: skip
+    root = parse(render_html(report))
+    assert cell(root, "embedding").attrs["data-verdict"] == "skipped"
+    assert not root.find(class_="cell", data_point="layer_0.moe::routing")
+    table = root.one("table", id="all-points")
+    assert [r.attrs["data-point"] for r in table.find("tr") if "data-point" in r.attrs] == [
+        "embedding", "layer_0.moe::routing", "layer_0.moe::batch", "layer_0.moe::parallel"
+    ]  # fmt: skip
+    drill = root.one("div", id="drill-layer_0.attention")
+    assert [r.find("td")[0].text() for r in drill.find("tr", class_="culprit")] == ["mm"]
+    assert "culprit mm, substituting it recovers 90%" in drill.text()
+    assert "recovered by forcing the golden's ids" in root.one("details", id="p-layer_0.moe::routing").text()
+    assert "condition: padding" in root.one("details", id="p-layer_0.moe::batch").text()
+    assert "interrupted" in root.one("header").text()
+
+
 def test_moe_parity_report_writes_the_page_again_with_last_night_s_diff(runs, capsys, tmp_path: Path) -> None:
     clean, broken = runs["clean"], runs["broken"]
     directory = tmp_path / "tonight"

@@ -290,7 +290,12 @@ class _Page:
             state, said = "pass", f"no divergence: all {n['passed']} judged points within their limits"
         if not complete:
             state = "fail" if first else "warn"
-        chips = [el("span", f"{len(self.points)} points", class_="chip")]
+        total = len(self.points)
+        chips = [el("span", f"{total} point{'s' * (total != 1)}", class_="chip")]
+        planned = self.report.get("planned_points")
+        if isinstance(planned, list) and len(planned) > len({r.id for r in self.points} & set(planned)):
+            ran = len({r.id for r in self.points} & set(planned))  # -x, -k, a crash: what the run never reached
+            chips.append(el("span", f"{ran} of the {len(planned)} points planned", class_="chip"))
         chips += [
             el("span", f"{n[s]} {s}", class_=f"chip s-{s}") for s in STATUSES if n[s] or s in ("passed", "failed")
         ]
@@ -460,7 +465,9 @@ class _Page:
         rows = [r for r in self.points if r.kind not in DIFFERENTIALS]
         if not rows:
             return None
-        shown_modes = [m for m in ("isolated", "chain") if any(m in r.by_mode() for r in rows)] or ["isolated"]
+        judged = [r for r in rows if isinstance(r, PointRow)]  # the other kinds read the same in every mode
+        run_mode = "chain" if self.report.get("mode") == "chain" else "isolated"  # where no point was judged
+        shown_modes = [m for m in ("isolated", "chain") if any(m in r.by_mode() for r in judged)] or [run_mode]
         noise = any(figure(m, "noise_ratio") is not None for r in rows for m in r.by_mode().values())
         what = (
             "noise ratio: the point's error over the reference's own in the candidate's dtype (1 = the reference's "
@@ -476,7 +483,7 @@ class _Page:
                 ". Click a cell for the point.",
                 class_="lead",
             ),
-            _legend(),
+            _legend(noise),
         ]
         steps = sorted({r.step for r in rows}, key=lambda s: -1 if s is None else s)
         panels = []
@@ -526,10 +533,14 @@ class _Page:
         return _join(parts)
 
     def cell(self, row: Row, mode: str, noise: bool, *, label: str | None = None, tag: str = "td") -> Safe:
-        judged = row.by_mode().get(mode)
-        verdict = "error" if row.status == "error" else "skipped" if row.status == "skipped" else row.verdict(mode)
-        if judged is None or verdict is None:
-            verdict = "none"
+        if isinstance(row, PointRow):
+            judged = row.by_mode().get(mode)
+            verdict = row.verdict(mode) if judged is not None else None
+        else:  # a weight or config item, an item not judged: one verdict whatever the mode
+            judged, verdict = row, row.status
+        if row.status in ("error", "skipped"):
+            verdict = row.status
+        verdict = verdict or "none"
         value = figure(judged, "noise_ratio" if noise else "rel_l2") if judged is not None else None
         if noise and value is None and judged is not None:  # a point without noise figures: its rel_l2
             value, noise = figure(judged, "rel_l2"), False
@@ -866,32 +877,33 @@ def shade(verdict: str, value: float | None, noise: bool) -> tuple[str, str]:
         if math.isinf(value) or value <= 0:
             t = 1.0 if value > 0 else 0.0
         else:
-            lo, hi = (0.0, 3.0) if noise else (-4.0, 0.0)
+            lo, hi = SCALES[noise]
             t = min(1.0, max(0.0, (math.log10(value) - lo) / (hi - lo)))
     light = round(90 - 42 * t) if verdict in ("passed", "failed", "error") else 90
     return f"hsl({hue} {sat}% {light}%)", "#fff" if light < 58 else "#1b1f24"
 
 
-def _legend() -> Safe:
+# the grid's scale: a noise ratio from 1 to 1000, a rel_l2 from 1e-4 to 1 (log10 of each end)
+SCALES = {True: (0.0, 3.0), False: (-4.0, 0.0)}
+
+
+def _legend(noise: bool) -> Safe:
+    """The swatches of the grid's colours on its scale (noise ratios, or rel_l2 where the golden has
+    no noise figures)."""
+    lo, hi = SCALES[noise]
+    ends = ("≤1", "30", "≥1000") if noise else ("≤1e-4", "1e-2", "≥1")
+
     def swatch(verdict: str, t: float, text: str) -> Safe:
-        colour, ink = shade(verdict, 10 ** (3 * t), True)
+        colour, ink = shade(verdict, 10 ** (lo + t * (hi - lo)), noise)
         return el("span", text, class_="sw", style=f"background:{colour};color:{ink}")
 
-    items = [
-        el("span", "passed", class_="lg"),
-        swatch("passed", 0.0, "≤1"),
-        swatch("passed", 0.5, "30"),
-        swatch("passed", 1.0, "≥1000"),
-        el("span", "failed", class_="lg"),
-        swatch("failed", 0.0, "✗ ≤1"),
-        swatch("failed", 0.5, "✗ 30"),
-        swatch("failed", 1.0, "✗ ≥1000"),
-        el("span", "error", class_="lg"),
-        swatch("error", 0.3, "E"),
-        el("span", "skipped", class_="lg"),
-        swatch("skipped", 0.0, "s"),
-        el("span", "(noise ratio; a rel_l2 scale runs from 1e-4 to 1)", class_="lg"),
-    ]
+    items: list[Any] = [el("span", "passed", class_="lg")]
+    items += [swatch("passed", t, text) for t, text in zip((0.0, 0.5, 1.0), ends, strict=True)]
+    items.append(el("span", "failed", class_="lg"))
+    items += [swatch("failed", t, f"✗ {text}") for t, text in zip((0.0, 0.5, 1.0), ends, strict=True)]
+    items += [el("span", "error", class_="lg"), swatch("error", 0.0, "E")]
+    items += [el("span", "skipped", class_="lg"), swatch("skipped", 0.0, "s")]
+    items.append(el("span", "(noise ratio)" if noise else "(rel_l2)", class_="lg"))
     return el("div", items, class_="legend")
 
 
