@@ -170,7 +170,7 @@ def test_shards_from_a_report_add_up_to_its_run(measured: Path, tiny_model, tmp_
     assert plan["one_runner_s"] == pytest.approx(report["wall_seconds"], rel=0.1)
     shards = read_json(tmp_path / "e.json")["shards"]
     assert len(shards) == 2 and shards[0].startswith("model,0") and shards[1].endswith("-3")
-    assert sum(s["seconds"] for s in plan["shards"]) == pytest.approx(plan["one_runner_s"], rel=1e-3)
+    assert plan["one_runner_s"] / 2 <= plan["longest_s"] <= plan["one_runner_s"]
     # --cores scales a CPU run's rate from the threads it ran on
     threads = report["host"]["threads"]
     code, _, _ = cli(capsys, *args, "--cores", 4 * threads, "--json", tmp_path / "c.json")

@@ -91,11 +91,17 @@ class Unit:
     layer: int | None
     points: dict[str, float]
     read_bytes: int
-    seconds: float = 0.0
+    compute_s: float = 0.0  # its points' forwards and what each costs beside them
+    read_s: float = 0.0  # its weights and golden captures, read
 
     @property
     def flops(self) -> float:
         return sum(self.points.values())
+
+    @property
+    def seconds(self) -> float:
+        """Alone: the longer of its compute and its reads (a read overlaps the compute of the layer before)."""
+        return max(self.compute_s, self.read_s)
 
 
 def _config(model_dir: Path) -> dict[str, Any]:
@@ -353,10 +359,18 @@ def _line(x: list[float], y: list[float]) -> tuple[float, float, str | None]:
 
 
 # -- shards ------------------------------------------------------------------------------------------
-def unit_seconds(unit: Unit, speed: Throughput) -> float:
-    """A unit's seconds: its points' forwards and what each costs beside, or its reads where longer."""
-    compute = sum(f / speed.flops_per_s + speed.per_call_s + speed.per_point_s for f in unit.points.values())
-    return max(compute, unit.read_bytes / speed.read_bps if speed.read_bps else 0.0)
+def time_units(units: list[Unit], speed: Throughput) -> None:
+    """Each unit's compute seconds (its points' forwards and what each costs beside) and read seconds."""
+    for u in units:
+        u.compute_s = sum(f / speed.flops_per_s + speed.per_call_s + speed.per_point_s for f in u.points.values())
+        u.read_s = u.read_bytes / speed.read_bps if speed.read_bps else 0.0
+
+
+def wall(units: list[Unit], speed: Throughput, setup_s: float, workers: int) -> float:
+    """A shard's wall: its setup and compile, then its compute shared among its workers (xdist's
+    loadgroup gives each a layer at a time) or its reads, which the workers share, where longer."""
+    compute = sum(u.compute_s for u in units) / max(1, min(workers, len(units)))
+    return setup_s + speed.compile_s + max(compute, sum(u.read_s for u in units))
 
 
 def partitions(costs: list[float]) -> list[list[tuple[int, int]]]:
@@ -413,7 +427,7 @@ class ShardPlan:
 
     @property
     def one_runner(self) -> float:
-        return self.setup_s + self.speed.compile_s + sum(u.seconds for u in self.units) / self.workers
+        return wall(self.units, self.speed, self.setup_s, self.workers)
 
     @property
     def fits(self) -> bool | None:
@@ -423,7 +437,13 @@ class ShardPlan:
         return {
             "throughput": self.speed.to_json(),
             "units": [
-                {"unit": u.name, "flops": u.flops, "read_bytes": u.read_bytes, "seconds": round(u.seconds, 3)}
+                {
+                    "unit": u.name,
+                    "flops": u.flops,
+                    "read_bytes": u.read_bytes,
+                    "compute_s": round(u.compute_s, 3),
+                    "read_s": round(u.read_s, 3),
+                }
                 for u in self.units
             ],
             "shards": [{"parity_layers": sel, "seconds": round(sec, 3)} for sel, sec in self.shards],
@@ -448,17 +468,11 @@ def plan_shards(
 ) -> ShardPlan:
     """`shards` balanced shards (or, with a budget alone, the fewest that fit it); each shard's wall is
     its setup, its compile, and its units' seconds shared among its workers."""
-    for u in units:
-        u.seconds = unit_seconds(u, speed)
+    time_units(units, speed)
     splits = partitions([u.seconds for u in units])
 
     def walls(bounds: list[tuple[int, int]]) -> list[tuple[str, float]]:
-        out = []
-        for a, b in bounds:
-            part = units[a:b]
-            work = sum(u.seconds for u in part) / max(1, min(workers, len(part)))
-            out.append((selection(part), setup_s + speed.compile_s + work))
-        return out
+        return [(selection(units[a:b]), wall(units[a:b], speed, setup_s, workers)) for a, b in bounds]
 
     to_fit = None
     if budget_s is not None:
@@ -475,7 +489,9 @@ def shard_lines(plan: dict[str, Any], hw: str, tokens: int) -> list[str]:
     shard, the budget."""
     layers = [u for u in plan["units"] if u["unit"] != MODEL]
     heavy = max(layers, key=lambda u: u["flops"], default=None)
-    experts = "every expert for every token (static-shape graphs)" if hw in ALL_EXPERTS else "top-k experts per token"
+    experts = "top-k experts per token"
+    if hw in ALL_EXPERTS:
+        experts = "every expert for every token, as static-shape graphs run them"
     speed = plan["throughput"]
     model = next(u for u in plan["units"] if u["unit"] == MODEL)
     lines = [
