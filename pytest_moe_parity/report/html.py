@@ -28,10 +28,10 @@ from typing import Any
 
 from ..files import atomic_write_text
 from ..judge.verdict import PointResult
-from ..points import LAYER_COMPONENTS, MODEL_HEAD, MODEL_TAIL, WEIGHTS, describe_layers
+from ..points import LAYER_COMPONENTS, MODEL_TAIL, WEIGHTS, describe_layers
 from .block import bug_report_text
 from .history import DIFF_SCHEMA_VERSION, report_digest
-from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, _safe_name
+from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, token_plot_name
 from .rows import (
     DIFFERENTIALS,
     BatchInvarianceRow,
@@ -129,9 +129,9 @@ def write_html(
     """Write `directory/report.html` (atomically) for `report` (a comparison_report.json's dict) and
     return its path. `summary`: the comparison_summary.json dict (computed from the report when None);
     `diff`: last night's diff as :meth:`~.history.Diff.to_json` writes it (when None, `diff.json` in
-    `directory` if there is one); `pictures`: the pictures drawn for this report (None: the ones in
-    `directory` by the names :mod:`.plots` gives them; [] none, e.g. with the plots off, so that
-    pictures of an earlier run in a reused directory are not shown as this one's)."""
+    `directory` if there is one); `pictures`: the pictures drawn for this report (None: those in
+    `directory` drawn with it, :func:`drawn_with`; [] none, e.g. with the plots off, so that pictures
+    of an earlier run in a reused directory are not shown as this one's)."""
     why_not = None
     if diff is None:
         diff, why_not = load_diff(directory, report)
@@ -195,8 +195,8 @@ def read_diff(path: Path) -> dict[str, Any]:
         diff = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not a readable JSON diff ({exc})") from None
-    changes = diff.get("worse") if isinstance(diff, dict) else None
-    if not isinstance(changes, list) or not all(isinstance(c, dict) and "id" in c and "mode" in c for c in changes):
+    lists = [diff.get(k, []) for k in ("worse", "fixed", "better")] if isinstance(diff, dict) else []
+    if not lists or "worse" not in diff or not all(isinstance(c, list) and all(map(_change, c)) for c in lists):
         raise ValueError(f"{path} is not a moe-parity diff (write one with moe-parity diff OLD NEW --json FILE)")
     if diff.get("schema_version") != DIFF_SCHEMA_VERSION:
         raise ValueError(
@@ -204,6 +204,16 @@ def read_diff(path: Path) -> dict[str, Any]:
             f"{DIFF_SCHEMA_VERSION} (write it again with moe-parity diff --json)"
         )
     return diff
+
+
+def _change(c: Any) -> bool:
+    """Whether `c` is a change as :meth:`~.history.Change.to_json` writes it (what the page reads)."""
+    if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(c.get("mode"), str):
+        return False
+    status, figures = c.get("status"), c.get("figures", [])
+    return (status is None or (isinstance(status, list) and len(status) == 2)) and (
+        isinstance(figures, list) and all(isinstance(f, dict) for f in figures)
+    )
 
 
 def render_html(
@@ -449,7 +459,7 @@ class _Page:
         head = el("tr", el("th", "point"), el("th", "mode"), el("th", "status"), el("th", "figures"))
         body = []
         for c in changes:
-            status = " → ".join(c["status"]) if c.get("status") else ""
+            status = " → ".join(map(str, c["status"])) if c.get("status") else ""
             figures = []
             for f in c.get("figures") or []:
                 old, new = number(f.get("old")), number(f.get("new"))
@@ -505,15 +515,7 @@ class _Page:
         columns = [c for c in order if any(r.component == c for r in layered)]
         layers = sorted({r.layer for r in layered if r.layer is not None})
         at = {(r.layer, r.component): r for r in layered}
-        key = ["config", WEIGHTS, *MODEL_HEAD, *MODEL_TAIL]
-        strip = lambda items: el(  # noqa: E731
-            "div",
-            [self.cell(r, mode, noise, label=r.component, tag="a") for r in sorted(items, key=lambda r: r.order)],
-            class_="strip",
-        )
-        parts: list[Any] = []
-        if head:
-            parts.append(strip(sorted(head, key=lambda r: key.index(r.component) if r.component in key else 99)))
+        parts: list[Any] = [self.strip(head, mode, noise)] if head else []
         if layers:
             thead = el("tr", el("th", ""), [el("th", c, class_="col") for c in columns])
             body = [
@@ -529,8 +531,14 @@ class _Page:
             ]
             parts.append(el("table", el("thead", thead), el("tbody", body), class_="grid"))
         if tail:
-            parts.append(strip(tail))
+            parts.append(self.strip(tail, mode, noise))
         return _join(parts)
+
+    def strip(self, rows: list[Row], mode: str, noise: bool) -> Safe:
+        """The model-level points (config, weights, embedding, rotary above the layers; the final norm
+        and the logits below), in forward order, each cell named."""
+        cells = [self.cell(r, mode, noise, label=r.component, tag="a") for r in sorted(rows, key=lambda r: r.order)]
+        return el("div", cells, class_="strip")
 
     def cell(self, row: Row, mode: str, noise: bool, *, label: str | None = None, tag: str = "td") -> Safe:
         if isinstance(row, PointRow):
@@ -769,8 +777,7 @@ class _Page:
         beyond the pictures' count) the same bars as inline SVG."""
         parts: list[Any] = []
         for mode, row in r.by_mode().items():
-            suffix = "" if mode == "isolated" else f".{mode}"
-            name = f"{TOKENS_PREFIX}{_safe_name(r.id)}{suffix}.png"
+            name = token_plot_name(r.id, mode)
             if name in self.images:
                 parts.append(_img(self.images[name], f"{r.id} ({mode}): each token's error"))
             elif isinstance(row, PointRow) and row.token_errors:

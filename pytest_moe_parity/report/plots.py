@@ -87,10 +87,14 @@ def render_plots(rows: list[Row], directory: Path) -> list[Path]:
         if r.status != "skipped" and row.verdict(mode) == "failed" and isinstance(r, PointRow) and r.token_errors
     ]
     for mode, r in failed[:MAX_TOKEN_PLOTS]:
-        suffix = "" if mode == "isolated" else f".{mode}"
-        path = directory / f"{TOKENS_PREFIX}{_safe_name(r.id)}{suffix}.png"
-        written.append(_save(token_errors(r, mode, new), path))
+        written.append(_save(token_errors(r, mode, new), directory / token_plot_name(r.id, mode)))
     return written
+
+
+def token_plot_name(point: str, mode: str) -> str:
+    """The file name of a failed point's per-token picture in `mode` (report.html finds it by it)."""
+    suffix = "" if mode == "isolated" else f".{mode}"
+    return f"{TOKENS_PREFIX}{_safe_name(point)}{suffix}.png"
 
 
 def heatmap(rows: list[Row], new) -> Any:
