@@ -310,7 +310,9 @@ def from_report(path: Path, model_dir: Path, model_type: str | None, cores: int 
     hw = str(report.get("hw", "cpu"))
     by_layer = {u.layer: u for u in replay_units(model_dir, tokens, {}, hw)}
     x, y = [], []
-    for row in report_rows(report):
+    rows = [r for r in report_rows(report) if r.kind != "op"]
+    forwards = sum(r.seconds for r in rows if isinstance(r, PointRow))  # decode steps' too: the wall holds them
+    for row in rows:
         unit = by_layer.get(row.layer)
         measured = isinstance(row, PointRow) and row.step is None and row.seconds > 0
         if measured and unit is not None and row.component in unit.points:
@@ -321,7 +323,7 @@ def from_report(path: Path, model_dir: Path, model_type: str | None, cores: int 
     rate, per_call, flat = _line(x, y)
     workers = int(report.get("workers") or 1)
     wall = report.get("wall_seconds")
-    beside = max(0.0, (wall * workers - sum(y)) / len(y)) if isinstance(wall, int | float) else 0.0
+    beside = max(0.0, (wall * workers - forwards) / len(rows)) if isinstance(wall, int | float) else 0.0
     notes = [f"{len(y)} points' measured seconds at {tokens} tokens on --hw {hw}", *([flat] if flat else [])]
     if isinstance(wall, int | float):
         notes.append(f"{duration(beside)} beside each point's forward (the run's wall less its forwards)")
@@ -499,9 +501,8 @@ def shard_lines(plan: dict[str, Any], hw: str, tokens: int) -> list[str]:
         + (f"up to {flops(heavy['flops'])} and {gib(heavy['read_bytes'])} read per layer ({heavy['unit']}); "
            if heavy else "")
         + f"the model-level points {flops(model['flops'])}",
-        f"throughput from {speed['source']}: {flops(speed['flops_per_s'])}/s, {speed['per_call_s'] * 1e3:.3g} ms a "
-        f"call, {speed['per_point_s'] * 1e3:.3g} ms beside each point; reads "
-        f"{speed['read_bytes_per_s'] / 1e9:.3g} GB/s",
+        f"throughput from {speed['source']}: {flops(speed['flops_per_s'])}/s, {duration(speed['per_call_s'])} a call, "
+        f"{duration(speed['per_point_s'])} beside each point; reads {speed['read_bytes_per_s'] / 1e9:.3g} GB/s",
         *(f"  {note}" for note in speed["notes"]),
     ]  # fmt: skip
     extra = []
