@@ -505,6 +505,41 @@ def test_compare_routing_order_ignored_and_leading_dims() -> None:
     assert r.flip_share == 0.0
 
 
+def test_routing_over_a_vocabulary_is_judged_in_blocks_as_over_a_router() -> None:
+    """Logits are judged as a top-1 routing over the vocabulary: the tie tolerance and the gaps are
+    taken a block of tokens at a time (no float64 copy of `[T, V]`), with the figures of the whole
+    matrix at once: every token disagreeing, repeated ids, and blocks of one row."""
+    from pytest_moe_parity.judge import routing
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(37, 3001, generator=gen)
+    scores[5, :7] = -math.inf
+    golden = scores.topk(3, dim=-1).indices
+    candidate = golden.roll(1, dims=0)  # every token elsewhere
+    candidate[4] = golden[4].flip(0)  # the same set in another order
+    candidate[6] = golden[6, [0, 0, 1]]  # a repeated id: a set of two
+    s64 = scores.to(torch.float64)
+    rms = (torch.where(torch.isfinite(s64), s64, 0.0).square().sum(1) / torch.isfinite(s64).sum(1)).sqrt()
+    eps = torch.finfo(torch.bfloat16).eps
+    whole = 8 * eps * rms + 8 * eps * 1e-6
+    assert torch.allclose(tie_tolerance(scores, torch.bfloat16), whole, rtol=1e-12, atol=0)
+    g_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, golden, True)
+    c_mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, candidate, True)
+    lost = torch.where(g_mask & ~c_mask, s64, math.inf).amin(1)
+    gained = torch.where(c_mask & ~g_mask, s64, -math.inf).amax(1)
+    expected = {t: float(lost[t] - gained[t]) for t in (g_mask != c_mask).any(1).nonzero().flatten().tolist()}
+    for elements in (1, 5000, 1 << 20):  # a row a block, two rows, the whole matrix
+        original = routing.token_blocks
+        routing.token_blocks = lambda tokens, width, elements=elements: original(tokens, width, elements)
+        try:
+            r = compare_routing(scores, golden, candidate, tolerance=whole)
+        finally:
+            routing.token_blocks = original
+        got = {f.token: f.gap for f in r.flips + r.ties}
+        assert got.keys() == expected.keys() and 4 not in got and 6 in got
+        assert all(got[t] == pytest.approx(expected[t], rel=0, abs=0) for t in got)
+
+
 def test_tie_tolerance_scales_with_dtype() -> None:
     scores = torch.tensor([[3.0, 4.0], [0.0, 0.0], [3.0, -math.inf]])
     bf16 = tie_tolerance(scores, torch.bfloat16)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..dtypes import json_safe
-from .routing import RoutingMetrics, compare_routing, tie_tolerance
+from .routing import RoutingMetrics, compare_routing, tie_tolerance, token_blocks
 from .tensors import F64, INF, as_token_matrix, check_tensor
 from .tokens import worst_tokens
 
@@ -66,9 +66,7 @@ def compare_logits(
     c_top1 = torch.empty(num_tokens, 1, dtype=torch.int64)
     overlap = torch.zeros(num_tokens, dtype=F64)
     kl = torch.zeros(num_tokens, dtype=F64)
-    rows = max(1, (1 << 20) // max(vocab, 1))
-    for start in range(0, num_tokens, rows):
-        stop = min(start + rows, num_tokens)
+    for start, stop in token_blocks(num_tokens, vocab):
         g = g_all[start:stop].to(F64)
         c = c_all[start:stop].to(F64)
         g_top1[start:stop, 0] = g.argmax(dim=1).cpu()

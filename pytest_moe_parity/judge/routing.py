@@ -3,6 +3,7 @@ candidate, flips told from ties within the dtype's rounding of the golden's scor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -148,11 +149,27 @@ def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0)
     if not factor >= 0.0:
         raise ValueError(f"factor must be >= 0, got {factor}")
     eps = torch.finfo(dtype).eps
-    s = as_token_matrix(scores, "scores").to(F64)
-    finite = torch.isfinite(s)
-    sq_sum = torch.where(finite, s, 0.0).square_().sum(dim=1)
-    rms = torch.sqrt(sq_sum / finite.sum(dim=1).clamp(min=1))
+    s = as_token_matrix(scores, "scores")
+    # In blocks of tokens: the scores of a vocabulary-wide `[T, V]` (a model's logits, judged as a
+    # top-1 routing) would otherwise be copied whole in float64 (8x the float32 logits' size, with
+    # the masks), far beyond what recording or replaying them holds.
+    sq_sum = torch.empty(s.shape[0], dtype=F64, device=s.device)
+    count = torch.empty(s.shape[0], dtype=F64, device=s.device)
+    for start, stop in token_blocks(*s.shape):
+        block = s[start:stop].to(F64)
+        finite = torch.isfinite(block)
+        sq_sum[start:stop] = torch.where(finite, block, 0.0).square_().sum(dim=1)
+        count[start:stop] = finite.sum(dim=1)
+    rms = torch.sqrt(sq_sum / count.clamp(min=1))
     return factor * eps * rms + factor * eps * 1e-6
+
+
+def token_blocks(tokens: int, width: int, elements: int = 1 << 20) -> Iterator[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` of a ``[tokens, width]`` matrix, about `elements` entries each: the
+    float64 working copies of a vocabulary-wide matrix stay a few MB whatever its number of tokens."""
+    rows = max(1, elements // max(width, 1))
+    for start in range(0, tokens, rows):
+        yield start, min(start + rows, tokens)
 
 
 def compare_routing(
@@ -173,7 +190,7 @@ def compare_routing(
     the best by ``golden_scores``) is a tie.
     """
     scores = check_tensor(golden_scores, "golden_scores")
-    s = as_token_matrix(scores, "golden_scores").to(F64)
+    s = as_token_matrix(scores, "golden_scores")  # read in float64 only at the rows that disagree
     num_tokens, num_experts = s.shape
     g_ids = as_index_matrix(golden_topk, "golden_topk", num_experts)
     c_ids = as_index_matrix(candidate_topk, "candidate_topk", num_experts)
@@ -195,19 +212,25 @@ def compare_routing(
         max_tol = float(tolerance)
 
     g_ids, c_ids = g_ids.to(s.device), c_ids.to(s.device)
-    g_mask = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=s.device).scatter_(1, g_ids, True)
-    c_mask = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=s.device).scatter_(1, c_ids, True)
-    disagree = (g_mask != c_mask).any(dim=1).nonzero().flatten()
+    # the expert sets, compared sorted ([T, k]: no [T, E] mask, which for logits is vocabulary-wide)
+    g_sorted_all, c_sorted_all = g_ids.sort(dim=1).values, c_ids.sort(dim=1).values
+    disagree = (_distinct(g_sorted_all) != _distinct(c_sorted_all)).any(dim=1).nonzero().flatten()
     flips: list[RoutingFlip] = []
     ties: list[RoutingFlip] = []
     if disagree.numel():
-        g_sel, c_sel, s_sel = g_mask[disagree], c_mask[disagree], s[disagree]
-        lost = torch.where(g_sel & ~c_sel, s_sel, INF).amin(dim=1)
-        gained = torch.where(c_sel & ~g_sel, s_sel, -INF).amax(dim=1)
-        gaps = lost - gained
+        gaps = torch.empty(len(disagree), dtype=F64, device=s.device)
+        for start, stop in token_blocks(len(disagree), num_experts):  # a broken port: every token disagrees
+            rows = disagree[start:stop]
+            shape = (len(rows), num_experts)
+            g_sel = torch.zeros(shape, dtype=torch.bool, device=s.device).scatter_(1, g_ids[rows], True)
+            c_sel = torch.zeros(shape, dtype=torch.bool, device=s.device).scatter_(1, c_ids[rows], True)
+            s_sel = s[rows].to(F64)
+            lost = torch.where(g_sel & ~c_sel, s_sel, INF).amin(dim=1)
+            gained = torch.where(c_sel & ~g_sel, s_sel, -INF).amax(dim=1)
+            gaps[start:stop] = lost - gained
         is_tie = gaps <= tol[disagree]
-        g_sorted = torch.sort(g_ids[disagree], dim=1).values.tolist()
-        c_sorted = torch.sort(c_ids[disagree], dim=1).values.tolist()
+        g_sorted = g_sorted_all[disagree].tolist()
+        c_sorted = c_sorted_all[disagree].tolist()
         for row, token in enumerate(disagree.tolist()):
             tie = bool(is_tie[row])
             flip = RoutingFlip(token, g_sorted[row], c_sorted[row], float(gaps[row]), tie)
@@ -222,6 +245,14 @@ def compare_routing(
         ties=ties,
         tie_tolerance=max_tol,
     )
+
+
+def _distinct(ids: torch.Tensor) -> torch.Tensor:
+    """Sorted ids ``[T, k]`` with each repeat of an id made -1 (and sorted again): the set they name,
+    position by position, so two rows name the same set exactly when they are equal."""
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    return torch.where(repeat, -1, ids).sort(dim=1).values
 
 
 def scatter_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -293,6 +293,11 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor | None]:
     return [x for x in leaves(obj) if x is None or isinstance(x, torch.Tensor)]
 
 
+def _kept_rows(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The token rows of `t` that `keep` keeps (`_token_rows`), or `t` itself where it keeps them all."""
+    return t if keep is None or bool(keep.all()) else _token_rows(t)[keep]
+
+
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., T, H] or [T, H] -> [B*T, H]: one row per token (batch-major, like the router's view)."""
     if t.dim() == 0:
@@ -360,8 +365,8 @@ class Judge:
         keep_rows = self._keep(target, g, keep_rows) if g.shape == c.shape else keep_rows
         if keep_rows is not None:
             self._kept[target] = keep_rows
-        if keep_rows is not None and g.shape == c.shape:
-            g, c = _token_rows(g)[keep_rows], _token_rows(c)[keep_rows]
+        if g.shape == c.shape:  # (a copy of the rows kept: none where every row is, as for vocabulary-wide logits)
+            g, c = _kept_rows(g, keep_rows), _kept_rows(c, keep_rows)
         m = compare_tensors(g, c, atol=self.tol.atol, rtol=self.tol.rtol)
         r.metrics[target] = m
         if not m.shape_match:
@@ -567,10 +572,8 @@ class Judge:
         m = self.compare("out", g, c)
         if m is None or not m.shape_match or not isinstance(c, torch.Tensor) or g.dim() < 1:
             return
-        g, c = _token_rows(g), _token_rows(c.detach().to("cpu"))
         keep = self._kept.get("out")  # the tokens the tensor checks judged
-        if keep is not None:
-            g, c = g[keep], c[keep]
+        g, c = _token_rows(_kept_rows(g, keep)), _token_rows(_kept_rows(c.detach().to("cpu"), keep))
         lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor)
         self.result.logits = lm
         for key in LOGITS_LIMITS:
