@@ -346,3 +346,53 @@ def test_a_points_chain_runs_each_point_once(golden_dir, tiny_model, cache_dir) 
         assert torch.equal(first, again)
     finally:
         run.close()
+
+
+def test_a_streamed_chain_judges_every_point_as_the_held_run_does(golden_dir, tiny_model) -> None:
+    """The noise floor's chained runs are judged as the forward goes (`ModelChain.stream`), holding the
+    running layer's outputs: the same verdicts and the same tokens left out as a run held whole, with
+    two tokens that the candidate routes elsewhere at layer 1 (steered back, and left out after it)."""
+    import torch
+
+    from pytest_moe_parity.replay.noise import noise_figures
+
+    golden = golden_dir("qwen3_moe", noise="bfloat16")
+    judged: dict[bool, dict] = {}
+    for streamed in (False, True):
+        run = session(golden, tiny_model("qwen3_moe"), dtype="bfloat16", mode="chain")
+        runner, store = run.runner, run.golden
+        chain = runner.chain
+        runner.start(store.points[0])
+        router = run.backend.module(store.point("layer_1.router").module)
+
+        def elsewhere(module, args, out):  # tokens 3 and 9 sent to other experts (the scores as they were)
+            logits, weights, index = out
+            index = index.clone()
+            index[[3, 9], 0] = (index[[3, 9], 0] + 1) % logits.shape[-1]
+            while bool((index[[3, 9], 0:1] == index[[3, 9], 1:]).any()):
+                index[[3, 9], 0] = (index[[3, 9], 0] + 1) % logits.shape[-1]
+            return logits, weights, index
+
+        router.register_forward_hook(elsewhere)
+        seen: dict[str, tuple] = {}
+
+        def judge(point, record, own, runner=runner, chain=chain, seen=seen, store=store) -> None:
+            held = {store.point(pid).group for pid in chain._outputs}
+            assert held == {point.group}, (point.id, held)  # the running layer's outputs, no earlier ones
+            result = runner.judge_output(point, record, own, "chain", None)
+            seen[point.id] = (noise_figures(result), chain.tainted(point))
+
+        if streamed:
+            chain.stream(judge)
+        else:
+            for point in chain.points:
+                record = store.load(point)
+                result = runner.judge_output(point, record, chain.output(point, record), "chain", None)
+                seen[point.id] = (noise_figures(result), chain.tainted(point))
+        runner.close()
+        judged[streamed] = seen
+    assert judged[True] == judged[False]
+    assert list(judged[True]) == [p.id for p in GoldenStore(golden).points]
+    assert judged[True]["layer_1.attention"][1] == [] and judged[True]["layer_2.attention"][1] == [3, 9]
+    assert judged[True]["logits"][1] == [3, 9]
+    assert torch.isfinite(torch.tensor(judged[True]["layer_3.output"][0]["out"]["rel_l2"]))

@@ -243,8 +243,10 @@ def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time
     progress = [li for li in lines if li.startswith("  noise floor ")]
     assert [li.split()[2] for li in progress] == [f"layer_{i}" for i in range(4)] + [
         f"step_1.layer_{i}" for i in range(4)
-    ]
-    assert progress[-1].startswith("  noise floor step_1.layer_3 [8/8, ")
+    ] + ["chained", "chained"]  # the isolated pass a layer at a time, then the two whole-model runs
+    assert progress[-3].startswith("  noise floor step_1.layer_3 [8/8, ")
+    assert progress[-2].startswith("  noise floor chained (steered): ")
+    assert progress[-1].startswith("  noise floor chained (free): ")
     noise = float(next(li for li in lines if li.startswith("noise floor recorded in")).split()[-1].rstrip("s"))
     recording = float(next(li for li in lines if li.startswith("  layer_3: ")).rsplit(" ", 1)[-1].rstrip("s]"))
     total = float(lines[-1].split(", ")[-1].split(" s ->")[0])

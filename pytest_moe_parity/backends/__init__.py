@@ -137,6 +137,7 @@ class Backend(ABC):
     chain_kind: ClassVar[str | None] = None
     steers_chain: ClassVar[bool] = False  # run_model honours `steer`
     chains_decode: ClassVar[bool] = False  # run_model takes `decode_tokens`: the steps after the prefill
+    streams_chain: ClassVar[bool] = False  # run_model takes `seen`: each output handed over as it returns
     # `run` takes a golden's causal mask as a `tree.RowMask` (made a block of query rows at a time, for
     # attention run in blocks: `model.attention`) instead of a tensor; it makes it whole where it needs it
     # (`tree.whole_masks`). Off: every mask is a tensor. A subclass that defines its own `run` has it
@@ -235,6 +236,7 @@ class Backend(ABC):
         steer: Any = None,
         decode_tokens: list[int] | list[list[int]] = (),
         padding: dict[str, torch.Tensor] | None = None,
+        seen: Any = None,
     ) -> dict[str, Any]:
         """Backends with `chain_kind = "model"`: the candidate's own forward on `input_ids` ([B, T]),
         building its own masks and positions (from `padding`'s `attention_mask` and `position_ids`,
@@ -245,7 +247,10 @@ class Backend(ABC):
         with what it returns (it puts the rows of near-tie tokens back to the golden's). Backends
         that declare `chains_decode` then run one decode step per token of `decode_tokens` (a batch's:
         a token per row, each row at its own position: `model.calls.next_inputs`) with their own KV
-        cache, masks and positions, capturing the `step_k.*` points among `points`."""
+        cache, masks and positions, capturing the `step_k.*` points among `points`. Backends that
+        declare `streams_chain` take `seen(point, output, outputs_so_far)` too: each output handed
+        over as it returns, and only the running layer's kept (`model.calls.OutputCapture`), so a
+        consumer that judges as the forward goes holds one layer's outputs, not the model's."""
         raise BackendError(f"the {self.name} backend has no whole-model run")
 
     def module(self, path: str) -> nn.Module:

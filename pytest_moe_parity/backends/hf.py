@@ -32,6 +32,7 @@ class TorchBackend(Backend):
     chain_kind = "model"
     steers_chain = True
     chains_decode = True
+    streams_chain = True
     forces_routing = True
     row_masks = True  # `run` makes a causal mask a block of query rows at a time where attention runs in blocks
     options = (
@@ -150,6 +151,7 @@ class TorchBackend(Backend):
         steer: Any = None,
         decode_tokens: list[int] | list[list[int]] = (),
         padding: dict[str, torch.Tensor] | None = None,
+        seen: Any = None,
     ) -> dict[str, Any]:
         """The candidate's own forward, its layers loaded as they run (a few in memory at once), on a
         padded batch with its attention mask and position ids; with `decode_tokens`, then one step
@@ -163,7 +165,7 @@ class TorchBackend(Backend):
         outputs: dict[str, Any] = {}
         with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
             cache = DynamicCache(config=model.config) if decode_tokens else None
-            with OutputCapture(model, [p for p in points if p.step is None], steer) as capture:
+            with OutputCapture(model, [p for p in points if p.step is None], steer, seen) as capture:
                 padded = {k: v.to(self.device) for k, v in (padding or {}).items()}
                 model(
                     input_ids=input_ids.to(self.device),
@@ -173,7 +175,7 @@ class TorchBackend(Backend):
                 )
             outputs.update(capture.outputs)
             for step, token in enumerate(decode_tokens, 1):
-                with OutputCapture(model, [p for p in points if p.step == step], steer) as capture:
+                with OutputCapture(model, [p for p in points if p.step == step], steer, seen) as capture:
                     chosen = torch.tensor(token if isinstance(token, list) else [token], device=self.device)
                     feed = next_inputs(chosen, padded or None)  # a padded batch: each row at its own position
                     model(**feed, use_cache=True, **{cache_kwarg(model): cache})

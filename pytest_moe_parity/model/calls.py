@@ -19,6 +19,8 @@ from ..tree import CacheState, leaves, map_structure
 
 # A whole-model run's hook on each point's output: (point, output, outputs so far) -> the output to go on with.
 Steer = Callable[[Point, Any, dict[str, Any]], Any]
+# a whole-model run's consumer of each point's output as it is produced (see OutputCapture)
+Seen = Callable[[Point, Any, dict[str, Any]], None]
 
 
 def is_cache(obj: Any) -> bool:
@@ -91,13 +93,19 @@ class OutputCapture:
     """Forward hooks that keep the first output of every point during one whole-model run (the
     candidate's own forward in chain mode, or the reference in another dtype): `outputs[pid]`.
     `steer(point, output, outputs_so_far)` may return a replacement for a point's output, which the
-    run then goes on with (see `replay.chain`)."""
+    run then goes on with (see `replay.chain`). With `seen(point, output, outputs_so_far)`, each
+    output is handed over as the forward produces it and `outputs` keeps only the points of the group
+    (decoder layer, or model-level point) now running: a run over every layer then holds one layer's
+    outputs, not the model's."""
 
-    def __init__(self, model: nn.Module, points: list[Point], steer: Steer | None = None):
+    def __init__(self, model: nn.Module, points: list[Point], steer: Steer | None = None, seen: Seen | None = None):
         self.model = model
         self.points = points
         self.steer = steer
+        self.seen = seen
         self.outputs: dict[str, Any] = {}
+        self._group: str | None = None
+        self._done: set[str] = set()  # points handed over (their outputs may be gone)
         self._handles: list[Any] = []
 
     def __enter__(self) -> OutputCapture:
@@ -108,15 +116,21 @@ class OutputCapture:
 
     def _hook(self, point: Point):
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if point.id in self.outputs:
+            if point.id in self.outputs or point.id in self._done:
                 return None
+            if self.seen is not None and point.group != self._group:  # the group before is done with
+                self.outputs.clear()
+                self._group = point.group
+            replaced = None
             if self.steer is not None:
                 steered = self.steer(point, output, self.outputs)
                 if steered is not output:
-                    self.outputs[point.id] = _kept(point, steered)
-                    return steered
+                    replaced = output = steered
             self.outputs[point.id] = _kept(point, output)
-            return None
+            if self.seen is not None:
+                self._done.add(point.id)
+                self.seen(point, self.outputs[point.id], self.outputs)
+            return replaced
 
         return hook
 

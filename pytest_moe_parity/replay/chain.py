@@ -40,6 +40,9 @@ from ..model.calls import output_tensors
 from ..points import ROUTER, Point, layer_group
 from ..tree import first_tensor, map_structure
 
+# a streamed chain's consumer: a point, its golden record, the candidate's chained output of it
+Judge = Callable[[Point, GoldenRecord, CandidateOutput], None]
+
 
 @dataclass(frozen=True)
 class ChainSetup:
@@ -192,26 +195,70 @@ class ModelChain(Chain):
 
     def _run(self) -> dict[str, Any]:
         if self._outputs is None:
-            ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
-            self.setup.start(self.golden.points[0])
-            started = time.perf_counter()
-            extra = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
-            inputs = self.golden.manifest["inputs"]
-            if self.golden.padded:  # the batch's mask and positions, as a serving stack passes them
-                names = ("attention_mask", "position_ids")
-                extra["padding"] = {k: torch.tensor(inputs[k], dtype=torch.long) for k in names}
-            points = [p for p in self.golden.points if p.step is None or self.decodes]
-            try:
-                if self.steered:
-                    self._outputs = self.backend.run_model(ids, points, steer=self._steer, **extra)
-                else:
-                    self._outputs = self.backend.run_model(ids, points, **extra)
-            except PointUnavailable:
-                raise
-            except Exception as exc:
-                raise BackendFailure("the candidate's whole-model run", exc) from exc
-            self.seconds = time.perf_counter() - started
+            self._outputs = self._forward()
         return self._outputs
+
+    def _forward(self, **seen: Any) -> dict[str, Any]:
+        """The candidate's whole-model run on the golden's input ids (its batch's mask and positions,
+        and the decode steps where the backend chains them), steered where the chain is."""
+        ids = torch.tensor(self.golden.manifest["inputs"]["input_ids"], dtype=torch.long)
+        self.setup.start(self.golden.points[0])
+        started = time.perf_counter()
+        extra = {"decode_tokens": self.golden.decode_tokens} if self.decodes else {}
+        inputs = self.golden.manifest["inputs"]
+        if self.golden.padded:  # the batch's mask and positions, as a serving stack passes them
+            names = ("attention_mask", "position_ids")
+            extra["padding"] = {k: torch.tensor(inputs[k], dtype=torch.long) for k in names}
+        if self.steered:
+            extra["steer"] = self._steer
+        try:
+            outputs = self.backend.run_model(ids, self.points, **extra, **seen)
+        except (PointUnavailable, Handed):
+            raise
+        except Exception as exc:
+            raise BackendFailure("the candidate's whole-model run", exc) from exc
+        self.seconds = time.perf_counter() - started
+        return outputs
+
+    @property
+    def points(self) -> list[Point]:
+        """The points the whole-model run captures: the prefill's, and the decode steps' where it runs them."""
+        return [p for p in self.golden.points if p.step is None or self.decodes]
+
+    def stream(self, judge: Judge) -> None:
+        """One whole-model run, each point's golden record and output handed to `judge` (in forward order) as the
+        forward produces it, where the backend can (`Backend.streams_chain`): the run then holds the
+        running layer's outputs, not the model's, which a judge of every point on a deep model at a
+        long prompt needs (the noise floor's chained runs). Each routing point's disagreement with the
+        golden is taken as it passes, for the later points' verdicts. An exception `judge` raises
+        ends the run and is raised again as it was."""
+        if not getattr(self.backend, "streams_chain", False):  # the whole run held, then handed over
+            for point in self.points:
+                if point.id in self._run():
+                    self._hand(point, judge)
+            self.close()
+            return
+
+        def seen(point: Point, output: Any, outputs: dict[str, Any]) -> None:
+            self._outputs = outputs  # what the running layer produced so far
+            try:
+                self._hand(point, judge)
+            except Exception as exc:
+                raise Handed(exc) from exc
+
+        try:
+            self._forward(seen=seen)
+        except Handed as handed:
+            raise handed.__cause__ from None
+        finally:
+            self._outputs = None
+
+    def _hand(self, point: Point, judge: Judge) -> None:
+        record = self._load(point)
+        out = self.output(point, record)
+        if _routes(point) and point.id not in self._taint:  # for the later points: its output will be gone
+            self._taint[point.id] = self.disagreement(point, out.output if point.component == ROUTER else out.routing)
+        judge(point, record, out)
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         outputs = self._run()
@@ -324,6 +371,10 @@ class RecordedChain(Chain):
         out = self.setup.call(point, record)
         out.info = {**out.info, "chain": "recorded"}
         return CandidateOutput(out.output, self.routing(point, out.routing), out.seconds, out.info, cache=out.cache)
+
+
+class Handed(Exception):
+    """What a streamed chain's judge raised, carried out of the candidate's forward unchanged."""
 
 
 def _routes(point: Point) -> bool:

@@ -75,7 +75,8 @@ def record_noise(
     # a --capture-tokens golden keeps no inputs: its points are judged chained only, on a chain that
     # cannot be steered (the free run's figures are the chained ones)
     captured = golden.captured_tokens is not None
-    runner = ParityRunner(golden, backend, mode="chain" if captured else "both", steer=not captured)
+    isolated = ParityRunner(golden, backend, mode="isolated")
+    steered = ParityRunner(golden, backend, mode="chain", steer=not captured)
     free = ParityRunner(golden, backend, mode="chain", steer=False)  # the same model, a chain nobody steers
     started = time.perf_counter()
     say(f"noise floor: the reference in {name}, isolated and chained (steered, free), at {len(golden.points)} points")
@@ -84,31 +85,36 @@ def record_noise(
     if rows is not None and rows.count > 1:
         figures["batch"] = {}  # each prefill point's rows: the reference's own output in the batch against alone
     tokens: dict[str, torch.Tensor] = {}  # mode/point/tensor -> each token's squared error (NaN: left out)
-    layer_groups = list(dict.fromkeys(p.group for p in golden.points if p.layer is not None))
-    ends = {p.group: p.id for p in golden.points}  # each group's last point
     try:
-        for point in golden.points:
+        # Three passes, each holding what recording holds: every point on its golden inputs (a point at
+        # a time), then the two whole-model runs, each point judged as the forward produces it and
+        # forgotten (a layer's outputs at a time; the model's would grow with its depth and length).
+        # (a --capture-tokens golden's points have no inputs: only those the chain does not run are run so)
+        chained_only = {p.id for p in steered.chain.points} if captured else set()
+        _isolated_pass(isolated, figures, tokens, rows, name, chained_only, say, started)
+        for runner in (steered, free) if not captured else (steered,):
+            runner.started = isolated.started or steered.started  # one backend, started once
+            kinds = ("chain", "free") if captured else ("free",) if runner is free else ("chain",)
+
+            def judge(point: Any, record: Any, own: Any, runner: ParityRunner = runner, kinds=kinds) -> None:
+                result = runner.judge_output(point, record, own, "chain", None)
+                _keep(figures, tokens, kinds[0], point, result)
+                for kind in kinds[1:]:  # the same figures, each kind's tokens a tensor of its own (a file keeps each)
+                    result.token_d2 = {t: d2.clone() for t, d2 in result.token_d2.items()}
+                    _keep(figures, tokens, kind, point, result)
+
             try:
-                prepared = runner.prepare(point)
-            except PointUnavailable:
-                prepared = None
+                runner.chain.stream(judge)
             except BackendFailure as exc:
-                raise BadInput(f"the reference in {name} failed at {point.id}: {exc}") from None
-            for mode, cand in (("isolated", prepared.candidate), ("chain", prepared.chained)) if prepared else ():
-                if cand is not None:
-                    _keep(figures, tokens, mode, point, runner.judge_output(point, prepared.golden, cand, mode, None))
-            if "batch" in figures and prepared is not None and prepared.candidate is not None and point.step is None:
-                figures["batch"][point.id] = batch_vs_alone(runner, rows, point, prepared.candidate)
-            if prepared is not None and free._chained(point):
-                free.started = runner.started  # one backend, started once
-                own = free.chain.output(point, prepared.golden)
-                _keep(figures, tokens, "free", point, free.judge_output(point, prepared.golden, own, "chain", None))
-            if point.layer is not None and ends[point.group] == point.id:  # its layer's last point: done
-                done = layer_groups.index(point.group) + 1
-                say(f"  noise floor {point.group} [{done}/{len(layer_groups)}, {time.perf_counter() - started:.1f}s]")
+                raise BadInput(f"the reference in {name} failed in its whole-model run: {exc}") from None
+            what = "free" if runner is free or captured else "steered"
+            say(f"  noise floor chained ({what}): {time.perf_counter() - started:.1f}s")
+            isolated.started = runner.started
     finally:
-        free.chain.close()
-        runner.close()
+        for runner in (isolated, steered, free):
+            if runner.chain is not None:
+                runner.chain.close()
+        isolated.close()  # the backend, once
     entry = {
         **figures,
         "tokens": write_noise_tokens(golden.root, name, tokens),
@@ -118,6 +124,44 @@ def record_noise(
     update_manifest(golden.root, "noise", noise)
     say(f"noise floor recorded in {time.perf_counter() - started:.1f}s")
     return entry
+
+
+def _isolated_pass(
+    runner: ParityRunner,
+    figures: dict,
+    tokens: dict,
+    rows: Rows | None,
+    name: str,
+    chained_only: set[str],
+    say: Callable[[str], None],
+    started: float,
+) -> None:
+    """Every point on its golden inputs but those in `chained_only`, one at a time, with each prefill
+    point's rows alone where the golden is a batch."""
+    golden = runner.golden
+    layer_groups = list(dict.fromkeys(p.group for p in golden.points if p.layer is not None))
+    ends = {p.group: p.id for p in golden.points}  # each group's last point
+    for point in golden.points:
+        if point.id not in chained_only:
+            try:
+                prepared = runner.prepare(point)
+            except PointUnavailable:
+                prepared = None
+            except BackendFailure as exc:
+                raise BadInput(f"the reference in {name} failed at {point.id}: {exc}") from None
+            if prepared is not None and prepared.candidate is not None:
+                _keep(
+                    figures,
+                    tokens,
+                    "isolated",
+                    point,
+                    runner.judge_output(point, prepared.golden, prepared.candidate, "isolated", None),
+                )
+                if "batch" in figures and point.step is None:
+                    figures["batch"][point.id] = batch_vs_alone(runner, rows, point, prepared.candidate)
+        if point.layer is not None and ends[point.group] == point.id and not chained_only:  # its layer's last point
+            done = layer_groups.index(point.group) + 1
+            say(f"  noise floor {point.group} [{done}/{len(layer_groups)}, {time.perf_counter() - started:.1f}s]")
 
 
 def batch_vs_alone(runner: ParityRunner, rows: Rows, point: Any, batch: Any) -> list[float | None]:
