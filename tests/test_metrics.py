@@ -505,7 +505,7 @@ def test_compare_routing_order_ignored_and_leading_dims() -> None:
     assert r.flip_share == 0.0
 
 
-def test_routing_over_a_vocabulary_is_judged_in_blocks_as_over_a_router() -> None:
+def test_routing_over_a_vocabulary_is_judged_in_blocks_as_over_a_router(monkeypatch) -> None:
     """Logits are judged as a top-1 routing over the vocabulary: the tie tolerance and the gaps are
     taken a block of tokens at a time (no float64 copy of `[T, V]`), with the figures of the whole
     matrix at once: every token disagreeing, repeated ids, and blocks of one row."""
@@ -528,13 +528,10 @@ def test_routing_over_a_vocabulary_is_judged_in_blocks_as_over_a_router() -> Non
     lost = torch.where(g_mask & ~c_mask, s64, math.inf).amin(1)
     gained = torch.where(c_mask & ~g_mask, s64, -math.inf).amax(1)
     expected = {t: float(lost[t] - gained[t]) for t in (g_mask != c_mask).any(1).nonzero().flatten().tolist()}
+    original = routing.token_blocks
     for elements in (1, 5000, 1 << 20):  # a row a block, two rows, the whole matrix
-        original = routing.token_blocks
-        routing.token_blocks = lambda tokens, width, elements=elements: original(tokens, width, elements)
-        try:
-            r = compare_routing(scores, golden, candidate, tolerance=whole)
-        finally:
-            routing.token_blocks = original
+        monkeypatch.setattr(routing, "token_blocks", lambda tokens, width, n=elements: original(tokens, width, n))
+        r = compare_routing(scores, golden, candidate, tolerance=whole)
         got = {f.token: f.gap for f in r.flips + r.ties}
         assert got.keys() == expected.keys() and 4 not in got and 6 in got
         assert all(got[t] == pytest.approx(expected[t], rel=0, abs=0) for t in got)
