@@ -1173,7 +1173,10 @@ NEEDS_TRANSFORMERS_5 = {"tiny-model", "golden", "demo", "audit", "estimate", "dr
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .host import bound_onednn_caches
+
     args = build_parser().parse_args(argv)
+    bound_onednn_caches()  # before any bf16 forward: the noise floor's, a scan's, a compare's
     if args.command in NEEDS_TRANSFORMERS_5 and compat.MAJOR < 5:
         print(f"moe-parity {args.command}: {compat.needs_transformers_5()}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import cli as run
+from helpers import read_json
 
 from pytest_moe_parity.golden import GoldenError, GoldenStore
 
@@ -247,6 +248,16 @@ def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time
     assert progress[-3].startswith("  noise floor step_1.layer_3 [8/8, ")
     assert progress[-2].startswith("  noise floor chained (steered): ")
     assert progress[-1].startswith("  noise floor chained (free): ")
+    # its cost said before its first forward: the weights it holds at once beside the recording's
+    from pytest_moe_parity.record.audit import gib
+
+    cost = next(li for li in lines if li.startswith("noise floor: about 3 forwards of the model"))
+    assert lines.index(cost) < lines.index(next(li for li in lines if li.startswith("  noise floor layer_0 ")))
+    held = read_json(tmp_path / "g" / "manifest.json")["noise"]["bfloat16"]["recorded"]["host_weight_bytes"]
+    recorded = read_json(tmp_path / "g" / "manifest.json")["stats"]["host_weight_bytes"]
+    assert 0 < held < recorded  # two bf16 layers and the model-level modules, against every fp32 weight
+    assert re.search(r"of bfloat16 weights at once on the host: 2 decoder layers of [\d.]+ KiB", cost), cost
+    assert cost.endswith(f"the recording held {gib(recorded)} of weights on the host"), cost
     noise = float(next(li for li in lines if li.startswith("noise floor recorded in")).split()[-1].rstrip("s"))
     recording = float(next(li for li in lines if li.startswith("  layer_3: ")).rsplit(" ", 1)[-1].rstrip("s]"))
     total = float(lines[-1].split(", ")[-1].split(" s ->")[0])
@@ -278,3 +289,15 @@ def test_golden_says_what_its_captures_will_take_before_the_forward(tmp_path: Pa
     estimated = float(value) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
     written = sum(f.stat().st_size for f in (tmp_path / "g").glob("*.safetensors"))
     assert 0.7 < estimated / written < 1.3, (estimated, written)
+
+
+def test_onednn_caches_are_bounded_unless_the_user_set_them(monkeypatch) -> None:
+    """oneDNN's bf16 caches grow with every new layer up to 1024 entries each (a deep noise floor's or
+    bf16 replay's host memory growing with depth): moe-parity caps them at 64, before any forward, and
+    leaves a value the user set as it is."""
+    from pytest_moe_parity.host import ONEDNN_CACHES, bound_onednn_caches
+
+    monkeypatch.delenv(ONEDNN_CACHES[0], raising=False)
+    monkeypatch.setenv(ONEDNN_CACHES[1], "512")
+    bound_onednn_caches()
+    assert os.environ[ONEDNN_CACHES[0]] == "64" and os.environ[ONEDNN_CACHES[1]] == "512"

@@ -193,6 +193,9 @@ def pytest_configure(config: pytest.Config) -> None:
     golden_dir = _golden_dir_option(config)
     if golden_dir is None:
         return
+    from ..host import bound_onednn_caches
+
+    bound_onednn_caches()  # before the first bf16 forward of the candidate
     for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
     config.addinivalue_line("markers", "drill: moe-parity items of a drill (POINT::OP, --parity-drill)")

@@ -6,6 +6,7 @@ limit cannot, and keeps deep chained runs from failing on accumulated rounding."
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -20,8 +21,10 @@ from ..dtypes import dtype_name, parse_dtype
 from ..errors import BackendFailure, BadInput, PointUnavailable
 from ..golden import GoldenStore
 from ..golden.writer import update_manifest
+from ..host import malloc_trim
 from ..judge.verdict import PointResult
 from ..points import ROUTER
+from ..record.audit import gib
 from .batch import Rows
 from .runner import ParityRunner
 
@@ -60,6 +63,10 @@ def record_noise(
     chained (one whole-model forward, steered, and once more free), and add its error at every point
     to the golden's manifest (each token's, to a file beside it)."""
     say = progress or (lambda msg: None)
+    # what the recording before it left for the collector (its model's modules hold cycles: with accelerate's
+    # disk offload, ~150 MB of host weights of 16 Mixtral-style layers alive until collected) goes back first
+    gc.collect()
+    malloc_trim()
     try:
         torch_dtype = parse_dtype(dtype, floating=True)
     except ValueError:
@@ -80,6 +87,12 @@ def record_noise(
     free = ParityRunner(golden, backend, mode="chain", steer=False)  # the same model, a chain nobody steers
     started = time.perf_counter()
     say(f"noise floor: the reference in {name}, isolated and chained (steered, free), at {len(golden.points)} points")
+    try:
+        isolated.start(golden.points[0])  # the model on the meta device: what it will hold, before any forward
+    except BackendFailure as exc:
+        raise BadInput(f"the reference in {name} cannot be built: {exc}") from None
+    line, held = cost(golden, backend)
+    say(line)
     figures: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
     rows = Rows.of(golden) if not captured else None
     if rows is not None and rows.count > 1:
@@ -118,12 +131,38 @@ def record_noise(
     entry = {
         **figures,
         "tokens": write_noise_tokens(golden.root, name, tokens),
-        "recorded": {"seconds": round(time.perf_counter() - started, 3), "device": device, "model": str(model)},
+        "recorded": {
+            "seconds": round(time.perf_counter() - started, 3),
+            "device": device,
+            "model": str(model),
+            "host_weight_bytes": held,  # the most weight bytes it held on the host at once
+        },
     }
     noise = {**golden.manifest.get("noise", {}), name: entry}
     update_manifest(golden.root, "noise", noise)
     say(f"noise floor recorded in {time.perf_counter() - started:.1f}s")
     return entry
+
+
+def cost(golden: GoldenStore, backend: TorchBackend) -> tuple[str, int]:
+    """What the noise floor will cost, said before its first forward (as the captures' size is said
+    before the recording's): about three forwards of the model, and the weights it holds at once, in
+    its dtype, beside what the recording held on the host; and the weight bytes it holds on the host."""
+    lazy = backend.lazy
+    assert lazy is not None
+    layers = sorted((lazy.unit_bytes(i) for i in range(lazy.num_layers)), reverse=True)[: lazy.max_layers]
+    model_level = sum(lazy.unit_bytes(u) for u in lazy.model_level_paths())
+    held = sum(layers) + model_level
+    recorded = golden.manifest.get("stats", {}).get("host_weight_bytes")
+    where = "on the host" if lazy.device.type == "cpu" else f"on {lazy.device} (the host: a unit in flight)"
+    beside = f"; the recording held {gib(recorded)} of weights on the host" if recorded is not None else ""
+    line = (
+        f"noise floor: about 3 forwards of the model (every point on its golden inputs, then two whole-model runs, "
+        f"each point judged as the forward produces it); {gib(held)} of {dtype_name(lazy.dtype)} weights at once "
+        f"{where}: {len(layers)} decoder layers of {gib(layers[0] if layers else 0)} and the model-level modules "
+        f"({gib(model_level)}){beside}"
+    )
+    return line, held if lazy.device.type == "cpu" else 0
 
 
 def _isolated_pass(
