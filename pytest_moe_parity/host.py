@@ -143,6 +143,13 @@ def map_large_allocations(threshold: int = 2**20) -> None:
         _LIBC.mallopt(M_MMAP_THRESHOLD, int(threshold))
 
 
+def gib(n: int) -> str:
+    """A size in bytes as people read one: GiB, MiB or KiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 # oneDNN's primitive cache and PyTorch's LRU cache of oneDNN ops (bf16 matmuls on the CPU), each read
 # from the environment when first used; the library defaults keep up to 1024 entries each.
 ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")

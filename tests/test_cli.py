@@ -249,7 +249,7 @@ def test_the_noise_floor_phase_shows_its_progress_and_counts_in_the_closing_time
     assert progress[-2].startswith("  noise floor chained (steered): ")
     assert progress[-1].startswith("  noise floor chained (free): ")
     # its cost said before its first forward: the weights it holds at once beside the recording's
-    from pytest_moe_parity.record.audit import gib
+    from pytest_moe_parity.host import gib
 
     cost = next(li for li in lines if li.startswith("noise floor: about 3 forwards of the model"))
     assert lines.index(cost) < lines.index(next(li for li in lines if li.startswith("  noise floor layer_0 ")))

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import BadInput, CheckpointError
+from ..host import gib
 from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_config, read_tensors
 from ..points import layer_group
@@ -148,12 +149,6 @@ def fusion_memory(layers: dict[int, dict[str, int]], dtype: str, total: int) -> 
             "model_peak_bytes": total + fused,  # every converted layer kept, as NxDI's conversion does
         }
     return out
-
-
-def gib(n: int) -> str:
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def text_lines(result: Audit, model_dir: Path) -> list[str]:

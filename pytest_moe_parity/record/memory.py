@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .audit import gib
+from ..host import gib
 
 
 def device_name(device: Any) -> str:

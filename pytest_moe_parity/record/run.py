@@ -24,13 +24,13 @@ from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, CheckpointError, GoldenError
 from ..golden import GoldenWriter, Recorded
 from ..golden.spec import parse_token_spec
-from ..host import malloc_trim, map_large_allocations
+from ..host import gib, malloc_trim, map_large_allocations
 from ..model.archs import plan_points
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, attention_within, score_bytes
 from ..model.checkpoint import quantization, safetensors_files
 from ..model.lazy_model import LazyModel, own_memory
 from ..points import Point, describe_layers, layers_option
-from .audit import Shape, check_context, gib, parse_memory
+from .audit import Shape, check_context, parse_memory
 from .capture import GoldenRecorder, SliceDone
 from .decode import DecodePlan, decode_cache, parse_positions, record_decode
 from .dispatch import dispatch_by_unit, does_not_fit

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..host import gib
 from ..model.checkpoint import Tensor, read_config
-from .audit import _LAYER, FLOATS, checkpoint_tensors, gib, tensor_class
+from .audit import _LAYER, FLOATS, checkpoint_tensors, tensor_class
 
 MODEL = "model"  # --parity-layers' word for the model-level points (replay.setup.MODEL_POINTS)
 CPU_BACKENDS = ("cpu", "trace", "compile")  # their points run on the host's cores: --cores scales them

@@ -21,10 +21,9 @@ from ..dtypes import dtype_name, parse_dtype
 from ..errors import BackendFailure, BadInput, PointUnavailable
 from ..golden import GoldenStore
 from ..golden.writer import update_manifest
-from ..host import malloc_trim
+from ..host import gib, malloc_trim
 from ..judge.verdict import PointResult
 from ..points import ROUTER
-from ..record.audit import gib
 from .batch import Rows
 from .runner import ParityRunner
 
