@@ -10,7 +10,9 @@ difference, NaN/Inf flags), written as such scripts are written.
 or a build would), the contention under which OpenMP's parallel regions wait for time slices.
 `--forwards` runs a model-sized burst of matmuls on torch's threads before each round, as the
 candidate's forward does before the judge. `--no-fit` keeps compare_tensors on torch's threads
-whatever the load (judge/contention.py otherwise fits them to the cores other processes leave).
+whatever the load (`host.fitted_threads` otherwise fits them to the cores other processes leave).
+The header names the CPU and its vector features (the ratio to a read moves with them: the same
+pass is 5x a read on an AVX-512 EPYC and was 11.6x on an AVX2-only one).
 
 Targets: >= 20x faster than the script's metric set, within 10x of the single read; and the
 figures agree with their float64 definitions (the error is printed, and asserted in
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import platform
 import time
 
 import torch
@@ -50,6 +53,25 @@ def original_script_metrics(gpu: torch.Tensor, neuron: torch.Tensor, rtol: float
         "nan": bool(torch.isnan(a).any() or torch.isnan(b).any()),
         "inf": bool(torch.isinf(a).any() or torch.isinf(b).any()),
     }
+
+
+VECTOR_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_line() -> str:
+    """The CPU's model name, its vector features (Linux: /proc/cpuinfo's flags) and the kernels torch
+    chose (torch.backends.cpu.get_cpu_capability())."""
+    model, flags = "", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and not model:
+                model = value
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    model = model or platform.processor() or platform.machine()
+    features = " ".join(f for f in VECTOR_FEATURES if f in flags) or "features unknown"
+    return f"{model} ({features}); torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def best_of(fn, repeat: int, rounds: list[float] | None = None) -> float:
@@ -102,7 +124,8 @@ def measure(args: argparse.Namespace) -> None:
     contended = ", a busy process per core beside it" if args.contend else ""
     contended += ", matmuls before each round" if args.forwards else ""
     contended += ", on torch's threads whatever the load" if args.no_fit else ""
-    print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s){contended}, best of {args.repeat}")
+    print(f"two float32 tensors of {args.mb} MB, {torch.get_num_threads()} thread(s){contended}, best of {args.repeat}"
+          f" on {cpu_line()}")  # fmt: skip
     read = best_of(lambda: torch.dot(golden, candidate), args.repeat)
     rounds: list[float] = []
     weights = torch.randn(2048, 2048, generator=gen)
