@@ -88,7 +88,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +96,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench_replay import TIMED
+from bench_replay import run_child as child
 
 GB = 1e9
 MARKER = "bench_real_shapes.json"  # written last into a built checkpoint: what it holds (for --keep)
@@ -503,29 +505,10 @@ print(json.dumps({"code": 0, "bytes": total, "read_s": time.perf_counter() - t1,
 )
 
 
-BREAKDOWN_CHILD = """
-import collections, json, sys, time
-import pytest, torch, transformers
-from pytest_moe_parity.backends.hf import TorchBackend
-from pytest_moe_parity.golden.store import GoldenStore
-from pytest_moe_parity.replay.runner import ParityRunner
-
-spent, nested, judged = collections.Counter(), [], {}
-
-def timed(cls, name, part):  # exclusive time: a timed call inside another counts once, as its own part
-    inner = getattr(cls, name)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        nested.append(0.0)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            took = time.perf_counter() - start
-            spent[part] += took - nested.pop()
-            if nested:
-                nested[-1] += took
-    setattr(cls, name, wrapper)
-
+BREAKDOWN_CHILD = (
+    TIMED
+    + """
+judged = {}
 timed(TorchBackend, "start", "backend start")
 timed(TorchBackend, "run", "forwards and read waits")
 timed(ParityRunner, "judge", "judging")
@@ -545,21 +528,7 @@ spent["pytest, the plugin and the rest"] = wall - sum(spent.values())
 top = sorted(judged.items(), key=lambda kv: -kv[1])[:3]
 print(json.dumps({"code": 0 if code == 1 else code, "after_imports_s": wall, "parts": spent, "judged": top}))
 """
-
-
-def child(script: str, *args: str, cwd: Path | None = None) -> tuple[dict, str]:
-    """Run `script` in a fresh interpreter: (its closing JSON line plus `wall_s`, its stdout)."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=cwd)
-    wall = time.perf_counter() - start
-    try:
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:]) from None
-    if out["code"] != 0:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    return {**out, "wall_s": wall}, proc.stdout
+)
 
 
 _PROGRESS = re.compile(r"^\s+layer_(\d+): \d+ points, [\d.]+ MB \[\d+/\d+ layers, [\d.]+ MB written, ([\d.]+)s\]")

@@ -44,14 +44,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench_replay import write_checkpoint
+from bench_replay import run_child, write_checkpoint
 
 CHILD = """
 import json, sys
@@ -87,15 +84,8 @@ print(json.dumps({"code": code, "baseline": baseline, "peak": phases.get("record
 
 
 def record(model_dir: Path, golden: Path, seq_len: int, *extra: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     argv = ["golden", "--model", str(model_dir), "--out", str(golden), "--seq-len", str(seq_len), "--overwrite", "-q"]
-    proc = subprocess.run([sys.executable, "-c", CHILD, *argv, *extra], capture_output=True, text=True, env=env)
-    try:
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:]) from None
-    if out["code"] != 0:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    out, _ = run_child(CHILD, *argv, *extra)
     manifest = json.loads((golden / "manifest.json").read_text())
     host = manifest["stats"]["host_weight_bytes"]
     captures = max(p.stat().st_size for p in golden.glob("layer_*.safetensors"))

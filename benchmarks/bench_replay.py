@@ -69,7 +69,8 @@ print(json.dumps({"code": 0, "after_imports_s": t2 - t1, "peak_rss_mb": _peak_mb
 )
 
 
-BREAKDOWN_CHILD = """
+# a replay's parts timed, each exclusive of the others (bench_real_shapes.py's breakdown too)
+TIMED = """
 import collections, json, sys, time
 import pytest, torch, transformers
 from pytest_moe_parity.backends.hf import TorchBackend
@@ -91,7 +92,11 @@ def timed(cls, name, part):  # exclusive time: a timed call inside another count
             if nested:
                 nested[-1] += took
     setattr(cls, name, wrapper)
+"""
 
+BREAKDOWN_CHILD = (
+    TIMED
+    + """
 timed(TorchBackend, "start", "backend start: modeling import, meta skeleton")
 timed(TorchBackend, "run", "candidate forwards, and waits for a layer read ahead")
 timed(ParityRunner, "judge", "judging")
@@ -103,21 +108,27 @@ spent["pytest, the plugin and the rest"] = wall - sum(spent.values())
 print(json.dumps({"code": int(code), "after_imports_s": wall, "main_thread_cpu_s": main_cpu, "process_cpu_s": cpu,
                   "parts": spent}))
 """
+)
 
 
-def child(script: str, *args: str) -> dict:
+def run_child(script: str, *args: str, cwd: Path | None = None) -> tuple[dict, str]:
+    """Run `script` in a fresh interpreter (OMP_NUM_THREADS=2 unless set): its closing JSON line plus
+    `wall_s`, and its stdout; what it printed, and exit, where it gave no such line or a code."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - start
-    lines = proc.stdout.strip().splitlines()
     try:
-        out = json.loads(lines[-1])
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:]) from None
     if out["code"] != 0:
-        raise SystemExit(proc.stdout[-3000:])
-    return {**out, "wall_s": wall}
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    return {**out, "wall_s": wall}, proc.stdout
+
+
+def child(script: str, *args: str) -> dict:
+    return run_child(script, *args)[0]
 
 
 def write_checkpoint(root: Path, layers: int) -> Path:

@@ -20,11 +20,13 @@ def bench():
     spec = importlib.util.spec_from_file_location("bench_real_shapes", ROOT / "benchmarks" / "bench_real_shapes.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # as when run: it imports bench_replay beside it
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.mark.parametrize(
