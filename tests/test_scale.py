@@ -361,3 +361,27 @@ def test_a_quantized_checkpoint_is_never_read_without_its_scales(tmp_path: Path,
     monkeypatch.setattr(record_run, "load_model", from_pretrained_only)
     code, _, err = _golden(capsys, model, tmp_path / "g")
     assert code == 2 and "from_pretrained was asked" in err
+
+
+@pytest.mark.slow
+def test_the_noise_floor_holds_no_more_than_the_recording(tmp_path: Path, monkeypatch) -> None:
+    """`--noise-dtype` within the recording's memory bound (benchmarks/bench_record_memory.py, in a
+    fresh process): a Mixtral-style checkpoint with Qwen3's vocabulary of 151936 tokens, recorded
+    --stream at 256 tokens: the noise floor's peak (measured from its start) is the recording's, give or
+    take 64 MB. (Its logits judge alone used to add ~1.2 GB here: a float64 copy of [256, 151936] and
+    its masks; its chained runs held every point's output twice.)"""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_record_memory import record
+
+    config = MixtralConfig(
+        vocab_size=151936, hidden_size=512, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model", max_shard_size="200MB")
+    mb = 2**20
+    r = record(tmp_path / "model", tmp_path / "golden", 256, "--stream", "--noise-dtype", "bfloat16")
+    assert r["noise_peak"] <= r["peak"] + 64 * mb, (r["noise_peak"] / mb, r["peak"] / mb)
+    assert 0 < r["noise_host"] < r["host"]  # two bf16 layers and the model-level modules, against fp32 ones
