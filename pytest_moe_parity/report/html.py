@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
-from ..judge.verdict import PointResult
 from ..points import LAYER_COMPONENTS, MODEL_TAIL, WEIGHTS, describe_layers
 from .block import bug_report_text
 from .history import DIFF_SCHEMA_VERSION, report_digest
@@ -41,6 +40,7 @@ from .rows import (
     Row,
     WeightsRow,
     number,
+    result_of,
 )
 from .summary import STATUSES, drill_finding, drill_line, figure, modes, row_note, summary_lines
 from .text import failure_text, fmt
@@ -407,7 +407,7 @@ class _Page:
                     el(
                         "details",
                         el("summary", "its failure, as the run printed it"),
-                        el("pre", failure_text(point_result(row))),
+                        el("pre", failure_text(result_of(row))),
                     )
                 )
         if s.get("first_error"):
@@ -705,7 +705,7 @@ class _Page:
         body: list[Any] = []
         if isinstance(r, PointRow):
             if r.status == "failed":  # its failure in the run's words, its tokens beside it
-                body.append(el("div", el("pre", failure_text(point_result(r))), self.tokens(r), class_="pt"))
+                body.append(el("div", el("pre", failure_text(result_of(r))), self.tokens(r), class_="pt"))
             else:
                 body.append(self.checks(r))
                 body.append(self.tokens(r))
@@ -984,43 +984,6 @@ def token_chart(errors: list[Any], limit: float | None, width: int = 640, height
         role="img",
         attrs={"aria-label": "each token's rel_l2"},
         class_="tokchart",
-    )
-
-
-def point_result(row: PointRow) -> PointResult:
-    """The judge's result of a report's point, for :func:`~.text.failure_text`: the page shows a
-    failure in the very words the run printed."""
-    return PointResult(
-        id=row.id,
-        layer=row.layer,
-        component=row.component,
-        passed=row.status == "passed",
-        checks=row.checks,
-        metrics=row.metrics,
-        routing=row.routing,
-        excluded_tokens=row.excluded_tokens,
-        worst=[(t, e) for t, e in row.worst_tokens],
-        token_errors=row.token_errors,
-        worst_experts=[tuple(e) for e in row.worst_experts],
-        logits=row.logits,
-        worst_elements={k: [(tuple(i), g, c, d) for i, g, c, d in v] for k, v in row.worst_elements.items()},
-        notes=row.notes,
-        hint=row.hint,
-        tolerance=row.limits,
-        tolerance_sources=row.tolerance_sources,
-        candidate_dtype=row.candidate_dtype,
-        golden_dtype=row.golden_dtype,
-        seconds=row.seconds,
-        order=int(row.order),
-        step=row.step,
-        position=row.position,
-        backend=row.backend,
-        mode=row.mode,
-        noise=row.noise,
-        chained=point_result(row.chained) if row.chained is not None else None,
-        rows=row.rows,
-        shown=row.shown,
-        inherited=row.inherited,
     )
 
 

@@ -454,6 +454,43 @@ def point_row(result: PointResult) -> PointRow:
     )
 
 
+def result_of(row: PointRow) -> PointResult:
+    """The judge's result of a report's point (:func:`point_row` read back), for
+    :func:`~.text.failure_text`: report.html shows a failure in the very words the run printed."""
+    return PointResult(
+        id=row.id,
+        layer=row.layer,
+        component=row.component,
+        passed=row.status == "passed",
+        checks=row.checks,
+        metrics=row.metrics,
+        routing=row.routing,
+        excluded_tokens=row.excluded_tokens,
+        worst=[(t, e) for t, e in row.worst_tokens],
+        token_errors=row.token_errors,
+        worst_experts=[tuple(e) for e in row.worst_experts],
+        logits=row.logits,
+        worst_elements={k: [(tuple(i), g, c, d) for i, g, c, d in v] for k, v in row.worst_elements.items()},
+        notes=row.notes,
+        hint=row.hint,
+        tolerance=row.limits,
+        tolerance_sources=row.tolerance_sources,
+        candidate_dtype=row.candidate_dtype,
+        golden_dtype=row.golden_dtype,
+        seconds=row.seconds,
+        order=int(row.order),
+        step=row.step,
+        position=row.position,
+        backend=row.backend,
+        mode=row.mode,
+        noise=row.noise,
+        chained=result_of(row.chained) if row.chained is not None else None,
+        rows=row.rows,
+        shown=row.shown,
+        inherited=row.inherited,
+    )
+
+
 def weights_row(name: str, layer: int | None, order: float, findings: list[str]) -> WeightsRow:
     """The row of a weight item (`layer_N.weights`, `weights`): ordered just before its unit's first
     point, failed with the findings in words."""
