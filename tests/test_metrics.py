@@ -572,6 +572,25 @@ def test_per_token_error_degenerate_and_token_dim() -> None:
         per_token_error(x, y[:1])
 
 
+def test_row_sums_over_blocks_of_rows_take_the_careful_path_only_where_a_block_is_not_finite() -> None:
+    """Rows of a vocabulary's width go a few at a time (2 rows of 2^19 here: three blocks); a block
+    with a NaN or an Inf is summed with them set apart, the finite blocks beside it as they are."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(6, 1 << 19, generator=gen)
+    c = g + 1e-3 * torch.randn(6, 1 << 19, generator=gen)
+    g[2, 7] = c[2, 7] = float("inf")  # the same Inf on both sides: equal, left out of the sums
+    c[3, 9] = float("nan")
+    sums = row_sums(g, c, token_dim=0)
+    assert sums.bad.tolist() == [False, False, False, True, False, False]
+    finite = torch.isfinite(g) & torch.isfinite(c)
+    diff = torch.where(finite, c.double() - g.double(), 0.0)
+    assert torch.equal(sums.d2[[0, 1, 4, 5]], (diff * diff).sum(dim=1)[[0, 1, 4, 5]])
+    assert sums.d2[2] == pytest.approx(float((diff[2] ** 2).sum()), rel=1e-12)
+    assert sums.g2.tolist() == pytest.approx(
+        torch.where(torch.isfinite(g), g.double(), 0.0).square().sum(dim=1).tolist()
+    )
+
+
 # ------------------------------------------------------------------------------------------ routing
 
 

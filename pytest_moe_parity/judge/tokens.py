@@ -81,22 +81,20 @@ def row_sums(golden: torch.Tensor, candidate: torch.Tensor, token_dim: int = -2)
     if num_tokens == 0 or inner == 0:
         return RowSums(d2_all, g2_all, bad_all)
     rows = max(1, (1 << 20) // inner)  # a few block-sized float64 temporaries, ~8 MB each
-    if num_tokens <= rows:  # one block (every point's activations at a golden's usual size)
-        g = g_all.reshape(num_tokens, inner).to(F64)
-        c = c_all.reshape(num_tokens, inner).to(F64)
-        diff = c - g
-        d2 = (diff * diff).sum(dim=1)
-        g2 = (g * g).sum(dim=1)
-        if math.isfinite(float(d2.sum()) + float(g2.sum())):  # every value finite, no sum overflowed
-            return RowSums(d2.cpu(), g2.cpu(), bad_all)
     for start in range(0, num_tokens, rows):
         stop = min(start + rows, num_tokens)
         g = g_all[start:stop].reshape(stop - start, inner).to(F64)
         c = c_all[start:stop].reshape(stop - start, inner).to(F64)
-        diff = torch.where(g == c, 0.0, c - g)  # equal Infs -> 0; NaN / unmatched Inf -> nan or inf
-        bad_all[start:stop] = (~torch.isfinite(diff)).any(dim=1).cpu()
-        d2_all[start:stop] = torch.where(torch.isfinite(diff), diff, 0.0).square_().sum(dim=1).cpu()
-        g2_all[start:stop] = torch.where(torch.isfinite(g), g, 0.0).square_().sum(dim=1).cpu()
+        diff = c - g
+        d2 = (diff * diff).sum(dim=1)
+        g2 = (g * g).sum(dim=1)
+        if not math.isfinite(float(d2.sum()) + float(g2.sum())):  # a NaN or Inf in the block, or a sum overflowed
+            diff = torch.where(g == c, 0.0, diff)  # equal Infs -> 0; NaN / unmatched Inf -> nan or inf
+            bad_all[start:stop] = (~torch.isfinite(diff)).any(dim=1).cpu()
+            d2 = torch.where(torch.isfinite(diff), diff, 0.0).square_().sum(dim=1)
+            g2 = torch.where(torch.isfinite(g), g, 0.0).square_().sum(dim=1)
+        d2_all[start:stop] = d2.cpu()
+        g2_all[start:stop] = g2.cpu()
     return RowSums(d2_all, g2_all, bad_all)
 
 
