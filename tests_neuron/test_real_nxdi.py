@@ -76,8 +76,8 @@ def test_a_transformers_5_config_reads_as_written(arch: str, t5: Path) -> None:
 def test_a_tp_degree_nxd_cannot_shard_by_is_a_usage_error(t5: Path, pytester: pytest.Pytester) -> None:
     usage_error(
         run_parity(pytester, t5 / "qwen3_moe-golden", *CPU, "--hw-option", "tp_degree=3", model=t5 / "qwen3_moe-model"),
-        "--hw-option tp_degree=3: NxD shards the vocabulary (256) and the hidden size (64) and each expert's "
-        "intermediate size (64) by the TP degree, which does not divide them",
+        "--hw-option tp_degree=3: NxD shards the vocabulary (256), the hidden size (64) and each expert's "
+        "intermediate size (64) by the TP degree (3), which does not divide them",
     )
 
 
@@ -326,17 +326,142 @@ def test_a_tp_only_bug_is_where_plan_b_leaves_plan_a(
     assert row["plans"] == ["tp=1", "tp=2"] and row["figures"]["a_vs_golden"] < 1e-4 < row["figures"]["b_vs_golden"]
 
 
-def test_expert_parallelism_on_the_cpu_build_is_a_usage_error_that_says_why(t5: Path, pytester: pytest.Pytester):
+# Expert parallelism: NxDI lays out tp=N,ep=E as N ranks whose MoE splits its experts over E groups and
+# shards them over N/E (moe_ep_degree, moe_tp_degree); every other layer stays at TP N, so tp=N:tp=N,ep=E
+# changes the MoE alone. NxD's expert-parallel MoE takes its blockwise path (a prefill of tokens x top_k
+# at least the block size: 16 tokens x 2 here, block 16) and its all-experts path in token generation
+# with tokens x top_k / experts >= 1; below that it raises (see the test of what it does not run).
+EP = ("--hw-option", "block_size=16")
+
+
+@pytest.mark.parametrize("plans", ["tp=2:tp=2,ep=2", "tp=4:tp=4,ep=2"])
+def test_two_plans_that_differ_in_expert_parallelism_agree_on_a_clean_candidate(
+    plans: str, t5: Path, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """NxD's expert parallelism runs on the CPU build (its mesh groups made of gloo groups): every
+    prefill point of a clean candidate agrees under both plans, the MoE's experts split over two
+    groups of ranks (tp=4,ep=2: four ranks, the MoE at TP 2 x EP 2)."""
+    golden = t5 / "qwen3_moe-golden"
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, *CPU, *EP, "--parity-parallel", plans, "-k", "parallel and not rotary and not step_",
+        "--parity-report", str(report), model=t5 / "qwen3_moe-model",
+    )  # fmt: skip
+    ids = [p for p in points(golden) if not p.endswith("rotary") and not p.startswith("step_")]
+    result.assert_outcomes(passed=len(ids))
+    summary = f"{len(ids)} points: {len(ids)} passed, 0 failed, 0 errors*"
+    result.stdout.fnmatch_lines([summary, "first divergence: none"])
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    plan_a, plan_b = plans.split(":")
+    assert rows["layer_0.moe::parallel"]["plans"] == [plan_a, plan_b]
+    # B's MoE sums its experts' shares in another order (the experts split), by float32 rounding; every
+    # other layer is the same build under both plans, bit for bit
+    assert 0 < rows["layer_0.moe::parallel"]["figures"]["b_vs_a"] < 1e-5
+    assert rows["layer_0.attention::parallel"]["figures"]["b_vs_a"] == 0
+
+
+def _every_rank_is_expert_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank takes expert-parallel rank 0's experts (loaded and routed to): the others' are lost."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_expert_parallel_rank_from_global_rank", lambda rank, **_: 0)
+
+
+def _a_rank_s_expert_tokens_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokens sent to the second expert-parallel group's experts come back empty (an exchange
+    that drops a rank's tokens): that group's experts add nothing to the closing reduce."""
+    import torch.distributed as dist
+    from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+
+    forward = ExpertMLPsV2.forward
+
+    def dropping(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        group = self.moe_expert_model_parallel_group
+        return torch.zeros_like(out) if group.size() > 1 and dist.get_rank(group) == 1 else out
+
+    monkeypatch.setattr(ExpertMLPsV2, "forward", dropping)
+
+
+@pytest.mark.parametrize(
+    "fault", [_every_rank_is_expert_rank_0, _a_rank_s_expert_tokens_dropped], ids=["expert-rank-0", "dropped-tokens"]
+)
+def test_an_expert_parallel_only_bug_is_where_plan_b_leaves_plan_a(
+    fault, t5: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Faults that exist only under expert parallelism (both plans at TP 2, so the ranks, the attention
+    and every other shard are the same): the backend's own run passes every point, the differential
+    fails first at the first point NxD's experts run in (`layer_0.experts`), naming expert
+    parallelism, with TP 2 alone matching the golden there."""
+    golden, model = t5 / "qwen3_moe-golden", t5 / "qwen3_moe-model"
+    fault(monkeypatch)
+    report = tmp_path / "r"
+    result = run_parity(
+        pytester, golden, *CPU, *EP, "--parity-parallel", "tp=2:tp=2,ep=2", "-k", "not step_",
+        "--parity-report", str(report), model=model,
+    )  # fmt: skip
+    result.stdout.fnmatch_lines(
+        ["layer_0.experts::parallel: the parallelism alone changes it: tp=2,ep=2 against tp=2, rel_l2 *",
+         "  hint: expert parallelism (tp=2,ep=2 against tp=2): the same candidate under tp=2 gives another output*",
+         "first divergence: layer_0.experts::parallel  (expert parallelism (tp=2,ep=2 against tp=2)*"]
+    )  # fmt: skip
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert all(r["status"] == "passed" for r in rows.values() if "::" not in r["id"] and r["status"] != "skipped")
+    failed = [i for i, r in rows.items() if r["status"] == "failed"]
+    # only the items whose module holds NxD's experts: the experts, the MoE block and the decoder layer
+    assert failed and all(i.endswith(("experts::parallel", "moe::parallel", "output::parallel")) for i in failed), (
+        failed
+    )
+    row = rows["layer_0.experts::parallel"]
+    assert row["figures"]["a_vs_golden"] < 1e-4 < row["figures"]["b_vs_golden"]
+
+
+def test_what_nxd_s_expert_parallelism_does_not_run_fails_as_plan_b_raising(t5: Path, pytester: pytest.Pytester):
+    """NxD's expert-parallel MoE raises on calls its EP paths do not serve: a prefill below the block
+    size (its all-experts path indexes every expert on a rank's share: IndexError) and token generation
+    of fewer tokens x top_k than experts (NotImplementedError). Plan A runs them: a finding of plan B,
+    named as such, never an error of the tool nor a pass."""
+    result = run_parity(
+        pytester, t5 / "qwen3_moe-golden", *CPU, "--parity-parallel", "tp=2:tp=2,ep=2", "-k", "layer_0.moe::parallel",
+        model=t5 / "qwen3_moe-model",
+    )  # fmt: skip
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(
+        ["layer_0.moe::parallel: tp=2,ep=2 raises where tp=2 runs: *IndexError: * (expert_mlps_v2.py:*)*",
+         "step_1.layer_0.moe::parallel: tp=2,ep=2 raises where tp=2 runs: *NotImplementedError: Selective Loading with "
+         "Expert parallelism is not supported in token generation*",
+         "step_1.layer_0.moe::parallel * failed * tp=2,ep=2 vs tp=2 raises*",
+         "first divergence: layer_0.moe::parallel  (expert parallelism (tp=2,ep=2 against tp=2): the candidate does "
+         "not run this call under tp=2,ep=2*"]
+    )  # fmt: skip
+
+
+def test_a_parallel_plan_nxd_cannot_lay_out_is_a_usage_error_that_says_why(t5: Path, pytester: pytest.Pytester):
+    golden, model = t5 / "qwen3_moe-golden", t5 / "qwen3_moe-model"
+    usage_error(
+        run_parity(pytester, golden, *CPU, "--parity-parallel", "tp=1:tp=1,ep=2", model=model),
+        "--parity-parallel tp=1:tp=1,ep=2: ep=2: NxDI splits the 1 rank(s) of tp=1 into moe_tp_degree x moe_ep_degree, "
+        "so the expert-parallel degree divides the TP degree; e.g. tp=4 with ep=2",
+    )
+    usage_error(
+        run_parity(pytester, golden, *CPU, "--parity-parallel", "tp=2,ep=2:tp=6,ep=3", model=model),
+        "the experts (8) by the EP degree (3)",
+    )
+    usage_error(
+        run_parity(pytester, golden, *CPU, "--parity-parallel", "tp=1:tp=3", model=model),
+        "--parity-parallel tp=1:tp=3: tp=3: NxD shards",
+    )
+    usage_error(
+        run_parity(pytester, golden, *CPU, "--hw-option", "ep_degree=2", model=model),
+        "--hw-option ep_degree=2: NxDI splits the 1 rank(s) of --hw-option tp_degree=1 into",
+    )
+    # NxDI's Mixtral builds a MoE that never splits its experts: an EP plan there would compare a build with itself
     usage_error(
         run_parity(pytester, t5 / "mixtral-golden", *CPU, "--parity-parallel", "tp=2:tp=2,ep=2",
                    model=t5 / "mixtral-model"),
-        "--parity-parallel tp=2:tp=2,ep=2: expert parallelism does not run on the nxdi backend yet: NxD builds its "
-        "expert-parallel process groups as XLA mesh groups",
+        "--parity-parallel tp=2:tp=2,ep=2: ep=2: NxDI's Mixtral builds the older modules/moe.initialize_moe_module, "
+        "which does not read moe_ep_degree",
     )  # fmt: skip
-    usage_error(
-        run_parity(pytester, t5 / "mixtral-golden", *CPU, "--parity-parallel", "tp=1:tp=3", model=t5 / "mixtral-model"),
-        "--parity-parallel tp=1:tp=3: tp=3: NxD shards",
-    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -4,7 +4,9 @@ plan A and under plan B (`Backend.run_plan`) and judges B's output against A's b
 tolerance: it fails where B leaves A's limits, naming the parallelism, and says each plan's error to
 the golden beside it (A right and B wrong: the parallelism is the fault). A plan is
 `KEY=DEGREE[,KEY=DEGREE]`: `tp` (tensor parallelism) and `ep` (expert parallelism); a backend says
-which it runs (`Backend.parallel_keys`: NxDI's modules take `tp`)."""
+which it runs (`Backend.parallel_keys`: NxDI's modules take both, as NxDI lays a plan out: `tp` ranks,
+every layer sharded over them, and with `ep` the MoE's experts split over `ep` groups of them and
+sharded over the rest, so `tp=2:tp=2,ep=2` changes the MoE alone)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import plan_name
-from ..errors import BackendError, SetupError
+from ..errors import BackendError, BackendFailure, SetupError
 from ..golden import GoldenStore
 from ..points import Point, positive_int
 from ..report.rows import ParallelRow, Row, unjudged_row
@@ -23,11 +25,6 @@ from .runner import ParityRunner
 
 KIND = "parallel"
 KEYS = {"tp": "tensor parallelism", "ep": "expert parallelism"}
-# why expert parallelism does not run where NxDI's modules run on this machine's CPU
-EP_ON_CPU = (
-    "NxD builds its expert-parallel process groups as XLA mesh groups (torch.distributed.new_group with "
-    "xla_pg_options, read back through ProcessGroup._mesh), which the CPU build's gloo groups lack"
-)
 
 
 def parse_plans(text: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -89,7 +86,19 @@ class ParallelItems(Checker):
         record = self.golden.load(point, row_masks=runner.backend.row_masks)
         a_plan, b_plan = self.plans
         a = runner.call(point, record, plan=a_plan)
-        b = runner.call(point, record, plan=b_plan)
+        a_said, b_said = plan_name(a_plan), plan_name(b_plan)
+        which = " and ".join(KEYS[k] for k in b_plan if b_plan.get(k) != a_plan.get(k)) or "the parallelism"
+        try:
+            b = runner.call(point, record, plan=b_plan)
+        except BackendFailure as exc:  # A ran: that B cannot is the parallelism's finding, not the backend's error
+            raised = str(exc).removeprefix(f"{point.id}: ")
+            note = f"{b_said} raises where {a_said} runs: {raised}"
+            hint = (
+                f"{which} ({b_said} against {a_said}): the candidate does not run this call under {b_said}; a "
+                "code path the parallelism takes (or lacks) at this call's size"
+            )
+            row = self._row(entry, "failed", figures={"b_raised": raised}, notes=[note], hint=hint)
+            return row, f"{entry.id}: {note}\n  hint: {hint}"
         router = self.golden.router_of(point)
         bias = runner.score_bias(point, record)
         b_vs_a = runner.judge_between(point, a.output, b.output, (router, b.routing, a.routing), bias)
@@ -103,12 +112,10 @@ class ParallelItems(Checker):
             "b_vs_golden": golden[1].rel_l2 if golden[1] else None,
             "failed": result_figures(b_vs_a)["failed"],
         }
-        a_said, b_said = plan_name(a_plan), plan_name(b_plan)
         metrics = {"b_vs_a": main} if main is not None else {}
         if b_vs_a.passed:
             note = f"{b_said} gives what {a_said} gives, within the point's limits"
             return self._row(entry, "passed", figures=figures, metrics=metrics, notes=[note]), None
-        which = " and ".join(KEYS[k] for k in b_plan if b_plan.get(k) != a_plan.get(k)) or "the parallelism"
         note = (
             f"the parallelism alone changes it: {b_said} against {a_said}, rel_l2 {brief(figures['b_vs_a'])} "
             f"(to the golden: {a_said} {brief(figures['a_vs_golden'])}, {b_said} {brief(figures['b_vs_golden'])})"
@@ -137,16 +144,10 @@ def parallel_items(
     if not backend.parallel_keys:
         raise SetupError(
             f"{flag} {text}: the {hw} backend runs the candidate in one process, under one plan; the parallel "
-            "differential builds it under two (--hw nxdi: tp), or compare the ranks of a sharded dump with --hw dump "
-            "and a map's concat_dim and ranks"
+            "differential builds it under two (--hw nxdi: tp, ep), or compare the ranks of a sharded dump with "
+            "--hw dump and a map's concat_dim and ranks"
         )
     keys = sorted({k for plan in plans for k in plan})
-    if "ep" in keys and "ep" not in backend.parallel_keys:
-        raise SetupError(
-            f"{flag} {text}: expert parallelism does not run on the {hw} backend yet"
-            + (f": {EP_ON_CPU}" if backend.hw_options.get("build") == "cpu" else "")
-            + f"; it runs {', '.join(backend.parallel_keys)}"
-        )
     other = [k for k in keys if k not in backend.parallel_keys]
     if other:
         raise SetupError(

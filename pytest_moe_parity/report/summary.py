@@ -40,7 +40,8 @@ def row_note(row: Row) -> str:
     if isinstance(row, RoutingRow) and row.levels:
         parts.append(_routing_note(row))
     if isinstance(row, ParallelRow) and len(row.plans) == 2 and row.status in ("passed", "failed"):
-        parts.append(f"{row.plans[1]} vs {row.plans[0]}" + (" differ" if row.status == "failed" else " agree"))
+        verb = " agree" if row.status == "passed" else " raises" if "b_raised" in row.figures else " differ"
+        parts.append(f"{row.plans[1]} vs {row.plans[0]}{verb}")
     if isinstance(row, BatchInvarianceRow) and row.batch_rows:
         changed = ", ".join(map(str, row.changed_rows))
         parts.append(f"rows {changed} change in the batch ({row.condition})" if changed else "every row as alone")

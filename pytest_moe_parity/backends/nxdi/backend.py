@@ -41,14 +41,31 @@ build_choice = one_of(*BUILDS)
 
 
 class NxdiBackend(Backend):
-    """`--hw nxdi [--hw-option tp_degree=N] [--hw-option build=cpu]`: NxDI's modules of the
-    golden's architecture, traced and compiled for a Neuron device (`build=neuron`), or run on the
-    CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo)."""
+    """`--hw nxdi [--hw-option tp_degree=N] [--hw-option ep_degree=E] [--hw-option build=cpu]`: NxDI's
+    modules of the golden's architecture, traced and compiled for a Neuron device (`build=neuron`), or
+    run on the CPU as NxDI's own CPU inference runs them (`build=cpu`: one process per rank, gloo). A
+    plan is NxDI's: `tp_degree` ranks, every layer sharded over them; with expert parallelism the MoE's
+    experts are split over `ep_degree` groups of them (moe_ep_degree) and sharded over the rest
+    (moe_tp_degree = tp_degree / ep_degree)."""
 
     name = "nxdi"
-    parallel_keys = ("tp",)
+    parallel_keys = ("tp", "ep")
     options = (
-        HwOption("tp_degree", "tensor-parallel degree of each built module (default: 1)", positive_int, 1),
+        HwOption("tp_degree", "tensor-parallel degree of each built module: its ranks (default: 1)", positive_int, 1),
+        HwOption(
+            "ep_degree",
+            "expert-parallel degree of the MoE (NxDI's moe_ep_degree; it divides tp_degree, the MoE's experts sharded "
+            "over the rest: moe_tp_degree = tp_degree / ep_degree; default: 1)",
+            positive_int,
+            1,
+        ),
+        HwOption(
+            "block_size",
+            "the MoE's blockwise matmul block size (NxDI's blockwise_matmul_config.block_size; default: NxDI's): "
+            "a prefill of tokens x top_k at least this runs NxD's blockwise experts, the path expert parallelism takes",
+            positive_int,
+            None,
+        ),
         HwOption(
             "build",
             "neuron: traced and compiled by NxDI's build_module on a Neuron host (the default); cpu: NxDI's "
@@ -87,35 +104,57 @@ class NxdiBackend(Backend):
             os.environ["NXD_CPU_MODE"] = "1"  # NxDI's modules take their CPU branches (plain-math RMSNorm)
         with upstream_warnings():
             import_nxdi()
-        self._check_tp(self.hw_options["tp_degree"], "--hw-option tp_degree")
-        self.tp = self.hw_options["tp_degree"]
+        self.table = table
+        self.tp, self.ep = self.hw_options["tp_degree"], self.hw_options["ep_degree"]
+        self._check_plan(self.tp, self.ep, "--hw-option tp_degree", "--hw-option ep_degree")
         if self.hw_options["tp_diff"] and not (self.cpu and self.tp > 1):
             raise BackendError(
                 "--hw-option tp_diff=on compares TP 1 with TP N on the CPU: it needs build=cpu and tp_degree above 1"
             )
-        self.table = table
         self.weights = weight_map(setup.model_dir)
         self.config: Any = None
-        self._configs: dict[int, Any] = {}
+        self._configs: dict[tuple[int, int], Any] = {}  # per plan: (tp, ep)
         self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
         self._built: dict[tuple, Any] = {}
-        self._converted: dict[tuple[int | None, int], dict[str, torch.Tensor]] = {}  # one unit's, per TP degree
+        self._converted: dict[tuple[int | None, int, int], dict[str, torch.Tensor]] = {}  # one unit's, per plan
         self._workdir: Path | None = None
 
-    def _check_tp(self, tp: int, said: str) -> None:
-        """A TP degree NxD cannot shard the golden's model by is a usage error, not a run of errors."""
+    def _check_plan(self, tp: int, ep: int, said_tp: str, said_ep: str) -> None:
+        """A plan NxD cannot shard the golden's model by is a usage error, not a run of errors."""
         config = self.golden.config
         experts = config.get("num_experts") or config.get("num_local_experts")
-        sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
-        if experts:
-            sizes["each expert's intermediate size"] = config.get("moe_intermediate_size") or config.get(
-                "intermediate_size"
+        if ep > 1 and not experts:
+            raise BackendError(f"{said_ep}={ep}: the golden's model ({self.golden.model_type}) has no routed experts")
+        if ep > 1 and self.table.no_expert_parallelism:
+            raise BackendError(
+                f"{said_ep}={ep}: {self.table.no_expert_parallelism}; compare expert parallelism on dumps of the "
+                "device runs under each plan (--hw dump --hw-option plans=DIR)"
             )
-        bad = [f"{what} ({size})" for what, size in sizes.items() if size and size % tp]
+        if tp % ep:
+            raise BackendError(
+                f"{said_ep}={ep}: NxDI splits the {tp} rank(s) of {said_tp}={tp} into moe_tp_degree x moe_ep_degree, "
+                f"so the expert-parallel degree divides the TP degree; e.g. {said_tp}={2 * ep} with {said_ep}={ep}"
+            )
+        sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
+        degrees = [("the TP degree", tp, sizes)]
+        if experts:
+            moe = {
+                "each expert's intermediate size": config.get("moe_intermediate_size")
+                or config.get("intermediate_size")
+            }
+            if ep > 1:
+                degrees += [("the MoE's TP degree", tp // ep, moe), ("the EP degree", ep, {"the experts": experts})]
+            else:
+                sizes.update(moe)
+        bad = []
+        for degree, by, named in degrees:
+            wrong = [f"{what} ({size})" for what, size in named.items() if size and size % by]
+            if wrong:
+                bad.append(f"{', '.join(wrong[:-1])}{' and ' if len(wrong) > 1 else ''}{wrong[-1]} by {degree} ({by})")
         if bad:
             raise BackendError(
-                f"{said}={tp}: NxD shards {' and '.join(bad)} by the TP degree, which does not divide "
-                f"{'it' if len(bad) == 1 else 'them'}; use a TP degree that does (e.g. 1 or 2)"
+                f"{said_tp}={tp}{f' with {said_ep}={ep}' if ep > 1 else ''}: NxD shards {'; and '.join(bad)}, which "
+                "does not divide them; use degrees that do (e.g. 1 or 2)"
             )
 
     def start(self) -> None:
@@ -123,23 +162,28 @@ class NxdiBackend(Backend):
             return
         import tempfile
 
-        self.config = self._config(self.tp)
+        self.config = self._config(self.tp, self.ep)
         if self.hw_options["workdir"]:
             self._workdir = Path(self.hw_options["workdir"]).expanduser()
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="moe-parity-nxdi-")
             self._workdir = Path(self._tmp.name)
 
-    def _config(self, tp: int) -> Any:
-        """NxDI's inference config of the golden's model at TP `tp` (made once per degree)."""
-        if tp not in self._configs:
+    def _config(self, tp: int, ep: int = 1) -> Any:
+        """NxDI's inference config of the golden's model at TP `tp` and EP `ep` (made once per plan)."""
+        if (tp, ep) not in self._configs:
+            plan: dict[str, Any] = {"tp_degree": tp, "torch_dtype": self.dtype}
+            if ep > 1:
+                plan.update(moe_tp_degree=tp // ep, moe_ep_degree=ep)
+            if self.hw_options["block_size"]:
+                plan["blockwise_matmul_config"] = {"block_size": self.hw_options["block_size"]}
             with upstream_warnings():
                 hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
-                neuron_config = resolve(self.table.neuron_config)(tp_degree=tp, torch_dtype=self.dtype)
-                self._configs[tp] = resolve(self.table.config)(
+                neuron_config = resolve(self.table.neuron_config)(**plan)
+                self._configs[tp, ep] = resolve(self.table.config)(
                     neuron_config, load_config=hf_adapter(hf_config=nxdi_hf_config(self.setup.model_dir))
                 )
-        return self._configs[tp]
+        return self._configs[tp, ep]
 
     def _spec_inputs(self, point: Point, golden: GoldenRecord) -> tuple[Component, tuple[torch.Tensor, ...]]:
         """The table's entry of the point's component and its inputs in the module's form."""
@@ -178,22 +222,23 @@ class NxdiBackend(Backend):
         )
 
     def check_plan(self, plan: dict[str, int]) -> None:
-        self._check_tp(plan.get("tp", 1), "tp")
+        self._check_plan(plan.get("tp", 1), plan.get("ep", 1), "tp", "ep")
 
     def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
-        """The point's module built at TP `plan["tp"]` (the ranks' own evidence left to the point's item)."""
-        return self._run(point, golden, plan.get("tp", 1))
+        """The point's module built at TP `plan["tp"]` and EP `plan["ep"]` (the ranks' own evidence left
+        to the point's item)."""
+        return self._run(point, golden, plan.get("tp", 1), plan.get("ep", 1))
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         return self._run(point, golden)
 
-    def _run(self, point: Point, golden: GoldenRecord, tp: int | None = None) -> CandidateOutput:
+    def _run(self, point: Point, golden: GoldenRecord, tp: int | None = None, ep: int | None = None) -> CandidateOutput:
         spec, inputs = self._spec_inputs(point, golden)
         cache = None
         info: dict[str, Any] = {"nxdi_module": spec.module.format(layer=point.layer)}
-        degree = tp or self.tp
+        degree, experts = (self.tp, self.ep) if tp is None else (tp, ep or 1)
         with torch.no_grad(), upstream_warnings():
-            module = self._module(point, point.component, spec, inputs, tp=degree)
+            module = self._module(point, point.component, spec, inputs, tp=degree, ep=experts)
             output = module(*inputs)
             if self.cpu and self.tp > 1 and tp is None:
                 merge(info, self._parallel_evidence(point, spec, inputs, module))
@@ -209,7 +254,7 @@ class NxdiBackend(Backend):
                     )
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
-                routing = tuple(self._module(point, "router", router, inputs, tp=degree)(*inputs))
+                routing = tuple(self._module(point, "router", router, inputs, tp=degree, ep=experts)(*inputs))
         return CandidateOutput(output, routing, info=info, cache=cache)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
@@ -282,23 +327,23 @@ class NxdiBackend(Backend):
             return experts_inputs(hidden, index, weights, int(experts))
         return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
 
-    def _unit(self, layer: int | None, tp: int | None = None) -> dict[str, torch.Tensor]:
-        """NxDI's conversion of this unit (its layer renamed to 0) at TP `tp` (the conversion writes
+    def _unit(self, layer: int | None, tp: int | None = None, ep: int = 1) -> dict[str, torch.Tensor]:
+        """NxDI's conversion of this unit (its layer renamed to 0) under the plan (the conversion writes
         rank tensors), converted once and kept while its points run."""
-        key = (layer, tp or self.tp)
+        key = (layer, tp or self.tp, ep if tp else self.ep)
         if key not in self._converted:
             if any(k[0] != layer for k in self._converted):  # one unit at a time
                 self._converted.clear()
             application = resolve(self.table.application)
             state = unit_state(self.setup.model_dir, layer, self.weights)
             self._converted[key] = convert_unit(
-                state, application.convert_hf_to_neuron_state_dict, self._config(key[1]), int(layer is not None)
+                state, application.convert_hf_to_neuron_state_dict, self._config(*key[1:]), int(layer is not None)
             )
         return self._converted[key]
 
-    def _weights(self, layer: int | None, module: str, tp: int) -> dict[str, torch.Tensor]:
+    def _weights(self, layer: int | None, module: str, tp: int, ep: int) -> dict[str, torch.Tensor]:
         """NxDI's converted tensors of `module` (a path in NxDI's model) for this unit."""
-        return under(self._unit(layer, tp), module.format(layer=0) + ".")
+        return under(self._unit(layer, tp, ep), module.format(layer=0) + ".")
 
     def held_weights(self, layer: int | None) -> dict[str, torch.Tensor] | None:
         """What NxDI's conversion made of the candidate checkpoint's unit, mapped back by the
@@ -313,10 +358,10 @@ class NxdiBackend(Backend):
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         return rank_kv_heads(tp or self.tp, heads, kv_heads)
 
-    def _kwargs(self, spec: Component, prefill: bool, tp: int) -> dict[str, Any]:
+    def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int) -> dict[str, Any]:
         """The factory's keywords; the config as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
-        base = self._config(tp)
+        base = self._config(tp, ep)
         kwargs = {k: getattr(base, v) for k, v in spec.args.items()}
         kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
         if spec.config:
@@ -327,10 +372,16 @@ class NxdiBackend(Backend):
         return kwargs
 
     def _module(
-        self, point: Point, name: str, spec: Component, inputs: tuple[torch.Tensor, ...], tp: int | None = None
+        self,
+        point: Point,
+        name: str,
+        spec: Component,
+        inputs: tuple[torch.Tensor, ...],
+        tp: int | None = None,
+        ep: int | None = None,
     ) -> Any:
-        tp = tp or self.tp
-        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp)
+        tp, ep = (self.tp, self.ep) if tp is None else (tp, ep or 1)
+        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp, ep)
         if key not in self._built:
             from safetensors.torch import load_file, save_file
 
@@ -338,14 +389,16 @@ class NxdiBackend(Backend):
                 from .cpu.ranks import build_module
             else:
                 build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
-            converted = nxdi_cast_state(self._weights(point.layer, spec.module, tp), self.dtype_of(tp))
+            converted = nxdi_cast_state(
+                self._weights(point.layer, spec.module, tp, ep), self._config(tp, ep).neuron_config.torch_dtype
+            )
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
             unit = "model" if point.layer is None else layer_group(point.layer)
             token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
             shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
-            where = self._workdir / f"{unit}.{name}.{shape}.tp{tp}"
+            where = self._workdir / (f"{unit}.{name}.{shape}.tp{tp}" + (f".ep{ep}" if ep > 1 else ""))
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
             state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
@@ -361,7 +414,7 @@ class NxdiBackend(Backend):
                 example_inputs=[tuple(inputs)],
                 module_init_kwargs={
                     "factory": spec.factory,
-                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp),
+                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp, ep=ep),
                     "call": spec.call,
                     "form": spec.inputs,
                     "routing": spec.routing,
@@ -376,9 +429,6 @@ class NxdiBackend(Backend):
                 checkpoint_loader_fn=load_file,
             )
         return self._built[key]
-
-    def dtype_of(self, tp: int) -> torch.dtype:
-        return self._config(tp).neuron_config.torch_dtype
 
     def golden_seq_len(self) -> int:
         """The prefill's tokens per sequence (NxD's experts pick the context-encoding path by it)."""

@@ -49,6 +49,8 @@ class ModuleTable:
     unavailable: dict[str, str] = field(default_factory=dict)
     # The inverse of the application's conversion, for weight items: {"prefix", "top_level", "rules"}.
     weights: dict[str, Any] | None = None
+    # Why NxDI's MoE of this architecture does not split its experts under moe_ep_degree ("": it does).
+    no_expert_parallelism: str = ""
 
 
 def tables() -> list[str]:

@@ -1,9 +1,11 @@
 """NxD's modules on the CPU, one process per tensor-parallel rank, as NxDI's own CPU inference
 runs them (`NeuronApplicationBase.to_cpu`): `NXD_CPU_MODE=1`, a gloo process group of `tp_degree`
-ranks, `initialize_model_parallel(tp_degree, skip_collective_init=True)`; per module: built from
-its class and keywords, the checkpoint sharded by NxD's `get_sharded_checkpoint` for each rank and
-loaded. Like NxDI's `build_module`, it casts nothing: the module and checkpoint keep their dtypes. The collectives NxD's
-layers call (all-reduce, all-gather) run for real over gloo.
+ranks, `initialize_model_parallel(tp_degree, skip_collective_init=True)` (NxD's MoE splits those
+ranks into expert-parallel and MoE tensor-parallel groups: XLA mesh groups on the device, made of
+gloo groups here by `meshes`); per module: built from its class and keywords, the checkpoint sharded
+by NxD's `get_sharded_checkpoint` for each rank and loaded. Like NxDI's `build_module`, it casts
+nothing: the module and checkpoint keep their dtypes. The collectives NxD's layers call (all-reduce,
+all-gather) run for real over gloo.
 
 `build_module` has the signature of NxDI's `utils.testing.build_module`, whose trace to a NEFF
 and compile cannot run here: a test or a user's script swaps one for the other. What it returns
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import standins
+from . import meshes, standins
 
 
 class RankFailure(RuntimeError):
@@ -87,6 +89,20 @@ class XlaSemantics(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# What NxD says on the CPU only, about the CPU: its blockwise experts (the expert-parallel MoE's path)
+# fall back from the NKI kernel to their torch implementation, which is what runs here.
+CPU_NOTICES = ("Cannot run blockwise NKI kernel on CPU",)
+
+
+@contextlib.contextmanager
+def _cpu_notices():
+    """NxD's notices about running on the CPU kept out of a run that errors on warnings."""
+    with warnings.catch_warnings():
+        for notice in CPU_NOTICES:
+            warnings.filterwarnings("ignore", message=notice, category=UserWarning)
+        yield
+
+
 def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> None:
     os.environ["NXD_CPU_MODE"] = "1"
     standins.install()
@@ -100,6 +116,7 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
             torch.distributed.destroy_process_group()
         torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp_degree)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree, skip_collective_init=True)
+        meshes.install()  # NxD's expert-parallel groups, XLA mesh groups on the device
         conn.send(("ok", None))
     except Exception as exc:  # reported to the parent, which raises it
         conn.send(("error", _describe(exc, rank)))
@@ -116,6 +133,7 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                         sys.path.append(entry)
                 while len(modules) >= KEPT:  # the oldest first, where the parent did not drop them
                     modules.pop(next(iter(modules)))
+                meshes.fresh_moe_groups()
                 with torch.no_grad():
                     torch.manual_seed(0)
                     module = module_cls(**kwargs)
@@ -128,12 +146,12 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                 continue  # no reply
             elif op == "run":
                 handle, inputs = args
-                with torch.no_grad(), XlaSemantics():
+                with torch.no_grad(), XlaSemantics(), _cpu_notices():
                     conn.send(("ok", _held(modules, handle)(*inputs)))
             elif op == "capture":  # --parity-drill: the forward op by op (pickled here: an op is sent by name)
                 handle, inputs, router, capture = args
                 module = _held(modules, handle)
-                with XlaSemantics():  # its ops named below the NxDI module it wraps
+                with XlaSemantics(), _cpu_notices():  # its ops named below the NxDI module it wraps
                     captured = capture(module, list(inputs), {}, router=router, root=getattr(module, "inner", None))
                 conn.send(("ok", pickle.dumps(captured)))
         except Exception as exc:
@@ -150,8 +168,12 @@ def _held(modules: dict[int, torch.nn.Module], handle: int) -> torch.nn.Module:
 
 
 def _describe(exc: BaseException, rank: int) -> str:
+    """`rank R: Error: message (file:line)`, the line the innermost frame outside this package's (the
+    upstream code that raised, not the wrapper that called it)."""
+    ours = str(Path(__file__).resolve().parents[3])
     where = traceback.extract_tb(exc.__traceback__)
-    frame = where[-1] if where else None
+    theirs = [f for f in where if not f.filename.startswith(ours)]
+    frame = (theirs or where)[-1] if where else None
     at = f" ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
     return f"rank {rank}: {type(exc).__name__}: {exc}{at}"
 
@@ -307,8 +329,9 @@ def build_module(
 ) -> RankedModule | None:
     """NxDI's `build_module` on the CPU: the module built on `tp_degree` ranks and loaded from
     `checkpoint_path`. The compiler's arguments and workdir have nothing to do
-    here; `example_inputs` is checked as NxDI checks it. World sizes beyond the TP degree (expert
-    or pipeline parallelism) are not run on the CPU."""
+    here; `example_inputs` is checked as NxDI checks it. The world is the TP degree, as NxDI lays it
+    out (expert parallelism splits it: moe_tp_degree x moe_ep_degree = tp_degree); a world beyond it
+    (pipeline parallelism) is not run on the CPU."""
     if not (
         isinstance(example_inputs, list)
         and all(isinstance(t, tuple) and all(isinstance(x, torch.Tensor) for x in t) for t in example_inputs)
@@ -318,7 +341,8 @@ def build_module(
         raise ValueError("example_inputs must contain exactly one input")
     if world_size not in (None, tp_degree):
         raise NotImplementedError(
-            f"the CPU build runs tensor parallelism only: world_size={world_size}, tp_degree={tp_degree}"
+            f"the CPU build runs a world of tp_degree ranks (expert parallelism inside it): world_size={world_size}, "
+            f"tp_degree={tp_degree}"
         )
     if checkpoint_path is None:
         raise NotImplementedError(
