@@ -414,6 +414,13 @@ def test_an_expert_parallel_only_bug_is_where_plan_b_leaves_plan_a(
     )
     row = rows["layer_0.experts::parallel"]
     assert row["figures"]["a_vs_golden"] < 1e-4 < row["figures"]["b_vs_golden"]
+    # the points themselves under EP (--hw-option ep_degree): the run stops at the same point
+    own = run_parity(
+        pytester, golden, *CPU, *EP, "--hw-option", "tp_degree=2", "--hw-option", "ep_degree=2", "-x",
+        "-k", "not step_", model=model,
+    )  # fmt: skip
+    own.stdout.fnmatch_lines(["first divergence: layer_0.experts *"])
+    assert own.parseoutcomes()["failed"] == 1
 
 
 def test_what_nxd_s_expert_parallelism_does_not_run_fails_as_plan_b_raising(t5: Path, pytester: pytest.Pytester):
