@@ -20,12 +20,14 @@ from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.replay.runner import cast_inputs
 
 
-@pytest.mark.parametrize("arch", ["minimax_m2", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", available_archs())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_layer_matches_the_full_load(arch: str, dtype: torch.dtype, tiny_model) -> None:
+    """Bit for bit what transformers' own loading makes, the experts' gate and up joined in one copy
+    (`model.conversion`) where transformers stacks and then concatenates."""
     path = tiny_model(arch)
     lazy = LazyModel(path, dtype=dtype)
-    lazy.module("model.layers.2.mlp")
+    lazy.ensure(2)
     full = load_model(path, dtype=dtype, device="cpu", device_map=None, max_memory=None).state_dict()
     loaded = {k: v for k, v in lazy.model.state_dict().items() if v.device.type != "meta"}
     layer2 = {k for k in full if ".layers.2." in k}
@@ -278,3 +280,41 @@ def test_fused_checkpoint_layout_loads_too(tmp_path: Path) -> None:
     state = model.state_dict()
     loaded = {k: v for k, v in lazy.model.state_dict().items() if ".layers.1." in k}
     assert loaded and all(torch.equal(v, state[k]) for k, v in loaded.items())
+
+
+def test_the_experts_gate_and_up_are_joined_in_one_copy_as_transformers_joins_them(tiny_model) -> None:
+    """`model.conversion.fused` replaces exactly transformers' stack-then-concatenate pairs; their
+    result is torch's, lists, stacked tensors and negative dims alike, and anything irregular is
+    left to torch (its promotion and its errors)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    from pytest_moe_parity.model.conversion import fused, stack_concat
+
+    lazy = LazyModel(tiny_model("qwen3_moe"), dtype=torch.float32)
+    mapping = get_model_conversion_mapping(lazy.model)
+    pairs = [
+        i
+        for i, e in enumerate(mapping)
+        if [type(op) for op in getattr(e, "operations", [])] == [MergeModulelist, Concatenate]
+    ]
+    done = fused(mapping)
+    assert pairs and len(done) == len(mapping)
+    for i, (before, after) in enumerate(zip(mapping, done, strict=True)):
+        if i in pairs:
+            assert [type(op).__name__ for op in after.operations] == ["StackConcat"]
+            assert after.source_patterns == before.source_patterns and after.target_patterns == before.target_patterns
+            assert [type(op) for op in before.operations] == [MergeModulelist, Concatenate]  # the original kept
+        else:
+            assert after is before
+    gen = torch.Generator().manual_seed(0)
+    gate = [torch.randn(6, 4, generator=gen) for _ in range(3)]
+    up = [torch.randn(6, 4, generator=gen) for _ in range(3)]
+    for dim in (0, 1, 2, -1):
+        want = torch.cat([torch.stack(gate), torch.stack(up)], dim=dim)
+        assert torch.equal(stack_concat([list(gate), list(up)], dim), want), dim
+        assert torch.equal(stack_concat([torch.stack(gate), list(up)], dim), want), dim
+    mixed = [list(gate), [t.double() for t in up]]
+    assert torch.equal(stack_concat(mixed, 1), torch.cat([torch.stack(gate), torch.stack([t.double() for t in up])], 1))
+    with pytest.raises(RuntimeError):
+        stack_concat([list(gate), [torch.randn(5, 4)] * 3], 2)

@@ -24,6 +24,7 @@ from ..errors import CheckpointError
 from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
 from .checkpoint import SIZES, quantization, weight_map
+from .conversion import fused
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
@@ -377,7 +378,7 @@ class LazyModel:
                     self.stats.keys.append(key)
                     self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
             if self._conversion is None:  # built once: it costs ~10 ms a call, and is only read
-                self._conversion = get_model_conversion_mapping(self.model)
+                self._conversion = fused(get_model_conversion_mapping(self.model))
             config = LoadStateDictConfig(
                 dtype=self.dtype,
                 dtype_plan=self.model._get_dtype_plan(self.dtype),
