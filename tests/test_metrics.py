@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -286,6 +287,27 @@ def test_chunking_keeps_the_documented_accuracy() -> None:
     expected = reference(g, c)
     for chunk in (1 << 22, 1000, 7):
         assert_accurate(compare_tensors(g, c, chunk_elems=chunk), expected)
+
+
+@pytest.mark.parametrize("threads, chunk", [(1, 1 << 18), (2, 1 << 18), (16, 1 << 21), (64, 1 << 21)])
+def test_the_chunk_grows_with_the_threads_and_keeps_the_accuracy(threads: int, chunk: int, monkeypatch) -> None:
+    """Beyond two threads each keeps its share of a chunk (2^17 elements): fewer parallel regions of
+    torch's threads, the figures as accurate (a 2^22-element pair in chunks of 2^21)."""
+    from pytest_moe_parity.judge import tensors
+
+    @contextlib.contextmanager
+    def fitted(numel):
+        yield threads
+
+    walked = []
+    chunks = tensors.chunks
+    monkeypatch.setattr(tensors, "fitted_threads", fitted)
+    monkeypatch.setattr(tensors, "chunks", lambda ts, n: walked.append(n) or chunks(ts, n))
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(1 << 22, generator=gen) * 2 + 0.25
+    c = g + 1e-3 * torch.randn(1 << 22, generator=gen)
+    assert_accurate(compare_tensors(g, c), reference(g, c))
+    assert walked[-1] == chunk  # (the first walk: the golden's peak, in one piece)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,11 @@ within tolerance, with every figure bit for bit as before. Measured and left: su
 three rows against ones 90 us, three sums 47; a dot with ones slower than a sum), a bool mask (`le`
 into bool and its sum 177 us, `le_` in place and a float sum 34), `var_mean` (2 ms), `vector_norm`
 (0.2-0.7 ms), chunks that fit L2 (2^15-2^17: 6-70 % slower, the calls outgrow what the cache saves)
-or larger ones (2^19: 8 % slower)."""
+or larger ones (2^19: 8 % slower). Those figures are one and two threads'; with more, each of the
+dozen operations per chunk is a parallel region whose fork and join do not shrink with the chunk, so
+the chunk grows with the threads (`_PER_THREAD`). An AVX2-only EPYC measured 11.6x a read at its full
+thread count and 9.8-11.2x with fewer threads beside a busy process; its vector width alone is not it
+(this host's AVX2 kernels, forced: 4.6x). Not measured on a many-core host here."""
 
 from __future__ import annotations
 
@@ -120,6 +124,13 @@ def as_index_matrix(t: Any, name: str, num_experts: int) -> torch.Tensor:
 # 1 MB of L2 would need 2^15, whose calls cost more than the cache saves) while about a dozen
 # operations run over them, and the per-call overhead stays small.
 _DEFAULT_CHUNK = 1 << 18
+# Each operation on a chunk is one parallel region of torch's threads, whose fork and join cost the
+# same whatever the chunk, while a thread's share of the chunk shrinks as the threads grow (at 16
+# threads, 16K elements: a few microseconds of work per region). So `compare_tensors`' chunk grows
+# with its threads beyond two, each thread's share staying what it is at two, where it was measured,
+# up to 16 threads (a chunk of 2^21: 8 MB a buffer, the pass's scratch 40 MB).
+_PER_THREAD = 1 << 17
+_MAX_CHUNK = 1 << 21
 # max_rel measures elements against max(|g|, _REL_FLOOR * max|g|), i.e. 0.1 % of the golden peak.
 _REL_FLOOR = 1e-3
 _DOT_SPAN = 1 << 18
@@ -482,14 +493,15 @@ def compare_tensors(
     *,
     atol: float = 1e-3,
     rtol: float = 1e-3,
-    chunk_elems: int = _DEFAULT_CHUNK,
+    chunk_elems: int | None = None,
 ) -> TensorMetrics:
     """Compare ``candidate`` against ``golden`` element-wise and return :class:`TensorMetrics`.
 
     The tensors may differ in dtype (bool/int/float16/bfloat16/float32/float64). They are walked once,
-    ``chunk_elems`` elements at a time; each chunk is compared in float32 (float64 when an input is
-    float64 or not floating) and its sums are accumulated in float64, so the memory overhead is a few
-    chunk-sized buffers regardless of tensor size. (Only ``max|golden|``, needed for the ``max_rel``
+    ``chunk_elems`` elements at a time (default: 2^18; 2^17 per thread from 2 to 16 threads); each
+    chunk is compared in float32 (float64 when an input is float64 or not floating) and its sums are
+    accumulated in float64, so the memory overhead is a few chunk-sized buffers regardless of tensor
+    size. (Only ``max|golden|``, needed for the ``max_rel``
     floor, is obtained by a cheap golden-only pre-scan in the native dtype.)
 
     Definitions (``g`` golden, ``c`` candidate, ``d = c - g``; sums over elements finite on both sides):
@@ -519,7 +531,7 @@ def compare_tensors(
     """
     golden = check_tensor(golden, "golden")
     candidate = check_tensor(candidate, "candidate")
-    if chunk_elems < 1:
+    if chunk_elems is not None and chunk_elems < 1:
         raise ValueError(f"chunk_elems must be >= 1, got {chunk_elems}")
     if not (atol >= 0.0 and rtol >= 0.0):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
@@ -534,8 +546,8 @@ def compare_tensors(
     }
 
     if golden.shape != candidate.shape:
-        nan_g, inf_g = _count_nonfinite(golden, chunk_elems)
-        nan_c, inf_c = _count_nonfinite(candidate, chunk_elems)
+        nan_g, inf_g = _count_nonfinite(golden, chunk_elems or _DEFAULT_CHUNK)
+        nan_c, inf_c = _count_nonfinite(candidate, chunk_elems or _DEFAULT_CHUNK)
         return TensorMetrics(
             **base,
             numel=0,
@@ -557,7 +569,8 @@ def compare_tensors(
         )
 
     numel = golden.numel()
-    with fitted_threads(numel if golden.device.type == "cpu" else 0):
+    with fitted_threads(numel if golden.device.type == "cpu" else 0) as threads:
+        chunk_elems = chunk_elems or min(max(_DEFAULT_CHUNK, _PER_THREAD * threads), _MAX_CHUNK)
         rel_floor = _REL_FLOOR * _finite_abs_max(golden, chunk_elems)
         acc = _Accumulator(atol, rtol, rel_floor, min(chunk_elems, max(numel, 1)), golden.device)
         for offset, (g_chunk, c_chunk) in chunks((golden, candidate), chunk_elems):
