@@ -34,13 +34,14 @@ def _rank(rank: int, store: str, out: multiprocessing.Queue) -> None:
         meshes.install()
         plain = dist.new_group([0, 1, 2, 3])  # no mesh: passed on as it was
         group = dist.new_group(MESH[0], pg_options={"xla_pg_options": {"mesh": MESH}})
+        again = dist.new_group(MESH[0], pg_options={"xla_pg_options": {"mesh": MESH}})  # the next module's
         value = torch.tensor([float(rank)])
         dist.all_reduce(value, group=group)  # over this rank's row of the mesh, as on the device
         try:
             plain_mesh = plain._mesh
         except AttributeError as exc:
             plain_mesh = str(exc)
-        out.put((rank, group._mesh, dist.get_process_group_ranks(group), float(value), plain_mesh))
+        out.put((rank, group._mesh, dist.get_process_group_ranks(group), float(value), plain_mesh, again is group))
     finally:
         dist.destroy_process_group()
 
@@ -55,7 +56,8 @@ def test_each_rank_reduces_over_its_own_row_of_the_mesh(tmp_path: Path) -> None:
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for rank, mesh, members, total, plain in results:
+    for rank, mesh, members, total, plain, same in results:
+        assert same, rank  # a mesh's group is made once per rank (gloo groups hold connections)
         row = MESH[rank % 2]
         assert mesh == MESH, rank
         assert members == row, rank

@@ -146,15 +146,16 @@ class NxdiBackend(Backend):
                 degrees += [("the MoE's TP degree", tp // ep, moe), ("the EP degree", ep, {"the experts": experts})]
             else:
                 sizes.update(moe)
-        bad = []
+        bad, sizes_wrong = [], 0
         for degree, by, named in degrees:
             wrong = [f"{what} ({size})" for what, size in named.items() if size and size % by]
+            sizes_wrong += len(wrong)
             if wrong:
                 bad.append(f"{', '.join(wrong[:-1])}{' and ' if len(wrong) > 1 else ''}{wrong[-1]} by {degree} ({by})")
         if bad:
             raise BackendError(
                 f"{said_tp}={tp}{f' with {said_ep}={ep}' if ep > 1 else ''}: NxD shards {'; and '.join(bad)}, which "
-                "does not divide them; use degrees that do (e.g. 1 or 2)"
+                f"does not divide {'it' if sizes_wrong == 1 else 'them'}; use degrees that do (e.g. 1 or 2)"
             )
 
     def start(self) -> None:

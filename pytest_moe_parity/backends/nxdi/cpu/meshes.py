@@ -25,6 +25,10 @@ from typing import Any
 import torch.distributed as dist
 
 _MESHES: dict[Any, list[list[int]]] = {}  # the groups made here -> the mesh torch_xla would give them
+# this rank's group of each mesh made: every module NxD builds asks for its plan's groups again, and each
+# gloo group holds connections to its peers, so one mesh's group is made once per rank and handed out
+# after (every rank asks in the same order, so all of them find it or none)
+_MADE: dict[tuple[tuple[int, ...], ...], Any] = {}
 _ORIGINAL: dict[str, Any] = {}
 # NxD keeps the MoE's groups per process, made by the first MoE module built; a rank builds modules
 # of other plans after it (TP 2, then TP 1 x EP 2 on the same ranks), so each build starts afresh.
@@ -63,6 +67,9 @@ def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_op
     if mesh is None or ranks is None:
         return original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options, **kwargs)
     mesh = mesh_of(list(ranks), [list(row) for row in mesh], dist.get_world_size())
+    key = tuple(tuple(row) for row in mesh)
+    if key in _MADE:
+        return _MADE[key]
     me, mine = dist.get_rank(), None
     for row in mesh:
         group = original(ranks=row, timeout=timeout, backend="gloo", **kwargs)
@@ -71,6 +78,7 @@ def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_op
     if mine is None:
         raise ValueError(f"rank {me} is in no row of the mesh {mesh}")
     _MESHES[mine] = mesh
+    _MADE[key] = mine
     return mine
 
 
