@@ -375,6 +375,10 @@ def test_a_streamed_chain_judges_every_point_as_the_held_run_does(golden_dir, ti
 
         router.register_forward_hook(elsewhere)
         seen: dict[str, tuple] = {}
+        if not streamed:
+            early = store.point("layer_0.post_attn_norm")
+            held_first = chain.output(early, store.load(early)).output.clone()
+            chain.close()
 
         def judge(point, record, own, runner=runner, chain=chain, seen=seen, store=store) -> None:
             held = {store.point(pid).group for pid in chain._outputs}
@@ -384,11 +388,16 @@ def test_a_streamed_chain_judges_every_point_as_the_held_run_does(golden_dir, ti
 
         if streamed:
             chain.stream(judge)
-        else:
+        else:  # as a pytest run asks: a point at a time, the earlier layers' outputs let go as it moves on
+            order = [p.group for p in chain.points]
             for point in chain.points:
                 record = store.load(point)
                 result = runner.judge_output(point, record, chain.output(point, record), "chain", None)
                 seen[point.id] = (noise_figures(result), chain.tainted(point))
+                held = {store.point(pid).group for pid in chain._outputs}
+                assert min(order.index(g) for g in held) == order.index(point.group), (point.id, held)
+            # asked for again: the model runs again, to the same output
+            assert torch.equal(chain.output(early, store.load(early)).output, held_first)
         runner.close()
         judged[streamed] = seen
     assert judged[True] == judged[False]

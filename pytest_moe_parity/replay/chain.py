@@ -188,6 +188,12 @@ class ModelChain(Chain):
         self.decodes = bool(getattr(self.backend, "chains_decode", False)) and self.golden.decode_steps > 0
         self._outputs: dict[str, Any] | None = None
         self.seconds = 0.0
+        # A run asks for the points in forward order: the group (layer) of the last point asked for,
+        # the points whose outputs were let go since (`_let_go_before`), and whether outputs are
+        # being let go or streamed (a point asked for meanwhile lets nothing go)
+        self._group: str | None = None
+        self._let_go: set[str] = set()
+        self._holding = True
 
     def _steer(self, point: Point, output: Any, outputs: dict[str, Any]) -> Any:
         router = self.golden.router_of(point) if point.routed_block else None
@@ -246,12 +252,14 @@ class ModelChain(Chain):
             except Exception as exc:
                 raise Handed(exc) from exc
 
+        self._holding = False  # the backend keeps the running layer's outputs alone
         try:
             self._forward(seen=seen)
         except Handed as handed:
             raise handed.__cause__ from None
         finally:
-            self._outputs = None
+            self._holding = True
+            self.close()
 
     def _hand(self, point: Point, judge: Judge) -> None:
         record = self._load(point)
@@ -262,12 +270,47 @@ class ModelChain(Chain):
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
         outputs = self._run()
+        if point.id not in outputs and point.id in self._let_go:  # asked for again: the model runs again
+            self.close()
+            outputs = self._run()
         if point.id not in outputs:
             raise PointUnavailable(f"{point.id} was not called by the candidate's whole-model run")
-        return CandidateOutput(outputs[point.id], self.routing(point, None), 0.0, {"chain": "model"})
+        out = CandidateOutput(outputs[point.id], self.routing(point, None), 0.0, {"chain": "model"})
+        if self._holding:
+            self._let_go_before(point, outputs)
+        return out
+
+    def _let_go_before(self, point: Point, outputs: dict[str, Any]) -> None:
+        """Once a point of a later group (layer) is asked for, the earlier groups' outputs go: a pytest
+        run holds the running layer's outputs, not the model's (each routing point's disagreement with
+        the golden taken first, for the later points' verdicts). One asked for again runs the model
+        again."""
+        if point.group == self._group:
+            return
+        self._group = point.group
+        earlier = []
+        for p in self.points:
+            if p.group == point.group:
+                break
+            if p.id in outputs:
+                earlier.append(p)
+        self._holding = False  # the disagreements below ask for routers' outputs: nothing goes meanwhile
+        try:
+            for p in earlier:
+                if _routes(p) and p.id not in self._taint:
+                    self._taint[p.id] = self.disagreement(
+                        p, outputs[p.id] if p.component == ROUTER else self.routing(p, None)
+                    )
+        finally:
+            self._holding = True
+        for p in earlier:
+            del outputs[p.id]
+            self._let_go.add(p.id)
 
     def close(self) -> None:
         self._outputs = None
+        self._group = None
+        self._let_go.clear()
 
 
 class PointChain(Chain):
