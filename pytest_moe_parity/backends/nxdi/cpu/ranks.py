@@ -168,8 +168,8 @@ def _held(modules: dict[int, torch.nn.Module], handle: int) -> torch.nn.Module:
 
 
 def _describe(exc: BaseException, rank: int) -> str:
-    """`rank R: Error: message (file:line)`, the line the innermost frame outside this package's (the
-    upstream code that raised, not the wrapper that called it)."""
+    """`rank R: Error: message (file:line)`, file:line the innermost frame outside this package:
+    the upstream code that raised, not our wrapper that called it."""
     ours = str(Path(__file__).resolve().parents[3])
     where = traceback.extract_tb(exc.__traceback__)
     theirs = [f for f in where if not f.filename.startswith(ours)]
