@@ -112,5 +112,5 @@ def test_the_cpu_build_module_checks_its_arguments_as_nxdi_s_does() -> None:
         ranks.build_module(torch.nn.Linear, [(torch.ones(1),), (torch.ones(1),)], checkpoint_path="x")
     with pytest.raises(NotImplementedError, match="the CPU build loads a checkpoint"):
         ranks.build_module(torch.nn.Linear, [(torch.ones(1),)])
-    with pytest.raises(NotImplementedError, match="tensor parallelism only"):
+    with pytest.raises(NotImplementedError, match="the CPU build runs a world of tp_degree ranks"):
         ranks.build_module(torch.nn.Linear, [(torch.ones(1),)], tp_degree=2, world_size=4, checkpoint_path="x")
