@@ -27,21 +27,13 @@ pairs; the first call also starts a plan's ranks and builds its modules).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
+from bench_differentials import median_seconds
+
 from pytest_moe_parity.replay.parallel import ParallelEntry
 from pytest_moe_parity.session import ParitySession, RunOptions
-
-
-def median_seconds(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def bench(golden: Path, model: Path, plans: str, block_size: int | None, components: list[str]) -> None:
