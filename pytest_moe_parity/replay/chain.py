@@ -111,11 +111,17 @@ class Chain:
         if source.id not in self._taint:
             try:
                 out = self.output(source, self._load(source))
-                own = out.output if source.component == ROUTER else out.routing
             except (PointUnavailable, BackendFailure):
-                own = None
-            self._taint[source.id] = self.disagreement(source, own)
+                self._take_disagreement(source, None, None)
+            else:
+                self._take_disagreement(source, out.output, out.routing)
         return self._taint[source.id]
+
+    def _take_disagreement(self, point: Point, output: Any, routing: Any) -> None:
+        """Keep a routing point's tokens routed unlike the golden for the later points' verdicts, taken
+        while its output is held: a router's own output, a routed block's routing."""
+        if _routes(point) and point.id not in self._taint:
+            self._taint[point.id] = self.disagreement(point, output if point.component == ROUTER else routing)
 
     def disagreement(self, source: Point, own: Any) -> list[int]:
         """Tokens whose top-k experts in `own` (a router's output) differ from the golden router's."""
@@ -264,8 +270,7 @@ class ModelChain(Chain):
     def _hand(self, point: Point, judge: Judge) -> None:
         record = self._load(point)
         out = self.output(point, record)
-        if _routes(point) and point.id not in self._taint:  # for the later points: its output will be gone
-            self._taint[point.id] = self.disagreement(point, out.output if point.component == ROUTER else out.routing)
+        self._take_disagreement(point, out.output, out.routing)  # for the later points: its output will be gone
         judge(point, record, out)
 
     def output(self, point: Point, record: GoldenRecord) -> CandidateOutput:
@@ -296,11 +301,8 @@ class ModelChain(Chain):
                 earlier.append(p)
         self._holding = False  # the disagreements below ask for routers' outputs: nothing goes meanwhile
         try:
-            for p in earlier:
-                if _routes(p) and p.id not in self._taint:
-                    self._taint[p.id] = self.disagreement(
-                        p, outputs[p.id] if p.component == ROUTER else self.routing(p, None)
-                    )
+            for p in (p for p in earlier if _routes(p)):
+                self._take_disagreement(p, outputs[p.id], self.routing(p, None))
         finally:
             self._holding = True
         for p in earlier:
@@ -376,9 +378,8 @@ class PointChain(Chain):
         else:
             out.output = self.steer(point, _to_cpu(out.output), out.routing)
             self._done[point.id] = out
-        if _routes(point):  # before this layer's outputs are forgotten
-            own = None if out is None else out.output if point.component == ROUTER else out.routing
-            self._taint[point.id] = self.disagreement(point, own)
+        # before this layer's outputs are forgotten
+        self._take_disagreement(point, *((None, None) if out is None else (out.output, out.routing)))
         self._forget_old(point)
 
     def _disagreement(self, source: Point) -> list[int]:
