@@ -44,9 +44,9 @@ def fused(mapping: list[Any]) -> list[Any]:
 def stack_concat(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> torch.Tensor:
     """`torch.cat([torch.stack(g) if a list else g for g in groups], dim)`, written once into its
     result: each tensor is copied into its place (and freed from its list as it goes)."""
-    if not _regular(groups, dim):  # whatever torch makes of it, errors included
+    stacked = _stacked_shapes(groups, dim)
+    if stacked is None:  # whatever torch makes of it, errors included
         return torch.cat([torch.stack(g) if isinstance(g, list) else g for g in groups], dim=dim)
-    stacked = [(len(g), *g[0].shape) if isinstance(g, list) else tuple(g.shape) for g in groups]
     axis = dim % len(stacked[0])
     first = groups[0][0] if isinstance(groups[0], list) else groups[0]
     shape = list(stacked[0])
@@ -65,25 +65,25 @@ def stack_concat(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> t
     return out
 
 
-def _regular(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> bool:
-    """Whether stacking and joining `groups` is plain copying: non-empty lists of one shape each, the
-    stacks alike but along `dim`, one dtype and one device."""
+def _stacked_shapes(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> list[tuple[int, ...]] | None:
+    """Each group's shape once stacked, where stacking and joining `groups` is plain copying (non-empty
+    lists of one shape each, the stacks alike but along `dim`, one dtype and one device); else None."""
     if not groups or any(isinstance(g, list) and not g for g in groups):
-        return False
+        return None
     tensors = [t for g in groups for t in (g if isinstance(g, list) else [g])]
     if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return False
+        return None
     if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
-        return False
+        return None
     if any(isinstance(g, list) and any(t.shape != g[0].shape for t in g) for g in groups):
-        return False
+        return None
     stacked = [(len(g), *g[0].shape) if isinstance(g, list) else tuple(g.shape) for g in groups]
     ndim = len(stacked[0])
-    if not -ndim <= dim < ndim:
-        return False
+    if not -ndim <= dim < ndim or any(len(s) != ndim for s in stacked):
+        return None
     axis = dim % ndim
     rest = [s[:axis] + s[axis + 1 :] for s in stacked]
-    return all(len(s) == ndim for s in stacked) and all(r == rest[0] for r in rest)
+    return stacked if all(r == rest[0] for r in rest) else None
 
 
 @functools.cache
