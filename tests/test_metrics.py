@@ -838,6 +838,42 @@ def test_compare_logits_against_a_float64_reference() -> None:
     json.dumps(lm.to_dict())
 
 
+def _kl_reference(g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    pg, pc = torch.log_softmax(g.double(), -1), torch.log_softmax(c.double(), -1)
+    terms = torch.where(pg == -math.inf, 0.0, pg.exp() * (pg - pc))
+    return torch.where(torch.isnan(terms.sum(-1)), math.inf, terms.sum(-1))
+
+
+def test_compare_logits_finite_and_masked_blocks_agree_with_the_reference(monkeypatch) -> None:
+    """A block of finite logits takes one exponential of each matrix, a block with a masked vocabulary
+    (-inf) the log-softmax way: every token's KL is the float64 reference's either way, a token only
+    the candidate rules out has an infinite KL, and a row whose largest value repeats has its first as
+    its next token (as argmax), wherever topk put it."""
+    from pytest_moe_parity.judge import logits
+
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(8, 40, generator=gen) * 4
+    c = g + 0.05 * torch.randn(8, 40, generator=gen)
+    g[2, 5:9] = c[2, 5:9] = -math.inf  # a masked vocabulary in both: rows 2-3's block
+    g[6, [3, 11]] = c[6, [3, 11]] = 60.0  # the largest value twice, in both
+    g[7, 4], c[7, [20, 4]] = 50.0, 50.0  # the candidate's largest twice: its first is the golden's
+    original = logits.token_blocks
+    monkeypatch.setattr(logits, "token_blocks", lambda tokens, width: original(tokens, width, 2 * width))
+    lm = compare_logits(g, c, torch.float32, top_k=3)
+    kl = _kl_reference(g, c)
+    rel = rounding_bound(torch.float64, 1e3, steps=40)
+    assert lm.kl_mean == pytest.approx(float(kl.mean()), rel=rel)
+    assert [t for t, _ in lm.kl_worst] == kl.argsort(descending=True)[:5].tolist()
+    assert all(v == pytest.approx(float(kl[t]), rel=rel) for t, v in lm.kl_worst)
+    assert lm.top1_agreement == float((g.argmax(-1) == c.argmax(-1)).double().mean()) == 1.0
+    same = compare_logits(g, g.clone(), torch.float32)
+    assert same.kl_max == 0.0 and same.top1_agreement == 1.0
+    c[5, 7] = -math.inf  # a token the candidate alone rules out
+    ruled_out = compare_logits(g, c, torch.float32, top_k=3)
+    assert ruled_out.kl_worst[0] == (5, math.inf) and ruled_out.kl_max == math.inf
+    assert ruled_out.kl_worst[1:] == [(t, v) for t, v in lm.kl_worst if t != 5][:4]  # the other tokens as before
+
+
 # ------------------------------------------------------------------------------------------ contention
 
 

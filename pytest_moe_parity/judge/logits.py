@@ -3,6 +3,7 @@ overlap and the KL divergence per token."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,14 +70,12 @@ def compare_logits(
     for start, stop in token_blocks(num_tokens, vocab):
         g = g_all[start:stop].to(F64)
         c = c_all[start:stop].to(F64)
-        g_top1[start:stop, 0] = g.argmax(dim=1).cpu()
-        c_top1[start:stop, 0] = c.argmax(dim=1).cpu()
-        g_k = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(k, dim=1).indices, True)
-        c_k = torch.zeros_like(c, dtype=torch.bool).scatter_(1, c.topk(k, dim=1).indices, True)
-        overlap[start:stop] = ((g_k & c_k).sum(dim=1).to(F64) / k).cpu()
-        log_pg, log_pc = torch.log_softmax(g, dim=1), torch.log_softmax(c, dim=1)
-        terms = torch.where(log_pg == -INF, 0.0, log_pg.exp() * (log_pg - log_pc))
-        kl[start:stop] = terms.sum(dim=1).clamp(min=0.0).cpu()  # rounding may give -1e-17
+        g_best, c_best = g.topk(k, dim=1), c.topk(k, dim=1)
+        g_top1[start:stop, 0] = _first_max(g, g_best).cpu()
+        c_top1[start:stop, 0] = _first_max(c, c_best).cpu()
+        shared = (g_best.indices[:, :, None] == c_best.indices[:, None, :]).any(dim=2).sum(dim=1)
+        overlap[start:stop] = (shared.to(F64) / k).cpu()
+        kl[start:stop] = _kl_rows(g, c, g_best.values[:, :1], c_best.values[:, :1]).cpu()
     kl = torch.where(torch.isnan(kl), INF, kl)
     scores = g_all  # the golden logits are the selection scores of the argmax
     top1 = compare_routing(scores, g_top1, c_top1, tolerance=tie_tolerance(scores, dtype, tie_factor))
@@ -90,3 +89,34 @@ def compare_logits(
         kl_max=float(kl.max()) if num_tokens else 0.0,
         kl_worst=worst_tokens(kl, 5),
     )
+
+
+def _first_max(x: torch.Tensor, best: Any) -> torch.Tensor:
+    """Each row's argmax (its first largest entry, as ``argmax``) from the row's ``topk``: the top
+    index where the row's largest value is its own, ``argmax`` again only for the rows where it is not
+    (a repeated largest value, a NaN)."""
+    values, indices = best
+    if values.shape[1] < 2:
+        return x.argmax(dim=1)
+    top = indices[:, 0].clone()
+    again = (values[:, 1] == values[:, 0]) | torch.isnan(values[:, 0])
+    if bool(again.any()):
+        top[again] = x[again].argmax(dim=1)
+    return top
+
+
+def _kl_rows(g: torch.Tensor, c: torch.Tensor, g_max: torch.Tensor, c_max: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(g) || softmax(c)) of each row of float64 ``g``, ``c`` (``g_max``, ``c_max``: their
+    rows' largest values, ``[T, 1]``). Finite rows: ``sum p_g (g - c) - (lse(g) - lse(c))`` with one
+    exponential of each matrix (``p_g`` is ``exp(g - g_max)`` over its sum); a block holding a NaN or
+    Inf (a masked vocabulary) takes log-softmax's way, where a token the golden rules out
+    (``-inf``) adds nothing and one only the candidate rules out makes KL infinite."""
+    if math.isfinite(float(g.sum()) + float(c.sum())):  # a non-finite entry makes its sum non-finite
+        e = torch.sub(g, g_max).exp_()
+        s_g = e.sum(dim=1)
+        s_c = torch.sub(c, c_max).exp_().sum(dim=1)
+        cross = torch.linalg.vecdot(e, g - c) / s_g
+        return (cross - (g_max[:, 0] - c_max[:, 0]) - (s_g.log() - s_c.log())).clamp(min=0.0)
+    log_pg, log_pc = torch.log_softmax(g, dim=1), torch.log_softmax(c, dim=1)
+    terms = torch.where(log_pg == -INF, 0.0, log_pg.exp() * (log_pg - log_pc))
+    return terms.sum(dim=1).clamp(min=0.0)  # rounding may give -1e-17

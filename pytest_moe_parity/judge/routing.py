@@ -3,6 +3,7 @@ candidate, flips told from ties within the dtype's rounding of the golden's scor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -157,6 +158,10 @@ def tie_tolerance(scores: torch.Tensor, dtype: torch.dtype, factor: float = 8.0)
     count = torch.empty(s.shape[0], dtype=F64, device=s.device)
     for start, stop in token_blocks(*s.shape):
         block = s[start:stop].to(F64)
+        if math.isfinite(float(block.sum())):  # every score finite: no masks to build
+            sq_sum[start:stop] = torch.linalg.vecdot(block, block)
+            count[start:stop] = block.shape[1]
+            continue
         finite = torch.isfinite(block)
         sq_sum[start:stop] = torch.where(finite, block, 0.0).square_().sum(dim=1)
         count[start:stop] = finite.sum(dim=1)
