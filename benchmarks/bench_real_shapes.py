@@ -73,7 +73,15 @@ router and experts, the layer's output its attention and MLP), so their forwards
 whose lazy reads cost 4x its forward) to x1.57 (DeepSeek, compute-bound: MLA with 128 heads) one forward;
 beside them a fixed 6-9 s: the embedding's read (nothing to hide it behind; 3.3 s for DeepSeek's 1.85 GB),
 the first layer's wait for its read, backend start (2.1 s), the logits' judging (1.3-1.6 s at a 129-152k
-vocabulary) and pytest (1 s). DeepSeek's MISS is the first part: above the goal before any read. Reads
+vocabulary; 0.7 s since it takes one exponential of each matrix) and pytest (1 s). DeepSeek's MISS is the
+first part: above the goal before any read, at 16 experts. Its real 256 read 12x more a MoE layer and
+compute the same top-8: with --experts, a last line projects the real depth at the real experts, each MoE
+layer's read grown with its weights and its forward as measured. Checked from 16 to 32 experts (4 layers,
+--stream, bf16 recording for 32): a MoE layer's read 1.10 -> 1.83 s (its weights x1.75), its forward
+1.58 -> 1.71 s (+8 ms an expert: fewer tokens an expert, the same weights streamed), its replay items
+4.4 -> 5.2 s (the read alone predicts 5.1 s); replay / (read + forward) at 61 layers x1.62 -> x1.47, and
+at 256 experts x1.12 (the forward's growth added three times, as the replay runs the experts three
+times: ~x1.3). Reads
 through transformers' conversion cost 3-6x a raw read in bf16, 10x into float32 (Qwen3: 6.23 GB in 6.9 and
 11.9 s vs 1.2 s): the experts are stacked, then gate and up concatenated, then cast (two or three copies
 of each layer); they are most of a recording's time.
@@ -657,6 +665,26 @@ def deeper(cfg: dict[str, Any], depth: int, measured: dict[int, float], total: f
     return out
 
 
+def at_real_experts(real: Real, cfg: dict[str, Any], ref: dict, peak: float, replay: float, base: float) -> str:
+    """The real depth at the real number of routed experts, from a run scaled down by --experts (a
+    model, said as one): each MoE layer's read grows with its weights, its forward does not (top-k of
+    any number of experts, the same tokens), and replay and reference both read each layer once, so
+    both gain the same seconds per MoE layer; the replay's peak gains two MoE layers' growth in bf16."""
+    full = config_dict(real, real.depth, None)
+    moe = next(i for i in range(cfg["num_hidden_layers"]) if not is_dense(cfg, i))
+    grow = layer_params(real.model_type, full, moe) / layer_params(real.model_type, cfg, moe)
+    read = typical(cfg, {int(i): t for i, t in ref["per_layer"].items()}, "MoE")[0]  # a MoE layer's bf16 read
+    layers = sum(not is_dense(full, i) for i in range(real.depth))
+    more = layers * read * (grow - 1)
+    held = 2 * 2 * (layer_params(real.model_type, full, moe) - layer_params(real.model_type, cfg, moe))
+    return (
+        f"at the real depth with its {full[real.experts_key]} routed experts (projected, not measured: a MoE "
+        f"layer's read x{grow:.1f}, {read:.2f} -> {read * grow:.1f} s, its forward as measured): replay "
+        f"~{(replay + more) / 60:.1f} min against one read + forward ~{(base + more) / 60:.1f} min, "
+        f"x{(replay + more) / (base + more):.2f} (goal <= {GOAL_REPLAY}); peak RSS ~{gb(peak + held)}"
+    )
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen3-30B-A3B", help=f"one of {', '.join(m.name for m in MODELS.values())}")
@@ -907,6 +935,8 @@ def show(args: argparse.Namespace, p: Plan, m: dict[str, Any]) -> None:
               f"min (x{at['replay'] / at['ref_bf16']:.2f} one read + forward in bf16, ~{at['ref_bf16'] / 60:.1f} min), "
               f"its peak RSS ~{gb(rep['peak'])} whatever the depth (bounded by the process, the model-level weights "
               f"and two decoder layers, {gb(held)} in bf16, and two layers of captures); {memory}")  # fmt: skip
+        if args.experts is not None:
+            print(at_real_experts(real, cfg, ref_bf16, rep["peak"], at["replay"], at["ref_bf16"]))
     print(f"(the whole benchmark: {m['total_s'] / 60:.1f} min)")
 
 

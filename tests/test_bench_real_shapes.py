@@ -155,3 +155,21 @@ def test_the_figures_and_goals_from_a_run(bench, monkeypatch, capsys):
     # 44 more layers at the middle layers' 4.0 s (recording) and 2.1 s (replay)
     assert "at the real depth, 48 layers: recording ~3.4 min (x1.83 one read + forward in float32 + write" in out
     assert "replay ~1.8 min (x0.98 one read + forward in bf16, ~1.9 min), its peak RSS ~5.60 GB whatever" in out
+
+
+def test_the_real_experts_projected_from_a_scaled_down_run(bench):
+    """With --experts, the real depth at the real routed experts: each of the real model's MoE layers
+    adds its read's growth (the weights' ratio) to replay and reference alike, the forward as measured;
+    said as a projection."""
+    real = bench.find_model("DeepSeek-V3")
+    cfg = bench.config_dict(real, 4, 16)
+    full = bench.config_dict(real, real.depth)
+    grow = bench.layer_params(real.model_type, full, 3) / bench.layer_params(real.model_type, cfg, 3)
+    assert grow == pytest.approx(12.3, abs=0.05)  # 16 -> 256 experts of 3 x 7168 x 2048, and attention alike
+    ref = {"per_layer": {"0": [0.5, 1.5], "1": [0.5, 1.5], "2": [0.5, 1.5], "3": [1.0, 1.6]}}
+    line = bench.at_real_experts(real, cfg, ref, 10e9, 300.0, 200.0)
+    more = 58 * 1.0 * (grow - 1)  # DeepSeek-V3's 61 layers, the first 3 dense
+    assert line.startswith("at the real depth with its 256 routed experts (projected, not measured: a MoE layer's read")
+    assert f"1.00 -> {grow:.1f} s" in line
+    assert f"replay ~{(300 + more) / 60:.1f} min against one read + forward ~{(200 + more) / 60:.1f} min" in line
+    assert f"x{(300 + more) / (200 + more):.2f} (goal <= 1.5)" in line
