@@ -257,7 +257,8 @@ def _golden_run_arguments(golden: Any) -> None:
 def cmd_golden(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from .record.run import BadInput, GoldenRequest
+    from .errors import ParityError
+    from .record.run import GoldenRequest
 
     _quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
@@ -273,7 +274,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
         seconds = result.seconds
         if noise_dtype is not None:
             seconds += _noise_floor(args, result.out, noise_dtype, say)
-    except BadInput as exc:
+    except ParityError as exc:  # bad input, an unreadable checkpoint, a model that does not run
         return _fail(str(exc))
     noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
     if result.decode:

@@ -76,3 +76,22 @@ class BackendStartFailure(BackendFailure):
 
 class UnusableOutput(ParityError):
     """A candidate output the verdict cannot use (a shape or structure unlike the golden's)."""
+
+
+def upstream_frame(exc: BaseException) -> tuple[str, int, str] | None:
+    """(file name, line, function) of the innermost frame of `exc`'s traceback outside this package:
+    the code that raised (a model's modeling file, an upstream library), not ours that called it;
+    None where the innermost frame is ours (an error of this package, whose traceback is the report).
+    torch's own Python frames are passed over for their caller's."""
+    import traceback
+    from pathlib import Path
+
+    import torch
+
+    stack = traceback.extract_tb(exc.__traceback__)
+    if not stack or stack[-1].filename.startswith(str(Path(__file__).resolve().parent)):
+        return None
+    # torch's own Python frames (a functional's argument check) are named by the caller that passed them
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    frame = next((f for f in reversed(stack) if not f.filename.startswith(torch_dir)), stack[-1])
+    return Path(frame.filename).name, frame.lineno or 0, frame.name

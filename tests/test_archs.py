@@ -3,9 +3,11 @@ still mapped onto capture points, recorded and replayed bitwise."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import assert_replays_bitwise, load_fp32
 
 from pytest_moe_parity.golden import GoldenStore
@@ -72,3 +74,40 @@ def test_forward_order_is_the_component_table(golden_dir) -> None:
         comps = [p.component for p in store.points if p.layer == layer]
         assert comps == sorted(comps, key=LAYER_COMPONENTS.index)
     assert [p.order for p in store.points] == list(range(len(store.points)))
+
+
+def test_a_checkpoint_that_names_modules_otherwise_is_read_by_the_models_names(tiny_model, tmp_path: Path) -> None:
+    """Sarvam-MoE's hub checkpoint names the embedding `model.word_embeddings` (transformers renames it
+    when loading): the lazy reads place each key by the model's name of it, so the model-level units
+    find their weights, and the golden replays bit for bit."""
+    path = tiny_model("sarvam_moe")
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.word_embeddings.weight" in index and "model.embed_tokens.weight" not in index
+    record_golden(path, tmp_path / "g", seq_len=12)
+    assert_replays_bitwise(tmp_path / "g", load_fp32(path))
+
+
+def test_a_forward_that_asks_where_the_embedding_is_first_runs_streamed(tmp_path: Path) -> None:
+    """Llama 4's forward sends the input ids to `embed_tokens.weight.device` before it calls the
+    embedding: read one unit at a time, the embedding is read before the forward starts (its ids
+    would be on meta otherwise), and the streamed forward is the full load's, bit for bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pytest_moe_parity.model.lazy_model import LazyModel
+
+    config = AutoConfig.for_model(
+        "llama4_text", hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=256, num_local_experts=4,
+        num_experts_per_tok=1, layer_types=["chunked_attention", "full_attention"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    ids = torch.arange(3, 15)[None]
+    lazy = LazyModel(tmp_path / "m", dtype=torch.float32, max_layers=1)
+    with torch.no_grad(), lazy.streaming() as model:
+        streamed = model(input_ids=ids, use_cache=False).logits
+    with torch.no_grad():
+        full = load_fp32(tmp_path / "m")(input_ids=ids, use_cache=False).logits
+    assert streamed.device.type == "cpu" and torch.equal(streamed, full)
+    record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)  # the recording streams it too
+    assert {"router", "experts", "shared_experts"} <= {p.component for p in GoldenStore(tmp_path / "g").points}

@@ -114,6 +114,65 @@ def test_bad_golden_input(case: str, tmp_path: Path, tiny_model, capsys) -> None
     assert_no_golden(out_dir)
 
 
+def _shape_mismatch(*args, **kwargs):
+    raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+
+def test_golden_of_a_model_whose_own_code_raises_says_where_in_one_line(
+    tmp_path: Path, tiny_model, capsys, monkeypatch
+) -> None:
+    """A checkpoint whose config the model's own code cannot run (raised in its modeling code, not
+    ours): one line naming that code's file, line and function, exit 2, no golden left behind."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeAttention, "forward", _shape_mismatch)
+    out_dir = tmp_path / "g"
+    code, _, err = run(capsys, "golden", "--model", str(tiny_model("qwen3_moe")), "--out", str(out_dir))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(
+        r"the reference model raised RuntimeError in its own code \(test_cli\.py:\d+, in _shape_mismatch: The "
+        r"size of tensor a \(4\) must match the size of tensor b \(8\)\); .* does not run as configured",
+        lines[0],
+    ), lines[0]
+    assert_no_golden(out_dir)
+
+
+def test_an_error_is_said_at_the_upstream_line_that_raised_and_ours_keep_their_traceback() -> None:
+    """`upstream_frame`: the innermost frame outside this package, torch's own Python frames passed
+    over for the caller that gave them the bad input; None for an error raised in this package."""
+    import torch
+
+    from pytest_moe_parity.errors import upstream_frame
+    from pytest_moe_parity.judge.tensors import check_tensor
+
+    def caller():
+        return torch.broadcast_shapes((2, 3), (4, 5))  # raised in torch/functional.py and torch/_prims_common
+
+    with pytest.raises(RuntimeError) as upstream:
+        caller()
+    assert upstream_frame(upstream.value) == ("test_cli.py", upstream.value.__traceback__.tb_next.tb_lineno, "caller")
+    with pytest.raises(TypeError) as ours:
+        check_tensor("not a tensor", "golden")
+    assert upstream_frame(ours.value) is None
+
+
+def test_golden_of_a_checkpoint_missing_a_unit_says_so_in_one_line(tmp_path: Path, tiny_model, capsys) -> None:
+    """A checkpoint that lacks a module's weights (here the embedding): the lazy read's sentence, exit 2."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model("qwen3_moe"), model)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.embed_tokens.weight"]
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run(capsys, "golden", "--model", str(model), "--out", str(tmp_path / "g"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "lacks weights for model.embed_tokens: weight" in lines[0]
+    assert_no_golden(tmp_path / "g")
+
+
 def test_unknown_config_model_type(tmp_path: Path, capsys) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_real_model"}))
     code, _, err = run(capsys, "golden", "--model", str(tmp_path), "--out", str(tmp_path / "g"))

@@ -41,6 +41,20 @@ def fused(mapping: list[Any]) -> list[Any]:
     return out
 
 
+def model_names(mapping: list[Any]) -> Any:
+    """A function giving the model's name of a checkpoint key under `mapping`'s renamings and
+    converters (transformers' `rename_source_key`: a hub checkpoint's `model.word_embeddings.weight`
+    is the model's `model.embed_tokens.weight`); where this transformers has no such function, the
+    key as it is."""
+    try:
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return lambda key: key
+    renamings = [e for e in mapping if isinstance(e, WeightRenaming)]
+    converters = [e for e in mapping if isinstance(e, WeightConverter)]
+    return lambda key: rename_source_key(key, renamings, converters)[0]
+
+
 def stack_concat(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> torch.Tensor:
     """`torch.cat([torch.stack(g) if a list else g for g in groups], dim)`, written once into its
     result: each tensor is copied into its place (and freed from its list as it goes)."""

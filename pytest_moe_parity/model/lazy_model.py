@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
 from .checkpoint import SIZES, quantization, weight_map
-from .conversion import fused
+from .conversion import fused, model_names
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
@@ -91,6 +91,7 @@ class LazyModel:
     ):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
 
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -122,10 +123,21 @@ class LazyModel:
         self._layers_path = layers_path(self.model, self.config)
         layers_name = self._layers_path.rsplit(".", 1)[-1]
         self._layer_re = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
-        # Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load.
+        # Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load. A key
+        # outside the layers by its checkpoint name is placed by the model's name of it (a hub checkpoint
+        # may name a module otherwise, `model.word_embeddings`, or its layers, as the conversion renames).
         self._keys_by_layer: dict[int | None, list[str]] = {}
+        self._model_level_names: dict[str, str] = {}
+        renamed = None
         for key in self.weight_map:
-            self._keys_by_layer.setdefault(self.layer_of(key), []).append(key)
+            layer = self.layer_of(key)
+            if layer is None:
+                renamed = renamed or model_names(get_model_conversion_mapping(self.model))
+                name = renamed(key)
+                layer = self.layer_of(name)
+                if layer is None:
+                    self._model_level_names[key] = name
+            self._keys_by_layer.setdefault(layer, []).append(key)
         self._loaded: list[Unit] = []  # loaded units; decoder layers in least recently used order
         # decoder layers held at once (None: every one, never evicted)
         self.max_layers = self.num_layers if max_layers is None else max(1, max_layers)
@@ -163,7 +175,11 @@ class LazyModel:
             return list(self._keys_by_layer.get(unit, []))
         # A model-level module: its own keys, with or without the base-model prefix.
         short = unit.split(".", 1)[1] if "." in unit else unit
-        return [k for k in self._keys_by_layer.get(None, []) if k.startswith((unit + ".", short + "."))]
+        return [
+            k
+            for k in self._keys_by_layer.get(None, [])
+            if self._model_level_names.get(k, k).startswith((unit + ".", short + "."))
+        ]
 
     def unit_path(self, unit: Unit) -> str:
         """The module path of a unit (a decoder layer's number, or a model-level module's path)."""
@@ -399,11 +415,24 @@ class LazyModel:
         for unit in self.model_level_paths():
             module = self.model.get_submodule(unit)
             handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self.ensure(u)))
+        embedding = self._input_embedding_path()
+        if embedding is not None:  # read before the model's forward: it may ask where the weights are first
+            handles.append(self.model.register_forward_pre_hook(lambda m, a: self.ensure(embedding)))
         try:
             yield self.model
         finally:
             for h in handles:
                 h.remove()
+
+    def _input_embedding_path(self) -> str | None:
+        """The unit of the input embedding, which a model's forward may read from before calling it
+        (Llama 4 sends the input ids to `embed_tokens.weight.device`: on meta, before its read)."""
+        try:
+            embedding = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+        path = next((n for n, m in self.model.named_modules() if m is embedding), None)
+        return path if path in self.model_level_paths() else None
 
     @property
     def loaded_units(self) -> set[str]:

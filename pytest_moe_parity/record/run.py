@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import ArchError, BadInput, CheckpointError, GoldenError
+from ..errors import ArchError, BadInput, CheckpointError, GoldenError, ParityError, RecordError, upstream_frame
 from ..golden import GoldenWriter, Recorded
 from ..golden.spec import parse_token_spec
 from ..host import gib, malloc_trim, map_large_allocations
@@ -696,7 +696,7 @@ class _GoldenRun:
             self.say(ref.placement_line(placed))
             load_seconds = time.perf_counter() - load_started
             forward_started = time.perf_counter()
-            skipped, decode = self._forward(ref, points)
+            skipped, decode = self._forward_or_say(ref, points)
             peak = peaks(placed)
             self.say(memory_line(peak))
             stats = {
@@ -762,6 +762,24 @@ class _GoldenRun:
                 f"[{self.layers_done}/{len(self.slice_layers)} layers, {writer.bytes_written / 1e6:.1f} MB written, "
                 f"{time.perf_counter() - self.started:.1f}s]"
             )
+
+    def _forward_or_say(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
+        """`_forward`; where the model's own code raises (a config it cannot run), one sentence that
+        names its line (an error raised in this package's code stays as it is: its traceback)."""
+        try:
+            return self._forward(ref, points)
+        except ParityError:
+            raise
+        except Exception as exc:
+            where = upstream_frame(exc)
+            if where is None:
+                raise
+            file, line, function = where
+            raise RecordError(
+                f"the reference model raised {type(exc).__name__} in its own code ({file}:{line}, in {function}: "
+                f"{exc}); {self.request.model_dir} does not run as configured: check that transformers runs it "
+                "(AutoModelForCausalLM.from_pretrained, then a forward) before recording"
+            ) from exc
 
     def _forward(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
         """The prefill with every point hooked, then the decode steps: (points never called, the
