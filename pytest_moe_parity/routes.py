@@ -26,7 +26,7 @@ import torch
 
 from .dtypes import dtype_name, json_safe
 from .golden import GoldenStore
-from .judge.routing import RoutingMetrics, SelectionRule, compare_routing, router_triple
+from .judge.routing import RoutingMetrics, SelectionRule, compare_routing, router_triple, routing_view
 from .judge.tolerances import resolve
 from .points import ROUTER, Point
 
@@ -157,7 +157,7 @@ def golden_trace(store: GoldenStore) -> torch.Tensor:
 def _routing(store: GoldenStore, router: Point) -> tuple[tuple, Any]:
     """The golden router's (logits, weights, top-k ids) and its score-correction bias, read once."""
     record = store.load(router)
-    out = record.output
+    out = routing_view(record.output)
     if not router_triple(out):
         raise TraceError(f"{router.id}: the golden's router gives no (logits, weights, top-k ids)")
     return out, record.extras.get("score_bias")

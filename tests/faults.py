@@ -235,6 +235,11 @@ CASES = {
     ),
     "embedding_rows_swapped": ("olmoe", "embedding", lambda g: (swap_embedding_rows(*_two_input_ids(g)), None)),
     "lm_head_scaled": ("minimax_m2", "logits", lambda g: (scale("lm_head.weight", None, 1.25), None)),
+    # Llama 4: a router that returns (scores, logits), experts run on every token ([E*T, H] rows)
+    "router_rows_permuted_llama4": ("llama4_text", "layer_2.router", lambda g: (permute_router_rows(2), None)),
+    "experts_scaled_llama4": (
+        "llama4_text", "layer_1.experts", lambda g: (scale("experts.down_proj", 1, 1.5), None)
+    ),
 }  # fmt: skip
 
 

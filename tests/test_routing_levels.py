@@ -17,7 +17,10 @@ from faults import edit_checkpoint, edit_config
 from helpers import NO_CONFIG, NO_WEIGHTS, cli, read_json, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.judge.routing import SelectionRule, compare_routing, weights_for
+from pytest_moe_parity.judge.routing import SelectionRule, compare_routing, routing_view, scattered_routing, weights_for
+from pytest_moe_parity.judge.tolerances import default_tolerance
+from pytest_moe_parity.judge.verdict import Case, judge_point
+from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.files import REPORT_FILE
 from pytest_moe_parity.report.rows import RoutingRow, Row
 from pytest_moe_parity.routes import golden_routers, golden_trace, read_trace, write_trace
@@ -265,3 +268,62 @@ def test_routes_bad_input(capsys, golden_dir, tmp_path: Path) -> None:
     (tmp_path / "flat.json").write_text("[1, 2, 3]")
     code, _, err = cli(capsys, "routes", str(root), str(tmp_path / "flat.json"))
     assert code == 2 and "holds [3], not expert ids [tokens, moe_layers, top_k]" in err
+
+
+# -- a router's output in another form: Llama 4's (scores, logits) -----------------------------------
+
+
+def _llama4_router(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What transformers' Llama4Router returns: its top-k's sigmoid scattered into [T, E], and the logits."""
+    top, ids = logits.topk(k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, top)
+    return torch.sigmoid(scores), logits
+
+
+def test_a_router_that_scatters_its_top_k_is_read_as_the_triple() -> None:
+    """Llama 4's (scores, logits): the logits' top-k with the scores there, and back again (the routing
+    differential hands the router's consumer its own form); any other output as it is."""
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    pair = _llama4_router(logits, 2)
+    view = routing_view(pair)
+    assert view[0] is logits and torch.equal(view[2], logits.topk(2, dim=1).indices)
+    assert torch.equal(view[1], torch.sigmoid(logits.topk(2, dim=1).values))
+    assert torch.equal(scattered_routing(view, pair)[0], pair[0]) and scattered_routing(view, pair)[1] is logits
+    triple = (logits, view[1], view[2])
+    assert routing_view(triple) is triple and scattered_routing(triple, triple) is triple
+    dense = (torch.softmax(logits, 1), logits)  # every expert's probability: no top-k in it
+    signed = (logits.clone(), logits)  # not scores
+    assert routing_view(dense) is dense and routing_view(signed) is signed
+
+
+def test_experts_run_on_every_token_leave_out_a_flipped_token_under_every_expert() -> None:
+    """Llama 4's experts run on every token, a row per expert and token ([E*T, H], expert-major): a
+    token the candidate routed otherwise is left out under every expert, so its rows do not fail a
+    block whose other tokens agree; and a broken expert still fails."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, experts, hidden = 6, 4, 8
+    logits = torch.randn(tokens, experts, generator=gen)
+    flipped = logits.clone()
+    flipped[2] = flipped[2].flip(0)  # token 2 goes to another expert
+    x = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(experts, hidden, hidden, generator=gen)
+
+    def experts_out(router_logits: torch.Tensor, broken: float = 1.0) -> torch.Tensor:
+        scores = _llama4_router(router_logits, 1)[0]
+        routed = x.repeat(experts, 1) * scores.t().reshape(-1, 1)  # as Llama4TextMoe feeds its experts
+        out = torch.bmm(routed.view(experts, tokens, hidden), w).view(-1, hidden)
+        used = int(logits[0].argmax())  # token 0's expert
+        out[used * tokens : (used + 1) * tokens] *= broken
+        return out
+
+    point, tol = Point.parse("layer_0.experts"), default_tolerance(torch.bfloat16, "experts")
+
+    def judged(candidate: torch.Tensor):
+        return judge_point(Case(point, experts_out(logits), candidate, tol, torch.bfloat16,
+                                router=Point.parse("layer_0.router"), golden_router=_llama4_router(logits, 1),
+                                candidate_router=_llama4_router(flipped, 1)))  # fmt: skip
+
+    clean = judged(experts_out(flipped).to(torch.bfloat16))
+    assert clean.passed and clean.excluded_tokens == [2], clean.notes
+    broken = judged(experts_out(flipped, broken=1.5).to(torch.bfloat16))
+    assert not broken.passed and broken.excluded_tokens == [2]

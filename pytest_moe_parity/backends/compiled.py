@@ -121,7 +121,7 @@ class PointModule(nn.Module):
         self.n_outputs = len(leaves)
         routing: list[torch.Tensor] = []
         if self.router is not None and self._captured:
-            routing = flatten(self._captured[-1])[0][:3]
+            routing = flatten(self._captured[-1])[0][:3]  # as the router gives it: read after the graph runs
         return (*leaves, *routing)
 
 

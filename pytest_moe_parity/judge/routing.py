@@ -22,7 +22,9 @@ __all__ = [
     "candidate_routing",
     "compare_routing",
     "router_triple",
+    "routing_view",
     "scatter_topk",
+    "scattered_routing",
     "tie_tolerance",
     "topk_agreement",
     "topk_of_affinities",
@@ -293,6 +295,45 @@ def router_triple(out: Any) -> bool:
     )
 
 
+def routing_view(out: Any) -> Any:
+    """A router's output as (logits, top-k weights, top-k ids) where it gives them in another form:
+    Llama 4's `(scores, logits)`, its top-k's sigmoid scattered into [T, E] and zero elsewhere, is the
+    logits' top-k (k: the most nonzero scores a token has) with the scores there. Any other output as
+    it is (a triple already, or no routing that can be read)."""
+    if router_triple(out) or not isinstance(out, tuple | list) or len(out) != 2:
+        return out
+    scores, logits = out
+    if not (
+        isinstance(scores, torch.Tensor)
+        and isinstance(logits, torch.Tensor)
+        and scores.is_floating_point()
+        and logits.is_floating_point()
+        and scores.shape == logits.shape
+        and scores.dim() >= 1
+        and scores.numel() > 0
+    ):
+        return out
+    experts = scores.shape[-1]
+    flat = scores.detach().reshape(-1, experts)
+    k = int((flat != 0).sum(-1).max())
+    if not 0 < k < experts or bool((flat < 0).any()):
+        return out
+    ids = logits.detach().topk(k, dim=-1).indices
+    return (logits, scores.gather(-1, ids), ids)
+
+
+def scattered_routing(view: tuple, out: Any) -> Any:
+    """A routing in `routing_view`'s form (logits, top-k weights, ids) given back in the form of the
+    router output `out` it was read from: a triple as a triple, Llama 4's pair as its scores scattered
+    into [T, E] (zero elsewhere) and the logits."""
+    if router_triple(out) or routing_view(out) is out:
+        return view
+    scores, _ = out
+    logits, weights, ids = view[:3]
+    dense = torch.zeros_like(scores).scatter_(-1, ids.to(scores.device).long(), weights.to(scores))
+    return (dense, logits)
+
+
 @dataclass(frozen=True)
 class SelectionRule:
     """How a router picks its top-k experts from its logits, and the tie tolerance of its scores in the
@@ -397,6 +438,7 @@ def candidate_routing(rule: SelectionRule, cand_out: Any, golden_out: Any, bias:
     """The candidate router's (logits, top-k weights or None, top-k ids): as it returned them, or, from
     its logits alone (what a capture of one tensor per module holds), the ids that the golden's
     selection rule picks from them (the weights unknown). None when neither can be read."""
+    cand_out = routing_view(cand_out)
     if router_triple(cand_out):
         return tuple(cand_out)
     kept = [x for x in leaves(cand_out) if x is None or isinstance(x, torch.Tensor)]

@@ -18,6 +18,7 @@ from .routing import (
     SelectionRule,
     candidate_routing,
     router_triple,
+    routing_view,
     scatter_topk,
     topk_agreement,
     topk_of_affinities,
@@ -307,6 +308,18 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _rows_kept(rows: int, tokens: int, left_out: list[int], *, dense: bool = False) -> torch.Tensor | None:
+    """Which of a tensor's `rows` stay when the tokens `left_out` (of `tokens`) go: a row per token;
+    with `dense`, also experts run on every token, a row per expert and token, expert-major
+    (`[E*T, H]`, Llama 4's `hidden.repeat(E, 1)`), where a token goes under every expert. None where
+    the rows are neither (nothing is left out)."""
+    if tokens <= 0 or rows % tokens or (rows != tokens and not dense):
+        return None
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep.view(rows // tokens, tokens)[:, torch.as_tensor(list(left_out), dtype=torch.long)] = False
+    return keep
+
+
 class Judge:
     """Applies one tolerance to one point (see `Case`). The router whose routing a routed block is
     judged by is the case's `router`, the point itself for a router."""
@@ -409,9 +422,11 @@ class Judge:
         figure over the candidate's tokens, and this tensor is judged by the dtype's limits."""
         rows = _token_rows(g).shape[0] if g.dim() >= 1 else 0
         keep = keep_rows
-        if self.exclude is not None and g.dim() >= 1 and rows == self.exclude[1]:
-            keep = torch.ones(rows, dtype=torch.bool) if keep is None else keep.clone()
-            keep[self.exclude[0]] = False
+        left = None
+        if self.exclude is not None and g.dim() >= 1:
+            left = _rows_kept(rows, self.exclude[1], self.exclude[0], dense=self.point.component == EXPERTS)
+        if left is not None:
+            keep = left if keep is None else keep & left
         reference = self.noise_tokens.get(target)
         if reference is None or self.fixed:
             return keep
@@ -542,9 +557,9 @@ class Judge:
         if golden_router is not None and cand_router is not None:
             disagree = self.compare_topk(golden_router, cand_router, bias, judge_flips=False)
             if disagree:
-                rows = _token_rows(g).shape[0]
-                keep = torch.ones(rows, dtype=torch.bool)
-                keep[disagree] = False
+                tokens = _token_rows(golden_router[2]).shape[0]
+                dense = self.point.component == EXPERTS
+                keep = _rows_kept(_token_rows(g).shape[0], tokens, disagree, dense=dense)
                 self.result.excluded_tokens = disagree
                 self.result.notes.append(
                     f"{len(disagree)} token(s) whose routing flipped are excluded from the verdict: {disagree[:16]}"
@@ -830,14 +845,17 @@ def judge_point(case: Case) -> PointResult:
     point = case.point
     judge = Judge(case)
     golden_out, candidate, bias = case.golden, case.candidate, case.score_bias
+    if point.component == ROUTER:  # a router's output in another form (Llama 4's): read as the triple
+        golden_out, candidate = routing_view(golden_out), routing_view(candidate)
     if point.component == ROUTER and router_triple(golden_out):
         judge.judge_router(golden_out, candidate, bias)
     elif isinstance(point, Point) and point.follows_router:
         # routers of other shapes (e.g. logits only) give no top-k to exclude flipped tokens by
-        golden_router = case.golden_router if router_triple(case.golden_router) else None
+        golden_router = routing_view(case.golden_router)
+        golden_router = golden_router if router_triple(golden_router) else None
         candidate_router = None
         if golden_router is not None and case.candidate_router is not None:
-            candidate_router = judge.routing_of(case.candidate_router, golden_router, bias)
+            candidate_router = judge.routing_of(routing_view(case.candidate_router), golden_router, bias)
         judge.judge_routed_block(golden_out, candidate, golden_router, candidate_router, bias)
     elif point.component == LOGITS and isinstance(first_tensor(golden_out), torch.Tensor):
         judge.judge_logits(golden_out, candidate)

@@ -35,7 +35,7 @@ from ..backends import Backend, CandidateOutput
 from ..errors import BackendFailure, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import Spec
-from ..judge.routing import router_triple
+from ..judge.routing import router_triple, routing_view
 from ..model.calls import output_tensors
 from ..points import ROUTER, Point, layer_group
 from ..tree import first_tensor, map_structure
@@ -436,6 +436,7 @@ def _before(source: Point, point: Point) -> bool:
 
 def routing_disagreements(golden: Any, candidate: Any) -> list[int]:
     """Tokens whose top-k expert sets differ between two router outputs (logits, weights, top-k ids)."""
+    golden, candidate = routing_view(golden), routing_view(candidate)
     if not (router_triple(golden) and router_triple(candidate)):
         return []
     k = golden[2].shape[-1]

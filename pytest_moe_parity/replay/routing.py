@@ -30,7 +30,9 @@ from ..judge.routing import (
     SelectionRule,
     candidate_routing,
     router_triple,
+    routing_view,
     scatter_topk,
+    scattered_routing,
     topk_agreement,
     weights_for,
 )
@@ -79,9 +81,10 @@ def forced(level: str, rule: SelectionRule, golden: tuple, scale: float) -> Any:
     _, g_weights, g_ids = golden[:3]
 
     def force(out: Any) -> Any:
-        if not router_triple(out):
+        view = routing_view(out)
+        if not router_triple(view):
             raise ValueError(f"the candidate's router returned {type(out).__name__}, not (logits, weights, ids)")
-        logits, weights, ids = out[:3]
+        logits, weights, ids = view[:3]
         if level == "ids+weights":
             new_weights = g_weights
         else:
@@ -89,7 +92,7 @@ def forced(level: str, rule: SelectionRule, golden: tuple, scale: float) -> Any:
         shape_w = weights.shape if weights.shape[-1] == ids.shape[-1] else ids.shape
         new_w = new_weights.reshape(shape_w).to(dtype=weights.dtype, device=weights.device)
         new_ids = g_ids.reshape(ids.shape).to(dtype=ids.dtype, device=ids.device)
-        return (logits, new_w, new_ids, *out[3:])
+        return scattered_routing((logits, new_w, new_ids, *view[3:]), out)
 
     return force
 
@@ -160,7 +163,7 @@ class RoutingItems(Checker):
         assert router is not None
         record = self.golden.load(point, row_masks=runner.backend.row_masks)
         router_record = runner.router_record(router)
-        golden = router_record.output
+        golden = routing_view(router_record.output)
         if not router_triple(golden):
             raise PointUnavailable(f"{router.id}: the golden's router gives no top-k (logits, weights, ids) to force")
         bias = router_record.extras.get("score_bias")

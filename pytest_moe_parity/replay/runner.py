@@ -15,7 +15,7 @@ from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, Unus
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
 from ..host import freeze_long_lived
-from ..judge.routing import router_triple
+from ..judge.routing import router_triple, routing_view
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, PointResult, judge_point
 from ..points import EXPERTS, LOGITS, ROUTER, Point
@@ -279,6 +279,7 @@ class ParityRunner:
         two runs routed otherwise (beyond rounding) are left out, as a block's verdict leaves them."""
         router, routed, own = routing
         follows = point.follows_router and point.component != EXPERTS
+        own = routing_view(own)
         golden_router = own if follows and own is not None and router_triple(own) else None
         tol, _ = self.tolerance(point)
         if point.component == ROUTER:  # a router that gives every expert's affinity: its top-k's, as both read
@@ -316,7 +317,8 @@ class ParityRunner:
 
 def _topk_form(out: Any) -> Any:
     """A router's (logits, affinities [T, E], top-k ids [T, k]) (NxDI's RouterTopK) as (logits, the
-    top-k ids' affinities [T, k], ids); any other output as it is."""
+    top-k ids' affinities [T, k], ids); Llama 4's pair as `routing_view` reads it; any other output as it is."""
+    out = routing_view(out)
     if not router_triple(out):
         return out
     logits, weights, ids = out[:3]
