@@ -91,7 +91,6 @@ class LazyModel:
     ):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.conversion_mapping import get_model_conversion_mapping
 
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -132,7 +131,7 @@ class LazyModel:
         for key in self.weight_map:
             layer = self.layer_of(key)
             if layer is None:
-                renamed = renamed or model_names(get_model_conversion_mapping(self.model))
+                renamed = renamed or self._model_names()
                 name = renamed(key)
                 layer = self.layer_of(name)
                 if layer is None:
@@ -161,6 +160,15 @@ class LazyModel:
         self._state = threading.RLock()
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
+    def _model_names(self) -> Any:
+        """The model's name of a checkpoint key (`conversion.model_names`); the key itself where this
+        transformers has no conversion mapping (4.x: keys are the model's names)."""
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+        except ImportError:
+            return lambda key: key
+        return model_names(get_model_conversion_mapping(self.model))
+
     def layer_of(self, key_or_path: str) -> int | None:
         """The decoder layer a checkpoint key or module path belongs to (None: model-level)."""
         m = self._layer_re.search(key_or_path + ".")
