@@ -12,6 +12,9 @@ or a build would), the contention under which OpenMP's parallel regions wait for
 `--forwards` runs a model-sized burst of matmuls on torch's threads before each round, as the
 candidate's forward does before the judge. `--no-fit` keeps compare_tensors on torch's threads
 whatever the load (`host.fitted_threads` otherwise fits them to the cores other processes leave).
+`--logits T,V` times the logits point's next-token figures instead (compare_logits on T x V float32
+logits against their bf16 rounding): 256 x 151936 (Qwen3's vocabulary) took 0.91 s on one thread and
+0.40 s on two here, 1.03 and 0.54 s before it took one exponential of each matrix.
 `--isa avx2` runs torch's AVX2 kernels and MKL's AVX2 code on a host that has more (it runs itself
 again with ATEN_CPU_CAPABILITY=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2): the vector width of an
 AVX2-only CPU, on this one's caches, cores and memory. On this project's AVX-512 EPYC (2 threads) it
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--forwards", action="store_true", help="matmuls on torch's threads before each round")
     ap.add_argument("--no-fit", action="store_true", help="compare on torch's threads whatever the load")
     ap.add_argument("--isa", choices=sorted(ISAS), help="torch's and MKL's kernels of this vector width")
+    ap.add_argument("--logits", metavar="T,V", help="the logits point's next-token figures on T x V logits instead")
     args = ap.parse_args()
     if args.isa and os.environ.get("ATEN_CPU_CAPABILITY") != args.isa:  # read when torch loads: run again
         env = {**os.environ, "ATEN_CPU_CAPABILITY": args.isa, "MKL_ENABLE_INSTRUCTIONS": ISAS[args.isa]}
@@ -129,7 +133,28 @@ def main() -> None:
     if args.no_fit:
         tensors.fitted_threads = lambda numel: contextlib.nullcontext(torch.get_num_threads())
     with busy_cores(args.contend):
-        measure(args)
+        measure_logits(args) if args.logits else measure(args)
+
+
+def measure_logits(args: argparse.Namespace) -> None:
+    """`compare_logits` (next token with ties, top-k overlap, KL per token, in float64 a block of tokens
+    at a time) on float32 logits against their bf16 rounding, as the logits point judges a bf16 run."""
+    from pytest_moe_parity.judge.logits import compare_logits
+
+    tokens, vocab = (int(x) for x in args.logits.split(","))
+    golden = 3 * torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(0))
+    candidate = golden.to(torch.bfloat16)
+    print(f"{tokens} x {vocab} float32 logits against their bf16 rounding, {torch.get_num_threads()} thread(s), "
+          f"best of {args.repeat} on {cpu_line()}")  # fmt: skip
+    read = best_of(lambda: (golden.sum(), candidate.sum()), args.repeat)
+    took = best_of(lambda: compare_logits(golden, candidate, torch.bfloat16), args.repeat)
+    lm = compare_logits(golden, candidate, torch.bfloat16)
+    print(f"  one read of both                     {read:8.3f} s")
+    print(f"  compare_logits                       {took:8.3f} s   {took / read:5.1f}x the read")
+    print(
+        f"  top-1 agreement {lm.top1_agreement:.4f} ({len(lm.top1.ties)} ties, {len(lm.top1.flips)} flips), "
+        f"top-{lm.top_k} overlap {lm.top_k_overlap:.4f}, KL mean {lm.kl_mean:.3e} max {lm.kl_max:.3e} nats"
+    )
 
 
 def measure(args: argparse.Namespace) -> None:
