@@ -13,8 +13,9 @@ or a build would), the contention under which OpenMP's parallel regions wait for
 candidate's forward does before the judge. `--no-fit` keeps compare_tensors on torch's threads
 whatever the load (`host.fitted_threads` otherwise fits them to the cores other processes leave).
 `--logits T,V` times the logits point's next-token figures instead (compare_logits on T x V float32
-logits against their bf16 rounding): 256 x 151936 (Qwen3's vocabulary) took 0.91 s on one thread and
-0.40 s on two here, 1.03 and 0.54 s before it took one exponential of each matrix.
+logits against their bf16 rounding): 256 x 151936 (Qwen3's vocabulary), best of 5 in three rounds
+interleaved with the code before it took one exponential of each matrix, on this shared host: one
+thread 0.68-0.79 s (before: 0.92-1.12 s), two threads 0.39-0.60 s (before: 0.49-0.60 s).
 `--isa avx2` runs torch's AVX2 kernels and MKL's AVX2 code on a host that has more (it runs itself
 again with ATEN_CPU_CAPABILITY=avx2 and MKL_ENABLE_INSTRUCTIONS=AVX2): the vector width of an
 AVX2-only CPU, on this one's caches, cores and memory. On this project's AVX-512 EPYC (2 threads) it
