@@ -323,6 +323,39 @@ def test_errors_below_an_eighth_of_the_dtypes_epsilon_are_not_ratios() -> None:
     assert res.noise_ratio == pytest.approx(2.5e-3 / floor) and not res.passed
 
 
+def test_an_isolated_verdict_whose_reference_fails_the_dtypes_limits_is_judged_against_the_reference() -> None:
+    """Isolated, with a noise floor: where the reference's own bf16 run is beyond the dtype's limits
+    (DeepSeek-V3.2's sparse attention picks its keys by a top-k that rounding flips: rel_l2 0.08
+    against a limit of 0.04), no bf16 candidate could meet them: that tensor is judged by its noise
+    ratio alone, and says so; a candidate at twice the reference's error still fails. Without the
+    floor, or where the reference meets the limits, the limits stand."""
+    import torch
+
+    from pytest_moe_parity.judge.tolerances import default_tolerance
+    from pytest_moe_parity.judge.verdict import Case, judge_point
+    from pytest_moe_parity.points import Point
+
+    gen = torch.Generator().manual_seed(0)
+    golden = torch.randn(1, 64, 16, generator=gen, dtype=torch.float64)
+    direction = torch.randn(1, 64, 16, generator=gen, dtype=torch.float64)
+    direction *= golden.norm() / direction.norm()
+    at = lambda rel: golden + rel * direction  # noqa: E731  (a candidate at this rel_l2)
+    point, tol = Point.parse("layer_0.attention"), default_tolerance("bfloat16", "attention")
+    noisy = {"out": {"rel_l2": 0.08, "max_token_rel_l2": 0.3}}
+
+    def judged(candidate, noise):
+        return judge_point(Case(point, golden, candidate, tol, torch.bfloat16, noise=noise, fixed=True))
+
+    like = judged(at(0.08), noisy)
+    assert like.passed and [c.name for c in like.checks] == ["noise_ratio"], like.checks
+    assert any("the reference's own bfloat16 run is beyond the dtype's limit here (rel_l2 0.08 > 0.04)" in n
+               for n in like.notes), like.notes  # fmt: skip
+    assert not judged(at(0.16), noisy).passed
+    assert not judged(at(0.08), None).passed  # no floor: the dtype's limits
+    quiet = judged(at(0.05), {"out": {"rel_l2": 0.004, "max_token_rel_l2": 0.01}})
+    assert not quiet.passed and {"rel_l2", "noise_ratio"} <= {c.name for c in quiet.checks if not c.passed}
+
+
 def test_a_points_chain_runs_each_point_once(golden_dir, tiny_model, cache_dir) -> None:
     """A `chain = "points"` backend (trace) is called once per point in a forward-order chained run,
     however many layers: earlier layers' outputs are forgotten as the chain moves on, never recomputed.
