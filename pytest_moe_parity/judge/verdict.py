@@ -491,7 +491,9 @@ class Judge:
         self._token_figures[target] = (worst, values)
         key = TOKEN_LIMIT
         limit = self.tol.limit(key)
-        if limit is None or not (self.fixed or target in self._fixed_targets) or "token" in self._unreachable[target]:
+        reachable = "token" not in self._unreachable.get(target, ())
+        judged_by_limits = (self.fixed or target in self._fixed_targets) and reachable
+        if limit is None or not judged_by_limits:
             return False
         passed = key.passes(m.max_token_rel_l2, limit)
         self.result.checks.append(Check(key.check_name, target, m.max_token_rel_l2, limit, key.op, passed, key.name))
