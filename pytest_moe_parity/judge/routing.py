@@ -324,9 +324,9 @@ def routing_view(out: Any) -> Any:
 
 def scattered_routing(view: tuple, out: Any) -> Any:
     """A routing in `routing_view`'s form (logits, top-k weights, ids) given back in the form of the
-    router output `out` it was read from: a triple as a triple, Llama 4's pair as its scores scattered
-    into [T, E] (zero elsewhere) and the logits."""
-    if router_triple(out) or routing_view(out) is out:
+    router output `out` it was read from (one `routing_view` reads): a triple as a triple, Llama 4's
+    pair as its scores scattered into [T, E] (zero elsewhere) and the logits."""
+    if router_triple(out):
         return view
     scores, _ = out
     logits, weights, ids = view[:3]

@@ -317,8 +317,7 @@ class ParityRunner:
 
 def _topk_form(out: Any) -> Any:
     """A router's (logits, affinities [T, E], top-k ids [T, k]) (NxDI's RouterTopK) as (logits, the
-    top-k ids' affinities [T, k], ids); Llama 4's pair as `routing_view` reads it; any other output as it is."""
-    out = routing_view(out)
+    top-k ids' affinities [T, k], ids); any other output as it is."""
     if not router_triple(out):
         return out
     logits, weights, ids = out[:3]
