@@ -127,6 +127,7 @@ class LazyModel:
         # may name a module otherwise, `model.word_embeddings`, or its layers, as the conversion renames).
         self._keys_by_layer: dict[int | None, list[str]] = {}
         self._model_level_names: dict[str, str] = {}
+        self._conversion: list[Any] | None = None  # `_mapping`
         renamed = None
         for key in self.weight_map:
             layer = self.layer_of(key)
@@ -141,7 +142,6 @@ class LazyModel:
         # decoder layers held at once (None: every one, never evicted)
         self.max_layers = self.num_layers if max_layers is None else max(1, max_layers)
         self.evicted: list[str] = []
-        self._conversion: list[Any] | None = None
         self._returned_at: int | None = None  # resident bytes after the last give-back
         # Read-ahead: the units the run will ask for, in order; the one being read in the background.
         self._plan: list[Unit] = []
@@ -160,14 +160,23 @@ class LazyModel:
         self._state = threading.RLock()
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
+    def _mapping(self) -> list[Any] | None:
+        """transformers' conversion mapping of the model, with `conversion.fused`'s one-copy experts:
+        made once (it costs ~10 ms a call) and only read, by the key grouping and every read; None where
+        this transformers has none (4.x)."""
+        if self._conversion is None:
+            try:
+                from transformers.conversion_mapping import get_model_conversion_mapping
+            except ImportError:
+                return None
+            self._conversion = fused(get_model_conversion_mapping(self.model))
+        return self._conversion
+
     def _model_names(self) -> Any:
         """The model's name of a checkpoint key (`conversion.model_names`); the key itself where this
         transformers has no conversion mapping (4.x: keys are the model's names)."""
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-        except ImportError:
-            return lambda key: key
-        return model_names(get_model_conversion_mapping(self.model))
+        mapping = self._mapping()
+        return (lambda key: key) if mapping is None else model_names(mapping)
 
     def layer_of(self, key_or_path: str) -> int | None:
         """The decoder layer a checkpoint key or module path belongs to (None: model-level)."""
@@ -377,7 +386,6 @@ class LazyModel:
 
     def _load_keys(self, keys: list[str]) -> None:
         from safetensors import SafetensorError, safe_open
-        from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -401,13 +409,11 @@ class LazyModel:
                     state[key] = sl
                     self.stats.keys.append(key)
                     self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
-            if self._conversion is None:  # built once: it costs ~10 ms a call, and is only read
-                self._conversion = fused(get_model_conversion_mapping(self.model))
             config = LoadStateDictConfig(
                 dtype=self.dtype,
                 dtype_plan=self.model._get_dtype_plan(self.dtype),
                 device_map={"": self.device},
-                weight_mapping=self._conversion,
+                weight_mapping=self._mapping(),
             )
             with _META_BUILD:
                 convert_and_load_state_dict_in_model(self.model, state, config)
