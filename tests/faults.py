@@ -240,6 +240,9 @@ CASES = {
     "experts_scaled_llama4": (
         "llama4_text", "layer_1.experts", lambda g: (scale("experts.down_proj", 1, 1.5), None)
     ),
+    # LFM2-MoE: a short convolution for attention on some layers; a sigmoid router in the module's dtype
+    "conv_scaled_lfm2": ("lfm2_moe", "layer_2.attention", lambda g: (scale("conv.in_proj.weight", 2, 1.5), None)),
+    "expert_bias_dropped_lfm2": ("lfm2_moe", "layer_3.router", lambda g: (scale("expert_bias", 3, 0.0), None)),
 }  # fmt: skip
 
 

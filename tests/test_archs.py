@@ -141,3 +141,40 @@ def test_sparse_attention_that_rounding_reselects_is_judged_against_the_referenc
     rows = {r["id"]: r for r in read_json(report / "comparison_report.json")["points"]}
     attention = rows["layer_2.attention"]
     assert any("beyond the dtype's limit here" in n for n in attention["notes"]), attention
+
+
+def test_norms_and_attention_inside_one_block_are_each_their_own_point(tmp_path: Path) -> None:
+    """DBRX holds a layer's two norms and its attention in one block (`norm_attn_norm`: norm_1, attn,
+    norm_2): each is its own point, never the block itself as a norm; its experts (2-D matrices of
+    every expert) are not found, which the plan says with the number of experts the config declares."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256, tie_word_embeddings=False,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 48, "hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    plan = plan_points(load_fp32(tmp_path / "m"))
+    modules = {p.id: p.module for p in plan.points}
+    block = "transformer.blocks.1.norm_attn_norm"
+    assert [modules[f"layer_1.{c}"] for c in ("input_norm", "attention", "post_attn_norm")] == [
+        f"{block}.norm_1", f"{block}.attn", f"{block}.norm_2",
+    ]  # fmt: skip
+    assert len(set(modules.values())) == len(modules)  # no module is two points
+    assert plan.notes == [
+        "dbrx: its config declares 8 experts, but no experts module was found (3-D expert weights or a list of "
+        "expert modules): recording it as a dense model, its MoE blocks judged only within each layer's output"
+    ]
+    record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)
+    assert_replays_bitwise(tmp_path / "g", load_fp32(tmp_path / "m"))
+
+
+def test_a_short_convolution_is_the_token_mixer_of_its_layers(tiny_model) -> None:
+    """LFM2-MoE mixes tokens by a short convolution on some layers and by attention on others: each
+    layer's mixer is its `attention` point."""
+    plan = {p.id: p.module for p in plan_points(load_fp32(tiny_model("lfm2_moe"))).points}
+    assert plan["layer_0.attention"] == "model.layers.0.conv"
+    assert plan["layer_1.attention"] == "model.layers.1.self_attn"
+    assert plan["layer_0.mlp"] == "model.layers.0.feed_forward" and "layer_0.router" not in plan  # a dense layer

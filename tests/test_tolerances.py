@@ -116,6 +116,44 @@ def test_sigmoid_router_ties_use_the_golden_score_bias() -> None:
     assert not r.passed and r.routing is not None and r.routing.flips[0].gap == pytest.approx(0.6)
 
 
+def test_a_sigmoid_run_in_bf16_swaps_scores_closer_than_its_rounding_and_no_more() -> None:
+    """LFM2-MoE's router takes the sigmoid of its logits in the module's dtype: in a bf16 model two
+    experts whose golden scores are closer than a bf16 unit at their magnitude swap by rounding. Its
+    weights come back in bf16, which says so; float32 weights (DeepSeek-V3, MiniMax-M2) do not."""
+    point = Point("router", 0, router_kind="sigmoid_bias")
+    tol = default_tolerance(torch.bfloat16, "router")
+    gap = 0.0016  # the golden score gap of the flip found on LFM2-MoE: under bf16's 2**-8 at 0.5-1
+    s = torch.tensor([[0.53, 0.51, 0.51 - gap, 0.49]], dtype=torch.float64)  # small logits, as a tiny model's
+    logits = torch.logit(s).float()
+    golden = (logits, s[:, :2].float(), torch.tensor([[0, 1]]))
+    swapped = torch.tensor([[0, 2]])
+    bf16 = (logits.bfloat16(), s[:, [0, 2]].bfloat16(), swapped)
+    r = judge_point(Case(point, golden, bf16, tol, torch.bfloat16))
+    assert r.passed, failure_text(r)
+    assert r.routing is not None and [f.token for f in r.routing.ties] == [0] and r.routing.flips == []
+    fp32 = (logits.bfloat16(), s[:, [0, 2]].float(), swapped)  # the sigmoid ran in float32: a real flip
+    r = judge_point(Case(point, golden, fp32, tol, torch.bfloat16))
+    assert not r.passed and r.routing is not None and [f.token for f in r.routing.flips] == [0]
+    # beyond a bf16 unit at that magnitude (2**-8 between 0.5 and 1, plus the logits' own share): a flip
+    far = s.clone()
+    far[0, 2] = 0.51 - 0.008
+    golden_far = (torch.logit(far).float(), far[:, :2].float(), torch.tensor([[0, 1]]))
+    r = judge_point(Case(point, golden_far, bf16, tol, torch.bfloat16))
+    assert not r.passed and r.routing is not None and [f.token for f in r.routing.flips] == [0]
+
+
+def test_ulp_is_one_unit_in_the_last_place_at_each_magnitude() -> None:
+    from pytest_moe_parity.judge.routing import ulp
+
+    values = torch.tensor([1.0, 0.75, 0.5, 0.3, -3.0, 0.0])
+    bf16 = ulp(values, torch.bfloat16)
+    assert bf16.tolist() == [2**-7, 2**-8, 2**-8, 2**-9, 2**-6, torch.finfo(torch.bfloat16).tiny * 2**-7]
+    for v, u in zip(values[:5].tolist(), bf16[:5].tolist(), strict=True):  # the next bf16 number up is v + u
+        x = torch.tensor(v, dtype=torch.bfloat16)
+        assert float(torch.nextafter(x, torch.tensor(float("inf"), dtype=torch.bfloat16))) - float(x) == u
+    assert ulp(torch.tensor([1.0]), torch.float32).item() == torch.finfo(torch.float32).eps
+
+
 def test_summary_table_is_compact_for_big_runs() -> None:
     rows = [
         {"id": f"layer_{i}.moe", "order": i, "layer": i, "component": "moe", "status": "passed", "metrics": {}}

@@ -25,6 +25,7 @@ __all__ = [
     "routing_view",
     "scatter_topk",
     "scattered_routing",
+    "score_dtype",
     "tie_tolerance",
     "topk_agreement",
     "topk_of_affinities",
@@ -355,18 +356,28 @@ class SelectionRule:
         n_group = int(config.get("n_group") or 1)
         return cls(kind, dtype, tie_factor, n_group, int(config.get("topk_group") or n_group))
 
-    def scores(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Golden selection scores [T, E] and the per-token tie tolerance [T]."""
+    def scores(
+        self, logits: torch.Tensor, bias: torch.Tensor | None, rounded_to: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Golden selection scores [T, E] and the per-token tie tolerance [T]. `rounded_to`: the dtype
+        the candidate's sigmoid router gave its scores in (`score_dtype`); where it is coarser than
+        float32 (a sigmoid run in the module's bf16, as LFM2-MoE's), two scores closer than one unit
+        in the last place of that dtype may swap by its rounding alone, and are a tie."""
         logits = logits.reshape(-1, logits.shape[-1]).to(torch.float64)
         base_tol = tie_tolerance(logits, self.dtype, self.tie_factor)
         if self.kind not in ("sigmoid_bias", "grouped_sigmoid_bias"):
             return logits, base_tol
         scores = torch.sigmoid(logits)
         tol = 0.25 * base_tol
+        coarse = rounded_to is not None and torch.finfo(rounded_to).eps > torch.finfo(torch.float32).eps
+        if coarse:
+            tol = tol + ulp(scores.amax(dim=-1), rounded_to)
         if bias is not None:
             bias = bias.to(torch.float64)
             scores = scores + bias
             tol = tol + self.tie_factor * torch.finfo(self.dtype).eps * float(bias.abs().max())
+            if coarse:  # the bias added in that dtype too
+                tol = tol + ulp(scores.abs().amax(dim=-1), rounded_to)
         if self.kind == "grouped_sigmoid_bias":
             scores = self._group_penalty(scores)
         return scores, tol
@@ -387,6 +398,26 @@ class SelectionRule:
         kth = group_scores.topk(self.topk_group, dim=-1).values[:, -1:]
         deficit = (kth - group_scores).clamp(min=0)
         return (grouped - deficit.unsqueeze(-1)).reshape(T, E)
+
+
+def score_dtype(router_out: Any) -> torch.dtype | None:
+    """The dtype a router's scores were rounded to, read from its (logits, top-k weights, ids): the
+    weights' dtype, as they are gathered from the scores (float32 for MiniMax-M2 and DeepSeek-V3,
+    whose sigmoid runs in float32 whatever their logits' dtype; bf16 for LFM2-MoE's in a bf16 model).
+    None where the weights are unknown (ids this package picked from captured logits, in float64)."""
+    weights = router_out[1]
+    if isinstance(weights, torch.Tensor) and weights.dtype.is_floating_point:
+        return weights.dtype
+    return None
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at the magnitude of each of `values` (float64; the
+    smallest normal's where a value is zero or below it)."""
+    info = torch.finfo(dtype)
+    magnitude = values.to(F64).abs().clamp(min=info.tiny)
+    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2**exponent, 0.5 <= m < 1
+    return torch.ldexp(torch.full_like(magnitude, info.eps / 2), exponent)
 
 
 def topk_of_affinities(
@@ -416,7 +447,7 @@ def topk_agreement(
     happened. Flips and ties keep the tokens' own positions."""
     g_logits, g_w, g_idx = golden_router_out[:3]
     c_idx = candidate_router_out[2].detach().to("cpu")
-    scores, tol = rule.scores(g_logits, bias)
+    scores, tol = rule.scores(g_logits, bias, score_dtype(candidate_router_out))
     rows = scores.shape[0]
     if exclude is None or rows != exclude[1] or g_idx.numel() != c_idx.numel():
         rm = compare_routing(scores, g_idx, c_idx, tolerance=tol)

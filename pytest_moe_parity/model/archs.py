@@ -92,8 +92,11 @@ def _find_experts(block: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _is_norm(module: nn.Module) -> bool:
+    """A norm module: not a block that holds a token mixer between its norms (DBRX's NormAttentionNorm)."""
     name = type(module).__name__.lower()
-    return "norm" in name and not isinstance(module, nn.ModuleList)
+    if "norm" not in name or isinstance(module, nn.ModuleList):
+        return False
+    return not any(_is_mixer(n, c) for n, c in module.named_children())
 
 
 def plan_points(model: nn.Module, config=None) -> PointPlan:
@@ -132,8 +135,29 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     for component in MODEL_TAIL:
         add(component, None, getattr(spec, component))
     if not any(p.component == EXPERTS for p in plan.points):
-        plan.notes.append(f"{model_type}: no experts found; recording a dense model")
+        declared = _declared_experts(getattr(model, "config", None))
+        plan.notes.append(
+            f"{model_type}: its config declares {declared} experts, but no experts module was found (3-D expert "
+            "weights or a list of expert modules): recording it as a dense model, its MoE blocks judged only "
+            "within each layer's output"
+            if declared > 1
+            else f"{model_type}: no experts found; recording a dense model"
+        )
     return plan
+
+
+def _declared_experts(config) -> int:
+    """The number of routed experts a config declares (at its top level or in a sub-config, as DBRX's
+    `ffn_config.moe_num_experts`); 0 where it names none."""
+    data = config.to_dict() if hasattr(config, "to_dict") else {}
+    found = 0
+    for section in [data, *(v for v in data.values() if isinstance(v, dict))]:
+        for key, value in section.items():
+            if key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") and isinstance(
+                value, int
+            ):
+                found = max(found, value)
+    return found
 
 
 def _layer_paths(
@@ -217,8 +241,15 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
     # Layer-relative names, taken from the first MoE layer (dense layers share them).
     moe_layer = next((layer for layer in layers if _moe_child(layer) is not None), layers[0])
     mixers = dict.fromkeys(name for layer in layers if (name := _attention_child(layer)) is not None)
-    attention = "|".join(mixers)
     norms = [name for name, child in moe_layer.named_children() if _is_norm(child)]
+    if not norms and len(mixers) == 1:  # the norms and the mixer inside one block (DBRX: norm_attn_norm)
+        wrapper = next(iter(mixers))
+        inner = moe_layer.get_submodule(wrapper)
+        inner_mixer = _attention_child(inner)
+        if inner_mixer is not None:
+            mixers = {f"{wrapper}.{inner_mixer}": None}
+            norms = [f"{wrapper}.{name}" for name, child in inner.named_children() if _is_norm(child)]
+    attention = "|".join(mixers)
     input_norm = "input_layernorm" if "input_layernorm" in norms else (norms[0] if norms else None)
     post_norm = (
         "post_attention_layernorm"
@@ -272,7 +303,7 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
     )
 
 
-_MIXER_WORDS = ("attn", "attention", "mamba", "mixer")
+_MIXER_WORDS = ("attn", "attention", "mamba", "mixer", "conv")
 
 
 def _is_mixer(name: str, child: nn.Module) -> bool:
