@@ -79,15 +79,22 @@ def _perturb_trivial(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_model(
-    arch: str, *, layers: int | None = None, seed: int = DEFAULT_SEED, overrides: dict[str, Any] | None = None
+    arch: str,
+    *,
+    layers: int | None = None,
+    seed: int = DEFAULT_SEED,
+    overrides: dict[str, Any] | None = None,
+    perturb: bool = True,
 ):
-    """The tiny model in float32 with eager attention; same arch + seed gives identical tensors."""
+    """The tiny model in float32 with eager attention; same arch + seed gives identical tensors. With
+    `perturb=False`, as its config class initialises it (norms at 1, biases at 0)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, layers, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    _perturb_trivial(model, seed)
+    if perturb:
+        _perturb_trivial(model, seed)
     return model.eval()
 
 
@@ -99,11 +106,12 @@ def write_tiny_model(
     seed: int = DEFAULT_SEED,
     max_shard_size: str | int = "500KB",
     overrides: dict[str, Any] | None = None,
+    perturb: bool = True,
 ) -> Path:
     """Save a tiny checkpoint that `AutoModelForCausalLM.from_pretrained` loads, in the hub's
     per-expert layout, sharded with a `model.safetensors.index.json` like a published model."""
     out = Path(out)
-    model = build_tiny_model(arch, layers=layers, seed=seed, overrides=overrides)
+    model = build_tiny_model(arch, layers=layers, seed=seed, overrides=overrides, perturb=perturb)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     return out
