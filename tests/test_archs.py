@@ -164,8 +164,9 @@ def test_norms_and_attention_inside_one_block_are_each_their_own_point(tmp_path:
     ]  # fmt: skip
     assert len(set(modules.values())) == len(modules)  # no module is two points
     assert plan.notes == [
-        "dbrx: its config declares 8 experts, but no experts module was found (3-D expert weights or a list of "
-        "expert modules): recording it as a dense model, its MoE blocks judged only within each layer's output"
+        "dbrx: its config says ffn_config.moe_num_experts=8, but no experts module was found (3-D expert weights "
+        "or a list of expert modules): recording it as a dense model, its MoE blocks judged only within each "
+        "layer's output"
     ]
     record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)
     assert_replays_bitwise(tmp_path / "g", load_fp32(tmp_path / "m"))
@@ -178,3 +179,54 @@ def test_a_short_convolution_is_the_token_mixer_of_its_layers(tiny_model) -> Non
     assert plan["layer_0.attention"] == "model.layers.0.conv"
     assert plan["layer_1.attention"] == "model.layers.1.self_attn"
     assert plan["layer_0.mlp"] == "model.layers.0.feed_forward" and "layer_0.router" not in plan  # a dense layer
+
+
+def test_a_renaming_that_would_take_a_model_key_away_leaves_it(tmp_path: Path) -> None:
+    """DeepSeek-V4's conversion renames `.norm.` to `.kv_norm.` (its attention's norms, in the hub's
+    names); the checkpoint transformers saves names the final norm `model.norm.weight`, which is the
+    model's own name: as transformers' loading does, it stays, and the model-level read finds it (it
+    stopped at "lacks weights for model.norm")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "deepseek_v4", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+        vocab_size=256, max_position_embeddings=512, moe_intermediate_size=48, n_routed_experts=8,
+        num_experts_per_tok=2, q_lora_rank=32, qk_rope_head_dim=8, sliding_window=64, tie_word_embeddings=False,
+        layer_types=["heavily_compressed_attention"] * 2, mlp_layer_types=["hash_moe"] * 2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)  # not its init: a lost read would show
+    model.save_pretrained(tmp_path / "m")
+    record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)
+    store = GoldenStore(tmp_path / "g")
+    assert {"router", "experts", "shared_experts", "final_norm"} <= {p.component for p in store.points}
+    assert_replays_bitwise(tmp_path / "g", load_fp32(tmp_path / "m"))
+
+
+@pytest.mark.usefixtures("_import_everything_once")
+def test_a_linear_layer_kept_in_float32_takes_its_input_as_the_model_casts_it(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """HY-V4 keeps its lm_head in float32 and casts the last hidden state to it: a bf16 candidate's
+    `logits` point gets its (bf16-rounded) input in float32 too, where it raised "expected m1 and m2
+    to have the same dtype" (and so did the noise floor's bf16 run)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "hy_v4", hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, num_hidden_layers=2, vocab_size=256, max_position_embeddings=512,
+        n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, qk_head_dim=24, v_head_dim=16, layer_types=["indexed_attention"] * 2, pad_token_id=0,
+        mlp_layer_types=["dense", "sparse"], indexer_types=["full", "shared"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    from pytest_moe_parity.replay.noise import record_noise
+
+    record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)
+    record_noise(tmp_path / "g", "bfloat16", model_dir=tmp_path / "m")
+    result = run_parity(pytester, tmp_path / "g", "--dtype", "bfloat16", "-k", "logits or final_norm")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["logits *passed*"])

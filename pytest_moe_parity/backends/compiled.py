@@ -45,7 +45,7 @@ from ..files import atomic_write_text
 from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
-from ..model.calls import cache_states, with_cache_kwarg
+from ..model.calls import cache_states, in_kept_dtype, with_cache_kwarg
 from ..points import Point
 from ..tree import flatten, unflatten
 from . import Backend, BackendSetup, CandidateOutput, HwOption
@@ -398,7 +398,8 @@ class CompiledBackend(TorchBackend):
         lazy = self._model()
         module = lazy.module(point.module)
         kwargs = with_cache_kwarg(module, golden.kwargs)  # a prefill's `cache=None`, by the name it takes
-        call = flatten_call(golden.args, kwargs, lambda name: named_tensor(lazy.model, name))
+        args, kwargs = in_kept_dtype(module, golden.args, kwargs)
+        call = flatten_call(args, kwargs, lambda name: named_tensor(lazy.model, name))
         router = self._router_path(point)
         key, made_of = graph_key(module, call, router, self.settings())
         graph = self.graphs.get(key)

@@ -16,7 +16,7 @@ from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..host import HeldThreads
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
-from ..model.calls import cache_kwarg, cache_state, next_inputs, with_cache_kwarg, with_live_caches
+from ..model.calls import cache_kwarg, cache_state, in_kept_dtype, next_inputs, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
@@ -118,6 +118,7 @@ class TorchBackend(Backend):
         args = resolve_params(args, lazy.model)
         kwargs = with_cache_kwarg(module, resolve_params(kwargs, lazy.model))
         args, kwargs, caches = with_live_caches(args, kwargs, lazy.model.config)  # decode steps
+        args, kwargs = in_kept_dtype(module, args, kwargs)
         routing: list[Any] = []
         handle = None
         router = self.golden.router_of(point)
@@ -191,6 +192,7 @@ class TorchBackend(Backend):
         args = resolve_params(whole_masks(golden.args), lazy.model)  # the drill captures attention whole
         kwargs = with_cache_kwarg(module, resolve_params(whole_masks(golden.kwargs), lazy.model))
         args, kwargs, _ = with_live_caches(list(args), kwargs, lazy.model.config)  # decode steps: the past
+        args, kwargs = in_kept_dtype(module, args, kwargs)
         return module, list(args), kwargs, True
 
     def plan(self, points: list[Point]) -> None:

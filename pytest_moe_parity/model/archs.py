@@ -135,9 +135,9 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     for component in MODEL_TAIL:
         add(component, None, getattr(spec, component))
     if not any(p.component == EXPERTS for p in plan.points):
-        declared = _declared_experts(getattr(model, "config", None))
+        key, declared = _declared_experts(getattr(model, "config", None))
         plan.notes.append(
-            f"{model_type}: its config declares {declared} experts, but no experts module was found (3-D expert "
+            f"{model_type}: its config says {key}={declared}, but no experts module was found (3-D expert "
             "weights or a list of expert modules): recording it as a dense model, its MoE blocks judged only "
             "within each layer's output"
             if declared > 1
@@ -146,18 +146,17 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     return plan
 
 
-def _declared_experts(config) -> int:
-    """The number of routed experts a config declares (at its top level or in a sub-config, as DBRX's
-    `ffn_config.moe_num_experts`); 0 where it names none."""
+def _declared_experts(config) -> tuple[str, int]:
+    """Where a config gives a number of experts above one and that number (at its top level or in a
+    sub-config, DBRX's `ffn_config.moe_num_experts`); ("", 0) where it gives none."""
     data = config.to_dict() if hasattr(config, "to_dict") else {}
-    found = 0
-    for section in [data, *(v for v in data.values() if isinstance(v, dict))]:
-        for key, value in section.items():
-            if key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") and isinstance(
-                value, int
-            ):
-                found = max(found, value)
-    return found
+    sections = [("", data), *((f"{k}.", v) for k, v in data.items() if isinstance(v, dict))]
+    for prefix, section in sections:
+        for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+            value = section.get(key)
+            if isinstance(value, int) and value > 1:
+                return prefix + key, value
+    return "", 0
 
 
 def _layer_paths(

@@ -47,6 +47,21 @@ def cache_kwarg(module: nn.Module) -> str:
     return _cache_kwarg_of(type(module).forward)
 
 
+def in_kept_dtype(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The inputs of a linear layer kept in a wider dtype than the model's (HY-V4's lm_head, kept in
+    float32): cast to its weight's dtype, as the model's forward must have (a linear layer takes one
+    dtype); any other call as it is."""
+    if not isinstance(module, nn.Linear) or not module.weight.is_floating_point():
+        return args, kwargs
+    wide = module.weight.dtype
+
+    def cast(leaf: Any) -> Any:
+        narrower = isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype.itemsize < wide.itemsize
+        return leaf.to(wide) if narrower else leaf
+
+    return map_structure(args, cast), map_structure(kwargs, cast)
+
+
 def with_cache_kwarg(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with a KV cache recorded under one transformers version's name passed by the name
     `module` takes (a golden of transformers 5.23 replayed on 5.24, or the other way round)."""

@@ -41,18 +41,25 @@ def fused(mapping: list[Any]) -> list[Any]:
     return out
 
 
-def model_names(mapping: list[Any]) -> Any:
+def model_names(mapping: list[Any], known: set[str]) -> Any:
     """A function giving the model's name of a checkpoint key under `mapping`'s renamings and
     converters (transformers' `rename_source_key`: a hub checkpoint's `model.word_embeddings.weight`
     is the model's `model.embed_tokens.weight`); where this transformers has no such function, the
-    key as it is."""
+    key as it is. As transformers' loading does, a key that is one of the model's names (`known`)
+    and would be renamed to none of them stays as it is: DeepSeek-V4's renaming of `.norm.` to `.kv_norm.`
+    (its attention's) would otherwise take the final `model.norm.weight` away."""
     try:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:
         return lambda key: key
     renamings = [e for e in mapping if isinstance(e, WeightRenaming)]
     converters = [e for e in mapping if isinstance(e, WeightConverter)]
-    return lambda key: rename_source_key(key, renamings, converters)[0]
+
+    def name(key: str) -> str:
+        renamed = rename_source_key(key, renamings, converters)[0]
+        return key if renamed not in known and key in known else renamed
+
+    return name
 
 
 def stack_concat(groups: list[list[torch.Tensor] | torch.Tensor], dim: int) -> torch.Tensor:

@@ -176,7 +176,7 @@ class LazyModel:
         """The model's name of a checkpoint key (`conversion.model_names`); the key itself where this
         transformers has no conversion mapping (4.x: keys are the model's names)."""
         mapping = self._mapping()
-        return (lambda key: key) if mapping is None else model_names(mapping)
+        return (lambda key: key) if mapping is None else model_names(mapping, set(self.model.state_dict()))
 
     def layer_of(self, key_or_path: str) -> int | None:
         """The decoder layer a checkpoint key or module path belongs to (None: model-level)."""
