@@ -164,9 +164,10 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
+        calls = {p.id: self.golden.call_values(p) for p in points}  # which call, of a module called twice
         with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
             cache = DynamicCache(config=model.config) if decode_tokens else None
-            with OutputCapture(model, [p for p in points if p.step is None], steer, seen) as capture:
+            with OutputCapture(model, [p for p in points if p.step is None], steer, seen, calls) as capture:
                 padded = {k: v.to(self.device) for k, v in (padding or {}).items()}
                 model(
                     input_ids=input_ids.to(self.device),
@@ -176,7 +177,7 @@ class TorchBackend(Backend):
                 )
             outputs.update(capture.outputs)
             for step, token in enumerate(decode_tokens, 1):
-                with OutputCapture(model, [p for p in points if p.step == step], steer, seen) as capture:
+                with OutputCapture(model, [p for p in points if p.step == step], steer, seen, calls) as capture:
                     chosen = torch.tensor(token if isinstance(token, list) else [token], device=self.device)
                     feed = next_inputs(chosen, padded or None)  # a padded batch: each row at its own position
                     model(**feed, use_cache=True, **{cache_kwarg(model): cache})

@@ -398,6 +398,20 @@ class GoldenStore:
         rid = point.router_id
         return self._points.get(rid) if rid is not None else None
 
+    def call_values(self, pid: str | Point) -> dict[int | str, str]:
+        """The strings a point's recorded call passed at its top level, by position or keyword: what
+        tells apart the calls of a module called more than once per forward to do other things (a
+        layer type: `model.calls.OutputCapture`). Flags such as `use_cache`, which a chained run may
+        pass otherwise than the recording, are left out."""
+        inputs = self.entry(pid)["inputs"]
+
+        def text(spec: dict[str, Any]) -> bool:
+            return spec.get("t") == "value" and isinstance(spec.get("value"), str)
+
+        out: dict[int | str, str] = {i: s["value"] for i, s in enumerate(inputs["args"]) if text(s)}
+        out.update({k: s["value"] for k, s in inputs["kwargs"].items() if text(s)})
+        return out
+
     def verify_all(self) -> None:
         """Check every file against its sha256 (reading normally checks a file on first use), and every
         tensor the manifest lists against its file's header: there, in the dtype and shape it says."""

@@ -113,11 +113,22 @@ class OutputCapture:
     (decoder layer, or model-level point) now running: a run over every layer then holds one layer's
     outputs, not the model's."""
 
-    def __init__(self, model: nn.Module, points: list[Point], steer: Steer | None = None, seen: Seen | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        points: list[Point],
+        steer: Steer | None = None,
+        seen: Seen | None = None,
+        calls: dict[str, dict[int | str, Any]] | None = None,
+    ):
         self.model = model
         self.points = points
         self.steer = steer
         self.seen = seen
+        # per point, the strings its golden call passed, by position or keyword: of a module called more
+        # than once per forward, the call with these is kept (MiMo-V2-Flash's rotary embedding runs
+        # once per layer type, in an order that changes from one process to the next)
+        self.calls = calls or {}
         self.outputs: dict[str, Any] = {}
         self._group: str | None = None
         self._done: set[str] = set()  # points handed over (their outputs may be gone)
@@ -126,12 +137,19 @@ class OutputCapture:
     def __enter__(self) -> OutputCapture:
         for p in self.points:
             module = self.model.get_submodule(p.module)
-            self._handles.append(module.register_forward_hook(self._hook(p)))
+            self._handles.append(module.register_forward_hook(self._hook(p), with_kwargs=True))
         return self
 
+    def _is_the_call(self, point: Point, args: tuple, kwargs: dict[str, Any]) -> bool:
+        for where, value in self.calls.get(point.id, {}).items():
+            given = args[where] if isinstance(where, int) and where < len(args) else kwargs.get(str(where), value)
+            if not isinstance(given, torch.Tensor) and given != value:
+                return False
+        return True
+
     def _hook(self, point: Point):
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if point.id in self.outputs or point.id in self._done:
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+            if point.id in self.outputs or point.id in self._done or not self._is_the_call(point, args, kwargs):
                 return None
             if self.seen is not None and point.group != self._group:  # the group before is done with
                 self.outputs.clear()
