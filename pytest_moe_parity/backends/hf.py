@@ -164,7 +164,8 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
-        calls = {p.id: self.golden.call_values(p) for p in points}  # which call, of a module called twice
+        golden = self.golden  # none for a scan's runs
+        calls = {p.id: golden.call_values(p) for p in points} if golden is not None else {}  # of a module called twice
         with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer, seen, calls) as capture:
