@@ -49,7 +49,7 @@ def bench_routing(root: Path, arch: str, seq_len: int, tokens: int) -> None:
     session.runner.run(block)  # loads the layer
     routing = session.checkers["routing"]
     assert isinstance(routing, RoutingItems)
-    entry = RoutingEntry(block)
+    entry = RoutingEntry(block, routing.place(block))
     point_s = median_seconds(lambda: session.runner.run(block))
     routing_s = median_seconds(lambda: routing.check(entry, {}))
     print(f"routing: {arch}, {seq_len} tokens: {block.id} {point_s * 1e3:.1f} ms, "
@@ -79,7 +79,7 @@ def bench_batch(root: Path, model: Path, arch: str, seq_len: int, rows: int) -> 
     for component in ("attention", "moe", "output"):
         point = next(p for p in session.points if p.component == component)
         session.runner.run(point)
-        entry = BatchEntry(point)
+        entry = BatchEntry(point, items.place(point))
         point_s = median_seconds(lambda point=point: session.runner.run(point))
         batch_s = median_seconds(lambda entry=entry: items.check(entry, {}))
         print(f"batch: {arch}, {rows} rows of up to {seq_len} tokens (left-padded): {point.id} {point_s * 1e3:.1f} ms,"

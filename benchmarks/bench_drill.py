@@ -177,7 +177,7 @@ def repro_size(work: Path, layers: int) -> None:
     repro = work / "repro"
     options = {"dtype": "bfloat16", "weights": False, "drill": ["layer_17.attention"]}
     session = ParitySession(RunOptions(golden_dir=golden, model=candidate, **options))
-    driller: Driller = session.drill.driller
+    driller: Driller = session.checkers["drill"].driller
     result = driller.drill(session.golden.point("layer_17.attention"), FACTOR)
     driller.write_repro(result, repro)
     g, r = _size(golden), _size(repro)

@@ -48,7 +48,7 @@ def bench(golden: Path, model: Path, plans: str, block_size: int | None, compone
             point = next((p for p in session.points if p.component == component and p.step is None), None)
             if point is None:
                 continue
-            entry = ParallelEntry(point)
+            entry = ParallelEntry(point, items.place(point))
             session.runner.run(point)
             started = time.perf_counter()
             row, failure = items.check(entry, {})

@@ -8,31 +8,38 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import compat
-from .backends import BackendSetup, backend_class, parse_hw_options, registry
-from .drill import drill_patterns
+from .backends import Backend, BackendSetup, parse_hw_options
 from .drill.items import DrillItems
-from .dtypes import dtype_name, json_safe, parse_dtype
+from .dtypes import dtype_name, json_safe
 from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
 from .host import HeldThreads
 from .judge.tolerances import Override
 from .judge.verdict import PointResult
 from .points import PARTS, Point, describe_layers, point_id
-from .replay.batch import batch_items
-from .replay.checks import Checker, Entry
-from .replay.config import config_items
-from .replay.parallel import parallel_items
-from .replay.routing import routing_items
+from .replay.batch import BatchItems
+from .replay.checks import Checker, CheckerSetup, Entry
+from .replay.config import ConfigItems
+from .replay.parallel import ParallelItems
+from .replay.routing import RoutingItems
 from .replay.runner import ParityRunner, Prepared
-from .replay.setup import chained_hint, check_config, check_noise, run_mode, select_units
-from .replay.weights import weight_items
+from .replay.setup import (
+    backend_named,
+    candidate_dtype,
+    chained_hint,
+    check_noise,
+    find_candidate,
+    run_mode,
+    select_units,
+)
+from .replay.weights import WeightItems
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
 from .report.summary import coloured_table, first_introduced, mark_inherited, summary_lines
@@ -45,6 +52,11 @@ def quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+# The kinds of items beside the points, each a checker in its own wing (`replay.checks`), in the order
+# of their items around a point: their options, markers, items and rows all follow this tuple.
+CHECKERS: tuple[type[Checker], ...] = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems)
 
 
 @dataclass
@@ -63,10 +75,7 @@ class RunOptions:
     report_dir: Path | None = None
     plots: bool = True  # the report's pictures beside its JSON
     trust_remote_code: bool = False
-    # weight items (the candidate's weights against the golden's model): None, where they apply;
-    # True, also saying why not where they do not; False, none
-    weights: bool | None = None
-    config: bool = True  # the config item (the candidate checkpoint's config against the reference's)
+    checks: dict[str, Any] = field(default_factory=dict)  # what each kind was asked (`Checker.value`), by kind
     workers: int = 1  # xdist workers (-n)
     # intra-op threads of the process running points (None: the cores / workers under xdist, else torch's)
     threads: int | None = None
@@ -74,11 +83,15 @@ class RunOptions:
     # keep what is alive once the backend has started from the garbage collector until `close()`
     # (see `freeze_long_lived`): for front ends that always close the session (the plugin, the CLI)
     freeze_gc: bool = False
-    drill: Sequence[str] = ()  # --parity-drill: point ids or globs to drill into, or "auto"
-    repro_dir: Path | None = None  # --parity-repro: where a drill's culprit gets its repro file
-    routing: str | None = None  # --parity-routing: the level of the golden's routing to force up to (None: no items)
-    batch: bool = False  # --parity-batch-invariance: each prefill point on the batch and on each row alone
-    parallel: str | None = None  # --parity-parallel A:B: each point under two parallel plans
+    # the kinds' values as keywords, folded into `checks` where it lacks them. weights: None, where they
+    # apply; True, also saying why not where they do not; False, none
+    weights: InitVar[bool | None] = None
+    config: InitVar[bool] = True  # the candidate checkpoint's config against the reference's
+    drill: InitVar[Sequence[str]] = ()  # --parity-drill: point ids or globs to drill into, or "auto"
+    repro_dir: InitVar[Path | None] = None  # --parity-repro: where a drill's culprit gets its repro file
+    routing: InitVar[str | None] = None  # --parity-routing: the level of the golden's routing to force up to
+    batch: InitVar[bool] = False  # --parity-batch-invariance: each prefill point on the batch and on each row alone
+    parallel: InitVar[str | None] = None  # --parity-parallel A:B: each point under two parallel plans
     flags: dict[str, str] = field(
         default_factory=lambda: {
             "golden": "--golden-dir",
@@ -87,13 +100,16 @@ class RunOptions:
             "hw": "--hw",
             "layers": "--parity-layers",
             "mode": "--parity-mode",
-            "drill": "--parity-drill",
-            "repro": "--parity-repro",
-            "routing": "--parity-routing",
-            "batch": "--parity-batch-invariance",
-            "parallel": "--parity-parallel",
-        }
+        }  # and a kind's, by its kind (its options' own flags where not)
     )
+
+    def __post_init__(self, weights, config, drill, repro_dir, routing, batch, parallel) -> None:
+        given = {"weights": weights, "config": config, "drill": (drill, repro_dir), "routing": routing}
+        self.checks = {**given, "batch": batch, "parallel": parallel, **self.checks}
+
+
+for _keyword in ("weights", "config", "drill", "repro_dir", "routing", "batch", "parallel"):
+    delattr(RunOptions, _keyword)  # folded into `checks`: no attribute of the class stands for them
 
 
 class ParitySession:
@@ -109,41 +125,9 @@ class ParitySession:
         except GoldenError as exc:
             raise SetupError(f"{flags['golden']}: {exc}") from None
         self.hw = options.hw
-        backends = registry()
-        if self.hw not in backends:
-            known = ", ".join(sorted(backends)) or "none (is pytest-moe-parity installed?)"
-            raise SetupError(f"{flags['hw']} {self.hw!r} is not a known backend; available: {known}")
-        try:
-            cls = backend_class(self.hw)
-        except BackendError as exc:
-            raise SetupError(f"{flags['hw']} {self.hw}: {exc}") from None
-        self.candidate_dir, self.candidate_source = self._candidate(cls.needs_checkpoint)
-        if cls.needs_checkpoint:
-            check_config(self.golden, self.candidate_dir)
-        dtype = None
-        if options.dtype is not None:
-            try:
-                dtype = parse_dtype(options.dtype, floating=True)
-            except ValueError:
-                raise SetupError(
-                    f"{flags['dtype']} {options.dtype!r} is not a floating-point torch dtype (e.g. bfloat16)"
-                ) from None
-        if cls.runs_transformers_modules and compat.MAJOR < 5:
-            raise SetupError(f"{flags['hw']} {self.hw}: {compat.needs_transformers_5()}")
-        try:
-            setup = BackendSetup(
-                self.golden,
-                self.candidate_dir,
-                dtype,
-                options=parse_hw_options(options.hw_options),
-                trust_remote_code=options.trust_remote_code,
-                workers=options.workers,
-                worker=options.worker,
-            )
-            self.backend = cls(setup)
-        except (ValueError, BackendError) as exc:
-            message = str(exc)  # a backend's sentence names its flag, else the run names the backend
-            raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
+        cls = backend_named(self.hw, flags["hw"])
+        self.candidate_dir, self.candidate_source = find_candidate(self.golden, options.model, cls, self.hw, flags)
+        self.backend = self._start_backend(cls)
         self.dtype: torch.dtype = self.backend.dtype
         self._fit_threads()
         self.layers, self.model_points = select_units(options.layers, self.golden, flags["layers"])
@@ -160,50 +144,45 @@ class ParitySession:
         self.rows: dict[str, Row] = {}
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
-        # the kinds of items beside the points, each a checker in its own wing (`replay.checks`)
-        self.weights, self._no_weights = weight_items(
-            self.golden, self.candidate_dir, self.backend, self.hw, asked=options.weights,
-            trust_remote_code=options.trust_remote_code,
-        )  # fmt: skip
-        patterns = drill_patterns(list(options.drill))
-        self.drill: DrillItems | None = None
-        if patterns or options.repro_dir is not None:
-            self.drill = DrillItems(
-                self.golden, self.backend, self.runner, patterns, hw=self.hw, flags=flags,
-                repro_dir=options.repro_dir, trust_remote_code=options.trust_remote_code,
-            )  # fmt: skip
-        self.config_item = None
-        if options.config is not False:
-            selected = [p for p in self.points if self.selected(p)]
-            self.config_item = config_items(self.golden, self.candidate_dir, selected)
-        routing = routing_items(
-            self.golden, self.runner, options.routing, self.hw, flags.get("routing", "--parity-routing")
-        )
-        batch = batch_items(self.golden, self.runner, options.batch, flags.get("batch", "--parity-batch-invariance"))
-        parallel = parallel_items(
-            self.golden, self.runner, options.parallel, self.hw, flags.get("parallel", "--parity-parallel")
-        )
-        kinds = (self.config_item, self.weights, self.drill, parallel, batch, routing)
-        self.checkers: dict[str, Checker] = {c.kind: c for c in kinds if c is not None}
+        self.checkers = self._checkers()
 
     # -- setup ----------------------------------------------------------------------------------
-    def _candidate(self, needs_checkpoint: bool) -> tuple[Path | None, str]:
-        """The candidate's location and why it was taken."""
-        flags, option = self.options.flags, self.options.model
-        if option:
-            path = Path(option).expanduser().resolve()
-            if not path.exists():
-                raise SetupError(f"{flags['model']} {option} does not exist; pass the candidate's directory")
-            return path, flags["model"]
-        if not needs_checkpoint:
-            raise SetupError(f"{flags['hw']} {self.hw} needs the candidate's location: pass {flags['model']} DIR")
-        found = self.golden.local_model()
-        if found is not None:
-            return found
-        raise SetupError(
-            f"the golden's model {self.golden.manifest['model'].get('path')} does not exist on this machine; "
-            f"pass the candidate checkpoint with {flags['model']} DIR"
-        )
+    def _start_backend(self, cls: type[Backend]) -> Backend:
+        """The backend, set up (validated, not started) for the candidate in the asked dtype."""
+        options, flags = self.options, self.options.flags
+        dtype = candidate_dtype(options.dtype, flags["dtype"])
+        if cls.runs_transformers_modules and compat.MAJOR < 5:
+            raise SetupError(f"{flags['hw']} {self.hw}: {compat.needs_transformers_5()}")
+        try:
+            setup = BackendSetup(
+                self.golden,
+                self.candidate_dir,
+                dtype,
+                options=parse_hw_options(options.hw_options),
+                trust_remote_code=options.trust_remote_code,
+                workers=options.workers,
+                worker=options.worker,
+            )
+            return cls(setup)
+        except (ValueError, BackendError) as exc:
+            message = str(exc)  # a backend's sentence names its flag, else the run names the backend
+            raise SetupError(message if message.startswith("--") else f"{flags['hw']} {self.hw}: {message}") from None
+
+    def _checkers(self) -> dict[str, Checker]:
+        """The run's checker of each kind in CHECKERS that it asked for (or that says why it has none),
+        each ranked by its place there."""
+        o = self.options
+        setup = CheckerSetup(
+            self.golden, self.backend, self.runner, self.hw, o.flags, self.candidate_dir, o.trust_remote_code,
+            [p for p in self.points if self.selected(p)],
+        )  # fmt: skip
+        checkers = {}
+        for rank, kind in enumerate(CHECKERS):
+            checker = kind.from_options(setup, o.checks.get(kind.kind))
+            if checker is not None:
+                checker.rank = rank
+                checkers[kind.kind] = checker
+        return checkers
 
     # -- points ---------------------------------------------------------------------------------
     @property
@@ -236,7 +215,11 @@ class ParitySession:
 
     def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
         """`--parity-drill auto` at a failed point: the drill's row and text, or (None, "")."""
-        return self.drill.auto(point) if self.drill is not None else (None, "")
+        for checker in self.checkers.values():
+            said = checker.failed(point)
+            if said[1]:
+                return said
+        return None, ""
 
     def unjudged_row(self, entry: Point | Entry, status: str, message: str) -> Row:
         """The row of an item that was not judged: `skipped` (with a reason) or `error`."""
@@ -316,8 +299,7 @@ class ParitySession:
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
             self.inputs_line(),
-            *(self.config_item.header_lines() if self.config_item is not None else []),
-            *(self.weights.header_lines() if self.weights is not None else self._no_weights),
+            *(line for checker in self.checkers.values() for line in checker.header_lines()),
         ]
 
     def describe_selection(self) -> str:
@@ -424,12 +406,7 @@ class ParitySession:
         o = self.options
         return {
             "tolerances": [[pattern, json_safe(values)] for pattern, values in [*o.cli_tolerances, *o.ini_tolerances]],
-            "weights": o.weights,
-            "config": o.config,
-            "drill": list(o.drill),
-            "routing": o.routing,
-            "batch": o.batch,
-            "parallel": o.parallel,
+            **{kind.kind: kind.recorded(o.checks.get(kind.kind)) for kind in CHECKERS},
         }
 
     def write_reports(self) -> None:

@@ -4,6 +4,7 @@ backends and modes land on one seam each. The rule is the package docstring's.""
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,130 @@ def test_per_architecture_tables_are_read_one_way() -> None:
         if isinstance(node, ast.Constant) and node.value == "*.json"
     ]
     assert not readers, readers
+
+
+def _checker_classes() -> dict[str, Path]:
+    """Each class of `session.CHECKERS` and the file that defines it."""
+    import inspect
+
+    from pytest_moe_parity.session import CHECKERS
+
+    return {kind.__name__: Path(inspect.getfile(kind)).resolve() for kind in CHECKERS}
+
+
+def test_a_kind_is_its_module_and_its_name_in_checkers() -> None:
+    """A kind of item is its checker's module plus its name in `session.CHECKERS`: no other module
+    names a checker class (the plugin's options, markers and items, the session's setup, header,
+    run options and rows all come from the tuple)."""
+    own = _checker_classes()
+    home = PACKAGE / "session.py"
+    named = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} names {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in [getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)]
+        if name in own and path.resolve() not in (own[name], home)
+    ]
+    assert not named, named
+
+
+def test_the_plugin_adds_the_checkers_options_as_they_declare_them() -> None:
+    """Adding pytest's options must not import torch, which the checkers' modules do: the plugin
+    repeats their options (`Checker.options`), row for row."""
+    from pytest_moe_parity.plugin import _OPTIONS
+    from pytest_moe_parity.session import CHECKERS
+
+    declared = sorted((tuple(option) for kind in CHECKERS for option in kind.options), key=lambda o: o[0])
+    dests = {option[1] for option in declared}
+    assert sorted((row for row in _OPTIONS if row[1] in dests), key=lambda o: o[0]) == declared
+
+
+def test_a_checker_in_checkers_gets_its_marker_items_and_rows(
+    pytester: pytest.Pytester, golden_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A throwaway kind, named in CHECKERS alone, is asked (`value`), set up (`from_options`), gets
+    its marker, its items (of its family) after each point it schedules, and its rows in the report."""
+    import json
+
+    from pytest_moe_parity import session as session_module
+    from pytest_moe_parity.golden import GoldenStore
+    from pytest_moe_parity.replay.checks import AtPoint, Checker
+    from pytest_moe_parity.report.rows import drill_row
+
+    @dataclass(frozen=True)
+    class Echo(AtPoint):
+        order: float
+        kind = "echo"
+
+        @property
+        def name(self) -> str:
+            return "echo"
+
+    class EchoItems(Checker):
+        kind, family, marker = "echo", "check", "moe-parity items of a throwaway kind"
+
+        @classmethod
+        def value(cls, get):
+            return True
+
+        @classmethod
+        def from_options(cls, setup, value):
+            return cls() if value else None
+
+        def after(self, point, selected):
+            if selected and point.component == "router":
+                yield Echo(point, self.place(point))
+
+        def check(self, entry, rows):
+            return drill_row(entry, "passed", None, None), None
+
+        def unjudged_row(self, entry, status, message):
+            return drill_row(entry, status, None, None)
+
+    monkeypatch.setattr(session_module, "CHECKERS", (*session_module.CHECKERS, EchoItems))
+    golden = golden_dir("qwen3_moe")
+    routers = [p.id for p in GoldenStore(golden).points if p.component == "router"]
+    report = pytester.path / "report"
+    result = pytester.runpytest(
+        "--golden-dir", str(golden), "--no-parity-config", "--no-parity-weights", "-m", "echo", "-v",
+        "--strict-markers", "--parity-report", str(report), "--parity-plots", "no", "-p", "no:cacheprovider",
+    )  # fmt: skip
+    result.assert_outcomes(passed=len(routers))
+    result.stdout.fnmatch_lines([f"*{routers[0]}::echo PASSED*"])
+    written = json.loads((report / "comparison_report.json").read_text())
+    assert [r["id"] for r in written["points"]] == [f"{r}::echo" for r in routers]
+    assert written["run_options"]["echo"] is True
+
+
+def test_a_drill_of_any_size_keeps_its_rows_in_order() -> None:
+    """The rows' order is (point, before or after it, the kind's rank in CHECKERS, index): a drill of
+    400 ops (more than the 331 that the float offsets 0.997-0.999 left room for) stays before the
+    point's differentials, and those before the next unit's weight item and point."""
+    from pytest_moe_parity.drill.items import DrillItems
+    from pytest_moe_parity.points import Point
+    from pytest_moe_parity.replay.parallel import ParallelItems
+    from pytest_moe_parity.replay.routing import RoutingItems
+    from pytest_moe_parity.replay.weights import WeightItems
+    from pytest_moe_parity.session import CHECKERS
+
+    class Ops:
+        def op_names(self, point: Point) -> list[str]:
+            return [f"op_{i}" for i in range(400)]
+
+    class Golden:
+        def router_of(self, point: Point) -> str:
+            return "router"
+
+    block, next_norm = Point("moe", 0, order=7), Point("input_norm", 1, order=8)
+    kinds = {}
+    for kind in (WeightItems, DrillItems, ParallelItems, RoutingItems):
+        checker = kinds[kind] = object.__new__(kind)
+        checker.rank = CHECKERS.index(kind)
+    kinds[DrillItems].patterns, kinds[DrillItems].driller = ["layer_0.moe"], Ops()
+    kinds[RoutingItems].golden = Golden()
+    kinds[WeightItems]._first = {1: next_norm.id}
+    after = [entry for kind in (DrillItems, ParallelItems, RoutingItems) for entry in kinds[kind].after(block, True)]
+    orders = [block.order, *(e.order for e in after), *(e.order for e in kinds[WeightItems].before(next_norm))]
+    orders.append(next_norm.order)
+    assert len(orders) == 1 + 401 + 2 + 1 + 1
+    assert orders == sorted(orders) and len(set(orders)) == len(orders)

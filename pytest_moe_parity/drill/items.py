@@ -7,7 +7,7 @@ each."""
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,10 +16,10 @@ from .. import compat
 from ..dtypes import dtype_name
 from ..errors import SetupError
 from ..points import Point
-from ..replay.checks import AtPoint, Checker
+from ..replay.checks import AtPoint, Checker, CheckerSetup, Option
 from ..report.rows import Row, drill_row, unjudged_row
 from . import store
-from .driller import AUTO, Driller, drill_ops_command, selects
+from .driller import AUTO, Driller, drill_ops_command, drill_patterns, selects
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -47,6 +47,38 @@ class DrillItems(Checker):
     `moe-parity compare` spells them), for its sentences."""
 
     kind = "drill"
+    family = "drill"
+    marker = "moe-parity items of a drill (POINT::OP, --parity-drill)"
+    options = (
+        Option("--parity-drill", "parity_drill", {"action": "append", "default": [], "metavar": "auto|POINTS"},
+               "drill below these points (ids or globs, comma-separated, repeatable, e.g. 'layer_17.attention,"
+               "layer_*.router'): an item per op of each, in forward order (POINT::OP), and POINT::drill with the op "
+               "table and the culprit; auto: the op table of the run's first failing component in its failure text"),
+        Option("--parity-repro", "parity_repro", {"metavar": "DIR"},
+               "with --parity-drill: write each culprit op's standalone repro (test_*.py + .safetensors) to DIR"),
+    )  # fmt: skip
+
+    @classmethod
+    def value(cls, get: Callable[[str], Any]) -> tuple[Sequence[str], Path | None]:
+        """(the points to drill, as given; where the culprits' repro files go)."""
+        repro = get("parity_repro")
+        return get("parity_drill"), Path(repro).expanduser().resolve() if repro else None
+
+    @classmethod
+    def recorded(cls, value: tuple[Sequence[str], Path | None]) -> list[str]:
+        return list(value[0])
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: tuple[Sequence[str], Path | None]) -> DrillItems | None:
+        points, repro_dir = value
+        patterns = drill_patterns(list(points))
+        if not patterns and repro_dir is None:
+            return None
+        return cls(
+            setup.golden, setup.backend, setup.runner, patterns, hw=setup.hw,
+            flags={"drill": cls.options[0].flag, "repro": cls.options[1].flag, **setup.flags},
+            repro_dir=repro_dir, trust_remote_code=setup.trust_remote_code,
+        )  # fmt: skip
 
     def __init__(
         self,
@@ -111,9 +143,9 @@ class DrillItems(Checker):
             names = self.driller.op_names(point) if selected else []
         except Exception:  # said by the summary item, which runs the drill
             names = []
-        for i, name in enumerate(names, 1):
-            yield DrillEntry(point, name, point.order + i / (len(names) + 2))
-        yield DrillEntry(point, "drill", point.order + (len(names) + 1) / (len(names) + 2))
+        for i, name in enumerate(names):
+            yield DrillEntry(point, name, self.place(point, i))
+        yield DrillEntry(point, "drill", self.place(point, len(names)))
 
     def _drill(self, point: Point, point_passed: bool | None) -> Drill:
         drill = self.driller.drill(point, self.runner.tolerance(point)[0].noise_factor, point_passed)
@@ -155,7 +187,7 @@ class DrillItems(Checker):
         if written is None:
             drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
 
-    def auto(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+    def failed(self, point: Point) -> tuple[dict[str, Any] | None, str]:
         """`--parity-drill auto`: the first failing component drilled, its op table for the failure
         text and its row; else (None, "")."""
         from ..report.text import drill_text

@@ -31,7 +31,10 @@ def _tolerance_arg(text: str) -> tuple[str, dict]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# --flag, dest, extra keywords, help; every value is read in _make_session.
+# --flag, dest, extra keywords, help; every value is read in _make_session. The options of the kinds
+# of items (--parity-weights ... --parity-parallel) are their checkers' (`Checker.options`, the rows
+# of `session.CHECKERS`): repeated here because importing a checker imports torch, which adding
+# options must not (tests/test_layers.py holds the two the same).
 # fmt: off
 _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--golden-dir", "parity_golden_dir", {},
@@ -123,7 +126,7 @@ def _golden_dir_option(config: pytest.Config) -> Path | None:
 
 def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
     from ..judge.tolerances import parse_ini_lines
-    from ..session import ParitySession, RunOptions, SetupError, quiet_transformers
+    from ..session import CHECKERS, ParitySession, RunOptions, SetupError, quiet_transformers
 
     try:
         ini_tolerances = parse_ini_lines(config.getini("parity_tolerances"))
@@ -159,16 +162,8 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 plots=plots == "yes",
                 threads=threads,
                 trust_remote_code=config.getoption("parity_trust_remote_code"),
-                weights=config.getoption("parity_weights"),
-                config=config.getoption("parity_config"),
+                checks={kind.kind: kind.value(config.getoption) for kind in CHECKERS},
                 freeze_gc=True,
-                drill=config.getoption("parity_drill"),
-                repro_dir=Path(config.getoption("parity_repro")).expanduser().resolve()
-                if config.getoption("parity_repro")
-                else None,
-                routing=config.getoption("parity_routing"),
-                batch=config.getoption("parity_batch"),
-                parallel=config.getoption("parity_parallel"),
                 **_xdist_role(config),
             )
         )
@@ -194,16 +189,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if golden_dir is None:
         return
     from ..host import bound_onednn_caches
+    from ..session import CHECKERS
 
     bound_onednn_caches()  # before the first bf16 forward of the candidate
     for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
-    config.addinivalue_line("markers", "drill: moe-parity items of a drill (POINT::OP, --parity-drill)")
-    config.addinivalue_line("markers", "routing: moe-parity items of a MoE block's forced routing (--parity-routing)")
-    config.addinivalue_line(
-        "markers", "batch: moe-parity items of a point run on each row alone (--parity-batch-invariance)"
-    )
-    config.addinivalue_line("markers", "parallel: moe-parity items of a point under two parallel plans")
+    for kind in CHECKERS:
+        if kind.marker is not None:
+            config.addinivalue_line("markers", f"{kind.kind}: {kind.marker}")
     session = _make_session(config, golden_dir)
     config.stash[SESSION_KEY] = session
     config.pluginmanager.register(ParityPlugin(config, session), "moe-parity-session")

@@ -1,7 +1,7 @@
 """The parity run's pytest items, in forward order: a point (`ParityItem`: setup runs the candidate,
-the call judges it), and an item of each kind its checkers add (`WeightItem`, `DrillItem`), which
-the session checks in one call; the collector that makes them from the session's schedule. The run's
-session is on the config's stash (`SESSION_KEY`)."""
+the call judges it), and an item of each kind its checkers add, of its checker's family (`CheckItem`,
+`DrillItem`, `DifferentialItem`), which the session checks in one call; the collector that makes them
+from the session's schedule. The run's session is on the config's stash (`SESSION_KEY`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,8 @@ if TYPE_CHECKING:
     from ..drill.items import DrillEntry
     from ..judge.verdict import PointResult
     from ..points import Point
-    from ..replay.batch import BatchEntry
-    from ..replay.config import ConfigEntry
-    from ..replay.parallel import ParallelEntry
-    from ..replay.routing import RoutingEntry
+    from ..replay.checks import AtPoint, Entry
     from ..replay.runner import Prepared
-    from ..replay.weights import WeightUnit
     from ..report.rows import Row
     from ..session import ParitySession
 
@@ -60,16 +56,11 @@ class ParityCollector(pytest.Collector):
         session = _session(self.config)
         assert session is not None
         xdist = self.config.pluginmanager.hasplugin("xdist")
-        # an item class per kind
-        kinds = {
-            "config": ConfigItem, "weights": WeightItem, "drill": DrillItem, "routing": DifferentialItem,
-            "batch": DifferentialItem,
-            "parallel": DifferentialItem,
-        }  # fmt: skip
         for entry in session.schedule():
             if not isinstance(entry, Point):
-                item = kinds[entry.kind].from_parent(self, name=entry.id, entry=entry)
-                if entry.kind in ("drill", "routing", "batch", "parallel"):
+                checker = session.checkers[entry.kind]
+                item = FAMILIES[checker.family].from_parent(self, name=entry.id, entry=entry)
+                if checker.marker is not None:
                     item.add_marker(getattr(pytest.mark, entry.kind))
             else:
                 item = ParityItem.from_parent(self, name=entry.id, entry=entry)
@@ -116,18 +107,12 @@ class _CheckItem(pytest.Item):
         return self.path, 0, f"parity {self.name}"
 
 
-class ConfigItem(_CheckItem):
-    """The candidate checkpoint's config against the reference's, before any forward: a failure names
-    each field the forward reads that differs."""
+class CheckItem(_CheckItem):
+    """A check before the points it concerns: the candidate checkpoint's config against the
+    reference's (`config`: a failure names each field the forward reads that differs), the weights
+    of one unit (`layer_N.weights`: a failure lists what is wrong, tensor by tensor, in words)."""
 
-    entry: ConfigEntry
-
-
-class WeightItem(_CheckItem):
-    """The candidate's weights of one unit (a decoder layer, or the model-level modules) against
-    the reference checkpoint's; a failure lists what is wrong, tensor by tensor, in words."""
-
-    entry: WeightUnit
+    entry: Entry
 
 
 class DrillItem(_CheckItem):
@@ -151,7 +136,7 @@ class DifferentialItem(_CheckItem):
     (`POINT::routing`), a point on each row of the batch alone (`POINT::batch`); failed where the
     condition alone changes the candidate."""
 
-    entry: RoutingEntry | BatchEntry | ParallelEntry
+    entry: AtPoint
 
     @property
     def failures(self) -> tuple[type[BaseException], ...]:
@@ -161,6 +146,10 @@ class DifferentialItem(_CheckItem):
 
     def cannot_run(self, exc: BaseException) -> str:
         return exc.report()  # type: ignore[attr-defined]
+
+
+# the item class of each family of checkers (`Checker.family`)
+FAMILIES: dict[str, type[_CheckItem]] = {"check": CheckItem, "drill": DrillItem, "differential": DifferentialItem}
 
 
 class ParityItem(pytest.Item):

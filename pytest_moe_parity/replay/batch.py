@@ -33,7 +33,7 @@ from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
 from ..tree import map_structure
-from .checks import Checker, RunAgain, result_figures
+from .checks import Checker, CheckerSetup, Option, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "batch"
@@ -55,7 +55,6 @@ class BatchEntry(RunAgain):
     """The batch-invariance item of a prefill point (`layer_N.attention::batch`): right after it."""
 
     kind = KIND
-    offset = 0.998
 
 
 @dataclass(frozen=True)
@@ -140,6 +139,17 @@ class BatchItems(Checker):
     """The batch-invariance items of a run over a batch golden."""
 
     kind = KIND
+    family = "differential"
+    marker = "moe-parity items of a point run on each row alone (--parity-batch-invariance)"
+    options = (
+        Option("--parity-batch-invariance", "parity_batch", {"action": "store_true", "default": False},
+               "with a batch golden (--prompts): after each prefill point, an item (POINT::batch) that runs it on each "
+               "row alone too and fails where a row's output in the batch differs from its own alone, naming the rows"),
+    )  # fmt: skip
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: bool) -> BatchItems | None:
+        return batch_items(setup.golden, setup.runner, value, cls.flag(setup))
 
     def __init__(self, golden: GoldenStore, runner: ParityRunner):
         self.golden, self.runner = golden, runner
@@ -147,7 +157,7 @@ class BatchItems(Checker):
 
     def after(self, point: Point, selected: bool) -> Iterator[BatchEntry]:
         if selected and point.step is None:
-            yield BatchEntry(point)
+            yield BatchEntry(point, self.place(point))
 
     def unjudged_row(self, entry: BatchEntry, status: str, message: str) -> Row:
         return unjudged_row(self._row(entry, "passed", []), status, message)

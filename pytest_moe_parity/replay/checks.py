@@ -1,18 +1,25 @@
 """Item kinds beside the points: the seam a run composes them on. A point is replayed and judged
 (`runner`); each other kind of item (the weight check of a unit, the drill's ops) is a `Checker` in
-its own wing: it owns its setup errors, its entries in the run's schedule (before a point, or after
-it), the check of one entry, and the rows of its items. A new kind is a new checker and the line
-that adds it to the session."""
+its own wing: it owns its options, its pytest marker and item family, its setup errors
+(`from_options`), its entries in the run's schedule (before a point, or after it), the check of one
+entry, and the rows of its items. A new kind is a new checker and its name in the session's
+`CHECKERS`, whose order is the order of the kinds' items around a point (`place`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import Row
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..golden import GoldenStore
+    from .runner import ParityRunner
 
 
 class Entry(Protocol):
@@ -65,17 +72,25 @@ class AtPoint:
 @dataclass(frozen=True)
 class RunAgain(AtPoint):
     """A differential's item: its point run again under a condition (`POINT::batch`, `::parallel`,
-    `::routing`), after the point and its drill items, in the order of `offset`."""
+    `::routing`), after the point and its drill items, at `order` (its checker's `place`)."""
 
-    offset: ClassVar[float] = 0.999
+    order: float
 
     @property
     def name(self) -> str:
         return self.kind
 
-    @property
-    def order(self) -> float:
-        return self.point.order + self.offset
+
+def place(point: Point, rank: int, index: int = 0, *, before: bool = False) -> float:
+    """Where an item beside `point` stands in the rows' order, as the float its row keeps
+    (`Row.order`, which the reports sort by): the key (point, before or after it, the rank of its
+    kind in `CHECKERS`, its index among that kind's items there) mapped monotonically into the
+    half of the gap on its side of the point, so that no number of items of any kind (a drill of
+    any size) reaches the next kind's, or the next point's, items. Before: [order - 1/2, order);
+    after: [order + 1/4, order + 1/2)."""
+    rank_then_index = rank + index / (index + 1)  # [rank, rank + 1): the rank first, then the index
+    share = rank_then_index / (rank_then_index + 1)  # [0, 1), increasing
+    return point.order - 0.5 + share / 2 if before else point.order + 0.25 + share / 4
 
 
 def result_figures(result: PointResult) -> dict[str, Any]:
@@ -92,12 +107,70 @@ def result_figures(result: PointResult) -> dict[str, Any]:
     }
 
 
-class Checker:
-    """One kind of item. `before` and `after` a point: its entries there, in forward order;
-    `check`: an entry's row and its failure text (None: it passed), given the rows judged so far;
-    `unjudged_row`: the row of an entry that was skipped or errored."""
+class Option(NamedTuple):
+    """A command-line option of a kind: its flag, the pytest option's dest, argparse's other
+    keywords, its help text."""
 
-    kind = ""
+    flag: str
+    dest: str
+    extra: dict[str, Any]
+    help: str
+
+
+@dataclass(frozen=True)
+class CheckerSetup:
+    """What a checker is set up from (`Checker.from_options`): the run's golden, backend and runner,
+    its `--hw`, how its front end spells each option (`flags`), the candidate's location, whether
+    its own modeling code may run, and the points the run selected, in forward order."""
+
+    golden: GoldenStore
+    backend: Backend
+    runner: ParityRunner
+    hw: str
+    flags: Mapping[str, str]
+    candidate_dir: Path | None
+    trust_remote_code: bool
+    points: Sequence[Point]
+
+
+class Checker:
+    """One kind of item. Declared by its class: `kind` (its entries' and its value's name),
+    `options` (its command-line options; `value` reads what they asked), `marker` (the help of the
+    pytest marker `kind` its items carry; None: none), `family` (the pytest item class of its
+    entries: `check`, `drill` or `differential`), and `from_options` (the run's checker, None where
+    not asked; SetupError for what the user must fix). `before` and `after` a point: its entries
+    there, in forward order, each at its `place`; `check`: an entry's row and its failure text
+    (None: it passed), given the rows judged so far; `unjudged_row`: the row of an entry that was
+    skipped or errored."""
+
+    kind: ClassVar[str] = ""
+    options: ClassVar[tuple[Option, ...]] = ()
+    marker: ClassVar[str | None] = None
+    family: ClassVar[str] = "check"
+    rank = 0  # its kind's place in CHECKERS (the session sets it): the order of the kinds' items at a point
+
+    @classmethod
+    def value(cls, get: Callable[[str], Any]) -> Any:
+        """What the user asked of this kind, from its options' values (`get(dest)`)."""
+        return get(cls.options[0].dest)
+
+    @classmethod
+    def recorded(cls, value: Any) -> Any:
+        """The value as the report's `run_options` keeps it (shards of one run share it)."""
+        return value
+
+    @classmethod
+    def flag(cls, setup: CheckerSetup) -> str:
+        """The kind's option as the run's front end spells it, for its sentences."""
+        return setup.flags.get(cls.kind, cls.options[0].flag)
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: Any) -> Checker | None:
+        raise NotImplementedError
+
+    def place(self, point: Point, index: int = 0, *, before: bool = False) -> float:
+        """An entry's place in the rows' order (`place`), by this kind's rank."""
+        return place(point, self.rank, index, before=before)
 
     def before(self, point: Point) -> Iterator[Any]:
         return iter(())
@@ -114,5 +187,21 @@ class Checker:
     def header_lines(self) -> list[str]:
         return []
 
+    def failed(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+        """At a point that failed: a drill's row and text for its failure (`--parity-drill auto`),
+        else (None, "")."""
+        return None, ""
+
     def close(self) -> None:
         pass
+
+
+class Unchecked(Checker):
+    """A kind with no items in this run that says why in the run's header (the weight items, where
+    the candidate's weights cannot be compared)."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+
+    def header_lines(self) -> list[str]:
+        return self.lines

@@ -20,7 +20,7 @@ from ..golden import GoldenStore
 from ..model.checkpoint import CheckpointError, read_config
 from ..points import CONFIG, Point
 from ..report.rows import Row, config_row, unjudged_row
-from .checks import Checker
+from .checks import Checker, CheckerSetup, Option
 
 # What a config holds that no forward reads: how it was written, how it is loaded, token ids,
 # training-only settings and the label maps of other heads.
@@ -114,10 +114,18 @@ class ConfigItems(Checker):
     golden's record of the reference's config."""
 
     kind = CONFIG
+    options = (
+        Option("--no-parity-config", "parity_config", {"action": "store_false", "default": True},
+               "no config item (by default the candidate checkpoint's config.json is checked against the reference's, "
+               "field by field, before any forward)"),
+    )  # fmt: skip
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: bool) -> ConfigItems | None:
+        return config_items(setup.golden, setup.candidate_dir, list(setup.points)) if value is not False else None
 
     def __init__(self, golden: GoldenStore, candidate: Path, first: Point):
         self.golden, self.candidate, self._first = golden, candidate, first.id
-        self.order = first.order - 1.0  # before the model-level weight item, which is just before it
         self.stored: str | None = None  # the candidate's stored dtype, as its config says
         try:
             config = read_config(candidate)
@@ -130,7 +138,7 @@ class ConfigItems(Checker):
 
     def before(self, point: Point) -> Iterator[ConfigEntry]:
         if point.id == self._first:
-            yield ConfigEntry(self.order)
+            yield ConfigEntry(self.place(point, before=True))  # before the model-level weight item
 
     def check(self, entry: ConfigEntry, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
         notes = self._notes()

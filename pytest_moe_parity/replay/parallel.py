@@ -20,7 +20,7 @@ from ..golden import GoldenStore
 from ..points import Point, positive_int
 from ..report.rows import ParallelRow, Row, unjudged_row
 from ..report.text import brief
-from .checks import Checker, RunAgain, result_figures
+from .checks import Checker, CheckerSetup, Option, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "parallel"
@@ -56,20 +56,30 @@ class ParallelEntry(RunAgain):
     """The parallel differential of a point (`layer_N.attention::parallel`): right after it."""
 
     kind = KIND
-    offset = 0.997
 
 
 class ParallelItems(Checker):
     """The parallel differential's items of a run: plan B against plan A at every point."""
 
     kind = KIND
+    family = "differential"
+    marker = "moe-parity items of a point under two parallel plans"
+    options = (
+        Option("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
+               "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and "
+               "plan B (e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi: tp)"),
+    )  # fmt: skip
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: str | None) -> ParallelItems | None:
+        return parallel_items(setup.golden, setup.runner, value, setup.hw, cls.flag(setup))
 
     def __init__(self, golden: GoldenStore, runner: ParityRunner, plans: tuple[dict[str, int], dict[str, int]]):
         self.golden, self.runner, self.plans = golden, runner, plans
 
     def after(self, point: Point, selected: bool) -> Iterator[ParallelEntry]:
         if selected:
-            yield ParallelEntry(point)
+            yield ParallelEntry(point, self.place(point))
 
     def unjudged_row(self, entry: ParallelEntry, status: str, message: str) -> Row:
         return unjudged_row(self._row(entry, "passed"), status, message)

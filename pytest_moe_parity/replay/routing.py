@@ -40,7 +40,7 @@ from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import RoutingRow, Row, unjudged_row
 from ..report.text import fmt
-from .checks import Checker, RunAgain, result_figures
+from .checks import Checker, CheckerSetup, Option, RunAgain, result_figures
 from .runner import ParityRunner
 
 KIND = "routing"
@@ -71,7 +71,6 @@ class RoutingEntry(RunAgain):
     """The routing item of a MoE block (`layer_N.moe::routing`): right after it (after its drill items)."""
 
     kind = KIND
-    offset = 0.999
 
 
 def forced(level: str, rule: SelectionRule, golden: tuple, scale: float) -> Any:
@@ -133,6 +132,18 @@ class RoutingItems(Checker):
     """The routing items of a run (`--parity-routing LEVEL`: the levels up to LEVEL)."""
 
     kind = KIND
+    family = "differential"
+    marker = "moe-parity items of a MoE block's forced routing (--parity-routing)"
+    options = (
+        Option("--parity-routing", "parity_routing", {"choices": ("ids", "ids+weights")},
+               "after each MoE block, an item (POINT::routing) that replays it with the golden's expert ids (ids), "
+               "then also its weights (ids+weights): it fails where the routing alone changes the block and names the "
+               "level that recovers it (--hw cpu or cuda)"),
+    )  # fmt: skip
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: str | None) -> RoutingItems | None:
+        return routing_items(setup.golden, setup.runner, value, setup.hw, cls.flag(setup))
 
     def __init__(self, golden: GoldenStore, runner: ParityRunner, level: str):
         self.golden, self.runner = golden, runner
@@ -140,7 +151,7 @@ class RoutingItems(Checker):
 
     def after(self, point: Point, selected: bool) -> Iterator[RoutingEntry]:
         if selected and point.component == BLOCK and self.golden.router_of(point) is not None:
-            yield RoutingEntry(point)
+            yield RoutingEntry(point, self.place(point))
 
     def unjudged_row(self, entry: RoutingEntry, status: str, message: str) -> Row:
         return unjudged_row(self._row(entry, "passed", []), status, message)

@@ -1,20 +1,21 @@
 """A run's settings checked against its golden and backend, each in one sentence the user can act on
 (`SetupError`: a pytest usage error, exit 4; `moe-parity` exit 2): the candidate's config, the layer
-selection, the judging mode, noise figures for a noise factor; and what a run's outcome says of
-them afterwards (a dump judged isolated that reads as a whole-model run, decode steps a `-k` asks
-for that the golden lacks). `flag`: how the front end spells the option."""
+selection, the backend, candidate and dtype asked, the judging mode, noise figures for a noise
+factor; and what a run's outcome says of them afterwards (a dump judged isolated that reads as a
+whole-model run, decode steps a `-k` asks for that the golden lacks). `flag`: how the front end
+spells the option."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..backends import CHAIN_KINDS, backend_class, registry
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, parse_dtype
 from ..errors import BackendError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
 from ..model.checkpoint import read_config
@@ -23,6 +24,7 @@ from ..report.rows import Row
 from .runner import MODES
 
 if TYPE_CHECKING:
+    from ..backends import Backend
     from ..golden import GoldenStore
 
 # Config entries a candidate must share with the golden (label, then the names models use for it).
@@ -46,6 +48,50 @@ def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]
         if g != c:
             diffs.append(f"{label}: golden {g!r}, candidate {c!r}")
     return diffs
+
+
+def backend_named(hw: str, flag: str) -> type[Backend]:
+    """The class of the backend `hw` (`--hw`), or SetupError naming the known ones."""
+    backends = registry()
+    if hw not in backends:
+        known = ", ".join(sorted(backends)) or "none (is pytest-moe-parity installed?)"
+        raise SetupError(f"{flag} {hw!r} is not a known backend; available: {known}")
+    try:
+        return backend_class(hw)
+    except BackendError as exc:
+        raise SetupError(f"{flag} {hw}: {exc}") from None
+
+
+def candidate_dtype(text: str | None, flag: str) -> torch.dtype | None:
+    """The candidate's dtype as asked (`--dtype`; None: the backend's), or SetupError."""
+    try:
+        return None if text is None else parse_dtype(text, floating=True)
+    except ValueError:
+        raise SetupError(f"{flag} {text!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
+
+
+def find_candidate(
+    golden: GoldenStore, option: Path | None, cls: type[Backend], hw: str, flags: Mapping[str, str]
+) -> tuple[Path | None, str]:
+    """The candidate's location (`--model`, else the golden's model for a backend that needs a
+    checkpoint) and why it was taken; a checkpoint's config checked against the golden's."""
+    found = None
+    if option:
+        path = Path(option).expanduser().resolve()
+        if not path.exists():
+            raise SetupError(f"{flags['model']} {option} does not exist; pass the candidate's directory")
+        found = path, flags["model"]
+    elif not cls.needs_checkpoint:
+        raise SetupError(f"{flags['hw']} {hw} needs the candidate's location: pass {flags['model']} DIR")
+    found = found or golden.local_model()
+    if found is None:
+        raise SetupError(
+            f"the golden's model {golden.manifest['model'].get('path')} does not exist on this machine; "
+            f"pass the candidate checkpoint with {flags['model']} DIR"
+        )
+    if cls.needs_checkpoint:
+        check_config(golden, found[0])
+    return found
 
 
 def check_config(golden: GoldenStore, candidate: Path) -> None:

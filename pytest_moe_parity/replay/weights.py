@@ -21,7 +21,7 @@ from ..model.checkpoint import read_tensors
 from ..model.lazy_model import LazyModel
 from ..points import Point, layer_group, weights_id
 from ..report.rows import Row, unjudged_row, weights_row
-from .checks import Checker
+from .checks import Checker, CheckerSetup, Option, Unchecked
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -196,6 +196,23 @@ class WeightItems(Checker):
     steps reuse the same weights)."""
 
     kind = "weights"
+    options = (
+        Option("--parity-weights", "parity_weights", {"action": "store_true", "default": None},
+               "check the candidate's weights against the golden's model before its activations: an item per "
+               "layer (layer_N.weights) and one for the model-level weights (default: wherever the candidate is a "
+               "checkpoint other than the golden's model and that model is on this machine; with this flag, say why "
+               "not otherwise)"),
+        Option("--no-parity-weights", "parity_weights", {"action": "store_false", "default": None}, "no weight items"),
+    )  # fmt: skip
+
+    @classmethod
+    def from_options(cls, setup: CheckerSetup, value: bool | None) -> Checker | None:
+        """The weight items, or where the run has none and says why, that sentence."""
+        checker, why = weight_items(
+            setup.golden, setup.candidate_dir, setup.backend, setup.hw, asked=value,
+            trust_remote_code=setup.trust_remote_code,
+        )  # fmt: skip
+        return checker if checker is not None else Unchecked(why) if why else None
 
     def __init__(self, check: WeightCheck, backend: Backend, hw: str, points: list[Point]):
         self.weights, self.backend, self.hw = check, backend, hw
@@ -206,7 +223,7 @@ class WeightItems(Checker):
 
     def before(self, point: Point) -> Iterator[WeightUnit]:
         if point.step is None and self._first.get(point.layer) == point.id:
-            yield WeightUnit(point.layer, point.order - 0.5)
+            yield WeightUnit(point.layer, self.place(point, before=True))
 
     def check(self, entry: WeightUnit, rows: Mapping[str, Row]) -> tuple[Row, str | None]:
         """The report row of a unit's weight check, and its failure text (None: the weights agree)."""
