@@ -171,3 +171,16 @@ def test_per_architecture_tables_are_read_one_way() -> None:
         if isinstance(node, ast.Constant) and node.value == "*.json"
     ]
     assert not readers, readers
+
+
+def test_the_command_is_a_package_by_family() -> None:
+    """`cli/`: the `moe-parity` command as a package by family of commands (pip's `commands/`), each
+    module under 400 lines, and each command's facts beside it (its `Command`)."""
+    from pytest_moe_parity.cli import COMMANDS, build_parser
+
+    modules = sorted((PACKAGE / "cli").glob("*.py"))
+    assert len(modules) > 2
+    long = [f"{p.name}: {n} lines" for p in modules if (n := len(p.read_text().splitlines())) >= 400]
+    assert not long, long
+    choices = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert list(choices) == list(COMMANDS)  # each command's parser is named as its Command
