@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .dtypes import dtype_name, json_safe
+from .errors import BadInput
 from .golden import GoldenStore
 from .judge.routing import RoutingMetrics, SelectionRule, compare_routing, router_triple, routing_view
 from .judge.tolerances import resolve
@@ -35,7 +36,7 @@ SUFFIXES = (".npy", ".safetensors", ".pt", ".json")
 _NPY_TYPES = {"i1": torch.int8, "u1": torch.uint8, "i2": torch.int16, "i4": torch.int32, "i8": torch.int64}
 
 
-class TraceError(ValueError):
+class TraceError(BadInput, ValueError):
     """A trace that cannot be read or does not fit the golden: one sentence saying what to do."""
 
 

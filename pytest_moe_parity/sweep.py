@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import dtype_name, json_safe
+from .errors import BadInput
 from .points import LOGITS, OUTPUT, parse_point_id
 from .report.rows import PointRow, number
 from .report.text import brief
@@ -27,7 +28,7 @@ SWEEP_FILE = "sweep.json"
 DIR = "len_{length}"
 
 
-class SweepError(ValueError):
+class SweepError(BadInput, ValueError):
     """A sweep that cannot be recorded or read: one sentence saying what to do."""
 
 

@@ -360,3 +360,22 @@ def test_onednn_caches_are_bounded_unless_the_user_set_them(monkeypatch) -> None
     monkeypatch.setenv(ONEDNN_CACHES[1], "512")
     bound_onednn_caches()
     assert os.environ[ONEDNN_CACHES[0]] == "64" and os.environ[ONEDNN_CACHES[1]] == "512"
+
+
+def test_a_user_error_is_a_parity_error_said_once_by_main(tmp_path: Path, capsys) -> None:
+    """Every user error is a `ParityError`: `main` says it in one line on stderr, exit 2 (as pip's
+    `Command.main`); one that was a ValueError or RuntimeError is one still, for its other callers."""
+    from pytest_moe_parity.drill.store import StoreError
+    from pytest_moe_parity.errors import ParityError
+    from pytest_moe_parity.report.merge import MergeError
+    from pytest_moe_parity.report.plots import PlotsUnavailable
+    from pytest_moe_parity.routes import TraceError
+    from pytest_moe_parity.sweep import SweepError
+
+    for error, was in ((MergeError, ValueError), (StoreError, ValueError), (TraceError, ValueError),
+                       (SweepError, ValueError), (PlotsUnavailable, RuntimeError)):  # fmt: skip
+        assert issubclass(error, ParityError) and issubclass(error, was), error
+    code, out, err = run(capsys, "report", "--merge", tmp_path / "nowhere", "--out", tmp_path / "merged")
+    assert code == 2 and out == ""
+    said = "does not exist: a shard that never ran, or a mistyped directory"
+    assert err == f"moe-parity: error: {tmp_path / 'nowhere'} {said}\n"

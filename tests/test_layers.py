@@ -299,3 +299,14 @@ def test_a_drill_of_any_size_keeps_its_rows_in_order() -> None:
     orders.append(next_norm.order)
     assert len(orders) == 1 + 401 + 2 + 1 + 1
     assert orders == sorted(orders) and len(set(orders)) == len(orders)
+def test_the_command_is_a_package_by_family() -> None:
+    """`cli/`: the `moe-parity` command as a package by family of commands (pip's `commands/`), each
+    module under 400 lines, and each command's facts beside it (its `Command`)."""
+    from pytest_moe_parity.cli import COMMANDS, build_parser
+
+    modules = sorted((PACKAGE / "cli").glob("*.py"))
+    assert len(modules) > 2
+    long = [f"{p.name}: {n} lines" for p in modules if (n := len(p.read_text().splitlines())) >= 400]
+    assert not long, long
+    choices = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert list(choices) == list(COMMANDS)  # each command's parser is named as its Command

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..errors import BadInput
 from ..tree import leaves, map_structure
 from .capture import LAYOUT_OPS, Opaque, OpGraph, OpNode, Ref, op_kind, op_name, resolve_op
 
@@ -31,7 +32,7 @@ VIEWS = frozenset(
 RECOMPUTE = "view"
 
 
-class StoreError(ValueError):
+class StoreError(BadInput, ValueError):
     """A stored capture that cannot be read back (a newer format, an op this torch lacks)."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from ..errors import BadInput
 from ..files import atomic_write_text
 from ..judge.tolerances import JUNIT_FIGURES
 from ..points import describe_layers
@@ -49,7 +50,7 @@ SHARD_KEYS = ("golden_layers", "model_points", "planned_points", "run_options") 
 PER_PROCESS = ("points", "complete", "schema_version", "golden_files_read", "candidate_reads")
 
 
-class MergeError(ValueError):
+class MergeError(BadInput, ValueError):
     """Reports that cannot be merged into one run: one sentence naming the directory and why."""
 
 

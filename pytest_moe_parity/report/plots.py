@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import ParityError
 from ..judge.tolerances import TOKEN_LIMIT
 from ..points import COMPONENTS, OUTPUT
 from .rows import DIFFERENTIALS, PointRow, Row, number
@@ -30,7 +31,7 @@ PLOTS_HINT = "plots need matplotlib: pip install 'pytest-moe-parity[plots]'"
 MAX_TOKEN_PLOTS = 20  # per-token plots of the first failed points; the rest are counted
 
 
-class PlotsUnavailable(RuntimeError):
+class PlotsUnavailable(ParityError, RuntimeError):
     """matplotlib is not installed."""
 
 
