@@ -310,3 +310,55 @@ def test_the_command_is_a_package_by_family() -> None:
     assert not long, long
     choices = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert list(choices) == list(COMMANDS)  # each command's parser is named as its Command
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package (a package by its own name) -> the package's modules it imports,
+    at module level or inside a function."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str:  # `pkg.mod.NAME` -> `pkg.mod`
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {
+        name: {target for imported, _ in _imports(path) if (target := module_of(imported)) != name}
+        for name, path in modules.items()
+    }
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """No import circle between the package's modules (a function-level import counts: it hides a
+    circle, it does not break it)."""
+    graph = _module_graph()
+    done: set[str] = set()
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(" -> ".join([*path[path.index(module) :], module]))
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, circles
+
+
+def test_the_report_imports_its_own_modules_at_the_top() -> None:
+    """`report/` imports none of its own modules inside a function (what a circle would need)."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted((PACKAGE / "report").rglob("*.py"))
+        for function in ast.walk(ast.parse(path.read_text()))
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pytest_moe_parity"))
+    ]
+    assert not found, found

@@ -8,7 +8,7 @@ same inputs; a backend that compiles runs each op again through its compiler (`B
 on its own earlier outputs (chained) and on the reference's (isolated). `match` pairs the two sides'
 ops, `engine` judges them."""
 
+from ..report.drill import REPRODUCE_TOL, Drill, OpRow
 from .driller import AUTO, Driller, DrillError, drill_patterns, selects
-from .engine import REPRODUCE_TOL, Drill, OpRow
 
 __all__ = ["AUTO", "REPRODUCE_TOL", "Drill", "DrillError", "Driller", "OpRow", "drill_patterns", "selects"]

@@ -34,12 +34,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..judge.distance import rel_l2, unmasked_norm
+from ..report.drill import Drill, OpRow
 from ..report.text import SHOWN
 from .capture import OpGraph, OpNode, Ref
 from .explain import culprit_evidence, label
@@ -55,79 +56,9 @@ from .match import (
 )
 
 Execute = Callable[[OpNode, list, dict], Any]
-FAILED = ("introduced", "inherited", "missing", "extra")
 AS_SET = "rows as a set (no index says which token each holds: paired by value)"  # `match._rows_as_sets`
-# The golden's model rerun in float32 on this machine reproduces the golden to ~1e-7 (same code and
-# weights; another CPU's kernels ~1e-6): beyond this, the drill's reference is not the golden's.
-REPRODUCE_TOL = 1e-3
 # A chained ratio at most this (the reference's own error, up to float rounding): the op is not run alone.
 WITHIN_NOISE = 1.0 + 1e-6
-
-
-@dataclass
-class OpRow:
-    name: str
-    kind: str
-    shape: list[int]
-    how: str | None  # how it was matched; None: unmatched
-    candidate: list[str] = field(default_factory=list)  # the candidate's ops that compute it
-    error: float | None = None
-    noise: float | None = None
-    ratio: float | None = None
-    isolated: float | None = None
-    isolated_noise: float | None = None
-    isolated_ratio: float | None = None
-    verdict: str = "ok"
-    note: str = ""
-    recovery: float | None = None  # of the component's error, substituting this op's golden output
-
-    @property
-    def failed(self) -> bool:
-        return self.verdict in FAILED
-
-
-@dataclass
-class Drill:
-    """One component drilled: its op rows in forward order and the culprit."""
-
-    point: str
-    rows: list[OpRow]
-    culprit: str | None
-    recovery: float | None
-    component_error: float
-    component_noise: float
-    factor: float
-    dtype: str
-    same_code: bool
-    seconds: float = 0.0
-    culprit_candidate: list[str] = field(default_factory=list)  # the candidate ops substituted
-    recovery_introduced: float | None = None  # substituting every op that introduced error
-    repro: str | None = None  # the repro file written for the culprit (--parity-repro)
-    reference_error: float | None = None  # the reference's float32 rerun here against the golden's output
-    structure: list[str] = field(default_factory=list)  # missing and extra ops, with the ops they feed
-    # the culprit recovers under half: the other op whose substitution recovers most {"op", "recovery"}
-    partial: dict[str, Any] | None = None
-    accumulation: str | None = None  # the component diverges and no op leaves its floor: how it builds up
-    unmatched: str | None = None  # most of the reference's ops matched nothing: matching failed, no culprit
-    # the culprit's aten op and what it was given that the reference's was not (`explain`)
-    culprit_op: str = ""
-    evidence: list[str] = field(default_factory=list)
-
-    @property
-    def foreign_reference(self) -> bool:
-        """Whether the reference rerun on this machine fails to reproduce the golden (other code or
-        weights than the recording's): the drill then compares against something else."""
-        return self.reference_error is not None and self.reference_error > REPRODUCE_TOL
-
-    @property
-    def failed(self) -> bool:
-        return any(r.failed for r in self.rows) or self.foreign_reference or self.accumulation is not None
-
-    def row(self, name: str) -> OpRow | None:
-        return next((r for r in self.rows if r.name == name), None)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
 
 
 def _primary(values: list[Any]) -> torch.Tensor | None:
@@ -428,17 +359,31 @@ class Drilling:
             elif row.ratio > self.factor:
                 row.verdict = "inherited"
             if r.kind == "topk":
-                differ = self._differ(r, m)
-                flips = 0 if differ is None else int(differ.sum())
-                row.note = f"{flips} of {differ.numel()} rows select other experts" if flips else ""
-                ties = self._near_ties(r, m) if flips else None
-                if row.failed and differ is not None and not flips:  # a top-k is there to select: it selects alike
-                    row.verdict = "ok"
-                    row.note = "selects the same experts (its values are other scores than the reference's)"
-                elif row.failed and ties == flips:  # as the router point forgives them
-                    row.verdict = "ok"
-                    row.note = f"{flips} of {differ.numel()} rows select other experts, each in a near tie"
+                self._topk(row, r, m)
             rows.append(row)
+        rows.extend(self._left_rows())
+        self._within_component(rows)
+        self._computed_otherwise(rows)
+        self._near_tie_experts(rows)
+        return rows
+
+    def _topk(self, row: OpRow, r: OpNode, m: Match) -> None:
+        """A top-k's row: how many rows select other experts; none, or each in a near tie, is ok."""
+        differ = self._differ(r, m)
+        flips = 0 if differ is None else int(differ.sum())
+        row.note = f"{flips} of {differ.numel()} rows select other experts" if flips else ""
+        ties = self._near_ties(r, m) if flips else None
+        if row.failed and differ is not None and not flips:  # a top-k is there to select: it selects alike
+            row.verdict = "ok"
+            row.note = "selects the same experts (its values are other scores than the reference's)"
+        elif row.failed and ties == flips:  # as the router point forgives them
+            row.verdict = "ok"
+            row.note = f"{flips} of {differ.numel()} rows select other experts, each in a near tie"
+
+    def _left_rows(self) -> list[OpRow]:
+        """The rows of the candidate's ops matched to nothing: extra, unless bookkeeping, unused or a
+        rank's share."""
+        rows = []
         for c in self.left_cand:
             node = self.cand.nodes[c]
             shape = list(node.value.shape) if node.value is not None else []
@@ -454,9 +399,6 @@ class Drilling:
                 continue
             rows.append(OpRow(node.name, node.kind, shape, None, [node.name], verdict="extra",
                               note="a candidate op that matches no reference op"))  # fmt: skip
-        self._within_component(rows)
-        self._computed_otherwise(rows)
-        self._near_tie_experts(rows)
         return rows
 
     @functools.cached_property

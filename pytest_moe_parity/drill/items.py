@@ -162,7 +162,7 @@ class DrillItems(Checker):
         if entry.op == "drill":  # the point's last item: its values are no longer needed
             self.driller.release(entry.point)
             failed = drill.failed
-            return drill_row(entry, "failed" if failed else "passed", None, drill.to_json()), (
+            return drill_row(entry, "failed" if failed else "passed", None, drill), (
                 drill_text(drill) if failed else None
             )
         op = drill.row(entry.op)
@@ -187,7 +187,7 @@ class DrillItems(Checker):
         if written is None:
             drill.repro = f"not written: {drill.culprit} cannot be run alone on the reference's inputs"
 
-    def failed(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+    def failed(self, point: Point) -> tuple[Drill | None, str]:
         """`--parity-drill auto`: the first failing component drilled, its op table for the failure
         text and its row; else (None, "")."""
         from ..report.text import drill_text
@@ -201,7 +201,7 @@ class DrillItems(Checker):
             return None, f"--parity-drill auto: {point.id} could not be drilled ({type(exc).__name__}: {exc})"
         self.driller.release(point)
         collect = f"collect these ops as items: {self._rerun(point.id)}"
-        return drill.to_json(), f"{drill_text(drill)}\n{collect}"
+        return drill, f"{drill_text(drill)}\n{collect}"
 
     def _rerun(self, point_id: str) -> str:
         """This run's command, drilling `point_id` into items: as it is pasted."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtypes import json_safe
+from .drill import Drill, differs, recovers
 from .rows import PointRow, Row, WeightsRow
-from .summary import counts, drill_finding, first_divergence
+from .summary import counts, first_divergence
 from .text import fmt
 
+DRILL = ("point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro")  # the block's drill
 CANDIDATE = ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
 BEGIN, END = "--- moe-parity bug report (paste this block) ---", "--- end of the bug report ---"
 
@@ -29,15 +31,11 @@ def _failing(row: Row) -> list[dict[str, Any]]:
     return [{"finding": row.notes[0]}] if row.notes else []  # a differential's item: what the condition changed
 
 
-def _drill_of(rows: list[Row], point: str | None) -> dict[str, Any] | None:
+def _drill_of(rows: list[Row], point: str | None) -> Drill | None:
     """The drill of `point` (where it was drilled), else the first drill that names a cause."""
-    drills = [r.drill for r in rows if r.drill is not None and "rows" in r.drill]
-    chosen = next((d for d in drills if d["point"] == point), None)
-    chosen = chosen or next((d for d in drills if d.get("culprit") or d.get("structure")), None)
-    if chosen is None:
-        return None
-    keys = ("point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro")
-    return {k: chosen.get(k) for k in keys}
+    drills = [r.drill for r in rows if r.drill is not None]
+    chosen = next((d for d in drills if d.point == point), None)
+    return chosen or next((d for d in drills if d.culprit or d.structure), None)
 
 
 def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +43,7 @@ def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
     points = [r for r in rows if r.kind != "op"]
     first = first_divergence(points)
     drill = _drill_of(rows, first.id if first else None)
-    said = drill_finding(drill) if drill is not None and first is not None else None
+    said = drill.finding() if drill is not None and first is not None else None
     return {
         "versions": meta.get("versions", {}),
         "golden": {k: meta.get(k) for k in ("golden_dir", "golden_fingerprint", "model_type")},
@@ -59,7 +57,7 @@ def bug_report(rows: list[Row], meta: dict[str, Any]) -> dict[str, Any]:
             "hint": first.hint,
             "proved": said,
         },
-        "drill": drill,
+        "drill": None if drill is None else {k: getattr(drill, k) for k in DRILL},
     }
 
 
@@ -95,10 +93,10 @@ def bug_report_text(block: dict[str, Any]) -> list[str]:
     drill = block["drill"]
     if drill is not None:
         if drill["culprit"]:
-            recovery = drill["recovery"]
-            said = f", substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
+            said = recovers(drill["recovery"])
+            said = f", {said}" if said else ""
             lines.append(f"drill {drill['point']}: culprit {drill['culprit_op'] or drill['culprit']}{said}")
-            lines.extend(f"  the culprit's op differs: {e}" for e in drill["evidence"] or [])
+            lines.extend(f"  {e}" for e in differs(drill["evidence"] or []))
         elif drill["structure"]:
             lines.append(f"drill {drill['point']}: {drill['structure'][0]}")
         if drill["repro"]:

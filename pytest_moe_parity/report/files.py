@@ -1,4 +1,5 @@
-"""The JSON reports `comparison_report.json` and `comparison_summary.json`, written atomically."""
+"""The JSON reports `comparison_report.json` and `comparison_summary.json` (:mod:`.schema`), written
+atomically, then the pictures and the page."""
 
 from __future__ import annotations
 
@@ -7,61 +8,23 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
-from .block import bug_report
+from .html import HTML_FILE, write_html
+from .plots import TOKENS_PREFIX, PlotsUnavailable, render_plots
 from .rows import Row
-from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
+from .schema import REPORT_FILE, REPORT_SCHEMA_VERSION, SUMMARY_FILE, read_report, report_rows, summary
 
-REPORT_SCHEMA_VERSION = 1
-REPORT_FILE = "comparison_report.json"
-SUMMARY_FILE = "comparison_summary.json"
-
-
-def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict[str, Any]:
-    rows, ops = [r for r in rows if r.kind != "op"], [r for r in rows if r.kind == "op"]
-    first = first_divergence(rows)
-    error = first_error(rows)
-    return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "total": len(rows),
-        **counts(rows),
-        "first_divergence": first.id if first else None,
-        "first_divergence_layer": first.layer if first else None,
-        "first_divergence_component": first.component if first else None,
-        "hint": first.hint if first else None,
-        "remedy": first.remedy if first else None,
-        **{f"first_{m}_divergence": (found.id if (found := first_divergence(rows, m)) else None) for m in modes(rows)},
-        "first_decode_step_differing": decode[0].step if (decode := first_decode_difference(rows)) else None,
-        "first_error": error.id if error else None,
-        "first_error_message": error.error if error else None,
-        "graphs": graph_summary(rows),
-        "complete": not interrupted,
-        "drills": drills(ops + rows),
-        **meta,
-        "bug_report": bug_report(ops + rows, meta),
-    }
-
-
-def drills(rows: list[Row]) -> dict[str, Any]:
-    """Each drilled point's culprit, recovery and op counts: from its `POINT::drill` row, or from the
-    failed point's own row where `--parity-drill auto` drilled it."""
-    out: dict[str, Any] = {}
-    for row in rows:
-        if row.drill is None or "rows" not in row.drill:  # an op item's figures: its drill's row has the rest
-            continue
-        d = row.drill
-        out[d["point"]] = {
-            "culprit": d["culprit"],
-            "recovery": d["recovery"],
-            "recovery_introduced": d.get("recovery_introduced"),
-            "partial": d.get("partial"),
-            "structure": d.get("structure", []),
-            "accumulation": d.get("accumulation"),
-            "unmatched": d.get("unmatched"),
-            "ops": len(d["rows"]),
-            "failed_ops": sum(r["verdict"] != "ok" for r in d["rows"]),
-            "repro": d.get("repro"),
-        }
-    return out
+__all__ = [  # the schema's names, where the writers and tests have always imported them
+    "REPORT_FILE",
+    "REPORT_SCHEMA_VERSION",
+    "SUMMARY_FILE",
+    "draw",
+    "page_line",
+    "plots_line",
+    "read_report",
+    "report_rows",
+    "summary",
+    "write_reports",
+]
 
 
 def write_reports(
@@ -92,8 +55,6 @@ def draw(rows: list[Row], directory: Path) -> str:
 
 def _draw(rows: list[Row], directory: Path) -> tuple[str, list[Path]]:
     """:func:`draw`'s line, and the pictures it drew (none where it drew none)."""
-    from .plots import PlotsUnavailable, render_plots
-
     try:
         written = render_plots(rows, directory)
     except PlotsUnavailable as exc:
@@ -106,8 +67,6 @@ def _draw(rows: list[Row], directory: Path) -> tuple[str, list[Path]]:
 def page_line(directory: Path, report: dict[str, Any], said: dict[str, Any], pictures: list[Path]) -> str | None:
     """Write report.html (the pictures embedded); None, or the one line that says why it is not
     written (the JSON stands either way)."""
-    from .html import HTML_FILE, write_html
-
     try:
         write_html(directory, report, said, pictures=pictures)
     except Exception as exc:  # the page must never cost the reports
@@ -116,8 +75,6 @@ def page_line(directory: Path, report: dict[str, Any], said: dict[str, Any], pic
 
 
 def plots_line(written: list[Path], directory: Path) -> str:
-    from .plots import TOKENS_PREFIX
-
     tokens = sum(1 for p in written if p.name.startswith(TOKENS_PREFIX))
     steps = sorted({p.name.split(".")[1] for p in written if ".step_" in p.name}, key=lambda s: int(s[5:]))
     named = [p.name for p in written if not p.name.startswith(TOKENS_PREFIX) and ".step_" not in p.name]
@@ -126,30 +83,3 @@ def plots_line(written: list[Path], directory: Path) -> str:
     if tokens:
         named.append(f"{tokens} per-token plot{'s' if tokens > 1 else ''} of failed points")
     return f"plots in {directory}: {', '.join(named)}" if named else "plots: no point to draw"
-
-
-def report_rows(report: dict[str, Any]) -> list[Row]:
-    """The rows of a report read by :func:`read_report`."""
-    return [Row.from_json(point) for point in report["points"]]
-
-
-def read_report(path: Path) -> dict[str, Any]:
-    """A comparison_report.json (or the directory holding one), checked enough to draw and diff;
-    ValueError with one sentence when it is not one."""
-    file = path / REPORT_FILE if path.is_dir() else path
-    try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"no {REPORT_FILE} in {path} (write one with --parity-report DIR)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not a readable JSON report ({exc})") from None
-    points = report.get("points") if isinstance(report, dict) else None
-    if not isinstance(points, list) or not all(isinstance(p, dict) and "id" in p and "status" in p for p in points):
-        raise ValueError(f"{file} is not a moe-parity comparison report (no 'points' rows)")
-    version = report.get("schema_version")
-    if version != REPORT_SCHEMA_VERSION:
-        raise ValueError(
-            f"{file} has report schema {version}; this moe-parity reads schema {REPORT_SCHEMA_VERSION} "
-            "(rewrite it with this version's --parity-report)"
-        )
-    return report

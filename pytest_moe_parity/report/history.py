@@ -1,5 +1,7 @@
 """Run-to-run comparison of two JSON reports (`moe-parity diff OLD NEW`): which points got worse
-beyond a factor, which newly fail or error, which were fixed. Nightly regressions, from the rows alone."""
+beyond a factor, which newly fail or error, which were fixed. Nightly regressions, from the rows alone.
+A diff written as JSON beside the report it was taken against (`diff.json`) is read back here
+(:func:`load_diff`), not shown where it names another report (:func:`stale_diff`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .rows import Row
@@ -16,6 +19,7 @@ from .summary import figure
 # `min_error` is rounding whatever its growth; a noise ratio under 1 is within the reference's own error
 FIGURES = ("rel_l2", "noise_ratio")
 DIFF_SCHEMA_VERSION = 1  # of the diff's JSON (`Diff.to_json`)
+DIFF_FILE = "diff.json"  # a diff kept beside the report it was taken against (the page shows it)
 
 
 @dataclass
@@ -154,3 +158,55 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
             elif better.figures:
                 diff.better.append(better)
     return diff
+
+
+def load_diff(directory: Path, report: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """`diff.json` beside a report: (the diff, None), or (None, why it is not shown); (None, None)
+    where there is none."""
+    path = directory / DIFF_FILE
+    if not path.is_file():
+        return None, None
+    try:
+        diff = read_diff(path)
+    except ValueError as exc:
+        return None, str(exc)
+    stale = stale_diff(diff, report)
+    return (None, stale) if stale is not None else (diff, None)
+
+
+def stale_diff(diff: dict[str, Any], report: dict[str, Any]) -> str | None:
+    """Why `diff` is not the diff of `report` (it names another report's digest); None where it is."""
+    said = diff.get("new_digest")
+    if said and said != report_digest(report):
+        return (
+            f"{DIFF_FILE} compares another report than this one (written before this run's report): "
+            f"write it again with moe-parity diff OLD THIS_DIR --json THIS_DIR/{DIFF_FILE}"
+        )
+    return None
+
+
+def read_diff(path: Path) -> dict[str, Any]:
+    """A diff as `moe-parity diff --json` writes it; ValueError with one sentence when it is not one."""
+    try:
+        diff = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable JSON diff ({exc})") from None
+    lists = [diff.get(k, []) for k in ("worse", "fixed", "better")] if isinstance(diff, dict) else []
+    if not lists or "worse" not in diff or not all(isinstance(c, list) and all(map(_change, c)) for c in lists):
+        raise ValueError(f"{path} is not a moe-parity diff (write one with moe-parity diff OLD NEW --json FILE)")
+    if diff.get("schema_version") != DIFF_SCHEMA_VERSION:
+        raise ValueError(
+            f"{path} has diff schema {diff.get('schema_version')}; this moe-parity reads schema "
+            f"{DIFF_SCHEMA_VERSION} (write it again with moe-parity diff --json)"
+        )
+    return diff
+
+
+def _change(c: Any) -> bool:
+    """Whether `c` is a change as :meth:`~.history.Change.to_json` writes it (what the page reads)."""
+    if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(c.get("mode"), str):
+        return False
+    status, figures = c.get("status"), c.get("figures", [])
+    return (status is None or (isinstance(status, list) and len(status) == 2)) and (
+        isinstance(figures, list) and all(isinstance(f, dict) for f in figures)
+    )

@@ -1,35 +1,35 @@
 """`report.html`: the run as one page for people who will not read JSON, beside the JSON reports.
 
-One self-contained file: the CSS and the small sorting script inline, the pictures that
+One self-contained file: the CSS and the small sorting script inline (`static/`), the pictures that
 :func:`~.plots.render_plots` drew embedded as ``data:`` URIs, a per-token chart as inline SVG; it
 references nothing outside itself, so it can be mailed, attached to a CI run or opened offline. Built
-from the report JSON alone (:func:`~.files.read_report`'s dict), so the plugin, ``moe-parity report
+from the report JSON alone (:func:`~.schema.read_report`'s dict), so the plugin, ``moe-parity report
 DIR`` and a merge of shards write the same page for the same report, byte for byte (no clock, no
 path of the machine that drew it beyond what the report holds).
 
 Every text that comes from the run (point ids, failure texts, backend errors, paths) goes through
-:func:`html.escape`: the page is built from :class:`Safe` fragments by :func:`el`, which escapes any
+:func:`html.escape`: the page is built from :class:`~.markup.Safe` fragments by :func:`~.markup.el`, which escapes any
 child that is not one, so no user text is ever spliced into markup unescaped.
 
 Last night's diff is an optional input: a dict as :meth:`~.history.Diff.to_json` writes it (``moe-parity
-diff OLD NEW --json NEW/diff.json``), passed in or found as ``diff.json`` beside the report. It names
-the digest of the report it was taken against, so a diff left in a directory reused by a later run is
-not shown as tonight's."""
+diff OLD NEW --json NEW/diff.json``), passed in or found as ``diff.json`` beside the report
+(:func:`~.history.load_diff`). It names the digest of the report it was taken against, so a diff left
+in a directory reused by a later run is not shown as tonight's."""
 
 from __future__ import annotations
 
 import base64
-import html
 import json
-import math
-from collections.abc import Iterable
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
 from ..points import LAYER_COMPONENTS, MODEL_TAIL, WEIGHTS, describe_layers
 from .block import bug_report_text
-from .history import DIFF_SCHEMA_VERSION, report_digest
+from .drill import Drill, finding, pct
+from .history import DIFF_FILE, load_diff, stale_diff
+from .markup import Safe, compact, el, join, legend, shade, sort_value, token_chart
 from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, token_plot_name
 from .rows import (
     DIFFERENTIALS,
@@ -42,80 +42,27 @@ from .rows import (
     number,
     result_of,
 )
-from .summary import STATUSES, drill_finding, drill_line, figure, modes, row_note, summary_lines
+from .schema import REPORT_FILE, report_rows
+from .schema import summary as make_summary
+from .summary import STATUSES, drill_line, figure, modes, row_note, summary_lines
 from .text import failure_text, fmt
 
 HTML_FILE = "report.html"
 OPENED = 8  # failed and errored points whose details the page opens (the others one click away)
-DIFF_FILE = "diff.json"
 
 
-# -- markup ---------------------------------------------------------------------------------------
-class Safe(str):
-    """Markup: already escaped, or built by :func:`el` from escaped parts."""
+def _static(name: str) -> str:
+    """A file of the page's own (`static/`: its CSS and script), as text."""
+    return (files(__package__) / "static" / name).read_text(encoding="utf-8")
 
 
-def esc(value: Any) -> Safe:
-    return value if isinstance(value, Safe) else Safe(html.escape(str(value), quote=True))
-
-
-def _children(items: Iterable[Any]) -> Iterable[Safe]:
-    for item in items:
-        if item is None or item is False:
-            continue
-        if isinstance(item, list | tuple):
-            yield from _children(item)
-        else:
-            yield esc(item)
-
-
-def el(tag: str, /, *children: Any, attrs: dict[str, Any] | None = None, **kw: Any) -> Safe:
-    """`<tag attrs>children</tag>`: every child not :class:`Safe` and every attribute value
-    escaped. Keyword attributes: a trailing `_` is dropped (`class_`), `_` reads `-` (`data_point`);
-    `attrs` for the names that are no Python keyword (`stroke-width`); None or False leaves the
-    attribute out, True writes it bare."""
-    every = {**{k.rstrip("_").replace("_", "-"): v for k, v in kw.items()}, **(attrs or {})}
-    parts = [tag]
-    for key, value in every.items():
-        if value is None or value is False:
-            continue
-        parts.append(key if value is True else f'{key}="{esc(value)}"')
-    head = " ".join(parts)
-    if tag in _VOID:
-        return Safe(f"<{head}>")
-    return Safe(f"<{head}>{''.join(_children(children))}</{tag}>")
-
-
-_VOID = {"img", "meta", "br", "hr"}
-
-
-def _join(*parts: Any) -> Safe:
-    return Safe("".join(_children(parts)))
-
-
-# -- figures in a few characters ------------------------------------------------------------------
-def compact(x: float | None) -> str:
-    """A figure in a grid cell: two significant digits (three from 100 to 999), no `+` in exponents."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    a = abs(x)
-    if a == 0:
-        return "0"
-    if a >= 999.5 or a < 0.01:
-        mantissa, _, exponent = f"{x:.1e}".partition("e")
-        return f"{mantissa}e{int(exponent)}"
-    if a < 0.995:
-        return f"{x:.2f}"
-    return f"{x:.2g}" if a < 9.95 else f"{x:.0f}"
-
-
-def _sort_value(x: float | None) -> str:
-    """A cell's sort key for the script ('' sorts last)."""
-    if x is None or math.isnan(x):
-        return ""
-    return repr(float(x)) if math.isfinite(x) else ("1e400" if x > 0 else "-1e400")
+# The page's look (`static/report.css`): system fonts, one column up to 1280 px, verdict colours that
+# survive a greyscale print (the marks ✗ E s say it in the cells too).
+CSS = _static("report.css")
+# Sorting of the table of every point (`static/report.js`): header names become buttons (without the
+# script the table is plain, in forward order); `#sort=KEY[:desc]` in the address sorts on load.
+# Missing figures sort last.
+SCRIPT = _static("report.js")
 
 
 # -- the page ------------------------------------------------------------------------------------
@@ -135,7 +82,7 @@ def write_html(
     why_not = None
     if diff is None:
         diff, why_not = load_diff(directory, report)
-    elif (stale := _stale(diff, report)) is not None:
+    elif (stale := stale_diff(diff, report)) is not None:
         diff, why_not = None, stale
     if pictures is None:
         pictures = drawn_with(directory)
@@ -150,8 +97,6 @@ def drawn_with(directory: Path) -> list[Path]:
     """The pictures in `directory` drawn with its report: by the names :mod:`.plots` gives them, and
     not older than its comparison_report.json (the pictures follow the JSON; an older one is an
     earlier run's, left where this run drew none)."""
-    from .files import REPORT_FILE
-
     report = directory / REPORT_FILE
     since = report.stat().st_mtime_ns if report.is_file() else 0
     names = (HEATMAP[:-4], LAYERS[:-4], TOKENS_PREFIX)
@@ -165,57 +110,6 @@ def write_diff(directory: Path, report: dict[str, Any], diff: dict[str, Any]) ->
     return write_html(directory, report, diff=diff)
 
 
-def load_diff(directory: Path, report: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """`diff.json` beside a report: (the diff, None), or (None, why it is not shown); (None, None)
-    where there is none."""
-    path = directory / DIFF_FILE
-    if not path.is_file():
-        return None, None
-    try:
-        diff = read_diff(path)
-    except ValueError as exc:
-        return None, str(exc)
-    stale = _stale(diff, report)
-    return (None, stale) if stale is not None else (diff, None)
-
-
-def _stale(diff: dict[str, Any], report: dict[str, Any]) -> str | None:
-    said = diff.get("new_digest")
-    if said and said != report_digest(report):
-        return (
-            f"{DIFF_FILE} compares another report than this one (written before this run's report): "
-            f"write it again with moe-parity diff OLD THIS_DIR --json THIS_DIR/{DIFF_FILE}"
-        )
-    return None
-
-
-def read_diff(path: Path) -> dict[str, Any]:
-    """A diff as `moe-parity diff --json` writes it; ValueError with one sentence when it is not one."""
-    try:
-        diff = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a readable JSON diff ({exc})") from None
-    lists = [diff.get(k, []) for k in ("worse", "fixed", "better")] if isinstance(diff, dict) else []
-    if not lists or "worse" not in diff or not all(isinstance(c, list) and all(map(_change, c)) for c in lists):
-        raise ValueError(f"{path} is not a moe-parity diff (write one with moe-parity diff OLD NEW --json FILE)")
-    if diff.get("schema_version") != DIFF_SCHEMA_VERSION:
-        raise ValueError(
-            f"{path} has diff schema {diff.get('schema_version')}; this moe-parity reads schema "
-            f"{DIFF_SCHEMA_VERSION} (write it again with moe-parity diff --json)"
-        )
-    return diff
-
-
-def _change(c: Any) -> bool:
-    """Whether `c` is a change as :meth:`~.history.Change.to_json` writes it (what the page reads)."""
-    if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(c.get("mode"), str):
-        return False
-    status, figures = c.get("status"), c.get("figures", [])
-    return (status is None or (isinstance(status, list) and len(status) == 2)) and (
-        isinstance(figures, list) and all(isinstance(f, dict) for f in figures)
-    )
-
-
 def render_html(
     report: dict[str, Any],
     summary: dict[str, Any] | None = None,
@@ -225,9 +119,6 @@ def render_html(
     diff_note: str | None = None,
 ) -> str:
     """The page as text: a pure function of its inputs (`images`: a picture's file name -> its PNG bytes)."""
-    from .files import report_rows
-    from .files import summary as make_summary
-
     every = sorted(report_rows(report), key=lambda r: r.order)
     if summary is None:
         meta = {k: v for k, v in report.items() if k not in ("points", "schema_version", "complete")}
@@ -242,7 +133,7 @@ class _Page:
         self.all = rows
         self.points = [r for r in rows if r.kind != "op"]  # a drill's ops are its table, not points
         self.by_id = {r.id: r for r in self.points}
-        self.drills = [r.drill for r in rows if r.drill is not None and "rows" in r.drill]
+        self.drills = [r.drill for r in rows if r.drill is not None]
 
     # -- the whole --------------------------------------------------------------------------------
     def render(self, diff: dict[str, Any] | None, diff_note: str | None) -> str:
@@ -269,7 +160,7 @@ class _Page:
             f"written by moe-parity {versions.get('moe-parity', '')} from comparison_report.json (report schema "
             f"{schema}); every figure here is in that file.",
         )
-        doc = _join(
+        doc = join(
             Safe("<!DOCTYPE html>\n"),
             el(
                 "html",
@@ -368,7 +259,7 @@ class _Page:
             parts += [el("h3", "Shards"), el("div", _dict_table(r["shards"]), class_="scroll")]
         closing = [el("li", text, class_=f"c-{colour}" if colour else None) for text, colour in summary_lines(self.all)]
         parts += [el("h3", "What the run said"), el("ul", closing, class_="closing")]
-        return _join(parts)
+        return join(parts)
 
     # -- the first divergence ----------------------------------------------------------------------
     def divergence(self) -> Safe:
@@ -392,7 +283,7 @@ class _Page:
                 )
             )
             drill = (s.get("drills") or {}).get(first)
-            proved = drill_finding(drill) if drill else None
+            proved = finding(drill.get("culprit"), drill.get("recovery"), drill.get("structure")) if drill else None
             if proved:
                 parts.append(el("p", el("b", "drill: "), proved.removeprefix("drill: ")))
             if s.get("hint"):
@@ -425,7 +316,7 @@ class _Page:
         if block:
             parts.append(el("h3", "For a bug report"))
             parts.append(el("pre", "\n".join(bug_report_text(block)), class_="block"))
-        return _join(parts)
+        return join(parts)
 
     # -- last night's diff -------------------------------------------------------------------------
     def diff(self, diff: dict[str, Any] | None, note: str | None) -> Safe | None:
@@ -453,7 +344,7 @@ class _Page:
             ids = diff.get(key) or []
             if ids:
                 parts.append(el("p", f"only in {name} (not compared): ", ", ".join(map(str, ids))))
-        return _join(parts)
+        return join(parts)
 
     def _changes(self, changes: list[dict[str, Any]]) -> Safe:
         head = el("tr", el("th", "point"), el("th", "mode"), el("th", "status"), el("th", "figures"))
@@ -493,7 +384,7 @@ class _Page:
                 ". Click a cell for the point.",
                 class_="lead",
             ),
-            _legend(noise),
+            legend(noise),
         ]
         steps = sorted({r.step for r in rows}, key=lambda s: -1 if s is None else s)
         panels = []
@@ -505,7 +396,7 @@ class _Page:
                 for mode in shown_modes
             ]
         parts.append(el("div", panels, class_="panels"))
-        return _join(parts)
+        return join(parts)
 
     def grid(self, rows: list[Row], mode: str, noise: bool) -> Safe:
         head = [r for r in rows if r.layer is None and r.component not in MODEL_TAIL]
@@ -532,7 +423,7 @@ class _Page:
             parts.append(el("table", el("thead", thead), el("tbody", body), class_="grid"))
         if tail:
             parts.append(self.strip(tail, mode, noise))
-        return _join(parts)
+        return join(parts)
 
     def strip(self, rows: list[Row], mode: str, noise: bool) -> Safe:
         """The model-level points (config, weights, embedding, rotary above the layers; the final norm
@@ -577,78 +468,42 @@ class _Page:
     def table(self) -> Safe | None:
         if not self.points:
             return None
-        chained = any(isinstance(r, PointRow) and r.chained is not None for r in self.points)
-        noise = any(r.noise_ratio is not None for r in self.points)
-        cols = [
-            ("order", "#", "num"),
-            ("id", "point", "text"),
-            ("status", "status", "text"),
-            ("cosine", "cosine", "num"),
-            ("rel_l2", "rel_l2", "num"),
-        ]
-        if noise:
-            cols.append(("noise_ratio", "noise R", "num"))
-        if chained:
-            cols.append(("chain_rel_l2", "chain rel_l2", "num"))
-        cols += [("max_abs", "max_abs", "num"), ("notes", "notes", "text")]
+        cols = self.columns()
+        figures = [_figures(i, r) for i, r in enumerate(self.points)]
         head = el("tr", [el("th", name, data_key=key, data_type=kind) for key, name, kind in cols])
-        body = []
-        for i, r in enumerate(self.points):
-            main = r.main_metrics
-            chain = r.chained if isinstance(r, PointRow) else None
-            values = {
-                "order": (i, str(i)),
-                "id": (r.id, el("a", r.id, href=f"#p-{r.id}", class_="pid")),
-                "status": (r.status, el("span", r.status, class_=f"tag s-{r.status}")),
-                "cosine": (number(getattr(main, "cosine", None)), None),
-                "rel_l2": (figure(r, "rel_l2"), None),
-                "noise_ratio": (figure(r, "noise_ratio"), None),
-                "chain_rel_l2": (figure(chain, "rel_l2") if chain is not None else None, None),
-                "max_abs": (number(getattr(main, "max_abs", None)), None),
-                "notes": (row_note(r), None),
-            }
-            cells = []
-            for key, _, kind in cols:
-                value, shown = values[key]
-                if kind == "num":
-                    digits = 6 if key == "cosine" else 4
-                    cells.append(el("td", shown or fmt(value, digits), data_v=_sort_value(value), class_="num"))
-                else:
-                    cells.append(el("td", shown if shown is not None else value, data_v=value))
-            body.append(el("tr", cells, class_=f"r-{r.status}", data_point=r.id))
+        body = [
+            el("tr", [_cell(key, kind, values[key]) for key, _, kind in cols], class_=f"r-{r.status}", data_point=r.id)
+            for r, values in zip(self.points, figures, strict=True)
+        ]
         hint = el(
             "p",
             "In forward order; click a column's name to sort by it (again to reverse), or open this page as "
             "report.html#sort=rel_l2:desc.",
             class_="lead",
         )
-        return _join(hint, el("table", el("thead", head), el("tbody", body), class_="data sortable", id="all-points"))
+        return join(hint, el("table", el("thead", head), el("tbody", body), class_="data sortable", id="all-points"))
+
+    def columns(self) -> list[tuple[str, str, str]]:
+        """The table's columns (key, name, kind): the noise ratio where a point has one, the chained
+        rel_l2 where a point was chained."""
+        chained = any(isinstance(r, PointRow) and r.chained is not None for r in self.points)
+        noise = any(r.noise_ratio is not None for r in self.points)
+        shown = {"noise_ratio": noise, "chain_rel_l2": chained}
+        return [c for c in COLUMNS if shown.get(c[0], True)]
 
     # -- drills ------------------------------------------------------------------------------------
     def drill_section(self) -> Safe | None:
-        return _join([self.drill_table(d) for d in self.drills]) if self.drills else None
+        return join([self.drill_table(d) for d in self.drills]) if self.drills else None
 
-    def drill_table(self, drill: dict[str, Any]) -> Safe:
+    def drill_table(self, drill: Drill) -> Safe:
         line, colour = drill_line(drill)
         parts: list[Any] = [
-            el("h3", el("a", drill["point"], href=f"#p-{drill['point']}", class_="pid"), " drilled"),
+            el("h3", el("a", drill.point, href=f"#p-{drill.point}", class_="pid"), " drilled"),
             el("p", line, class_=f"c-{colour}" if colour else None),
         ]
-        if drill.get("culprit_op") and drill.get("culprit_op") != drill.get("culprit"):
-            parts.append(el("p", "the culprit's op: ", el("code", drill["culprit_op"])))
-        said = [
-            *(f"the culprit's op differs: {e}" for e in drill.get("evidence") or []),
-            *(f"structure: {s}" for s in drill.get("structure") or []),
-        ]
-        if drill.get("accumulation"):
-            said.append(str(drill["accumulation"]))
-        if drill.get("unmatched"):
-            said.append(f"matching failed: {drill['unmatched']}")
-        if drill.get("partial"):
-            p = drill["partial"]
-            said.append(f"the next op that explains the error: {p.get('op')} (recovers {_pct(p.get('recovery'))})")
-        if drill.get("repro"):
-            said.append(f"repro: {drill['repro']}")
+        if drill.culprit_op and drill.culprit_op != drill.culprit:
+            parts.append(el("p", "the culprit's op: ", el("code", drill.culprit_op)))
+        said = drill.findings()
         if said:
             parts.append(el("ul", [el("li", s) for s in said]))
         cols = [
@@ -667,22 +522,22 @@ class _Page:
         ]
         head = el("tr", [el("th", c) for c in cols])
         body = []
-        for op in drill["rows"]:
-            culprit = op.get("name") == drill.get("culprit")
+        for op in drill.rows:
+            culprit = op.name == drill.culprit
             cells = []
             for c in cols:
-                v = op.get(c)
+                v = getattr(op, c)
                 if c in ("shape", "candidate"):
                     v = "×".join(map(str, v)) if c == "shape" and v else ", ".join(map(str, v or []))
                 elif c == "recovery":
-                    v = _pct(v) if v is not None else "-"
+                    v = pct(v) if v is not None else "-"
                 elif isinstance(v, float | int) and not isinstance(v, bool):
                     v = fmt(v, 3)
                 cells.append(el("td", "-" if v in (None, "") else v))
-            state = "r-failed" if op.get("verdict") != "ok" else None
+            state = "r-failed" if op.verdict != "ok" else None
             body.append(el("tr", cells, class_=" ".join(filter(None, [state, "culprit" if culprit else None])) or None))
         parts.append(el("div", el("table", el("thead", head), el("tbody", body), class_="data ops"), class_="scroll"))
-        return el("div", parts, class_="drill", id=f"drill-{drill['point']}")
+        return el("div", parts, class_="drill", id=f"drill-{drill.point}")
 
     # -- each point --------------------------------------------------------------------------------
     def details(self) -> Safe | None:
@@ -692,7 +547,7 @@ class _Page:
         opened = set(bad[:OPENED])
         said = "Failed and errored points open" + (f" (the first {OPENED})" if len(bad) > OPENED else "")
         intro = el("p", f"{said}; the others closed.", class_="lead")
-        return _join(intro, [self.detail(r, r.id in opened) for r in self.points])
+        return join(intro, [self.detail(r, r.id in opened) for r in self.points])
 
     def detail(self, r: Row, opened: bool) -> Safe:
         summary = el(
@@ -734,8 +589,8 @@ class _Page:
             body.append(el("ul", [el("li", n) for n in r.notes], class_="notes"))
         if r.hint and not (isinstance(r, PointRow) and r.status == "failed"):
             body.append(el("p", el("b", "hint: "), r.hint))
-        if r.drill is not None and "rows" in r.drill:
-            body.append(el("p", el("a", "its drill", href=f"#drill-{r.drill['point']}")))
+        if r.drill is not None:
+            body.append(el("p", el("a", "its drill", href=f"#drill-{r.drill.point}")))
         return el("details", summary, el("div", body, class_="body"), id=f"p-{r.id}", class_="point", open=opened)
 
     def checks(self, r: PointRow) -> Safe | None:
@@ -770,7 +625,7 @@ class _Page:
                         class_="figs",
                     )
                 )
-        return _join(parts) if parts else None
+        return join(parts) if parts else None
 
     def tokens(self, r: PointRow) -> Safe | None:
         """A failed point's per-token errors: the picture drawn for it, else (no matplotlib, plots off, or
@@ -812,6 +667,48 @@ class _Page:
         return el("div", figures, class_="figures") if figures else None
 
 
+COLUMNS = [  # the table of every point: (key, name, kind), those `_Page.columns` shows
+    ("order", "#", "num"),
+    ("id", "point", "text"),
+    ("status", "status", "text"),
+    ("cosine", "cosine", "num"),
+    ("rel_l2", "rel_l2", "num"),
+    ("noise_ratio", "noise R", "num"),
+    ("chain_rel_l2", "chain rel_l2", "num"),
+    ("max_abs", "max_abs", "num"),
+    ("notes", "notes", "text"),
+]
+
+
+def _figures(i: int, r: Row) -> dict[str, Any]:
+    """A row of the table of every point, as values (`i`: its place in forward order)."""
+    main = r.main_metrics
+    chain = r.chained if isinstance(r, PointRow) else None
+    return {
+        "order": i,
+        "id": r.id,
+        "status": r.status,
+        "cosine": number(getattr(main, "cosine", None)),
+        "rel_l2": figure(r, "rel_l2"),
+        "noise_ratio": figure(r, "noise_ratio"),
+        "chain_rel_l2": figure(chain, "rel_l2") if chain is not None else None,
+        "max_abs": number(getattr(main, "max_abs", None)),
+        "notes": row_note(r),
+    }
+
+
+def _cell(key: str, kind: str, value: Any) -> Safe:
+    """One cell of the table of every point, its sort key beside it."""
+    if kind == "num":
+        shown = str(value) if key == "order" else fmt(value, 6 if key == "cosine" else 4)
+        return el("td", shown, data_v=sort_value(value), class_="num")
+    if key == "id":
+        return el("td", el("a", value, href=f"#p-{value}", class_="pid"), data_v=value)
+    if key == "status":
+        return el("td", el("span", value, class_=f"tag s-{value}"), data_v=value)
+    return el("td", value, data_v=value)
+
+
 def _step_of(name: str) -> int:
     """heatmap.step_3.png -> 3; the prefill's -> -1."""
     part = name.split(".")[1] if name.count(".") > 1 else ""
@@ -820,10 +717,6 @@ def _step_of(name: str) -> int:
 
 def _img(data: bytes, alt: str) -> Safe:
     return el("img", src="data:image/png;base64," + base64.b64encode(data).decode("ascii"), alt=alt)
-
-
-def _pct(x: Any) -> str:
-    return "n/a" if x is None else f"{100 * float(x):.0f}%"
 
 
 # the report's keys the facts show in their own words (the others, of a newer run, as JSON)
@@ -868,245 +761,3 @@ def _dict_table(items: list[dict[str, Any]]) -> Safe | None:
         failed = item.get("status") == "failed" or item.get("failed") is True
         body.append(el("tr", cells, class_="r-failed" if failed else None))
     return el("table", el("thead", head), el("tbody", body), class_="data")
-
-
-# -- colours -------------------------------------------------------------------------------------
-HUES = {"passed": (142, 52), "failed": (0, 72), "error": (38, 92), "skipped": (220, 8), "none": (220, 8)}
-
-
-def shade(verdict: str, value: float | None, noise: bool) -> tuple[str, str]:
-    """A cell's (background, ink): the hue says the verdict; darker, the larger the figure on a fixed
-    scale (a noise ratio from 1 to 1000, a rel_l2 from 1e-4 to 1), so one night's grid reads as the
-    next's."""
-    hue, sat = HUES.get(verdict, HUES["none"])
-    t = 0.0
-    if value is not None and not math.isnan(value):
-        if math.isinf(value) or value <= 0:
-            t = 1.0 if value > 0 else 0.0
-        else:
-            lo, hi = SCALES[noise]
-            t = min(1.0, max(0.0, (math.log10(value) - lo) / (hi - lo)))
-    light = round(90 - 42 * t) if verdict in ("passed", "failed", "error") else 90
-    return f"hsl({hue} {sat}% {light}%)", "#fff" if light < 58 else "#1b1f24"
-
-
-# the grid's scale: a noise ratio from 1 to 1000, a rel_l2 from 1e-4 to 1 (log10 of each end)
-SCALES = {True: (0.0, 3.0), False: (-4.0, 0.0)}
-
-
-def _legend(noise: bool) -> Safe:
-    """The swatches of the grid's colours on its scale (noise ratios, or rel_l2 where the golden has
-    no noise figures)."""
-    lo, hi = SCALES[noise]
-    ends = ("≤1", "30", "≥1000") if noise else ("≤1e-4", "1e-2", "≥1")
-
-    def swatch(verdict: str, t: float, text: str) -> Safe:
-        colour, ink = shade(verdict, 10 ** (lo + t * (hi - lo)), noise)
-        return el("span", text, class_="sw", style=f"background:{colour};color:{ink}")
-
-    items: list[Any] = [el("span", "passed", class_="lg")]
-    items += [swatch("passed", t, text) for t, text in zip((0.0, 0.5, 1.0), ends, strict=True)]
-    items.append(el("span", "failed", class_="lg"))
-    items += [swatch("failed", t, f"✗ {text}") for t, text in zip((0.0, 0.5, 1.0), ends, strict=True)]
-    items += [el("span", "error", class_="lg"), swatch("error", 0.0, "E")]
-    items += [el("span", "skipped", class_="lg"), swatch("skipped", 0.0, "s")]
-    items.append(el("span", "(noise ratio)" if noise else "(rel_l2)", class_="lg"))
-    return el("div", items, class_="legend")
-
-
-def token_chart(errors: list[Any], limit: float | None, width: int = 640, height: int = 130) -> Safe:
-    """Each token's error as bars in inline SVG (tokens left out grey), the token limit dashed."""
-    values = [number(v) for v in errors]
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    top = max([*finite, limit or 0.0, 1e-12])
-    n = max(1, len(values))
-    pad_l, pad_b, pad_t = 48, 18, 8
-    plot_w, plot_h = width - pad_l - 8, height - pad_b - pad_t
-    step = plot_w / n
-    shapes: list[Any] = []
-    for i, v in enumerate(values):
-        x = pad_l + i * step + step * 0.1
-        if v is None:
-            h, fill, tip = plot_h, "#d0d5dc", f"token {i}: left out (routed elsewhere)"
-        else:
-            shown = top if not math.isfinite(v) else v
-            h, fill, tip = plot_h * shown / top, "#d9534f", f"token {i}: rel_l2 {fmt(v, 4)}"
-            if limit is not None and v <= limit:
-                fill = "#5cb85c"
-        y = pad_t + plot_h - h
-        shapes.append(
-            el(
-                "rect",
-                el("title", tip),
-                x=f"{x:.1f}",
-                y=f"{y:.1f}",
-                width=f"{max(step * 0.8, 0.5):.1f}",
-                height=f"{h:.1f}",
-                fill=fill,
-            )
-        )
-    if limit is not None:
-        y = pad_t + plot_h - plot_h * limit / top
-        shapes.append(
-            el(
-                "line",
-                x1=pad_l,
-                x2=width - 8,
-                y1=f"{y:.1f}",
-                y2=f"{y:.1f}",
-                stroke="#222",
-                attrs={"stroke-dasharray": "4 3", "stroke-width": "1"},
-            )
-        )
-        shapes.append(
-            el(
-                "text",
-                f"limit {fmt(limit, 3)}",
-                x=width - 10,
-                y=f"{max(y - 3, 10):.1f}",
-                attrs={"text-anchor": "end", "font-size": "10"},
-            )
-        )
-    axis = [
-        el("line", x1=pad_l, x2=pad_l, y1=pad_t, y2=pad_t + plot_h, stroke="#888"),
-        el("line", x1=pad_l, x2=width - 8, y1=pad_t + plot_h, y2=pad_t + plot_h, stroke="#888"),
-        el("text", fmt(top, 3), x=pad_l - 4, y=pad_t + 9, attrs={"text-anchor": "end", "font-size": "10"}),
-        el("text", "0", x=pad_l - 4, y=pad_t + plot_h, attrs={"text-anchor": "end", "font-size": "10"}),
-        el("text", f"token 0 … {n - 1}", x=pad_l, y=height - 4, attrs={"font-size": "10"}),
-    ]
-    return el(
-        "svg",
-        axis,
-        shapes,
-        viewBox=f"0 0 {width} {height}",
-        width=width,
-        height=height,
-        role="img",
-        attrs={"aria-label": "each token's rel_l2"},
-        class_="tokchart",
-    )
-
-
-# The page's look: system fonts, one column up to 1280 px, verdict colours that survive a greyscale
-# print (the marks ✗ E s say it in the cells too).
-CSS = """
-:root{--fg:#1b1f24;--muted:#5b6570;--line:#dde1e6;--bg:#f6f7f9;--card:#fff;--red:#c62828;--green:#2e7d32;
---amber:#b26a00;--mono:ui-monospace,SFMono-Regular,Menlo,Consolas,"Liberation Mono",monospace}
-*{box-sizing:border-box}
-body{margin:0;background:var(--bg);color:var(--fg);font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,
-"Helvetica Neue",Arial,sans-serif}
-a{color:#0b5cad;text-decoration:none}a:hover{text-decoration:underline}
-.banner{padding:22px 32px 18px;color:#fff}
-.banner.fail{background:linear-gradient(90deg,#b71c1c,#d84315)}
-.banner.pass{background:linear-gradient(90deg,#1b5e20,#2e7d32)}
-.banner.warn{background:linear-gradient(90deg,#8d5a00,#b26a00)}
-.banner a{color:#fff;text-decoration:underline}
-.kicker{font-size:12px;letter-spacing:.08em;text-transform:uppercase;opacity:.85}
-.banner h1{margin:4px 0 6px;font-size:24px;font-weight:650}
-.said{font-size:17px;margin-bottom:10px}
-.chips{display:flex;flex-wrap:wrap;gap:6px}
-.chip{background:rgba(255,255,255,.18);border:1px solid rgba(255,255,255,.35);border-radius:12px;padding:1px 10px;
-font-size:12.5px}
-nav{position:sticky;top:0;z-index:5;background:#fff;border-bottom:1px solid var(--line);padding:8px 32px;
-display:flex;gap:18px;flex-wrap:wrap;font-size:13px}
-main{max-width:1280px;margin:0 auto;padding:8px 24px 32px}
-section{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:14px 20px;margin:16px 0}
-h2{font-size:18px;margin:0 0 10px}h3{font-size:14.5px;margin:14px 0 6px}
-.lead{color:var(--muted);margin:0 0 10px}
-.pid{font-family:var(--mono);font-size:13px}.big{font-size:18px;font-weight:650}
-code,pre{font-family:var(--mono);font-size:12.5px}
-pre{background:#f3f4f6;border:1px solid var(--line);border-radius:6px;padding:10px 12px;overflow-x:auto;
-white-space:pre;margin:8px 0}
-pre.block{background:#fffdf3;border-color:#eadfb4;white-space:pre-wrap}pre.error{background:#fff6e5}
-table{border-collapse:collapse}
-dl.facts{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:2px 28px;margin:0}
-dl.facts div{display:flex;gap:10px;border-bottom:1px dotted #e6e8eb;padding:2px 0}
-dl.facts dt{color:var(--muted);flex:0 0 150px}
-dl.facts dd{margin:0;font-family:var(--mono);font-size:12.5px;word-break:break-all}
-ul.closing{margin:4px 0;padding-left:18px;font-family:var(--mono);font-size:12.5px}
-.c-red{color:var(--red)}.c-green{color:var(--green)}.c-yellow{color:var(--amber)}
-.ok-note{color:var(--green);font-weight:600}
-.warnbox{background:#fff4e0;border:1px solid #f0c36d;border-radius:6px;padding:8px 12px;margin:0 0 10px}
-.warnbox ul{margin:4px 0 0}
-.panels{display:flex;flex-wrap:wrap;gap:22px;align-items:flex-start}
-.panel h3{margin-top:8px}
-table.grid{border-collapse:separate;border-spacing:3px}
-table.grid th{font-weight:500;font-size:11.5px;color:var(--muted)}
-table.grid th.col{writing-mode:vertical-rl;transform:rotate(180deg);text-align:left;padding:4px 0;height:96px}
-table.grid th.rowh{text-align:right;padding-right:6px;white-space:nowrap}
-.cell{border-radius:4px;text-align:center;font:11.5px/1 var(--mono);min-width:54px;height:26px;padding:0}
-td.cell a{display:flex;align-items:center;justify-content:center;height:26px;color:inherit;text-decoration:none}
-td.empty{background:repeating-linear-gradient(45deg,#fafafa,#fafafa 4px,#f0f0f0 4px,#f0f0f0 8px);border-radius:4px}
-.cell.v-failed{outline:2px solid #7f0000;outline-offset:-2px;font-weight:700}
-.cell.v-error{outline:2px dashed #8d5a00;outline-offset:-2px}
-.strip{display:flex;flex-wrap:wrap;gap:3px;margin:4px 0 4px 0}
-a.cell{display:inline-flex;flex-direction:column;justify-content:center;padding:3px 8px;height:auto;
-text-decoration:none}
-a.cell .lbl{font-size:10px;opacity:.8;margin-bottom:2px;font-family:system-ui,sans-serif}
-.legend{display:flex;flex-wrap:wrap;gap:4px;align-items:center;margin:6px 0 12px;font-size:12px}
-.legend .lg{color:var(--muted);margin:0 2px 0 8px}
-.legend .sw{font:11px var(--mono);padding:3px 7px;border-radius:4px}
-table.data{width:100%;font-size:12.5px}
-table.data th{text-align:left;border-bottom:2px solid var(--line);padding:5px 8px;white-space:nowrap;
-background:#fafbfc}
-table.sortable th{position:sticky;top:37px}
-section,details.point,.cell,.drill{scroll-margin-top:48px}
-table.data td{border-bottom:1px solid #eef0f2;padding:3px 8px;vertical-align:top}
-table.data td.num{font-family:var(--mono);text-align:right;white-space:nowrap}
-table.data tr.r-failed td{background:#fdecea}table.data tr.r-error td{background:#fff4e0}
-table.data tr.culprit td{font-weight:700}
-table.sortable th button{all:unset;cursor:pointer}table.sortable th button:hover{text-decoration:underline}
-th[aria-sort=ascending] button::after{content:" ▲"}th[aria-sort=descending] button::after{content:" ▼"}
-.tag{display:inline-block;border-radius:10px;padding:0 8px;font-size:11.5px;font-weight:600}
-.s-passed{background:#e3f3e6;color:#1b5e20}.s-failed{background:#fde0dc;color:#9b1c1c}
-.s-error{background:#fff0d1;color:#7a4a00}.s-skipped{background:#eceff1;color:#455a64}
-.banner .chip.s-failed,.banner .chip.s-error,.banner .chip.s-passed,.banner .chip.s-skipped{color:#fff;
-background:rgba(255,255,255,.18)}
-details.point{border-top:1px solid #eef0f2;padding:4px 0}
-details.point>summary{cursor:pointer;padding:3px 0;list-style-position:outside}
-details.point .note{color:var(--muted);margin-left:12px;font-size:12.5px}
-details.point .body{padding:2px 0 8px 18px}
-.figs{font-family:var(--mono);font-size:12px;color:#37414b;margin:4px 0}
-.mode{color:var(--muted);margin:8px 0 2px;font-size:12.5px}
-svg.tokchart{display:block;max-width:100%;height:auto;background:#fff;border:1px solid var(--line);border-radius:4px}
-.pt{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start}
-.pt>pre{flex:1 1 600px;margin:0;min-width:0;font-size:12px}div.tokens img{max-width:380px}
-.figures{display:flex;flex-wrap:wrap;gap:16px}
-figure{margin:0}figure img,details img{max-width:100%;border:1px solid var(--line);border-radius:4px}
-figcaption{font-family:var(--mono);font-size:12px;color:var(--muted)}
-.scroll{overflow-x:auto}
-label.filter{font-size:13px;color:var(--muted);margin-left:12px}
-footer{max-width:1280px;margin:0 auto 24px;padding:0 24px;color:var(--muted);font-size:12px}
-@media print{nav{display:none}section{break-inside:avoid}details.point{display:block}}
-"""
-
-# Sorting of the table of every point: header names become buttons (without the script the table is
-# plain, in forward order); `#sort=KEY[:desc]` in the address sorts on load. Missing figures sort last.
-SCRIPT = """
-(function(){
-var table=document.getElementById('all-points');if(!table)return;
-var heads=table.tHead.rows[0].cells,body=table.tBodies[0];
-function key(row,i,num){var v=row.cells[i].getAttribute('data-v');if(!num)return v||'';
-return v===''||v===null?null:parseFloat(v);}
-function sort(i,desc){var num=heads[i].getAttribute('data-type')==='num';
-var rows=Array.prototype.slice.call(body.rows);
-rows.sort(function(a,b){var x=key(a,i,num),y=key(b,i,num);
-if(num){if(x===null&&y===null)return 0;if(x===null)return 1;if(y===null)return -1;return desc?y-x:x-y;}
-return desc?(y<x?-1:y>x?1:0):(x<y?-1:x>y?1:0);});
-rows.forEach(function(r){body.appendChild(r);});
-for(var j=0;j<heads.length;j++)heads[j].removeAttribute('aria-sort');
-heads[i].setAttribute('aria-sort',desc?'descending':'ascending');table.setAttribute('data-sorted',
-heads[i].getAttribute('data-key')+(desc?':desc':':asc'));}
-Array.prototype.forEach.call(heads,function(th,i){var b=document.createElement('button');
-b.textContent=th.textContent;th.textContent='';th.appendChild(b);
-b.addEventListener('click',function(){sort(i,th.getAttribute('aria-sort')==='ascending');});});
-var m=/^#sort=([a-z_0-9]+)(:desc)?$/.exec(location.hash);
-if(m){for(var i=0;i<heads.length;i++)if(heads[i].getAttribute('data-key')===m[1])sort(i,!!m[2]);}
-var label=document.createElement('label');label.className='filter';
-var box=document.createElement('input');box.type='checkbox';label.appendChild(box);
-label.appendChild(document.createTextNode(' failed and errored points only'));
-table.parentNode.insertBefore(label,table);
-box.addEventListener('change',function(){Array.prototype.forEach.call(body.rows,function(r){
-r.style.display=box.checked&&!/r-(failed|error)/.test(r.className)?'none':'';});});
-})();
-"""

@@ -25,9 +25,10 @@ from ..errors import BadInput
 from ..files import atomic_write_text
 from ..judge.tolerances import JUNIT_FIGURES
 from ..points import describe_layers
-from .files import REPORT_FILE, SUMMARY_FILE, read_report, report_rows, write_reports
+from .files import write_reports
 from .html import HTML_FILE
 from .rows import Row
+from .schema import REPORT_FILE, SUMMARY_FILE, read_report, report_rows
 from .summary import counts, first_divergence, mark_inherited, row_note
 
 JUNIT_FILE = "junit.xml"

@@ -19,8 +19,8 @@ The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fi
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
 back by :meth:`Row.from_json`, so a report on disk redraws and diffs as the live rows do. The judge's
 figures are its own types (``TensorMetrics``, ``Check``, ``RoutingMetrics``, ``LogitsMetrics``,
-``BatchRow``); ``noise``, ``drill``, ``op`` and what the backend said stay the dicts the noise floor,
-the drill and the backend give.
+``BatchRow``), a drill is the drill's :class:`~.drill.Drill`; ``noise``, ``op`` and what the backend
+said stay the dicts the noise floor, the drill and the backend give.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..judge.routing import RoutingMetrics
 from ..judge.tensors import TensorMetrics
 from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import CONFIG, WEIGHTS, Point
+from .drill import Drill
 
 __all__ = [
     "BatchInvarianceRow",
@@ -95,7 +96,7 @@ class Row:
     error: str | None = None
     reason: str | None = None
     # a drill item's summary (`POINT::drill`), or a failed point drilled by --parity-drill auto
-    drill: JsonDict | None = None
+    drill: Drill | None = None
 
     @property
     def main_metrics(self) -> TensorMetrics | None:
@@ -126,6 +127,9 @@ class Row:
             "status": self.status,
         }
         return {**head, "position": self.position} if self.position is not None else head
+
+    def _drill_json(self) -> JsonDict | None:
+        return self.drill.to_json() if self.drill is not None else None
 
     def _message_json(self) -> JsonDict:
         if self.error is not None:
@@ -164,6 +168,9 @@ class Row:
         values.setdefault("step", None)
         values.setdefault("component", "")
         values.setdefault("status", "")
+        drill = values.pop("drill", None)  # a drill's op table: the drill's own record
+        if isinstance(drill, dict) and "rows" in drill:
+            values["drill"] = Drill.from_json(drill)
         if cls is PointRow and isinstance(data.get("chain"), dict):
             values["chained"] = Row.from_json(data["chain"])
         return cls(**values)
@@ -251,7 +258,7 @@ class PointRow(Row):
             "shown": self.shown,
             "inherited": self.inherited,
         }
-        return {**judged, "drill": self.drill} if self.drill is not None else judged
+        return {**judged, "drill": self.drill.to_json()} if self.drill is not None else judged
 
 
 @dataclass
@@ -307,7 +314,7 @@ class DrillRow(Row):
         return self.status if mode == self.mode else None
 
     def to_json(self) -> JsonDict:
-        return {**super().to_json(), "metrics": {}, "checks": [], "op": self.op, "drill": self.drill,
+        return {**super().to_json(), "metrics": {}, "checks": [], "op": self.op, "drill": self._drill_json(),
                 **self._message_json()}  # fmt: skip
 
 
@@ -520,7 +527,7 @@ def config_row(order: float, differ: list[str], notes: list[str]) -> ConfigRow:
     )  # fmt: skip
 
 
-def drill_row(entry: Any, status: str, op: JsonDict | None, drill: JsonDict | None) -> DrillRow:
+def drill_row(entry: Any, status: str, op: JsonDict | None, drill: Drill | None) -> DrillRow:
     """The row of a drill item (`entry`: the session's DrillEntry): one op's figures (`op`), or the
     drill's summary (`drill`)."""
     return DrillRow(

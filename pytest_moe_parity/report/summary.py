@@ -10,6 +10,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
+from .drill import Drill, recovers
 from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .text import fmt
 
@@ -203,24 +204,13 @@ def summary_lines(rows: list[Row], *, report_dir: Any = None) -> list[tuple[str,
     """The closing lines of a run, as (text, colour): counts, the first divergence, the first
     backend error, a line per drill. The plugin, `moe-parity compare` and `report` print the same
     lines. A drill's op rows are its table: they are not counted as points."""
-    drilled = [r.drill for r in rows if r.drill is not None and "rows" in r.drill]  # auto's too
+    drilled = [r.drill for r in rows if r.drill is not None]  # auto's too
     drills = [drill_line(d) for d in drilled]
     rows = [r for r in rows if r.kind != "op"]
     if not rows:
         return drills
-    proved = {d["point"]: found for d in drilled if (found := drill_finding(d))}
+    proved = {d.point: found for d in drilled if (found := d.finding())}
     return _point_lines(rows, report_dir, proved) + drills
-
-
-def drill_finding(drill: dict[str, Any]) -> str | None:
-    """What a drill proved about its point, as the point's hint (None: nothing beyond the hint)."""
-    if drill.get("culprit"):
-        recovery = drill.get("recovery")
-        said = f"; substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
-        return f"drill: {drill['culprit']} introduced the divergence{said}"
-    if drill.get("structure"):
-        return f"drill: {drill['structure'][0]}"
-    return None
 
 
 def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> list[tuple[str, str | None]]:
@@ -364,19 +354,19 @@ def legend(rows: list[Row], columns: list[str]) -> list[str]:
     return [f"legend: {LEGEND[key]}" for key in LEGEND if key in shown]
 
 
-def drill_line(drill: dict[str, Any]) -> tuple[str, str | None]:
+def drill_line(drill: Drill) -> tuple[str, str | None]:
     """A drilled point's closing line: its culprit and what substituting it recovers."""
-    rows = drill["rows"]
-    failed = sum(r["verdict"] != "ok" for r in rows)
-    head = f"drill {drill['point']}: {len(rows)} ops, {failed} failed"
-    if not drill["culprit"]:
-        why = drill.get("unmatched") and "matching failed"
-        why = why or (drill.get("structure") and f"structure: {drill['structure'][0]}")
-        why = why or (drill.get("accumulation") and "the error accumulates, no op leaves its floor")
+    rows = drill.rows
+    failed = sum(r.verdict != "ok" for r in rows)
+    head = f"drill {drill.point}: {len(rows)} ops, {failed} failed"
+    if not drill.culprit:
+        why = drill.unmatched and "matching failed"
+        why = why or (drill.structure and f"structure: {drill.structure[0]}")
+        why = why or (drill.accumulation and "the error accumulates, no op leaves its floor")
         return f"{head}; no culprit{f' ({why})' if why else ''}", "green" if not failed and not why else "red"
-    recovery = drill["recovery"]
-    said = f", substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
-    both = drill.get("recovery_introduced")
+    recovery = drill.recovery
+    said = f", {recovers(recovery)}" if recovery is not None else ""
+    both = drill.recovery_introduced
     if both is not None and both != recovery:
         said += f" ({100 * both:.0f}% with every op that introduced error)"
-    return f"{head}; culprit {drill['culprit']}{said}", "red"
+    return f"{head}; culprit {drill.culprit}{said}", "red"

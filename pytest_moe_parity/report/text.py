@@ -10,6 +10,7 @@ from typing import Any
 from ..judge.logits import LogitsMetrics
 from ..judge.routing import RoutingMetrics
 from ..judge.verdict import BatchRow, PointResult
+from .drill import Drill, OpRow, pct
 
 WIDTH = 100  # failure text: no line wider than this
 SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
@@ -249,11 +250,7 @@ def _logits_lines(lg: LogitsMetrics) -> list[str]:
 # -- drills -----------------------------------------------------------------------------------------
 
 
-def _pct(x: Any) -> str:
-    return "n/a" if x is None else f"{100 * float(x):.0f}%"
-
-
-def _op_line(op: Any) -> str:
+def _op_line(op: OpRow) -> str:
     figures = f"error {fmt(op.error, 3)}  ratio {fmt(op.ratio, 3)}"
     if op.isolated_ratio is not None:
         figures += f"  isolated ratio {fmt(op.isolated_ratio, 3)}"
@@ -262,7 +259,7 @@ def _op_line(op: Any) -> str:
     return f"  {op.verdict.upper() if op.failed else 'ok':10} {op.name:34} {figures}{how}{note}"
 
 
-def drill_text(drill: Any, limit: int = 40) -> str:
+def drill_text(drill: Drill, limit: int = 40) -> str:
     """A drill's op table: the culprit, its recovery, then the ops in forward order (the healthy
     ones before the first failure folded into a count)."""
     lines = [f"{drill.point}: drilled into {len(drill.rows)} ops ({drill.dtype}, noise factor {drill.factor:g})"]
@@ -278,20 +275,20 @@ def drill_text(drill: Any, limit: int = 40) -> str:
         lines.append(f"  culprit: {drill.culprit} introduced the divergence")
         if drill.culprit_op and drill.culprit_op != drill.culprit:
             lines.append(f"  the culprit's op: {drill.culprit_op}")
-        lines.extend(f"  the culprit's op differs: {said}" for said in drill.evidence)
+        lines.extend(f"  {said}" for said in drill.differs())
         if drill.recovery is not None:
             lines.append(
                 f"  substituting the reference's output of {drill.culprit} in the candidate's run recovers "
-                f"{_pct(drill.recovery)} of {drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's "
+                f"{pct(drill.recovery)} of {drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's "
                 f"own: {fmt(drill.component_noise, 3)})"
             )
         if drill.partial:
             lines.append(
-                f"  {drill.culprit} explains part of the error ({_pct(drill.recovery)}); the next op that does: "
-                f"{drill.partial['op']} (substituting it recovers {_pct(drill.partial['recovery'])})"
+                f"  {drill.culprit} explains part of the error ({pct(drill.recovery)}); the next op that does: "
+                f"{drill.partial['op']} (substituting it recovers {pct(drill.partial['recovery'])})"
             )
         if drill.recovery_introduced is not None and drill.recovery_introduced != drill.recovery:
-            lines.append(f"  substituting every op that introduced error recovers {_pct(drill.recovery_introduced)}")
+            lines.append(f"  substituting every op that introduced error recovers {pct(drill.recovery_introduced)}")
     elif drill.structure:
         lines.append("  no op introduced the divergence: it is structural (ops missing or extra, below)")
     elif drill.accumulation:
@@ -313,7 +310,7 @@ def drill_text(drill: Any, limit: int = 40) -> str:
     return "\n".join(lines)
 
 
-def drill_op_text(point: str, op: Any, drill: Any) -> str:
+def drill_op_text(point: str, op: OpRow, drill: Drill) -> str:
     """One drill item's failure."""
     head = {
         "introduced": "introduced the divergence: fed the reference's inputs, it differs beyond the reference's "
@@ -326,7 +323,7 @@ def drill_op_text(point: str, op: Any, drill: Any) -> str:
     if op.candidate:
         lines.append(f"  computed by the candidate's {', '.join(op.candidate)}")
     if op.recovery is not None:
-        lines.append(f"  substituting its golden output recovers {_pct(op.recovery)} of {point}'s error")
+        lines.append(f"  substituting its golden output recovers {pct(op.recovery)} of {point}'s error")
     if drill.culprit and drill.culprit != op.name:
         lines.append(f"  the drill's culprit: {drill.culprit}")
     return "\n".join(lines)
