@@ -11,7 +11,7 @@ import pytest
 
 if TYPE_CHECKING:
     from ..drill.items import DrillEntry
-    from ..judge.verdict import PointResult
+    from ..judge.result import PointResult
     from ..points import Point
     from ..replay.batch import BatchEntry
     from ..replay.config import ConfigEntry

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..judge.verdict import PointResult
+from ..judge.result import PointResult
 from ..points import Point
 from ..report.rows import Row
 

@@ -8,8 +8,8 @@ import textwrap
 from typing import Any
 
 from ..judge.logits import LogitsMetrics
+from ..judge.result import BatchRow, PointResult
 from ..judge.routing import RoutingMetrics
-from ..judge.verdict import BatchRow, PointResult
 
 WIDTH = 100  # failure text: no line wider than this
 SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
