@@ -17,15 +17,32 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from . import __version__
+
 VERSION = version("transformers")  # read without importing transformers (the CLI starts fast)
 MAJOR = int(VERSION.split(".")[0])
 
 
-def versions() -> dict[str, str]:
+def versions(*, golden: bool = False) -> dict[str, str]:
     """What a bug report needs to reproduce a run: this package's, torch's and transformers' versions,
-    Python's and the platform's (read without importing torch)."""
+    Python's and the platform's (read without importing torch). `golden`: as a golden's manifest holds
+    them (its format): this package's under its import name, torch's, transformers' and safetensors'
+    as their modules give them, and Python's."""
     import platform
     from importlib.metadata import PackageNotFoundError
+
+    if golden:
+        import safetensors
+        import torch
+        import transformers
+
+        return {
+            "pytest_moe_parity": __version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__,
+            "python": platform.python_version(),
+        }
 
     def installed(name: str) -> str:
         try:

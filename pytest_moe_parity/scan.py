@@ -32,7 +32,7 @@ from .model.archs import plan_points
 from .model.calls import cache_kwarg
 from .points import LOGITS
 from .record.prompts import Batch, Prompt, make_batch, prompt_ids, read_prompts
-from .record.run import load_config, load_model, tokenizer_of
+from .record.reference import load_checked_config, load_model, tokenizer_of
 
 # A floor for the reference's own logits error: a reference whose low-precision run is exact (a
 # candidate in float32) would make any difference an infinite ratio.
@@ -309,9 +309,9 @@ class ScanRequest:
             raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
         if self.new_tokens < 1 or self.batch_size < 1:
             raise BadInput("--new-tokens and --batch-size must be at least 1")
-        config = load_config(self.model_dir, trust_remote_code=self.trust_remote_code)
+        config = load_checked_config(self.model_dir, trust_remote_code=self.trust_remote_code)
         if self.candidate_dir is not None:
-            load_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
+            load_checked_config(self.candidate_dir, trust_remote_code=self.trust_remote_code)
         if self.hw is not None:
             if self.candidate_dir is None:
                 raise BadInput(

@@ -21,8 +21,8 @@ from .dtypes import dtype_name, json_safe
 from .errors import BackendError, BackendFailure, GoldenError, PointUnavailable, SetupError
 from .golden import GoldenStore
 from .host import HeldThreads
+from .judge.result import PointResult
 from .judge.tolerances import Override
-from .judge.verdict import PointResult
 from .points import PARTS, Point, describe_layers, point_id
 from .replay.batch import BatchItems
 from .replay.checks import Checker, CheckerSetup, Entry

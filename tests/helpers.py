@@ -13,7 +13,7 @@ import torch
 
 from pytest_moe_parity.cli import main
 from pytest_moe_parity.model.calls import CACHE_KWARGS
-from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.record.reference import load_model
 from pytest_moe_parity.session import ParitySession, RunOptions
 
 # the architectures of the arch table the bf16 defaults are calibrated on (docs/limits.md)

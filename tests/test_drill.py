@@ -701,7 +701,7 @@ def test_matching_tells_masks_apart_before_comparing() -> None:
 def test_rows_as_a_set_pair_each_row_with_its_nearest_one_to_one() -> None:
     """Rows no index traces are paired by value: each reference row with the candidate's nearest,
     one to one, all within the matching tolerance; else not paired at all."""
-    from pytest_moe_parity.drill.match import _set_order
+    from pytest_moe_parity.drill.rows import _set_order
 
     torch.manual_seed(0)
     rows = torch.randn(6, 16)

@@ -362,3 +362,39 @@ def test_the_report_imports_its_own_modules_at_the_top() -> None:
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pytest_moe_parity"))
     ]
     assert not found, found
+# a module split along the seams its docstring named: (the room split off, the module it came from)
+SPLIT_ROOMS = [
+    ("drill/rows.py", "drill/match.py"),  # rows by identity, below the matching's passes
+    ("judge/result.py", "judge/verdict.py"),  # a point's result types, below how a point is judged
+    ("record/reference.py", "record/run.py"),  # reading the reference, below `moe-parity golden`
+]
+
+
+def _module(path: str) -> str:
+    return "pytest_moe_parity." + path.removesuffix(".py").replace("/", ".")
+
+
+@pytest.mark.parametrize(("room", "above"), SPLIT_ROOMS, ids=[room for room, _ in SPLIT_ROOMS])
+def test_split_modules_are_rooms_in_order(room: str, above: str) -> None:
+    """As `backends/nxdi/`: the room split off a module imports nothing of that module, which
+    imports it (the order of the two is one way)."""
+    top = _module(above)
+    found = [
+        f"{room}:{line} imports {module}"
+        for module, line in _imports(PACKAGE / room)
+        if module == top or module.startswith(top + ".")
+    ]
+    assert not found
+    assert any(module.startswith(_module(room)) for module, _ in _imports(PACKAGE / above)), above
+
+
+def test_one_reference_class() -> None:
+    """Two things called `Reference` got two names: among the class names that more than one module
+    defines, no `Reference` (the drill's reference side keeps the name; recording's is `LoadedReference`)."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: where for name, where in defined.items() if len(set(where)) > 1}
+    assert "Reference" not in shared, shared["Reference"]

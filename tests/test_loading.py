@@ -15,7 +15,7 @@ from pytest_moe_parity.backends import BackendSetup
 from pytest_moe_parity.backends.hf import TorchBackend
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
-from pytest_moe_parity.record.run import load_model
+from pytest_moe_parity.record.reference import load_model
 from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.replay.runner import cast_inputs
 

@@ -52,8 +52,8 @@ def test_a_routers_flips_a_batchs_rows_and_the_logits_are_read_back_as_the_judge
     """A router's routing (its flips), a batch's rows and the logits' next tokens are the judge's types
     in a row, written as report schema 1 holds them and read back equal."""
     from pytest_moe_parity.judge.logits import LogitsMetrics
+    from pytest_moe_parity.judge.result import BatchRow, Check
     from pytest_moe_parity.judge.routing import RoutingMetrics
-    from pytest_moe_parity.judge.verdict import BatchRow, Check
 
     point = Point("router", 0, order=2)
     logits = torch.tensor([[4.0, 3.0, 0.0, 1.0], [4.0, 3.0, 2.0, 0.0]])

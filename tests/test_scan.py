@@ -156,7 +156,7 @@ def _port_writes_logits(model_dir: Path, folder: Path, *, skip: str | None = Non
     import torch
     from safetensors.torch import save_file
 
-    from pytest_moe_parity.record.run import load_model
+    from pytest_moe_parity.record.reference import load_model
 
     model = load_model(model_dir, dtype=torch.bfloat16, device="cpu", device_map=None, max_memory=None)
     for n, line in enumerate((folder / "inputs.jsonl").read_text().splitlines()):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_moe_parity.judge.result import Custom
 from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
-from pytest_moe_parity.judge.verdict import Case, Custom, judge_point
+from pytest_moe_parity.judge.verdict import Case, judge_point
 from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.rows import Row, point_row
 from pytest_moe_parity.report.summary import summary_table
@@ -202,7 +203,7 @@ def test_failure_text_counts_worst_elements_and_remedy() -> None:
 
 
 def test_remedy_rounds_outward_and_refuses_the_unacceptable() -> None:
-    from pytest_moe_parity.judge.verdict import _accepting
+    from pytest_moe_parity.judge.result import _accepting
 
     assert _accepting(0.0867, "<=") == pytest.approx(0.087)
     assert _accepting(0.75, "<=") == pytest.approx(0.75)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..judge.distance import rel_l2
 from ..tree import leaves, map_structure
 
 
@@ -226,6 +227,39 @@ class OpGraph:
 
     def producer(self, ref: Ref) -> OpNode | None:
         return self.nodes[ref.at] if ref.kind == "op" else None
+
+    def sources(self, node: OpNode) -> list[int]:
+        """The computing ops a node reads, through views."""
+        out, todo, seen = [], list(node.inputs()), set()
+        while todo:
+            producer = self.producer(todo.pop(0))
+            if producer is None or producer.index in seen:
+                continue
+            seen.add(producer.index)
+            if producer.layout:
+                todo.extend(producer.inputs())
+            else:
+                out.append(producer.index)
+        return out
+
+    def consumers(self) -> dict[int, set[int]]:
+        """Per computing op, the computing ops that read it (through views)."""
+        consumers: dict[int, set[int]] = {}
+        for node in self.compute():
+            for s in self.sources(node):
+                consumers.setdefault(s, set()).add(node.index)
+        return consumers
+
+    def passes_on(self, node: OpNode, tol: float) -> bool:
+        """Whether a cast's output holds its input's values (up to the rounding of its dtype): one
+        between floating dtypes does, by what a cast is; another, within relative L2 `tol`."""
+        refs = node.inputs()
+        value = self.value_of(refs[0]) if refs else None
+        if not isinstance(value, torch.Tensor) or node.value is None or value.shape != node.value.shape:
+            return False
+        if value.is_floating_point() and node.value.is_floating_point():
+            return True
+        return rel_l2(node.value, value) <= tol
 
     def replay(
         self,

@@ -16,13 +16,8 @@ In three passes over the ops that compute (views and factories are followed thro
    goes into a matched op where the reference op's goes, reading what it reads, whatever its kind.
 The passes for a port's own structure are left out when both sides run the same code.
 
-**Rows by identity.** A port's expert loop may gather each expert's tokens in another order than the
-reference's (by token where transformers goes by top-k slot, then token; sorted or bucketed
-dispatch). Where a candidate gather takes the same rows of the same values as a reference gather in
-another order (the same multiset of indices), its rows are put in the reference's order, and so are
-those of every op that goes on row by row from it (same leading size), up to a scatter back
-(`index_add`, `scatter`, `index_put`): the candidate's values are compared, substituted and isolated
-row by row by which token (and top-k slot) each row holds, not by position (`Match.frames`).
+**Rows by identity** (`rows`): where a port gathers each expert's rows in another order than the
+reference's, they are put in the reference's order first (`Match.frames`).
 
 Whatever is left is unmatched, and the drill lists it and fails."""
 
@@ -33,20 +28,22 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..judge.distance import MASKED, mask_figures, rel_l2
-from .capture import OpGraph, OpNode, Ref
+from .capture import OpGraph, OpNode
+from .rows import VALUE_TOL, RowIdentity, row_frames
 
-VALUE_TOL = 0.05  # relative L2 under which two outputs are "the same value" for matching
 NORM_MARGIN = 2**-7  # what `_Norms.close` allows a norm for its rounding to a 16-bit dtype
 CAST = "a cast the candidate adds"  # matched to no reference op: seen through, as views are
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 SAME_SELECTION = "value (the same experts selected)"  # a top-k judged by what it selects
 ORDER, PLACE = "op and order", "place (what it reads and what reads it)"  # passes 5 and 6 (`_by_place`)
+# drill/engine.py's names of two of OpGraph's methods (`sources(graph, node)`, `consumers(graph)`)
+sources, consumers = OpGraph.sources, OpGraph.consumers
 
 
 @dataclass
@@ -252,7 +249,7 @@ def _joined_rows(pair: _Pair, joined: set[int], matches: list[Match], add, free_
         pieces = [
             r for r in free_r()
             if r.expert is not None and _kind(r) == _kind(c) and r.value is not None
-            and set(sources(reference, r)) & reads
+            and set(reference.sources(r)) & reads
         ]  # fmt: skip
         hit = _run_of(pieces, range(len(pieces), 1, -1), val(c), lambda group, c=c: _expert_rows(group, val(c)))
         if hit:
@@ -458,17 +455,17 @@ class _Matching:
     def passed_on(self) -> None:
         """3. a cast or a join on one side only goes with the op whose value it passes on"""
         for c in self.free_c():
-            if c.kind == "_to_copy" and _passes_on(self.candidate, c):  # a cast the reference does not make
+            if c.kind == "_to_copy" and self.candidate.passes_on(c, VALUE_TOL):  # a cast the reference does not make
                 self.add(Match((), (c.index,), CAST))
                 continue
-            owners = {m.ref for s in sources(self.candidate, c) for m in self.matches if s in m.cand}
+            owners = {m.ref for s in self.candidate.sources(c) for m in self.matches if s in m.cand}
             if len(owners) == 1:
                 (owner,) = owners
                 value = self.reference.nodes[owner[0]].value if len(owner) == 1 else None
                 if value is not None and self.norms.close([self.val(c)], value) and _same(self.val(c), value):
                     self.add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
         for r in self.free_r():
-            owners = {m.cand for s in sources(self.reference, r) for m in self.matches if s in m.ref}
+            owners = {m.cand for s in self.reference.sources(r) for m in self.matches if s in m.ref}
             if len(owners) == 1:
                 (owner,) = owners
                 value = self.val(self.candidate.nodes[owner[0]]) if len(owner) == 1 else None
@@ -479,12 +476,12 @@ class _Matching:
         """4. an expert's op the candidate computes in pieces from the same inputs (gate and up apart) whose
         values differ (the fault may be there): by shape, kind and inputs"""
         for r in [] if self.same_code else self.free_r():
-            inputs = {c for s in sources(self.reference, r) for m in self.matches if s in m.ref for c in m.cand}
+            inputs = {c for s in self.reference.sources(r) for m in self.matches if s in m.ref for c in m.cand}
             if r.value is None or r.expert is None or not inputs:
                 continue
             pieces = [
                 c for c in self.free_c()
-                if _kind(c) == _kind(r) and c.value is not None and set(sources(self.candidate, c)) & inputs
+                if _kind(c) == _kind(r) and c.value is not None and set(self.candidate.sources(c)) & inputs
                 and _experts_agree(r, c)
             ]  # fmt: skip
             hit = _run_of(
@@ -517,236 +514,6 @@ class _Matching:
         return self.matches, left_ref, left_cand
 
 
-# ops that put rows back by index (an expert's outputs into the token order): a row frame ends there
-SCATTERS = frozenset(["index_add", "index_copy", "index_put", "scatter", "scatter_add", "scatter_reduce"])
-# gathers of rows along dim 0 (engine.GATHERS also counts `gather`, which takes along any dim)
-ROW_GATHERS = frozenset(["index", "index_select"])
-
-
-def _gathered(graph: OpGraph, node: OpNode) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A gather of rows along dim 0 (`x[i]`, `x[i, j]`, `x[mask]`, `index_select(x, 0, i)`): (the values
-    it reads, one integer key per output row: the flat position of the row it took), or None."""
-    if node.kind not in ROW_GATHERS or node.value is None or node.value.dim() == 0:
-        return None
-    args = node.args
-    source = graph.value_of(args[0]) if args and isinstance(args[0], Ref) else None
-    if not isinstance(source, torch.Tensor) or source.dim() == 0:
-        return None
-    if node.kind == "index_select":
-        if len(args) < 3 or args[1] != 0 or not isinstance(args[2], Ref):
-            return None
-        indices = [graph.value_of(args[2])]
-    else:
-        raw = args[1] if len(args) > 1 else None
-        if not isinstance(raw, list | tuple) or not raw or any(not isinstance(i, Ref) for i in raw):
-            return None  # a None among the indices (a slice before them): not rows along dim 0
-        indices = [graph.value_of(i) for i in raw]
-    if len(indices) == 1 and isinstance(indices[0], torch.Tensor) and indices[0].dtype == torch.bool:
-        mask = indices[0]  # `x[mask]`: the rows where the mask holds, in order
-        if mask.dim() != 1 or mask.shape[0] != source.shape[0]:
-            return None
-        indices = [mask.nonzero().squeeze(1)]
-    if any(not isinstance(i, torch.Tensor) or i.is_floating_point() or i.dtype == torch.bool for i in indices):
-        return None
-    try:
-        indices = torch.broadcast_tensors(*indices)
-    except RuntimeError:
-        return None
-    if indices[0].dim() != 1 or indices[0].shape[0] != node.value.shape[0] or len(indices) > source.dim():
-        return None
-    key = torch.zeros_like(indices[0], dtype=torch.int64)
-    for i, size in zip(indices, source.shape, strict=False):
-        key = key * size + i.long().remainder(size)
-    return source, key
-
-
-def _row_slice(graph: OpGraph, node: OpNode) -> tuple[int, int, int] | None:
-    """A slice of rows (dim 0, step 1) of an earlier op's output: (that op, start, stop), or None."""
-    args = node.args
-    if node.kind != "slice" or len(args) < 4 or not isinstance(args[0], Ref) or args[0].kind != "op":
-        return None
-    dim, start, stop = args[1], args[2], args[3]
-    step = args[4] if len(args) > 4 else 1
-    if dim != 0 or step != 1 or not all(isinstance(x, int) for x in (start, stop)):
-        return None
-    return args[0].at, start, stop
-
-
-@dataclass
-class RowIdentity:
-    """`row_frames`: per candidate op whose rows hold the reference's in another order, the index
-    that puts them in the reference's order (`value[index]`); per candidate gather or slice of one,
-    the reference gather whose rows it holds; the framed ops whose rows join several experts'."""
-
-    frames: dict[int, torch.Tensor]
-    gathers: dict[int, int]
-    joined: set[int]
-    sets: set[int] = field(default_factory=set)  # framed by `_rows_as_sets`, and what goes on from them
-
-
-def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
-    """Rows by identity (see the module's docstring and `RowIdentity`).
-
-    A candidate gather is keyed by the rows it takes (`_gathered`), and so is a slice of rows of one
-    (a sorted dispatch gathers every (token, slot) pair at once, each expert a slice of it); one whose
-    keys are a reference gather's in another order takes its frame. Ops that go on row by row take
-    their input's frame; a concatenation of framed ops along rows (each expert's results joined) the
-    frames joined, in the reference's order of the same pieces."""
-    refs = [(n, g) for n in reference.compute() if (g := _gathered(reference, n)) is not None]
-    if not refs:
-        return RowIdentity({}, {}, set())
-    keyed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for node in candidate.nodes:
-        got = _gathered(candidate, node) if not node.layout else None
-        cut = _row_slice(candidate, node) if node.layout else None
-        if cut is not None and cut[0] in keyed:
-            source, key = keyed[cut[0]]
-            got = source, key[cut[1] : cut[2]]
-        if got is not None:
-            keyed[node.index] = got
-    frames: dict[int, torch.Tensor] = {}
-    pairs: dict[int, int] = {}
-    taken: set[int] = set()
-    same: dict[tuple[int, int], bool] = {}  # (source, reference's source) by identity: gathers share them
-
-    def same_source(source: torch.Tensor, r_source: torch.Tensor) -> bool:
-        key = id(source), id(r_source)  # both kept alive by the graphs
-        if key not in same:
-            same[key] = rel_l2(source, r_source) <= VALUE_TOL
-        return same[key]
-
-    for index, (source, key) in keyed.items():
-        for r, (r_source, r_key) in refs:
-            if r.index in taken or r_key.shape != key.shape:
-                continue
-            if r_source.shape != source.shape or not torch.equal(r_key.sort().values, key.sort().values):
-                continue
-            if r_key.unique().numel() != r_key.numel() or not same_source(source, r_source):
-                continue
-            order = torch.empty_like(key)  # the candidate's row holding the reference's row j
-            order[r_key.argsort()] = key.argsort()
-            frames[index] = order
-            taken.add(r.index)
-            pairs[index] = r.index
-            break
-    sets: set[int] = set()
-    found = _rows_as_sets(candidate, [r for r, _ in refs if r.index not in taken], set(keyed))
-    if any(not torch.equal(order, torch.arange(order.numel())) for _, order in found.values()):
-        for index, (r_index, order) in found.items():
-            frames[index], pairs[index] = order, r_index
-            sets.add(index)
-    if all(torch.equal(f, torch.arange(f.numel())) for f in frames.values()):
-        return RowIdentity({}, pairs, set())  # every row where the reference has it
-    joined: set[int] = set()
-    for node in candidate.nodes:  # row by row from a framed op: the same frame, to a scatter back
-        if node.index in frames or node.kind in SCATTERS or node.value is None or node.value.dim() == 0:
-            continue
-        if node.layout and _row_slice(candidate, node) is None:
-            continue
-        reads = _framed_inputs(candidate, node.inputs(), frames)
-        inherited = [frames[i] for i in reads if i is not None]
-        if node.kind == "cat" and inherited:
-            frame = _joined_frames(candidate, node, frames)
-            if frame is not None:
-                frames[node.index] = frame
-                joined.add(node.index)
-            continue
-        one = inherited and all(torch.equal(f, inherited[0]) for f in inherited[1:])  # one order, or none
-        if one and node.value.shape[0] == inherited[0].numel() and not node.layout:
-            frames[node.index] = inherited[0]
-            if any(i in joined for i in reads):
-                joined.add(node.index)
-        if node.index in frames and any(i in sets for i in reads):
-            sets.add(node.index)
-    return RowIdentity(frames, pairs, joined, sets)
-
-
-SET_ROWS = 8192  # the most rows `_rows_as_sets` pairs (their distances: SET_ROWS^2 floats)
-
-
-def _rows_as_sets(candidate: OpGraph, untaken: list[OpNode], keyed: set[int]) -> dict[int, tuple[int, torch.Tensor]]:
-    """Where no index traces which token a row holds (rows made by a one-hot matmul, a scatter into
-    a buffer): per candidate op (or slice of rows of one) holding the same rows as one of the
-    reference's gathers in `untaken`, in another order, (that gather, the order that puts its rows
-    in the reference's). The rows are paired as a set: each reference row with the candidate's
-    nearest, one to one, and all of them then within VALUE_TOL; the first such op in forward order."""
-    wanted = [
-        r for r in untaken
-        if r.value is not None and r.value.is_floating_point() and r.value.dim() >= 2
-        and 1 <= r.value.shape[0] <= SET_ROWS
-    ]  # fmt: skip
-    found: dict[int, tuple[int, torch.Tensor]] = {}
-    used: set[int] = set()
-    for node in candidate.nodes if wanted else ():
-        value = node.value
-        if node.index in keyed or value is None or not value.is_floating_point():
-            continue
-        if node.layout and _row_slice(candidate, node) is None:  # of views, slices of rows only
-            continue
-        for r in wanted:
-            if r.index in used or r.value.shape != value.shape:
-                continue
-            order = _set_order(value, r.value)
-            if order is not None:
-                found[node.index] = r.index, order
-                used.add(r.index)
-                break
-    return found
-
-
-def _set_order(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-    """The order that puts `value`'s rows in `rows`' (`value[order]`), where each of `rows` has its
-    own nearest among `value`'s and all are then within VALUE_TOL, else None."""
-    n = rows.shape[0]
-    a, b = value.detach().reshape(n, -1).float(), rows.detach().reshape(n, -1).float()
-    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-        return None
-    order = torch.cdist(b, a).argmin(dim=1)
-    if order.unique().numel() != n or rel_l2(a[order], b) > VALUE_TOL:
-        return None
-    return order
-
-
-def _framed_inputs(graph: OpGraph, refs: list[Ref], frames: dict[int, torch.Tensor]) -> list[int | None]:
-    """The framed ops `refs` come from, through views that are not framed themselves (None for an op
-    that has no frame)."""
-    out: list[int | None] = []
-    todo, seen = list(refs), set()
-    while todo:
-        producer = graph.producer(todo.pop(0))
-        if producer is None or producer.index in seen:
-            continue
-        seen.add(producer.index)
-        if producer.index in frames:
-            out.append(producer.index)
-        elif producer.layout:
-            todo.extend(producer.inputs())
-        else:
-            out.append(None)
-    return out
-
-
-def _joined_frames(graph: OpGraph, node: OpNode, frames: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """The frame of a concatenation along rows whose every piece is framed: the pieces' frames,
-    each shifted to where its rows are."""
-    pieces = node.args[0] if node.args else None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if dim != 0 or not isinstance(pieces, list | tuple) or not pieces:
-        return None
-    joined, offset = [], 0
-    for piece in pieces:
-        value = graph.value_of(piece) if isinstance(piece, Ref) else None
-        got = _framed_inputs(graph, [piece], frames) if isinstance(piece, Ref) else []
-        if len(got) != 1 or got[0] is None or not isinstance(value, torch.Tensor):
-            return None
-        frame = frames[got[0]]
-        if value.shape[0] != frame.numel():
-            return None
-        joined.append(frame + offset)
-        offset += frame.numel()
-    return torch.cat(joined)
-
-
 def _dense_rows(value: torch.Tensor, rows: tuple[int | None, torch.Tensor]) -> torch.Tensor:
     at, index = rows
     flat = value[at] if at is not None else value
@@ -774,7 +541,7 @@ def _rows_in(dense: torch.Tensor | None, part: torch.Tensor, expert: int) -> tup
 def _leading_to(graph: OpGraph, targets: set[int], matched: set[int]) -> list[int]:
     """The unmatched computing ops whose values go only into `targets` (through views, and through
     each other): the steps by which the candidate computes a reference input."""
-    read_by = consumers(graph)
+    read_by = graph.consumers()
     found: set[int] = set()
     for node in reversed(graph.compute()):
         users = read_by.get(node.index)
@@ -848,30 +615,6 @@ class _Runs:
         return None
 
 
-def sources(graph: OpGraph, node: OpNode) -> list[int]:
-    """The computing ops a node reads, through views."""
-    out, todo, seen = [], list(node.inputs()), set()
-    while todo:
-        producer = graph.producer(todo.pop(0))
-        if producer is None or producer.index in seen:
-            continue
-        seen.add(producer.index)
-        if producer.layout:
-            todo.extend(producer.inputs())
-        else:
-            out.append(producer.index)
-    return out
-
-
-def consumers(graph: OpGraph) -> dict[int, set[int]]:
-    """Per computing op, the computing ops that read it (through views)."""
-    consumers: dict[int, set[int]] = {}
-    for node in graph.compute():
-        for s in sources(graph, node):
-            consumers.setdefault(s, set()).add(node.index)
-    return consumers
-
-
 def _by_place(pair: _Pair, matches: list[Match], add, drop, free_r, free_c, gathers: dict[int, int]) -> None:
     """Passes 5 and 6 on a port's own code: an op of the reference's kind, in forward order, where
     what it reads corresponds (two ops of one kind and size on other paths are not one op); then,
@@ -939,7 +682,7 @@ class _Pair:
             i = next((i for i, u in enumerate(reference.inputs) if _same_input(t, u)), None)
             if i is not None:
                 self.inputs[j] = i
-        self.ref_users, self.cand_users = consumers(reference), consumers(candidate)
+        self.ref_users, self.cand_users = reference.consumers(), candidate.consumers()
 
 
 class _Flow:
@@ -1023,7 +766,7 @@ class _Flow:
         """Reference ops `ops` and every reference op upstream of them."""
         out, todo = set(ops), list(ops)
         while todo:
-            for s in sources(self.reference, self.reference.nodes[todo.pop()]):
+            for s in self.reference.sources(self.reference.nodes[todo.pop()]):
                 if s not in out:
                     out.add(s)
                     todo.append(s)
@@ -1069,13 +812,13 @@ def _cast_of_matched(
     candidate: OpGraph, c: OpNode, by_cand: dict[int, Match], frames: dict, reference: OpGraph
 ) -> OpNode | None:
     """The reference op a cast `c` equals because the op it casts does, one to one and value for
-    value, or None: a cast between floating dtypes holds its input's values (`_passes_on`) up to a
+    value, or None: a cast between floating dtypes holds its input's values (`OpGraph.passes_on`) up to a
     rounding far under VALUE_TOL where the dtype is float32, float64 or bfloat16 (float16 can
     overflow, float8 rounds coarser)."""
     if c.kind != "_to_copy" or c.value is None or c.value.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
     source = candidate.producer(c.inputs()[0]) if c.inputs() else None
-    if source is None or c.index in frames or source.index in frames or not _passes_on(candidate, c):
+    if source is None or c.index in frames or source.index in frames or not candidate.passes_on(c, VALUE_TOL):
         return None
     m = by_cand.get(source.index)
     if m is None or len(m.ref) != 1 or m.cand != (source.index,) or m.perm is not None or m.rows is not None:
@@ -1084,15 +827,3 @@ def _cast_of_matched(
         return None
     r = reference.nodes[m.ref[0]]
     return r if r.value is not None and r.value.numel() == c.value.numel() else None
-
-
-def _passes_on(graph: OpGraph, node: OpNode) -> bool:
-    """Whether a cast's output holds its input's values (up to the rounding of its dtype): one
-    between floating dtypes does, by what a cast is."""
-    refs = node.inputs()
-    value = graph.value_of(refs[0]) if refs else None
-    if not isinstance(value, torch.Tensor) or node.value is None or value.shape != node.value.shape:
-        return False
-    if value.is_floating_point() and node.value.is_floating_point():
-        return True
-    return rel_l2(node.value, value) <= VALUE_TOL

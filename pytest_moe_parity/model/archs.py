@@ -211,19 +211,7 @@ def _path_of(model: nn.Module, target: nn.Module | None) -> str | None:
 def find_structure(model: nn.Module, config=None) -> ArchSpec:
     """Find the capture points of an MoE model by structure, for model types not in ARCH_TABLE."""
     config = config if config is not None else model.config
-    model_type = getattr(config, "model_type", "?")
-    n_layers = getattr(config, "num_hidden_layers", None)
-    candidates = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and (n_layers is None or len(mod) == n_layers)
-    ]
-    # The decoder stack: the shortest path among module lists of the right length whose layers
-    # hold a token mixer (attention, or mamba/linear attention in hybrid models) or experts.
-    candidates = [(n, m) for n, m in candidates if any(_attention_child(layer) or _moe_child(layer) for layer in m)]
-    if not candidates:
-        raise ArchError(f"{model_type}: cannot find the decoder layer list (a ModuleList of {n_layers} layers)")
-    layers_path, layers = min(candidates, key=lambda nm: nm[0].count("."))
+    layers_path, layers = _decoder_stack(model, config)
     base_path = layers_path.rpartition(".")[0]
     base = _get(model, base_path) if base_path else model
 
@@ -239,6 +227,52 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
 
     # Layer-relative names, taken from the first MoE layer (dense layers share them).
     moe_layer = next((layer for layer in layers if _moe_child(layer) is not None), layers[0])
+    attention, norms = _mixer_and_norms(layers, moe_layer)
+    input_norm = "input_layernorm" if "input_layernorm" in norms else (norms[0] if norms else None)
+    post_norm = (
+        "post_attention_layernorm"
+        if "post_attention_layernorm" in norms
+        else next((n for n in norms if n != input_norm), None)
+    )
+    moe = _moe_child(moe_layer)
+    router, experts, shared, kind, bias = _moe_parts(moe_layer, moe)
+    return ArchSpec(
+        embedding=embedding or "",
+        rotary=rotary,
+        layers=layers_path,
+        final_norm=final_norm or "",
+        logits=logits or "",
+        input_norm=input_norm or "",
+        attention=attention or "",
+        post_attn_norm=post_norm or "",
+        moe=moe or "mlp",
+        router=router or "",
+        experts=experts or "",
+        shared_experts=shared,
+        router_kind=kind,
+        score_bias=bias,
+    )
+
+
+def _decoder_stack(model: nn.Module, config) -> tuple[str, nn.ModuleList]:
+    """The decoder stack: the shortest path among module lists of the right length whose layers
+    hold a token mixer (attention, or mamba/linear attention in hybrid models) or experts."""
+    model_type = getattr(config, "model_type", "?")
+    n_layers = getattr(config, "num_hidden_layers", None)
+    candidates = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and (n_layers is None or len(mod) == n_layers)
+    ]
+    candidates = [(n, m) for n, m in candidates if any(_attention_child(layer) or _moe_child(layer) for layer in m)]
+    if not candidates:
+        raise ArchError(f"{model_type}: cannot find the decoder layer list (a ModuleList of {n_layers} layers)")
+    return min(candidates, key=lambda nm: nm[0].count("."))
+
+
+def _mixer_and_norms(layers: nn.ModuleList, moe_layer: nn.Module) -> tuple[str, list[str]]:
+    """The token mixer's layer-relative name (`a|b` where layers name theirs otherwise) and the norms'
+    of `moe_layer`."""
     mixers = dict.fromkeys(name for layer in layers if (name := _attention_child(layer)) is not None)
     norms = [name for name, child in moe_layer.named_children() if _is_norm(child)]
     if not norms and len(mixers) == 1:  # the norms and the mixer inside one block (DBRX: norm_attn_norm)
@@ -248,14 +282,12 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
         if inner_mixer is not None:
             mixers = {f"{wrapper}.{inner_mixer}": None}
             norms = [f"{wrapper}.{name}" for name, child in inner.named_children() if _is_norm(child)]
-    attention = "|".join(mixers)
-    input_norm = "input_layernorm" if "input_layernorm" in norms else (norms[0] if norms else None)
-    post_norm = (
-        "post_attention_layernorm"
-        if "post_attention_layernorm" in norms
-        else next((n for n in norms if n != input_norm), None)
-    )
-    moe = _moe_child(moe_layer)
+    return "|".join(mixers), norms
+
+
+def _moe_parts(moe_layer: nn.Module, moe: str | None) -> tuple[str | None, str | None, str | None, str, str | None]:
+    """The MoE block's router, experts and shared experts (layer-relative names), the router's kind
+    and its score-correction bias: (None, None, None, "softmax", None) without a block."""
     router = experts = shared = None
     kind = "softmax"
     bias = None
@@ -284,22 +316,7 @@ def find_structure(model: nn.Module, config=None) -> ArchSpec:
                 bias = f"{owner}.{bias_name}"
                 kind = "sigmoid_bias"
                 break
-    return ArchSpec(
-        embedding=embedding or "",
-        rotary=rotary,
-        layers=layers_path,
-        final_norm=final_norm or "",
-        logits=logits or "",
-        input_norm=input_norm or "",
-        attention=attention or "",
-        post_attn_norm=post_norm or "",
-        moe=moe or "mlp",
-        router=router or "",
-        experts=experts or "",
-        shared_experts=shared,
-        router_kind=kind,
-        score_bias=bias,
-    )
+    return router, experts, shared, kind, bias
 
 
 _MIXER_WORDS = ("attn", "attention", "mamba", "mixer", "conv")

@@ -89,8 +89,7 @@ class LazyModel:
         weights: dict[str, str] | None = None,
         fit_threads: bool = True,
     ):
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -104,40 +103,14 @@ class LazyModel:
             )
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
-        # Parameters on meta, buffers (rotary inv_freq, ...) real: they are computed, not loaded.
-        # Initialising parameters that stay on meta costs ~0.4 s for 48 layers and gives nothing.
-        with _META_BUILD, init_empty_weights(include_buffers=False), _no_init_weights():
-            model = AutoModelForCausalLM.from_config(
-                self.config, attn_implementation="eager", dtype=dtype, trust_remote_code=trust_remote_code
-            )
-        model.config._experts_implementation = "eager"
-        self.model = model.eval()
-        if self.device.type != "cpu":
-            for module in self.model.modules():
-                for name, buf in list(module._buffers.items()):
-                    if buf is not None:
-                        module._buffers[name] = buf.to(self.device)
+        self.model = self._build(trust_remote_code)
         from .archs import layers_path
 
         self._layers_path = layers_path(self.model, self.config)
         layers_name = self._layers_path.rsplit(".", 1)[-1]
         self._layer_re = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
-        # Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load. A key
-        # outside the layers by its checkpoint name is placed by the model's name of it (a hub checkpoint
-        # may name a module otherwise, `model.word_embeddings`, or its layers, as the conversion renames).
-        self._keys_by_layer: dict[int | None, list[str]] = {}
-        self._model_level_names: dict[str, str] = {}
         self._conversion: list[Any] | None = None  # `_mapping`
-        renamed = None
-        for key in self.weight_map:
-            layer = self.layer_of(key)
-            if layer is None:
-                renamed = renamed or self._model_names()
-                name = renamed(key)
-                layer = self.layer_of(name)
-                if layer is None:
-                    self._model_level_names[key] = name
-            self._keys_by_layer.setdefault(layer, []).append(key)
+        self._group_keys()
         self._loaded: list[Unit] = []  # loaded units; decoder layers in least recently used order
         # decoder layers held at once (None: every one, never evicted)
         self.max_layers = self.num_layers if max_layers is None else max(1, max_layers)
@@ -158,6 +131,43 @@ class LazyModel:
         # unit never waits for the background read.
         self._loading = threading.RLock()
         self._state = threading.RLock()
+
+    def _build(self, trust_remote_code: bool) -> Any:
+        """The model on the meta device: parameters on meta, buffers (rotary inv_freq, ...) real, on
+        this model's device: they are computed, not loaded. (Initialising parameters that stay on meta
+        costs ~0.4 s for 48 layers and gives nothing.)"""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with _META_BUILD, init_empty_weights(include_buffers=False), _no_init_weights():
+            model = AutoModelForCausalLM.from_config(
+                self.config, attn_implementation="eager", dtype=self.dtype, trust_remote_code=trust_remote_code
+            )
+        model.config._experts_implementation = "eager"
+        model = model.eval()
+        if self.device.type != "cpu":
+            for module in model.modules():
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None:
+                        module._buffers[name] = buf.to(self.device)
+        return model
+
+    def _group_keys(self) -> None:
+        """Checkpoint keys by decoder layer (None: model-level), grouped once rather than per load. A key
+        outside the layers by its checkpoint name is placed by the model's name of it (a hub checkpoint
+        may name a module otherwise, `model.word_embeddings`, or its layers, as the conversion renames)."""
+        self._keys_by_layer: dict[int | None, list[str]] = {}
+        self._model_level_names: dict[str, str] = {}
+        renamed = None
+        for key in self.weight_map:
+            layer = self.layer_of(key)
+            if layer is None:
+                renamed = renamed or self._model_names()
+                name = renamed(key)
+                layer = self.layer_of(name)
+                if layer is None:
+                    self._model_level_names[key] = name
+            self._keys_by_layer.setdefault(layer, []).append(key)
 
     # -- which checkpoint keys belong to which unit ----------------------------------------------
     def _mapping(self) -> list[Any] | None:

@@ -11,7 +11,7 @@ import pytest
 
 if TYPE_CHECKING:
     from ..drill.items import DrillEntry
-    from ..judge.verdict import PointResult
+    from ..judge.result import PointResult
     from ..points import Point
     from ..replay.checks import AtPoint, Entry
     from ..replay.runner import Prepared

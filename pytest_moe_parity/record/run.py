@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ..compat import versions
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import ArchError, BadInput, CheckpointError, GoldenError, ParityError, RecordError, upstream_frame
 from ..golden import GoldenWriter, Recorded
@@ -27,17 +26,25 @@ from ..golden.spec import parse_token_spec
 from ..host import gib, malloc_trim, map_large_allocations
 from ..model.archs import plan_points
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_heads, attention_within, score_bytes
-from ..model.checkpoint import quantization, safetensors_files
-from ..model.lazy_model import LazyModel, own_memory
+from ..model.checkpoint import safetensors_files
+from ..model.lazy_model import LazyModel
 from ..points import Point, describe_layers, layers_option
 from .audit import Shape, check_context, parse_memory
 from .capture import GoldenRecorder, SliceDone
 from .decode import DecodePlan, decode_cache, parse_positions, record_decode
-from .dispatch import dispatch_by_unit, does_not_fit
-from .memory import memory_line, peaks, placement, placement_line
+from .dispatch import dispatch_by_unit
+from .memory import memory_line, peaks
 from .prompts import Batch, make_batch, read_prompts
+from .reference import (
+    LoadedReference,
+    first_line,
+    has_tokenizer,
+    load_checked_config,
+    load_model,
+    reader,
+    tokenizer_of,
+)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_SEQ_LEN = 16
 # Config keys that say nothing about the numbers a model computes.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures"}
@@ -54,12 +61,6 @@ class RecordResult:
     decode: str = ""  # the decode steps recorded, in words (`3 decode steps (positions 511-513)`)
 
 
-def _first_line(exc: BaseException) -> str:
-    """transformers' messages run to paragraphs: the first line says what is wrong."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def config_dict(config) -> dict[str, Any]:
     d = config.to_dict()
     return {k: v for k, v in sorted(d.items()) if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
@@ -68,34 +69,6 @@ def config_dict(config) -> dict[str, Any]:
 def config_hash(config) -> str:
     text = json.dumps(config_dict(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def load_config(model_dir: Path, *, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    if not model_dir.is_dir():
-        raise BadInput(f"model directory {model_dir} does not exist")
-    if not (model_dir / "config.json").is_file():
-        raise BadInput(f"{model_dir} is not a transformers checkpoint (no config.json)")
-    try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
-        raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {_first_line(exc)}") from None
-
-
-def has_tokenizer(model_dir: Path) -> bool:
-    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
-
-
-def tokenizer_of(model_dir: Path, *, trust_remote_code: bool = False) -> tuple[Callable | None, int | None]:
-    """The model's tokenizer as a function of a text to its token ids, and its pad id; (None, None)
-    where the model directory has no tokenizer."""
-    if not has_tokenizer(model_dir):
-        return None, None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return (lambda text: list(tok(text)["input_ids"])), tok.pad_token_id
 
 
 def resolve_input_ids(
@@ -151,111 +124,6 @@ def parse_max_memory(spec: str | None) -> dict[Any, int] | None:
     return {int(device) if device.isdigit() else device: size for device, size in caps.items()}
 
 
-def load_model(
-    model_dir: Path,
-    *,
-    dtype: torch.dtype,
-    device: str | None,
-    device_map: str | None,
-    max_memory: dict | None,
-    offload_folder: Path | None = None,
-    trust_remote_code: bool = False,
-):
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = dict(
-        dtype=dtype,
-        attn_implementation="eager",
-        # grouped_mm (the CPU default) and eager differ by ~1e-7: pin it on both sides.
-        experts_implementation="eager",
-        trust_remote_code=trust_remote_code,
-    )
-    if device_map:
-        kwargs["device_map"] = device_map
-        if max_memory:
-            kwargs["max_memory"] = max_memory
-        if offload_folder is not None:
-            kwargs["offload_folder"] = str(offload_folder)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        if "offload_folder" in str(exc) and offload_folder is None:  # placed partly on disk, and nowhere to put it
-            raise does_not_fit(model_dir) from None
-        raise BadInput(f"cannot load {model_dir} as a causal LM: {_first_line(exc)}") from None
-    if not device_map and device:
-        model = model.to(device)
-    # What stays on the host no longer holds the shards mapped (and sits where the unit-by-unit
-    # reading puts it: aligned, so that both give the same bits).
-    own_memory(model)
-    return model.eval()
-
-
-@dataclass
-class Reference:
-    """The reference model as recording holds it, read as `reader` said (`how`): with `lazy`, its
-    weights read from the checkpoint one unit at a time as the forward reaches them (every unit
-    kept, or streamed a few decoder layers at a time)."""
-
-    model: Any
-    how: str
-    lazy: LazyModel | None = None
-
-    @property
-    def loading(self) -> str:
-        if self.how == "stream":
-            assert self.lazy is not None
-            return f"streamed, {self.lazy.max_layers} decoder layers at a time"
-        return {"from_pretrained": "from_pretrained", "placed": "by unit, placed by accelerate"}.get(
-            self.how, "by unit"
-        )
-
-    @property
-    def input_device(self) -> torch.device:
-        return self.lazy.device if self.lazy is not None else input_device(self.model)
-
-    def running(self) -> contextlib.AbstractContextManager:
-        return self.lazy.streaming() if self.lazy is not None else contextlib.nullcontext()
-
-    def placement(self) -> dict[str, dict[str, int]]:
-        return placement(self.model, self.lazy.device if self.lazy is not None else None)
-
-    def _layer_bytes(self) -> list[int]:
-        """Each decoder layer's weight bytes, largest first."""
-        assert self.lazy is not None
-        return sorted((self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers)), reverse=True)
-
-    def placement_line(self, placed: dict[str, dict[str, int]]) -> str:
-        if self.how != "stream":
-            return placement_line(placed)
-        assert self.lazy is not None
-        return (
-            f"placement: streamed from the checkpoint onto {self.lazy.device}, {self.lazy.max_layers} decoder "
-            f"layers at a time ({gib(self._layer_bytes()[0])} each; "
-            f"{gib(sum(e['bytes'] for e in placed.values()))} in all)"
-        )
-
-    def host_weight_bytes(self, placed: dict[str, dict[str, int]]) -> int:
-        """The weights this recording kept in host memory at most."""
-        if self.how != "stream":
-            return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
-        assert self.lazy is not None
-        if self.lazy.device.type != "cpu":
-            return 0
-        model_level = sum(self.lazy.unit_bytes(u) for u in self.lazy.model_level_paths())
-        return model_level + sum(self._layer_bytes()[: self.lazy.max_layers])
-
-
-def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool) -> str:
-    """How the reference is read: `from_pretrained` for a checkpoint without safetensors or a
-    quantized one (its quantizer applies the scales); else one unit at a time, `placed` by an
-    accelerate device map, `stream`ed, or every unit kept on one device (`units`)."""
-    if not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
-        return "from_pretrained"
-    if device_map:
-        return "placed"
-    return "stream" if stream else "units"
-
-
 def load_reference(
     model_dir: Path,
     config: Any,
@@ -267,17 +135,22 @@ def load_reference(
     offload_folder: Path | None,
     stream: bool,
     trust_remote_code: bool,
-) -> Reference:
+) -> LoadedReference:
     """The reference model, read as `reader` says. One unit at a time, the host holds the weights
     it keeps and one unit in flight; `from_pretrained` maps every shard and holds its pages while it
-    converts (about the checkpoint again at its peak, and with disk offload, whatever the caps)."""
+    converts (about the checkpoint again at its peak, and with disk offload, whatever the caps).
+    `reader` and `load_model` are this module's names of `reference`'s (a test replaces them here)."""
     how = reader(model_dir, config, device_map, stream)
     placing = dict(dtype=dtype, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if how == "from_pretrained":
-        return Reference(load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing), how)
+        return LoadedReference(
+            load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing), how
+        )
     try:
         if how == "placed":
-            return Reference(dispatch_by_unit(model_dir, config, trust_remote_code=trust_remote_code, **placing), how)
+            return LoadedReference(
+                dispatch_by_unit(model_dir, config, trust_remote_code=trust_remote_code, **placing), how
+            )
         lazy = LazyModel(
             model_dir,
             dtype=dtype,
@@ -289,29 +162,8 @@ def load_reference(
     except CheckpointError as exc:
         raise BadInput(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
-        raise BadInput(f"cannot build {model_dir} as a causal LM: {_first_line(exc)}") from None
-    return Reference(lazy.model, how, lazy)
-
-
-def versions() -> dict[str, str]:
-    import safetensors
-    import transformers
-
-    return {
-        "pytest_moe_parity": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def input_device(model) -> torch.device:
-    emb = model.get_input_embeddings()
-    p = next(emb.parameters(), None)
-    if p is not None and p.device.type != "meta":
-        return p.device
-    return torch.device("cpu")
+        raise BadInput(f"cannot build {model_dir} as a causal LM: {first_line(exc)}") from None
+    return LoadedReference(lazy.model, how, lazy)
 
 
 @contextlib.contextmanager
@@ -448,7 +300,7 @@ class GoldenRequest:
             torch_dtype = parse_dtype(self.dtype)
         except ValueError:
             raise BadInput(f"--dtype {self.dtype!r} is not a torch dtype (e.g. float32, bfloat16)") from None
-        config = load_config(model_dir, trust_remote_code=self.trust_remote_code)
+        config = load_checked_config(model_dir, trust_remote_code=self.trust_remote_code)
         positions = parse_positions(self.decode_at)
         if self.prompts is not None:
             return self._check_batch(torch_dtype, config, positions)
@@ -620,7 +472,7 @@ class CheckedRequest:
                 "argv": sys.argv[1:],
             },
             "arch": {"source": facts.plan.source, "skipped_points": facts.skipped, "notes": facts.plan.notes},
-            "versions": versions(),
+            "versions": versions(golden=True),
             "stats": facts.stats,
         }
 
@@ -763,7 +615,7 @@ class _GoldenRun:
                 f"{time.perf_counter() - self.started:.1f}s]"
             )
 
-    def _forward_or_say(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
+    def _forward_or_say(self, ref: LoadedReference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
         """`_forward`; where the model's own code raises (a config it cannot run), one sentence that
         names its line (an error raised in this package's code stays as it is: its traceback)."""
         try:
@@ -781,7 +633,7 @@ class _GoldenRun:
                 "(AutoModelForCausalLM.from_pretrained, then a forward) before recording"
             ) from exc
 
-    def _forward(self, ref: Reference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
+    def _forward(self, ref: LoadedReference, points: list[Point]) -> tuple[list[str], dict[str, Any] | None]:
         """The prefill with every point hooked, then the decode steps: (points never called, the
         decode steps' record or None)."""
         model = ref.model

@@ -27,8 +27,8 @@ import torch
 
 from ..errors import BackendFailure, SetupError
 from ..golden import GoldenRecord, GoldenStore
+from ..judge.result import PointResult
 from ..judge.tolerances import NOISE_FLOOR_EPS
-from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt

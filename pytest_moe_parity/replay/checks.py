@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
-from ..judge.verdict import PointResult
+from ..judge.result import PointResult
 from ..points import Point
 from ..report.rows import Row
 

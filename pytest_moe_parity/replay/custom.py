@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..dtypes import dtype_name
+from ..judge.result import Custom, PointResult
 from ..judge.tolerances import Override, resolve
-from ..judge.verdict import Case, Custom, PointResult, judge_point
+from ..judge.verdict import Case, judge_point
 
 if TYPE_CHECKING:
     from ..backends import Backend

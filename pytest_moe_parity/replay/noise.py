@@ -22,7 +22,7 @@ from ..errors import BackendFailure, BadInput, PointUnavailable
 from ..golden import GoldenStore
 from ..golden.writer import update_manifest
 from ..host import gib, malloc_trim
-from ..judge.verdict import PointResult
+from ..judge.result import PointResult
 from ..points import ROUTER
 from .batch import Rows
 from .runner import ParityRunner

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import BackendFailure, PointUnavailable, SetupError
 from ..golden import GoldenStore
+from ..judge.result import PointResult
 from ..judge.routing import (
     RoutingMetrics,
     SelectionRule,
@@ -36,7 +37,6 @@ from ..judge.routing import (
     topk_agreement,
     weights_for,
 )
-from ..judge.verdict import PointResult
 from ..points import Point
 from ..report.rows import RoutingRow, Row, unjudged_row
 from ..report.text import fmt

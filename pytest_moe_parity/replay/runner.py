@@ -15,9 +15,10 @@ from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, Unus
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
 from ..host import freeze_long_lived
+from ..judge.result import PointResult
 from ..judge.routing import router_triple, routing_view
 from ..judge.tolerances import Override, Tolerance, resolve
-from ..judge.verdict import Case, PointResult, judge_point
+from ..judge.verdict import Case, judge_point
 from ..points import EXPERTS, LOGITS, ROUTER, Point
 from ..tree import first_tensor, leaves, map_structure
 

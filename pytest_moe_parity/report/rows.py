@@ -30,9 +30,9 @@ from typing import Any, ClassVar, Literal
 
 from ..dtypes import json_safe
 from ..judge.logits import LogitsMetrics
+from ..judge.result import BatchRow, Check, PointResult
 from ..judge.routing import RoutingMetrics
 from ..judge.tensors import TensorMetrics
-from ..judge.verdict import BatchRow, Check, PointResult
 from ..points import CONFIG, WEIGHTS, Point
 from .drill import Drill
 

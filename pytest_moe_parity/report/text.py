@@ -8,8 +8,8 @@ import textwrap
 from typing import Any
 
 from ..judge.logits import LogitsMetrics
+from ..judge.result import BatchRow, PointResult
 from ..judge.routing import RoutingMetrics
-from ..judge.verdict import BatchRow, PointResult
 from .drill import Drill, OpRow, pct
 
 WIDTH = 100  # failure text: no line wider than this

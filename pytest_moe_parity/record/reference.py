@@ -1,0 +1,173 @@
+"""Reading the reference model: its config and tokenizer as the `--model` directory gives them,
+the model by `from_pretrained`, and the ways recording reads it (`reader`; `run.load_reference` follows
+it) with the model as it then holds it (`LoadedReference`). `moe-parity golden` (`run`) and
+`moe-parity scan` read it through these."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import BadInput
+from ..host import gib
+from ..model.checkpoint import quantization
+from ..model.lazy_model import LazyModel, own_memory
+from .dispatch import does_not_fit
+from .memory import placement, placement_line
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def first_line(exc: BaseException) -> str:
+    """transformers' messages run to paragraphs: the first line says what is wrong."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_checked_config(model_dir: Path, *, trust_remote_code: bool = False):
+    """The `--model` directory's config as this process's transformers reads it (recording and scanning
+    run under transformers 5: no `compat.load_config` overrides); BadInput, in one sentence, where the
+    directory is not a loadable checkpoint."""
+    from transformers import AutoConfig
+
+    if not model_dir.is_dir():
+        raise BadInput(f"model directory {model_dir} does not exist")
+    if not (model_dir / "config.json").is_file():
+        raise BadInput(f"{model_dir} is not a transformers checkpoint (no config.json)")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
+        raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {first_line(exc)}") from None
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_of(model_dir: Path, *, trust_remote_code: bool = False) -> tuple[Callable | None, int | None]:
+    """The model's tokenizer as a function of a text to its token ids, and its pad id; (None, None)
+    where the model directory has no tokenizer."""
+    if not has_tokenizer(model_dir):
+        return None, None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return (lambda text: list(tok(text)["input_ids"])), tok.pad_token_id
+
+
+def load_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: str | None,
+    device_map: str | None,
+    max_memory: dict | None,
+    offload_folder: Path | None = None,
+    trust_remote_code: bool = False,
+):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        dtype=dtype,
+        attn_implementation="eager",
+        # grouped_mm (the CPU default) and eager differ by ~1e-7: pin it on both sides.
+        experts_implementation="eager",
+        trust_remote_code=trust_remote_code,
+    )
+    if device_map:
+        kwargs["device_map"] = device_map
+        if max_memory:
+            kwargs["max_memory"] = max_memory
+        if offload_folder is not None:
+            kwargs["offload_folder"] = str(offload_folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        if "offload_folder" in str(exc) and offload_folder is None:  # placed partly on disk, and nowhere to put it
+            raise does_not_fit(model_dir) from None
+        raise BadInput(f"cannot load {model_dir} as a causal LM: {first_line(exc)}") from None
+    if not device_map and device:
+        model = model.to(device)
+    # What stays on the host no longer holds the shards mapped (and sits where the unit-by-unit
+    # reading puts it: aligned, so that both give the same bits).
+    own_memory(model)
+    return model.eval()
+
+
+@dataclass
+class LoadedReference:
+    """The reference model as recording holds it, read as `reader` said (`how`): with `lazy`, its
+    weights read from the checkpoint one unit at a time as the forward reaches them (every unit
+    kept, or streamed a few decoder layers at a time)."""
+
+    model: Any
+    how: str
+    lazy: LazyModel | None = None
+
+    @property
+    def loading(self) -> str:
+        if self.how == "stream":
+            assert self.lazy is not None
+            return f"streamed, {self.lazy.max_layers} decoder layers at a time"
+        return {"from_pretrained": "from_pretrained", "placed": "by unit, placed by accelerate"}.get(
+            self.how, "by unit"
+        )
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.lazy.device if self.lazy is not None else input_device(self.model)
+
+    def running(self) -> contextlib.AbstractContextManager:
+        return self.lazy.streaming() if self.lazy is not None else contextlib.nullcontext()
+
+    def placement(self) -> dict[str, dict[str, int]]:
+        return placement(self.model, self.lazy.device if self.lazy is not None else None)
+
+    def _layer_bytes(self) -> list[int]:
+        """Each decoder layer's weight bytes, largest first."""
+        assert self.lazy is not None
+        return sorted((self.lazy.unit_bytes(i) for i in range(self.lazy.num_layers)), reverse=True)
+
+    def placement_line(self, placed: dict[str, dict[str, int]]) -> str:
+        if self.how != "stream":
+            return placement_line(placed)
+        assert self.lazy is not None
+        return (
+            f"placement: streamed from the checkpoint onto {self.lazy.device}, {self.lazy.max_layers} decoder "
+            f"layers at a time ({gib(self._layer_bytes()[0])} each; "
+            f"{gib(sum(e['bytes'] for e in placed.values()))} in all)"
+        )
+
+    def host_weight_bytes(self, placed: dict[str, dict[str, int]]) -> int:
+        """The weights this recording kept in host memory at most."""
+        if self.how != "stream":
+            return sum(entry["bytes"] for device, entry in placed.items() if device == "cpu")
+        assert self.lazy is not None
+        if self.lazy.device.type != "cpu":
+            return 0
+        model_level = sum(self.lazy.unit_bytes(u) for u in self.lazy.model_level_paths())
+        return model_level + sum(self._layer_bytes()[: self.lazy.max_layers])
+
+
+def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool) -> str:
+    """How the reference is read: `from_pretrained` for a checkpoint without safetensors or a
+    quantized one (its quantizer applies the scales); else one unit at a time, `placed` by an
+    accelerate device map, `stream`ed, or every unit kept on one device (`units`)."""
+    if not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
+        return "from_pretrained"
+    if device_map:
+        return "placed"
+    return "stream" if stream else "units"
+
+
+def input_device(model) -> torch.device:
+    emb = model.get_input_embeddings()
+    p = next(emb.parameters(), None)
+    if p is not None and p.device.type != "meta":
+        return p.device
+    return torch.device("cpu")
