@@ -398,3 +398,16 @@ def test_one_reference_class() -> None:
                 defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
     shared = {name: where for name, where in defined.items() if len(set(where)) > 1}
     assert "Reference" not in shared, shared["Reference"]
+def test_the_noise_floor_is_written_once() -> None:
+    """The noise floor's formula (eps(dtype) / NOISE_FLOOR_EPS) is `judge.tolerances.noise_floor`:
+    no other module names NOISE_FLOOR_EPS (a docstring may)."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE) != Path("judge", "tolerances.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Name) and node.id == "NOISE_FLOOR_EPS")
+        or (isinstance(node, ast.Attribute) and node.attr == "NOISE_FLOOR_EPS")
+        or (isinstance(node, ast.alias) and node.name == "NOISE_FLOOR_EPS")
+    ]
+    assert not found, found

@@ -8,6 +8,8 @@ import torch
 from pytest_moe_parity.judge.result import Custom
 from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
 from pytest_moe_parity.judge.verdict import Case, judge_point
+from pytest_moe_parity.judge.tolerances import NOISE_FLOOR_EPS, default_tolerance, noise_floor, parse_override, resolve
+from pytest_moe_parity.judge.verdict import Case, Custom, judge_point
 from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.rows import Row, point_row
 from pytest_moe_parity.report.summary import summary_table
@@ -336,3 +338,14 @@ def test_the_remedy_is_one_line_that_pastes_as_it_stands() -> None:
     assert line == f"  to accept this result: {remedy}"
     pattern, values = parse_override(remedy.removeprefix("--parity-tol ").strip("'"))
     assert pattern == "step_3.layer_57.router" and len(values) >= 2  # e.g. max_flip_share and rel_l2
+
+
+def test_the_noise_floor_is_an_eighth_of_the_dtypes_epsilon() -> None:
+    """A noise ratio counts the reference's own error as at least eps(dtype) / NOISE_FLOOR_EPS; a dtype
+    without rounding has the caller's default (0.0 unless given)."""
+    assert NOISE_FLOOR_EPS == 8.0
+    assert noise_floor(torch.bfloat16) == torch.finfo(torch.bfloat16).eps / 8.0 == 2.0**-10
+    assert noise_floor(torch.float32) == 2.0**-26
+    assert noise_floor(torch.float16, default=1e-6) == torch.finfo(torch.float16).eps / 8.0
+    assert noise_floor(torch.int64) == 0.0
+    assert noise_floor(torch.bool, default=1e-6) == 1e-6

@@ -18,7 +18,7 @@ from ..errors import ParityError
 from ..golden import GoldenStore
 from ..golden.spec import ParamRef, resolve_params
 from ..judge.distance import rel_l2
-from ..judge.tolerances import NOISE_FLOOR_EPS
+from ..judge.tolerances import noise_floor
 from ..model.calls import with_cache_kwarg, with_live_caches
 from ..points import ROUTER, Point
 from ..replay.runner import candidate_inputs, cast_inputs
@@ -215,7 +215,8 @@ class Driller:
                 f"or scripted module runs its own graph): return the eager module it was made from"
             )
         runner = backend.op_runner()
-        floor = torch.finfo(backend.dtype).eps / NOISE_FLOOR_EPS if backend.dtype.is_floating_point else 1e-6
+        # a dtype without rounding: run_drill's own least floor (its ratios divide by it), not the verdict's 0
+        floor = noise_floor(backend.dtype, default=1e-6)
         if not same_code and backend.dtype.is_floating_point:
             # a port's own ops round and sum in their own order: a rounding of the output (in float32,
             # a matmul's summation order) is no finding

@@ -41,7 +41,6 @@ import torch
 
 from ..judge.distance import rel_l2, unmasked_norm
 from ..report.drill import Drill, OpRow
-from ..report.text import SHOWN
 from .capture import OpGraph, OpNode, Ref
 from .explain import culprit_evidence, label
 from .match import (
@@ -799,6 +798,10 @@ def run_drill(
     return result
 
 
+# structure sentences whose recovery a substitution measures (a replay each): as many as the text shows
+MEASURED_SENTENCES = 5
+
+
 def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]:
     """A sentence per run of adjacent missing ops and per extra op, with the judged ops their values
     go into (and, for missing ops where no op introduced the divergence, what their reference value
@@ -811,7 +814,7 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
     out: list[str] = []
     runs: list[list[OpRow]] = []
     at: dict[int, int] = {}  # a run of missing ops -> where its sentence goes (the table's order)
-    measured = 0  # substitutions cost a replay each: for the sentences the text shows (SHOWN)
+    measured = 0  # substitutions cost a replay each: for the first MEASURED_SENTENCES sentences
     for i, row in enumerate(rows):
         if row.verdict == "extra":
             text = f"the candidate's own op {label(row.name, row.kind)} matches no reference op"
@@ -819,7 +822,7 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
             if fed:  # it has no reference output; the ops it feeds have
                 text += f" and feeds {listed(fed)}"
                 measured += 1
-                recovery = d.substitute(fed)[0] if measured <= SHOWN else None
+                recovery = d.substitute(fed)[0] if measured <= MEASURED_SENTENCES else None
                 if recovery is not None:
                     text += f" (the reference's values of the ops it feeds recover {100 * recovery:.0f}%)"
             out.append(text)
@@ -838,7 +841,7 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
         if fed:
             text += f", which feed{'s' * (len(run) == 1)} {listed(list(dict.fromkeys(fed)))}"
         measured += 1
-        if culprit is None and measured <= SHOWN:
+        if culprit is None and measured <= MEASURED_SENTENCES:
             for row in reversed(run):
                 row.recovery = d.substitute(row.name)[0]
                 if row.recovery is not None:

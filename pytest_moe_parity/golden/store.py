@@ -338,16 +338,17 @@ class GoldenStore:
         """The dtypes the reference's own error was recorded in (`--noise-dtype`)."""
         return sorted(self.manifest.get("noise", {}))
 
-    def _noise(self, dtype: torch.dtype | str, mode: str) -> dict[str, Any]:
-        """Point id -> the reference's own figures in `dtype`, isolated or chained ({} if not recorded)."""
-        return self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(mode) or {}
+    def _noise(self, dtype: torch.dtype | str, figures: str) -> dict[str, Any]:
+        """Point id -> the reference's own figures in `dtype` of the set `figures` ("isolated", "chain",
+        "free", "batch"; {} if not recorded)."""
+        return self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get(figures) or {}
 
-    def noise(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, dict[str, float]] | None:
-        """The reference's own error at a point when run in `dtype`, isolated or chained: per
-        compared tensor, its figures (rel_l2, max_token_rel_l2); None where not recorded."""
-        return self._noise(dtype, mode).get(pid)
+    def noise(self, dtype: torch.dtype | str, figures: str, pid: str) -> dict[str, dict[str, float]] | None:
+        """The reference's own error at a point when run in `dtype`, in the set `figures` (isolated,
+        chained, ...): per compared tensor, its figures (rel_l2, max_token_rel_l2); None where not recorded."""
+        return self._noise(dtype, figures).get(pid)
 
-    def noise_tokens(self, dtype: torch.dtype | str, mode: str, pid: str) -> dict[str, torch.Tensor]:
+    def noise_tokens(self, dtype: torch.dtype | str, figures: str, pid: str) -> dict[str, torch.Tensor]:
         """The reference's own squared error per token at a point in `dtype`, per compared tensor (NaN:
         a token its run left out); {} for a golden recorded before these were kept."""
         entry = self.manifest.get("noise", {}).get(dtype_name(dtype), {}).get("tokens")
@@ -363,19 +364,19 @@ class GoldenStore:
             self._verified.add(name)
         try:
             with safe_open(str(self._safe_path(name)), framework="pt") as fh:
-                if name not in self._noise_keys:  # (mode, point) -> its keys, indexed once
+                if name not in self._noise_keys:  # (figures, point) -> its keys, indexed once
                     index: dict[tuple[str, str], list[str]] = {}
                     for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                         m, p, _ = key.split("/", 2)
                         index.setdefault((m, p), []).append(key)
                     self._noise_keys[name] = index
-                keys = self._noise_keys[name].get((mode, pid), [])
+                keys = self._noise_keys[name].get((figures, pid), [])
                 return {k.split("/", 2)[2]: fh.get_tensor(k) for k in keys}
         except (SafetensorError, OSError, ValueError) as exc:
             raise GoldenError(f"{self._safe_path(name)} cannot be read as safetensors ({exc})") from None
 
-    def has_noise(self, dtype: torch.dtype | str, mode: str) -> bool:
-        return bool(self._noise(dtype, mode))
+    def has_noise(self, dtype: torch.dtype | str, figures: str) -> bool:
+        return bool(self._noise(dtype, figures))
 
     def unsteered_noise(self, dtype: torch.dtype | str) -> str:
         """Which of the reference's chained runs an unsteered chain (a dump) is read against: its free

@@ -546,28 +546,42 @@ def compare_tensors(
     }
 
     if golden.shape != candidate.shape:
-        nan_g, inf_g = _count_nonfinite(golden, chunk_elems or _DEFAULT_CHUNK)
-        nan_c, inf_c = _count_nonfinite(candidate, chunk_elems or _DEFAULT_CHUNK)
-        return TensorMetrics(
-            **base,
-            numel=0,
-            shape_match=False,
-            cosine=0.0,
-            pearson=0.0,
-            rel_l2=INF,
-            snr_db=-INF,
-            max_abs=INF,
-            mean_abs=INF,
-            max_rel=INF,
-            within_tol=0.0,
-            mismatched=max(golden.numel(), candidate.numel()),
-            nan_golden=nan_g,
-            nan_candidate=nan_c,
-            inf_golden=inf_g,
-            inf_candidate=inf_c,
-            first_nonfinite=None,
-        )
+        return _shapes_differ(base, golden, candidate, chunk_elems or _DEFAULT_CHUNK)
+    acc, rel_floor = _accumulate(golden, candidate, atol, rtol, chunk_elems)
+    return _metrics(base, acc, rel_floor, golden.shape)
 
+
+def _shapes_differ(
+    base: dict[str, Any], golden: torch.Tensor, candidate: torch.Tensor, chunk_elems: int
+) -> TensorMetrics:
+    """The metrics of two tensors of other shapes: fail-safe figures, each side's NaN/Inf counts."""
+    nan_g, inf_g = _count_nonfinite(golden, chunk_elems)
+    nan_c, inf_c = _count_nonfinite(candidate, chunk_elems)
+    return TensorMetrics(
+        **base,
+        numel=0,
+        shape_match=False,
+        cosine=0.0,
+        pearson=0.0,
+        rel_l2=INF,
+        snr_db=-INF,
+        max_abs=INF,
+        mean_abs=INF,
+        max_rel=INF,
+        within_tol=0.0,
+        mismatched=max(golden.numel(), candidate.numel()),
+        nan_golden=nan_g,
+        nan_candidate=nan_c,
+        inf_golden=inf_g,
+        inf_candidate=inf_c,
+        first_nonfinite=None,
+    )
+
+
+def _accumulate(
+    golden: torch.Tensor, candidate: torch.Tensor, atol: float, rtol: float, chunk_elems: int | None
+) -> tuple[_Accumulator, float]:
+    """One walk over two tensors of one shape, a chunk at a time: their sums, and the max_rel floor."""
     numel = golden.numel()
     with fitted_threads(numel if golden.device.type == "cpu" else 0) as threads:
         chunk_elems = chunk_elems or min(max(_DEFAULT_CHUNK, _PER_THREAD * threads), _MAX_CHUNK)
@@ -575,7 +589,12 @@ def compare_tensors(
         acc = _Accumulator(atol, rtol, rel_floor, min(chunk_elems, max(numel, 1)), golden.device)
         for offset, (g_chunk, c_chunk) in chunks((golden, candidate), chunk_elems):
             acc.update(offset, g_chunk, c_chunk)
+    return acc, rel_floor
 
+
+def _metrics(base: dict[str, Any], acc: _Accumulator, rel_floor: float, shape: torch.Size) -> TensorMetrics:
+    """The metrics of two tensors of one shape from their accumulated sums."""
+    numel = shape.numel()
     within_tol = acc.within / numel if numel else 1.0
     max_rel = acc.max_rel if rel_floor > 0.0 else (0.0 if acc.max_abs == 0.0 else INF)
     identical = acc.sum_d2 == 0.0  # equal on all both-finite elements: exact 1.0, no rounding residue
@@ -591,7 +610,7 @@ def compare_tensors(
     # Float64 overflow (|values| ~ 1e154 and beyond) can still yield nan: fail safe, never return nan.
     if acc.poisoned or any(math.isnan(v) for v in stats.values()):
         stats.update(cosine=0.0, pearson=0.0, rel_l2=INF, snr_db=-INF, max_abs=INF, mean_abs=INF, max_rel=INF)
-    first = None if acc.first_nonfinite is None else unravel(acc.first_nonfinite, golden.shape)
+    first = None if acc.first_nonfinite is None else unravel(acc.first_nonfinite, shape)
     return TensorMetrics(
         **base,
         numel=numel,

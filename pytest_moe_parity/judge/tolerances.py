@@ -159,6 +159,14 @@ NOISE_TOKENS = 8
 NOISE_FLOOR_EPS = 8.0
 
 
+def noise_floor(dtype: torch.dtype, default: float = 0.0) -> float:
+    """The least the reference's own error counts as in a noise ratio: eps(dtype) / NOISE_FLOOR_EPS for
+    a floating-point dtype, `default` for any other (which has no rounding to count)."""
+    import torch  # here, as in `dtypes.parse_dtype`: the plugin's startup stays free of torch
+
+    return torch.finfo(dtype).eps / NOISE_FLOOR_EPS if dtype.is_floating_point else default
+
+
 def _default(cosine: float, rel_l2: float, token_rel_l2: float, max_flip_share: float, atol: float, rtol: float):
     return Tolerance(
         cosine=cosine,

@@ -28,7 +28,6 @@ from .tensors import TensorMetrics, compare_tensors, worst_elements
 from .tokens import RowSums, row_sums, worst_tokens
 from .tolerances import (
     LOGITS_LIMITS,
-    NOISE_FLOOR_EPS,
     NOISE_LIMIT,
     NOISE_TOKENS,
     ROUTING_LIMITS,
@@ -37,6 +36,7 @@ from .tolerances import (
     TOKEN_NOISE_SLACK,
     Tolerance,
     ToleranceKey,
+    noise_floor,
 )
 
 REL_L2_LIMIT = next(k for k in TENSOR_LIMITS if k.figure == "rel_l2")
@@ -455,7 +455,7 @@ class Judge:
             return
         # an error under an eighth of the dtype's epsilon is below one rounding of the output (routing
         # weights that mostly round exactly): a ratio of two such errors says nothing
-        floor = torch.finfo(self.dtype).eps / NOISE_FLOOR_EPS if self.dtype.is_floating_point else 0.0
+        floor = noise_floor(self.dtype)
         targets: dict[str, dict[str, float]] = {}
         widened: dict[str, tuple[int, float]] = {}
         for target, m in self.result.metrics.items():

@@ -28,7 +28,7 @@ import torch
 from ..errors import BackendFailure, SetupError
 from ..golden import GoldenRecord, GoldenStore
 from ..judge.result import PointResult
-from ..judge.tolerances import NOISE_FLOOR_EPS
+from ..judge.tolerances import noise_floor
 from ..points import Point
 from ..report.rows import BatchInvarianceRow, Row, unjudged_row
 from ..report.text import fmt
@@ -170,7 +170,7 @@ class BatchItems(Checker):
         bias = runner.score_bias(point, record)
         reference = self.golden.noise(runner.dtype, "batch", point.id) or []  # the reference's own, per row
         tol, _ = runner.tolerance(point)
-        floor = torch.finfo(runner.dtype).eps / NOISE_FLOOR_EPS if runner.dtype.is_floating_point else 0.0
+        floor = noise_floor(runner.dtype)
         results = []
         try:
             runs = list(self.rows.runs_alone(runner, point, record))

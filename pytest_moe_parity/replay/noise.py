@@ -92,43 +92,27 @@ def record_noise(
         raise BadInput(f"the reference in {name} cannot be built: {exc}") from None
     line, held = cost(golden, backend)
     say(line)
-    figures: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
+    # the set of figures -> point id -> the point's figures
+    sets: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
     rows = Rows.of(golden) if not captured else None
     if rows is not None and rows.count > 1:
-        figures["batch"] = {}  # each prefill point's rows: the reference's own output in the batch against alone
-    tokens: dict[str, torch.Tensor] = {}  # mode/point/tensor -> each token's squared error (NaN: left out)
+        sets["batch"] = {}  # each prefill point's rows: the reference's own output in the batch against alone
+    tokens: dict[str, torch.Tensor] = {}  # figures/point/tensor -> each token's squared error (NaN: left out)
     try:
         # Three passes, each holding what recording holds: every point on its golden inputs (a point at
         # a time), then the two whole-model runs, each point judged as the forward produces it and
         # forgotten (a layer's outputs at a time; the model's would grow with its depth and length).
         # (a --capture-tokens golden's points have no inputs: only those the chain does not run are run so)
         chained_only = {p.id for p in steered.chain.points} if captured else set()
-        _isolated_pass(isolated, figures, tokens, rows, name, chained_only, say, started)
-        for runner in (steered, free) if not captured else (steered,):
-            runner.started = isolated.started or steered.started  # one backend, started once
-            kinds = ("chain", "free") if captured else ("free",) if runner is free else ("chain",)
-
-            def judge(point: Any, record: Any, own: Any, runner: ParityRunner = runner, kinds=kinds) -> None:
-                result = runner.judge_output(point, record, own, "chain", None)
-                _keep(figures, tokens, kinds[0], point, result)
-                for kind in kinds[1:]:  # the same figures, each kind's tokens a tensor of its own (a file keeps each)
-                    result.token_d2 = {t: d2.clone() for t, d2 in result.token_d2.items()}
-                    _keep(figures, tokens, kind, point, result)
-
-            try:
-                runner.chain.stream(judge)
-            except BackendFailure as exc:
-                raise BadInput(f"the reference in {name} failed in its whole-model run: {exc}") from None
-            what = "free" if runner is free or captured else "steered"
-            say(f"  noise floor chained ({what}): {time.perf_counter() - started:.1f}s")
-            isolated.started = runner.started
+        _isolated_pass(isolated, sets, tokens, rows, name, chained_only, say, started)
+        _chained_passes(isolated, steered, free, captured, sets, tokens, name, say, started)
     finally:
         for runner in (isolated, steered, free):
             if runner.chain is not None:
                 runner.chain.close()
         isolated.close()  # the backend, once
     entry = {
-        **figures,
+        **sets,
         "tokens": write_noise_tokens(golden.root, name, tokens),
         "recorded": {
             "seconds": round(time.perf_counter() - started, 3),
@@ -164,9 +148,42 @@ def cost(golden: GoldenStore, backend: TorchBackend) -> tuple[str, int]:
     return line, held if lazy.device.type == "cpu" else 0
 
 
+def _chained_passes(
+    isolated: ParityRunner,
+    steered: ParityRunner,
+    free: ParityRunner,
+    captured: bool,
+    sets: dict,
+    tokens: dict,
+    name: str,
+    say: Callable[[str], None],
+    started: float,
+) -> None:
+    """The two whole-model runs, steered and free (a --capture-tokens golden's one, which cannot be
+    steered, gives both sets), each point judged as the forward produces it."""
+    for runner in (steered, free) if not captured else (steered,):
+        runner.started = isolated.started or steered.started  # one backend, started once
+        kinds = ("chain", "free") if captured else ("free",) if runner is free else ("chain",)
+
+        def judge(point: Any, record: Any, own: Any, runner: ParityRunner = runner, kinds=kinds) -> None:
+            result = runner.judge_output(point, record, own, "chain", None)
+            _keep(sets, tokens, kinds[0], point, result)
+            for kind in kinds[1:]:  # the same figures, each kind's tokens a tensor of its own (a file keeps each)
+                result.token_d2 = {t: d2.clone() for t, d2 in result.token_d2.items()}
+                _keep(sets, tokens, kind, point, result)
+
+        try:
+            runner.chain.stream(judge)
+        except BackendFailure as exc:
+            raise BadInput(f"the reference in {name} failed in its whole-model run: {exc}") from None
+        what = "free" if runner is free or captured else "steered"
+        say(f"  noise floor chained ({what}): {time.perf_counter() - started:.1f}s")
+        isolated.started = runner.started
+
+
 def _isolated_pass(
     runner: ParityRunner,
-    figures: dict,
+    sets: dict,
     tokens: dict,
     rows: Rows | None,
     name: str,
@@ -189,14 +206,14 @@ def _isolated_pass(
                 raise BadInput(f"the reference in {name} failed at {point.id}: {exc}") from None
             if prepared is not None and prepared.candidate is not None:
                 _keep(
-                    figures,
+                    sets,
                     tokens,
                     "isolated",
                     point,
                     runner.judge_output(point, prepared.golden, prepared.candidate, "isolated", None),
                 )
-                if "batch" in figures and point.step is None:
-                    figures["batch"][point.id] = batch_vs_alone(runner, rows, point, prepared.candidate)
+                if "batch" in sets and point.step is None:
+                    sets["batch"][point.id] = batch_vs_alone(runner, rows, point, prepared.candidate)
         if point.layer is not None and ends[point.group] == point.id and not chained_only:  # its layer's last point
             done = layer_groups.index(point.group) + 1
             say(f"  noise floor {point.group} [{done}/{len(layer_groups)}, {time.perf_counter() - started:.1f}s]")
@@ -212,9 +229,10 @@ def batch_vs_alone(runner: ParityRunner, rows: Rows, point: Any, batch: Any) -> 
     return out
 
 
-def _keep(figures: dict, tokens: dict, mode: str, point: Any, result: PointResult) -> None:
-    figures[mode][point.id] = noise_figures(result)
-    tokens.update({f"{mode}/{point.id}/{t}": d2 for t, d2 in result.token_d2.items()})
+def _keep(sets: dict, tokens: dict, figures: str, point: Any, result: PointResult) -> None:
+    """A point's figures (and each token's error) kept in the set `figures`."""
+    sets[figures][point.id] = noise_figures(result)
+    tokens.update({f"{figures}/{point.id}/{t}": d2 for t, d2 in result.token_d2.items()})
 
 
 def write_noise_tokens(root: Path, dtype: str, tokens: dict[str, torch.Tensor]) -> dict[str, str]:

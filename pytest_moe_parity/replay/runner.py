@@ -296,10 +296,12 @@ class ParityRunner:
             raise BackendFailure(point.id, UnusableOutput(unusable(point, reference, candidate, exc))) from exc
 
     def noise_figures_for(self, mode: str) -> str:
-        """Which of the reference's own runs a verdict in `mode` is read against: isolated, or the
-        chained run steered as this chain is (`"chain"`), or free (`"free"`, where the golden has it)."""
+        """The set of noise figures (which of the reference's own runs) a verdict in `mode` is read
+        against: `"isolated"`, or the chained run steered as this chain is (`"chain"`), or free
+        (`"free"`, where the golden has it)."""
         unsteered = mode == "chain" and self.chain is not None and not self.chain.steered
-        return self.golden.unsteered_noise(self.dtype) if unsteered else mode
+        figures = self.golden.unsteered_noise(self.dtype) if unsteered else mode  # a mode's own run: its name
+        return figures
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
         return self.judge(self.prepare(pid), marker)

@@ -38,7 +38,10 @@ CONFIG_KEYS_THAT_MUST_MATCH = (
 )
 
 
-def config_differences(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
+def model_mismatches(golden_cfg: dict[str, Any], candidate_cfg: dict[str, Any]) -> list[str]:
+    """The entries of CONFIG_KEYS_THAT_MUST_MATCH the two configs give other values, "label: golden G,
+    candidate C" (a candidate that is another model; `config.config_differences` compares every field)."""
+
     def value(cfg: dict[str, Any], names: tuple[str, ...]) -> Any:
         return next((cfg[n] for n in names if cfg.get(n) is not None), None)
 
@@ -98,7 +101,7 @@ def check_config(golden: GoldenStore, candidate: Path) -> None:
     """The candidate checkpoint is the golden's model in every entry the points depend on."""
     missing = f"candidate {candidate} is not a transformers checkpoint (no config.json)"
     config = read_config(candidate, SetupError, missing)
-    diffs = config_differences({**golden.config, "model_type": golden.model_type}, config)
+    diffs = model_mismatches({**golden.config, "model_type": golden.model_type}, config)
     if diffs:
         raise SetupError(f"candidate {candidate} does not match the golden's model: " + "; ".join(diffs))
 

@@ -13,7 +13,7 @@ from ..judge.routing import RoutingMetrics
 from .drill import Drill, OpRow, pct
 
 WIDTH = 100  # failure text: no line wider than this
-SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
+STRUCTURE_SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
 
 
 def fmt(x: Any, digits: int = 4) -> str:
@@ -295,9 +295,10 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
         lines.append(f"  {drill.accumulation}")
     else:
         lines.append("  no op introduced a divergence")
-    lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:SHOWN])
-    if len(drill.structure) > SHOWN:
-        lines.append(f"  structure: ... {len(drill.structure) - SHOWN} more missing or extra ops in the table")
+    lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:STRUCTURE_SHOWN])
+    if len(drill.structure) > STRUCTURE_SHOWN:
+        more = len(drill.structure) - STRUCTURE_SHOWN
+        lines.append(f"  structure: ... {more} more missing or extra ops in the table")
     if drill.repro:
         lines.append(f"  repro: {drill.repro}")
     first = next((i for i, r in enumerate(drill.rows) if r.failed), len(drill.rows))
