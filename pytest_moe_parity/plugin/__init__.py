@@ -189,9 +189,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if golden_dir is None:
         return
     from ..host import bound_onednn_caches
-    from ..session import CHECKERS
 
     bound_onednn_caches()  # before the first bf16 forward of the candidate
+    from ..session import CHECKERS
+
     for comp in COMPONENTS:
         config.addinivalue_line("markers", f"{comp}: moe-parity items of the {comp} component")
     for kind in CHECKERS:
