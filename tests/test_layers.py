@@ -299,6 +299,8 @@ def test_a_drill_of_any_size_keeps_its_rows_in_order() -> None:
     orders.append(next_norm.order)
     assert len(orders) == 1 + 401 + 2 + 1 + 1
     assert orders == sorted(orders) and len(set(orders)) == len(orders)
+
+
 def test_the_command_is_a_package_by_family() -> None:
     """`cli/`: the `moe-parity` command as a package by family of commands (pip's `commands/`), each
     module under 400 lines, and each command's facts beside it (its `Command`)."""
@@ -310,6 +312,8 @@ def test_the_command_is_a_package_by_family() -> None:
     assert not long, long
     choices = next(a for a in build_parser()._actions if a.dest == "command").choices
     assert list(choices) == list(COMMANDS)  # each command's parser is named as its Command
+
+
 def _module_graph() -> dict[str, set[str]]:
     """Each module of the package (a package by its own name) -> the package's modules it imports,
     at module level or inside a function."""
@@ -362,6 +366,8 @@ def test_the_report_imports_its_own_modules_at_the_top() -> None:
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pytest_moe_parity"))
     ]
     assert not found, found
+
+
 # a module split along the seams its docstring named: (the room split off, the module it came from)
 SPLIT_ROOMS = [
     ("drill/rows.py", "drill/match.py"),  # rows by identity, below the matching's passes
@@ -398,6 +404,8 @@ def test_one_reference_class() -> None:
                 defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
     shared = {name: where for name, where in defined.items() if len(set(where)) > 1}
     assert "Reference" not in shared, shared["Reference"]
+
+
 def test_the_noise_floor_is_written_once() -> None:
     """The noise floor's formula (eps(dtype) / NOISE_FLOOR_EPS) is `judge.tolerances.noise_floor`:
     no other module names NOISE_FLOOR_EPS (a docstring may)."""
@@ -411,3 +419,22 @@ def test_the_noise_floor_is_written_once() -> None:
         or (isinstance(node, ast.alias) and node.name == "NOISE_FLOOR_EPS")
     ]
     assert not found, found
+
+
+MODULE_LINES, FUNCTION_LINES, SESSION_LINES = 900, 80, 450  # the sizes a reader takes in at once
+
+
+def test_no_module_or_function_outgrows_a_reading() -> None:
+    """No module of the package over 900 lines, no function (nested ones included, each counted whole)
+    over 80, and the session, which composes the checkers, under 450: the rooms stay rooms."""
+    modules = {str(p.relative_to(PACKAGE)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    big = [f"{name}: {n} lines" for name, text in modules.items() if (n := len(text.splitlines())) > MODULE_LINES]
+    long = [
+        f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, text in modules.items()
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > FUNCTION_LINES
+    ]
+    assert not big and not long, big + long
+    assert len(modules["session.py"].splitlines()) < SESSION_LINES

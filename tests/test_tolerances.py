@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from pytest_moe_parity.judge.result import Custom
-from pytest_moe_parity.judge.tolerances import default_tolerance, parse_override, resolve
-from pytest_moe_parity.judge.verdict import Case, judge_point
 from pytest_moe_parity.judge.tolerances import NOISE_FLOOR_EPS, default_tolerance, noise_floor, parse_override, resolve
-from pytest_moe_parity.judge.verdict import Case, Custom, judge_point
+from pytest_moe_parity.judge.verdict import Case, judge_point
 from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.rows import Row, point_row
 from pytest_moe_parity.report.summary import summary_table
