@@ -210,6 +210,7 @@ def test_the_plugin_adds_the_checkers_options_as_they_declare_them() -> None:
     assert sorted((row for row in _OPTIONS if row[1] in dests), key=lambda o: o[0]) == declared
 
 
+@pytest.mark.usefixtures("_import_everything_once")  # an in-process inner session (see the fixture)
 def test_a_checker_in_checkers_gets_its_marker_items_and_rows(
     pytester: pytest.Pytester, golden_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
