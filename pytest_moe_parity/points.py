@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import BadInput
+
 # Inside one decoder layer, the parts come before the wholes that contain them, so that
 # `pytest -x` stops at the smallest diverging component. This tuple *is* the forward order:
 # the recorder plans points by walking it.
@@ -191,7 +193,7 @@ def positive_int(text: object) -> int:
     return value
 
 
-class RangeError(ValueError):
+class RangeError(BadInput, ValueError):
     """A part of a list of ranges that is not a number (`kind` "number") or not LOW-HIGH with
     0 <= LOW <= HIGH (`kind` "range"): each caller says it in its own words."""
 

@@ -40,6 +40,7 @@ from .replay.setup import (
     select_units,
 )
 from .replay.weights import WeightItems
+from .report.drill import Drill
 from .report.files import write_reports
 from .report.rows import Row, point_row, unjudged_row
 from .report.summary import coloured_table, first_introduced, mark_inherited, summary_lines
@@ -213,7 +214,7 @@ class ParitySession:
         """An item beside the points: its row and failure text (None: it passed), by its kind's checker."""
         return self.checkers[entry.kind].check(entry, self.rows)
 
-    def auto_drill(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+    def auto_drill(self, point: Point) -> tuple[Drill | None, str]:
         """`--parity-drill auto` at a failed point: the drill's row and text, or (None, "")."""
         for checker in self.checkers.values():
             said = checker.failed(point)

@@ -365,15 +365,18 @@ def test_onednn_caches_are_bounded_unless_the_user_set_them(monkeypatch) -> None
 def test_a_user_error_is_a_parity_error_said_once_by_main(tmp_path: Path, capsys) -> None:
     """Every user error is a `ParityError`: `main` says it in one line on stderr, exit 2 (as pip's
     `Command.main`); one that was a ValueError or RuntimeError is one still, for its other callers."""
+    from pytest_moe_parity.drill.ranks import JoinError
     from pytest_moe_parity.drill.store import StoreError
     from pytest_moe_parity.errors import ParityError
+    from pytest_moe_parity.points import RangeError
     from pytest_moe_parity.report.merge import MergeError
     from pytest_moe_parity.report.plots import PlotsUnavailable
     from pytest_moe_parity.routes import TraceError
     from pytest_moe_parity.sweep import SweepError
 
     for error, was in ((MergeError, ValueError), (StoreError, ValueError), (TraceError, ValueError),
-                       (SweepError, ValueError), (PlotsUnavailable, RuntimeError)):  # fmt: skip
+                       (SweepError, ValueError), (PlotsUnavailable, RuntimeError), (RangeError, ValueError),
+                       (JoinError, ValueError)):  # fmt: skip
         assert issubclass(error, ParityError) and issubclass(error, was), error
     code, out, err = run(capsys, "report", "--merge", tmp_path / "nowhere", "--out", tmp_path / "merged")
     assert code == 2 and out == ""

@@ -12,7 +12,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 # lowest first; a module may import from its own layer's package (inside a sub-package) and below
 LAYERS = [
-    {"points", "dtypes", "errors", "tree", "compat", "files", "host"},
+    {"errors"},
+    {"points", "dtypes", "tree", "compat", "files", "host"},
     {"golden", "judge", "model"},
     {"report"},
     {"record", "dump"},
@@ -25,9 +26,9 @@ LAYERS = [
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 ORDER = [
+    "errors",
     "points",
     "dtypes",
-    "errors",
     "tree",
     "compat",
     "files",

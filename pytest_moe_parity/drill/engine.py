@@ -49,13 +49,11 @@ from .match import (
     TOWARD_INPUT,
     VALUE_TOL,
     Match,
-    consumers,
     match,
-    sources,
 )
 
 Execute = Callable[[OpNode, list, dict], Any]
-AS_SET = "rows as a set (no index says which token each holds: paired by value)"  # `match._rows_as_sets`
+AS_SET = "rows as a set (no index says which token each holds: paired by value)"  # `rows._rows_as_sets`
 # A chained ratio at most this (the reference's own error, up to float rounding): the op is not run alone.
 WITHIN_NOISE = 1.0 + 1e-6
 
@@ -305,7 +303,7 @@ class Drilling:
             if m is None:
                 if _bookkeeping(value):
                     row.note = BOOKKEEPING
-                elif r.kind in GATHERS and all(_bookkeeping(self.ref.nodes[i].value) for i in sources(self.ref, r)):
+                elif r.kind in GATHERS and all(_bookkeeping(self.ref.nodes[i].value) for i in self.ref.sources(r)):
                     row.note = "rows of the call's input, gathered: the candidate reads the input whole (dense)"
                 else:
                     row.verdict = "missing"
@@ -487,7 +485,7 @@ class Drilling:
             if a is None or b is None or not (a.is_floating_point() and b.is_floating_point()) or c.kind == "_to_copy":
                 continue
             if a.dtype != b.dtype:
-                if not listed & set(sources(self.ref, r)):  # the first of a run: the rest follow from it
+                if not listed & set(self.ref.sources(r)):  # the first of a run: the rest follow from it
                     out.append(f"{r.name} in {_dtype(a.dtype)} (the reference: {_dtype(b.dtype)})")
                 listed.add(r.index)
         return out
@@ -542,7 +540,7 @@ class Drilling:
 
     def _input_ratios(self, node: OpNode, ratio_of: dict[int, float]) -> list[float]:
         """The chained ratios of the computing ops `node` reads (through views)."""
-        return [ratio_of[i] for i in sources(self.ref, node) if i in ratio_of]
+        return [ratio_of[i] for i in self.ref.sources(node) if i in ratio_of]
 
     def _shape_note(self, r: OpNode, m: Match) -> str:
         shapes = [list(self.cand.nodes[c].value.shape) for c in m.cand if self.cand.nodes[c].value is not None]
@@ -632,7 +630,7 @@ class Drilling:
         elif len(nodes) > 1:
             return None, []
         else:  # missing: its value in place of what the candidate has for the op it reads
-            source = next(iter(sources(self.ref, node)), None)
+            source = next(iter(self.ref.sources(node)), None)
             sm = self.by_ref.get(source) if source is not None else None
             if sm is None or len(sm.cand) != 1:
                 return None, []
@@ -683,7 +681,7 @@ UNUSED = "computed and never used: its value reaches no op and no output"
 
 def _reached(graph: OpGraph, matched: set[int]) -> dict[int, set[int]]:
     """Per computing op of `graph`, the matched ops its values reach first (through unmatched ops)."""
-    read_by = consumers(graph)
+    read_by = graph.consumers()
     reached: dict[int, set[int]] = {}
     for node in reversed(graph.compute()):
         out: set[int] = set()

@@ -42,8 +42,6 @@ CAST = "a cast the candidate adds"  # matched to no reference op: seen through, 
 TOWARD_INPUT = "a step toward the reference's input"  # judged where it arrives (see match)
 SAME_SELECTION = "value (the same experts selected)"  # a top-k judged by what it selects
 ORDER, PLACE = "op and order", "place (what it reads and what reads it)"  # passes 5 and 6 (`_by_place`)
-# drill/engine.py's names of two of OpGraph's methods (`sources(graph, node)`, `consumers(graph)`)
-sources, consumers = OpGraph.sources, OpGraph.consumers
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..errors import BadInput
 from .capture import OpGraph, OpNode, Ref, op_name
 
 # c10d's ops (and the functional ones) -> how the joined graph computes them
@@ -29,7 +30,7 @@ REDUCE = {"c10d.allreduce_.default", "_c10d_functional.all_reduce.default"}
 GATHER = {"c10d._allgather_base_.default", "_c10d_functional.all_gather_into_tensor.default"}
 
 
-class JoinError(ValueError):
+class JoinError(BadInput, ValueError):
     """Ranks' captures that cannot be joined (other ops on some rank, a collective not built)."""
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from ..judge.result import PointResult
 from ..points import Point
+from ..report.drill import Drill
 from ..report.rows import Row
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class Checker:
     def header_lines(self) -> list[str]:
         return []
 
-    def failed(self, point: Point) -> tuple[dict[str, Any] | None, str]:
+    def failed(self, point: Point) -> tuple[Drill | None, str]:
         """At a point that failed: a drill's row and text for its failure (`--parity-drill auto`),
         else (None, "")."""
         return None, ""

@@ -55,7 +55,7 @@ NOT_READ = frozenset(
         "attention_dropout",
     ]
 )
-SHOWN = 8  # differing fields named in the header line
+FIELDS_SHOWN = 8  # differing fields named in the header line
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _shown(value: Any) -> str:
     return json.dumps(value, sort_keys=True) if not isinstance(value, str) else repr(value)
 
 
-def config_differences(golden: dict[str, Any], candidate: dict[str, Any]) -> tuple[list[str], list[str]]:
+def field_differences(golden: dict[str, Any], candidate: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(the fields both configs hold with other values, "name: GOLDEN → CANDIDATE"; the fields only one
     holds, "name: only in the golden's (VALUE)")."""
     g, c = _comparable(golden), _comparable(candidate)
@@ -132,7 +132,7 @@ class ConfigItems(Checker):
         except CheckpointError as exc:
             self.differ, self.only, self.error = [], [], str(exc)
         else:
-            self.differ, self.only = config_differences(golden.config, config)
+            self.differ, self.only = field_differences(golden.config, config)
             self.error = None
             self.stored = config.get("dtype") or config.get("torch_dtype")
 
@@ -163,7 +163,7 @@ class ConfigItems(Checker):
                 f"stored as {self.stored}, the reference recorded in {self.golden.dtype}: a conversion, not judged here"
             )
         if self.only:
-            only = "; ".join(self.only[:SHOWN])
+            only = "; ".join(self.only[:FIELDS_SHOWN])
             notes.append(f"fields one side's transformers writes and the other's not (not judged): {only}")
         return notes
 
@@ -173,8 +173,8 @@ class ConfigItems(Checker):
     def header_lines(self) -> list[str]:
         if self.error is not None or not self.differ:
             return []
-        more = f" (+{len(self.differ) - SHOWN} more)" if len(self.differ) > SHOWN else ""
-        return [f"moe-parity: config differs from the golden's: {', '.join(self.differ[:SHOWN])}{more}"]
+        more = f" (+{len(self.differ) - FIELDS_SHOWN} more)" if len(self.differ) > FIELDS_SHOWN else ""
+        return [f"moe-parity: config differs from the golden's: {', '.join(self.differ[:FIELDS_SHOWN])}{more}"]
 
 
 def config_items(golden: GoldenStore, candidate: Path | None, points: list[Point]) -> ConfigItems | None:
