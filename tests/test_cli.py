@@ -371,12 +371,13 @@ def test_a_user_error_is_a_parity_error_said_once_by_main(tmp_path: Path, capsys
     from pytest_moe_parity.points import RangeError
     from pytest_moe_parity.report.merge import MergeError
     from pytest_moe_parity.report.plots import PlotsUnavailable
+    from pytest_moe_parity.report.schema import ReportError
     from pytest_moe_parity.routes import TraceError
     from pytest_moe_parity.sweep import SweepError
 
     for error, was in ((MergeError, ValueError), (StoreError, ValueError), (TraceError, ValueError),
                        (SweepError, ValueError), (PlotsUnavailable, RuntimeError), (RangeError, ValueError),
-                       (JoinError, ValueError)):  # fmt: skip
+                       (JoinError, ValueError), (ReportError, ValueError)):  # fmt: skip
         assert issubclass(error, ParityError) and issubclass(error, was), error
     code, out, err = run(capsys, "report", "--merge", tmp_path / "nowhere", "--out", tmp_path / "merged")
     assert code == 2 and out == ""

@@ -45,14 +45,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise BadInput("give a --parity-report DIR to redraw, or --merge DIR... --out DIR")
     from ..report.block import bug_report, bug_report_text
     from ..report.files import plots_line, read_report, report_rows
-    from ..report.html import DIFF_FILE, HTML_FILE, load_diff, write_html
+    from ..report.history import DIFF_FILE, load_diff
+    from ..report.html import HTML_FILE, write_html
     from ..report.plots import render_plots
     from ..report.summary import summary_lines, summary_table
 
-    try:
-        report = read_report(args.report)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
+    report = read_report(args.report)
     directory = args.report if args.report.is_dir() else args.report.parent
     rows = report_rows(report)
     points = [r for r in rows if r.kind != "op"]  # a drill's ops are its table, not points
@@ -166,10 +164,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from ..report.files import read_report
     from ..report.history import comparable, diff_reports
 
-    try:
-        old, new = read_report(args.old), read_report(args.new)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
+    old, new = read_report(args.old), read_report(args.new)
     reason = comparable(old, new)
     if reason is not None:
         raise BadInput(reason)

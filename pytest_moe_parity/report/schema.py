@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import BadInput
 from .block import bug_report
 from .rows import Row
 from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
@@ -69,22 +70,26 @@ def report_rows(report: dict[str, Any]) -> list[Row]:
     return [Row.from_json(point) for point in report["points"]]
 
 
+class ReportError(BadInput, ValueError):
+    """A file that is not a report this version reads (missing, unreadable, another schema)."""
+
+
 def read_report(path: Path) -> dict[str, Any]:
     """A comparison_report.json (or the directory holding one), checked enough to draw and diff;
-    ValueError with one sentence when it is not one."""
+    ReportError (a ValueError too) with one sentence when it is not one."""
     file = path / REPORT_FILE if path.is_dir() else path
     try:
         report = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"no {REPORT_FILE} in {path} (write one with --parity-report DIR)") from None
+        raise ReportError(f"no {REPORT_FILE} in {path} (write one with --parity-report DIR)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not a readable JSON report ({exc})") from None
+        raise ReportError(f"{file} is not a readable JSON report ({exc})") from None
     points = report.get("points") if isinstance(report, dict) else None
     if not isinstance(points, list) or not all(isinstance(p, dict) and "id" in p and "status" in p for p in points):
-        raise ValueError(f"{file} is not a moe-parity comparison report (no 'points' rows)")
+        raise ReportError(f"{file} is not a moe-parity comparison report (no 'points' rows)")
     version = report.get("schema_version")
     if version != REPORT_SCHEMA_VERSION:
-        raise ValueError(
+        raise ReportError(
             f"{file} has report schema {version}; this moe-parity reads schema {REPORT_SCHEMA_VERSION} "
             "(rewrite it with this version's --parity-report)"
         )
