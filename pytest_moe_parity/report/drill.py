@@ -112,8 +112,11 @@ class Drill:
     # -- JSON --------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The drill as the report holds it (report schema 1): every field but `state`."""
-        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "state"}
-        return {**out, "rows": [asdict(r) for r in self.rows]}
+        return {
+            f.name: [asdict(r) for r in self.rows] if f.name == "rows" else copy.deepcopy(getattr(self, f.name))
+            for f in fields(self)
+            if f.name != "state"
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Drill:
