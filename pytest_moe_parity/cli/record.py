@@ -131,6 +131,14 @@ def _golden_run_arguments(golden: Any) -> None:
         "a reference larger than the host's memory, on one device, without an offload folder",
     )
     golden.add_argument(
+        "--reference-quant",
+        choices=("dequant", "native"),
+        default=None,
+        help="a quantized checkpoint (fp8, compressed-tensors, mxfp4): how the reference's matmuls run: dequant "
+        "(default: weights dequantized as each layer is read, what transformers does on a CPU) or native "
+        "(the maker's quantized kernels, where transformers runs them here)",
+    )
+    golden.add_argument(
         "--layers",
         default=None,
         metavar="A-B",

@@ -9,6 +9,7 @@ order), the next unit is read in a background thread while the current one runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import threading
@@ -23,8 +24,9 @@ from torch import nn
 from ..errors import CheckpointError
 from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
-from .checkpoint import SIZES, quantization, weight_map
+from .checkpoint import SIZES, weight_map
 from .conversion import fused, model_names
+from .quant import Dequantizer, layout
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
@@ -95,12 +97,14 @@ class LazyModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.config = config or AutoConfig.from_pretrained(self.model_dir, trust_remote_code=trust_remote_code)
-        method = quantization(self.config)
-        if method is not None:
-            raise CheckpointError(
-                f"{self.model_dir} is quantized ({method}): read one layer at a time, its weights would load without "
-                "their scales; dequantize it to a bf16/fp32 checkpoint first"
-            )
+        # A quantized checkpoint: its weights dequantized as each unit is read; the model itself is
+        # built unquantized (the config's quantization_config names the layout, not the modules)
+        quant = layout(self.config, str(self.model_dir))
+        self.dequantizer = Dequantizer(quant, str(self.model_dir)) if quant is not None else None
+        if quant is not None:
+            self.config = copy.copy(self.config)
+            with contextlib.suppress(AttributeError):
+                del self.config.quantization_config
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
         self.model = self._build(trust_remote_code)
@@ -419,6 +423,8 @@ class LazyModel:
                     state[key] = sl
                     self.stats.keys.append(key)
                     self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
+            if self.dequantizer is not None:  # this unit's weights alone, dequantized into the run's dtype
+                state = self.dequantizer.dequantize(state, self.dtype)
             config = LoadStateDictConfig(
                 dtype=self.dtype,
                 dtype_plan=self.model._get_dtype_plan(self.dtype),

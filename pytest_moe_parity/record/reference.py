@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, CheckpointError
 from ..host import gib
-from ..model.checkpoint import quantization
 from ..model.lazy_model import LazyModel, own_memory
+from ..model.quant import Layout, layout
 from .dispatch import does_not_fit
 from .memory import placement, placement_line
 
@@ -40,9 +40,14 @@ def load_checked_config(model_dir: Path, *, trust_remote_code: bool = False):
     if not (model_dir / "config.json").is_file():
         raise BadInput(f"{model_dir} is not a transformers checkpoint (no config.json)")
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unknown configs
         raise BadInput(f"{model_dir} is not a loadable transformers checkpoint: {first_line(exc)}") from None
+    try:
+        layout(config, str(model_dir))  # a quantization this cannot read, said before anything is loaded
+    except CheckpointError as exc:
+        raise BadInput(str(exc)) from None
+    return config
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -154,15 +159,60 @@ class LoadedReference:
         return model_level + sum(self._layer_bytes()[: self.lazy.max_layers])
 
 
-def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool) -> str:
-    """How the reference is read: `from_pretrained` for a checkpoint without safetensors or a
-    quantized one (its quantizer applies the scales); else one unit at a time, `placed` by an
-    accelerate device map, `stream`ed, or every unit kept on one device (`units`)."""
-    if not any(model_dir.glob("*.safetensors")) or (quantization(config) and not stream):
+def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool, native: bool = False) -> str:
+    """How the reference is read: `from_pretrained` for a checkpoint without safetensors, or a
+    quantized one whose maker's kernels run (`native`: transformers' quantizer builds its modules);
+    else one unit at a time (a quantized checkpoint's weights dequantized as each is read), `placed`
+    by an accelerate device map, `stream`ed, or every unit kept on one device (`units`)."""
+    if not any(model_dir.glob("*.safetensors")) or native:
         return "from_pretrained"
     if device_map:
         return "placed"
     return "stream" if stream else "units"
+
+
+REFERENCE_QUANT = ("dequant", "native")
+
+
+def reference_quant(model_dir: Path, config: Any, choice: str | None, device: str | None) -> dict[str, Any] | None:
+    """How a quantized reference's matmuls run, for its manifest and header (None: not quantized):
+    `dequant` (the default: weights dequantized into the recording's dtype as each unit is read, what
+    transformers does on a CPU), or `native`, the maker's path where transformers runs one here
+    (compressed-tensors FP8: activations quantized per token, then a scaled matmul; fp8 and mxfp4: on
+    a GPU with their kernels). BadInput, one sentence, where the choice cannot be had."""
+    quant = layout(config, str(model_dir))
+    if quant is None:
+        if choice is not None:
+            raise BadInput(f"--reference-quant applies to a quantized checkpoint, and {model_dir} is not quantized")
+        return None
+    choice = choice or "dequant"
+    if choice not in REFERENCE_QUANT:
+        raise BadInput(f"--reference-quant {choice!r} is not one of {', '.join(REFERENCE_QUANT)}")
+    if choice == "native":
+        why = native_unavailable(quant, device)
+        if why:
+            raise BadInput(f"--reference-quant native: {why}; record with --reference-quant dequant (the default)")
+    return {
+        **quant.to_dict(),
+        "reference": choice,
+        "matmuls": (
+            "the maker's quantized kernels, through transformers' quantizer"
+            if choice == "native"
+            else "weights dequantized into the recording's dtype, activations unquantized"
+        ),
+    }
+
+
+def native_unavailable(quant: Layout, device: str | None) -> str | None:
+    """Why transformers runs no quantized kernel of `quant` on `device` (None: it runs one)."""
+    on_gpu = (device or "cpu").startswith("cuda") and torch.cuda.is_available()
+    if quant.method == "compressed-tensors":
+        return None if quant.bits == "fp8" else f"transformers runs no {quant.bits} kernel of compressed-tensors"
+    if not on_gpu:
+        return f"transformers dequantizes {quant.method} weights on a CPU (its kernels need a GPU)"
+    if quant.method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        return "transformers' fp8 kernels need a GPU of compute capability 8.9 or more"
+    return None
 
 
 def input_device(model) -> torch.device:

@@ -42,6 +42,7 @@ from .reference import (
     load_checked_config,
     load_model,
     reader,
+    reference_quant,
     tokenizer_of,
 )
 
@@ -135,12 +136,13 @@ def load_reference(
     offload_folder: Path | None,
     stream: bool,
     trust_remote_code: bool,
+    native: bool = False,
 ) -> LoadedReference:
     """The reference model, read as `reader` says. One unit at a time, the host holds the weights
     it keeps and one unit in flight; `from_pretrained` maps every shard and holds its pages while it
     converts (about the checkpoint again at its peak, and with disk offload, whatever the caps).
     `reader` and `load_model` are this module's names of `reference`'s (a test replaces them here)."""
-    how = reader(model_dir, config, device_map, stream)
+    how = reader(model_dir, config, device_map, stream, native=native)
     placing = dict(dtype=dtype, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if how == "from_pretrained":
         return LoadedReference(
@@ -286,6 +288,7 @@ class GoldenRequest:
     pad_to: int | None = None
     batch_size: int | None = None
     capture_tokens: str | None = None  # the token positions kept of every prefill point's output
+    reference_quant: str | None = None  # a quantized checkpoint: dequant (default) or native (`reference_quant`)
     # The most bytes eager attention's score arrays may hold at once (float32): a longer prompt runs
     # eager attention a block of query rows at a time (`model.attention`); 0 runs it whole.
     attention_budget_mb: float = DEFAULT_BUDGET_MIB
@@ -383,7 +386,13 @@ class GoldenRequest:
             )
         if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode, batch, kept)
+        quant = reference_quant(model_dir, config, self.reference_quant, self.device)
+        if quant is not None and quant["reference"] == "native" and (self.stream or self.device_map):
+            raise BadInput(
+                "--reference-quant native loads the model through transformers' quantizer, whole, on one --device; "
+                "it does not combine with --stream or --device-map"
+            )
+        return CheckedRequest(self, torch_dtype, config, ids, wanted_layers, max_memory, decode, batch, kept, quant)
 
     def record(self, progress: Callable[[str], None] | None = None) -> RecordResult:
         """Record the golden directory; `progress` is told each step in one line."""
@@ -404,6 +413,7 @@ class CheckedRequest:
     decode: DecodePlan
     batch: Batch | None = None  # --prompts: the padded batch (`ids` is its first row)
     kept: list[int] | None = None  # --capture-tokens: the positions kept of the prefill's outputs
+    quant: dict[str, Any] | None = None  # a quantized checkpoint: its layout and how the reference ran it
 
     @property
     def token_slice(self) -> tuple[int, int, list[int]] | None:
@@ -449,6 +459,7 @@ class CheckedRequest:
                 "num_hidden_layers": facts.n_layers,
             },
             "inputs": self.manifest_inputs(req.prompt),
+            **({"quantization": self.quant} if self.quant is not None else {}),
             **(
                 {"capture_tokens": {"spec": req.capture_tokens, "positions": self.kept}}
                 if self.kept is not None
@@ -528,6 +539,7 @@ class _GoldenRun:
                 offload_folder=offload,
                 stream=req.stream,
                 trust_remote_code=req.trust_remote_code,
+                native=bool(checked.quant and checked.quant["reference"] == "native"),
             )
             try:
                 plan = plan_points(ref.model)

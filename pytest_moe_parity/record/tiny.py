@@ -107,11 +107,18 @@ def write_tiny_model(
     max_shard_size: str | int = "500KB",
     overrides: dict[str, Any] | None = None,
     perturb: bool = True,
+    quant: str | None = None,
+    kv_scales: bool = False,
 ) -> Path:
     """Save a tiny checkpoint that `AutoModelForCausalLM.from_pretrained` loads, in the hub's
-    per-expert layout, sharded with a `model.safetensors.index.json` like a published model."""
+    per-expert layout, sharded with a `model.safetensors.index.json` like a published model; with
+    `quant` (a scheme of `record.quantized`), quantized in that scheme's hub layout."""
     out = Path(out)
     model = build_tiny_model(arch, layers=layers, seed=seed, overrides=overrides, perturb=perturb)
     out.mkdir(parents=True, exist_ok=True)
+    if quant is not None or kv_scales:
+        from .quantized import write_quantized
+
+        return write_quantized(model, out, quant or "fp8-block", kv=kv_scales, seed=seed, max_shard_size=max_shard_size)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     return out
