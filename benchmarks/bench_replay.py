@@ -131,12 +131,13 @@ def child(script: str, *args: str) -> dict:
     return run_child(script, *args)[0]
 
 
-def write_checkpoint(root: Path, layers: int) -> Path:
-    """The Mixtral-style checkpoint of `layers` layers (written once under `root`)."""
+def write_checkpoint(root: Path, layers: int, quant: str | None = None) -> Path:
+    """The Mixtral-style checkpoint of `layers` layers (written once under `root`); with `quant` (a
+    `tiny-model --quant` scheme, e.g. fp8-block:128), in that scheme's hub layout."""
     import torch
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    model_dir = root / f"mixtral-{layers}"
+    model_dir = root / (f"mixtral-{layers}" + (f"-{quant.replace(':', '_')}" if quant else ""))
     if not (model_dir / "config.json").is_file():
         config = MixtralConfig(
             vocab_size=1024,
@@ -152,7 +153,12 @@ def write_checkpoint(root: Path, layers: int) -> Path:
         )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(model_dir, max_shard_size="200MB")
+        if quant:
+            from pytest_moe_parity.record.quantized import write_quantized
+
+            write_quantized(model, model_dir, quant, kv=False, seed=0, max_shard_size="200MB")
+        else:
+            model.save_pretrained(model_dir, max_shard_size="200MB")
         del model
     return model_dir
 

@@ -297,6 +297,7 @@ class ParitySession:
             f"moe-parity: golden {self.golden.root} ({m['model']['model_type']}, "
             f"{recorded}, {len(self.golden.point_ids)} points, "
             f"{m['inputs']['seq_len']} tokens{f', then {steps}' if steps else ''}, {self.golden.dtype}){layers}",
+            *([f"moe-parity: {quant}"] if (quant := self.golden.quantization_line()) else []),
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
             self.inputs_line(),

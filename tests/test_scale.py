@@ -338,29 +338,22 @@ def test_a_checkpoint_without_its_weights_is_one_line(broken, tmp_path: Path, ti
     assert not (tmp_path / "g").exists()
 
 
-def test_a_quantized_checkpoint_is_never_read_without_its_scales(tmp_path: Path, tiny_model, capsys, monkeypatch):
-    """Read one unit at a time, an fp8 checkpoint's weights would load without their scales: the
-    recording leaves it to from_pretrained's quantizer, and the per-layer reader refuses it."""
-    import shutil
+def test_a_quantized_checkpoint_is_read_one_unit_at_a_time_with_its_scales(tmp_path: Path, capsys, monkeypatch):
+    """An fp8 checkpoint is read by the per-unit reader, its scales with its weights (`model.quant`), in
+    memory or --stream: from_pretrained (the whole model at once) is never asked."""
+    from pytest_moe_parity.record.tiny import write_tiny_model
 
-    from pytest_moe_parity.errors import CheckpointError
-    from pytest_moe_parity.model.lazy_model import LazyModel
-
-    model = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
-    config = read_json(model / "config.json")
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"is quantized \(fp8\): read one layer at a time"):
-        LazyModel(model, dtype=torch.float32)
-    code, _, err = _golden(capsys, model, tmp_path / "g", "--stream")
-    assert code == 2 and "is quantized (fp8)" in err and not (tmp_path / "g").exists()
+    model = write_tiny_model("qwen3_moe", tmp_path / "m", quant="fp8-block:32")
 
     def from_pretrained_only(*args, **kwargs):
         raise record_run.BadInput("from_pretrained was asked")
 
     monkeypatch.setattr(record_run, "load_model", from_pretrained_only)
-    code, _, err = _golden(capsys, model, tmp_path / "g")
-    assert code == 2 and "from_pretrained was asked" in err
+    for stream in ((), ("--stream",)):
+        code, _, err = _golden(capsys, model, tmp_path / f"g{len(stream)}", *stream)
+        assert code == 0, err
+        loading = read_json(tmp_path / f"g{len(stream)}" / "manifest.json")["record"]["loading"]
+        assert "from_pretrained" not in loading, loading
 
 
 @pytest.mark.slow

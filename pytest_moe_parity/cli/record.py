@@ -19,6 +19,18 @@ def _tiny_model_arguments(sub: Any) -> None:
     tiny.add_argument("--layers", type=positive_int_arg, default=None, help="decoder layers (default: the config's)")
     tiny.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     tiny.add_argument(
+        "--quant",
+        default=None,
+        metavar="SCHEME",
+        help="write it quantized in the hub's layout of SCHEME: fp8-block[:N] (DeepSeek-V3/Qwen3-FP8, blocks of "
+        "N, 128 by default), fp8-channel, fp8-tensor, int8-channel (compressed-tensors) or mxfp4 (GPT-OSS)",
+    )
+    tiny.add_argument(
+        "--kv-scales",
+        action="store_true",
+        help="add a k_scale/v_scale per attention (an FP8 KV cache's scales, from a few calibration tokens)",
+    )
+    tiny.add_argument(
         "--shard-size",
         default="500KB",
         help="max safetensors shard size, hub-style sharding (default: 500KB)",
@@ -33,11 +45,25 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         raise BadInput(f"unknown --arch {args.arch!r}; available: {', '.join(archs)}")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise BadInput(f"{args.out} exists and is not empty; choose another --out")
+    if args.quant is not None:
+        from ..model.quant import parse_weight_scheme
+
+        try:
+            scheme, _ = parse_weight_scheme(args.quant)
+        except ValueError as exc:
+            raise BadInput(f"--quant {exc}") from None
+        if scheme == "mxfp4" and args.arch != "gpt_oss":
+            raise BadInput(f"--quant mxfp4 is GPT-OSS's layout (its fused experts); --arch {args.arch} has no such release")
     quiet_transformers()
-    out = write_tiny_model(args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size)
+    out = write_tiny_model(
+        args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size,
+        quant=args.quant, kv_scales=args.kv_scales,
+    )  # fmt: skip
     files = sorted(p.name for p in out.iterdir())
     size = sum(p.stat().st_size for p in out.iterdir())
-    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out}: {len(files)} files, {size / 1e6:.2f} MB")
+    quant = f", {args.quant or 'fp8-block'}" if args.quant or args.kv_scales else ""
+    kv = " with KV-cache scales" if args.kv_scales else ""
+    print(f"wrote tiny {args.arch} (seed {args.seed}{quant}){kv} to {out}: {len(files)} files, {size / 1e6:.2f} MB")
     return EXIT_OK
 
 

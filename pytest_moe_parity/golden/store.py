@@ -295,6 +295,19 @@ class GoldenStore:
         steps = self.recorded_steps
         return describe_steps(steps, self.decode_steps, self.prefill_tokens) if steps else ""
 
+    def quantization_line(self) -> str | None:
+        """A quantized reference: its layout and how its matmuls ran, in words (None: unquantized)."""
+        q = self.manifest.get("quantization")
+        if not q:
+            return None
+        parts = [q["scheme"], *([f"activations {q['activations']}"] if q.get("activations") else [])]
+        parts += ["KV-cache scales"] if q.get("kv_cache") else []
+        default = ", the default" if q["reference"] == "dequant" else ""
+        return (
+            f"golden quantized: {q['method']} ({', '.join(parts)}): the reference ran {q['matmuls']} "
+            f"(--reference-quant {q['reference']}{default})"
+        )
+
     def position(self, point: Point | str) -> int | None:
         """The absolute position of the token a decode step's point computes (None for the prefill's)."""
         step = self.point(point).step

@@ -24,9 +24,9 @@ from torch import nn
 from ..errors import CheckpointError
 from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
-from .checkpoint import SIZES, weight_map
+from .checkpoint import SIZES, read_tensors, weight_map
 from .conversion import fused, model_names
-from .quant import Dequantizer, layout
+from .quant import Dequantizer, check_tensors, layout
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
@@ -106,6 +106,8 @@ class LazyModel:
             with contextlib.suppress(AttributeError):
                 del self.config.quantization_config
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
+        if quant is not None:  # every quantized weight has a scale of its shape, before anything is read
+            check_tensors(read_tensors(self.model_dir), quant, str(self.model_dir))
         self.stats = ReadStats()
         self.model = self._build(trust_remote_code)
         from .archs import layers_path

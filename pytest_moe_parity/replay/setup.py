@@ -16,9 +16,10 @@ import torch
 
 from ..backends import CHAIN_KINDS, backend_class, registry
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import BackendError, SetupError
+from ..errors import BackendError, CheckpointError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
-from ..model.checkpoint import read_config
+from ..model.checkpoint import read_config, read_tensors
+from ..model.quant import check_tensors, layout
 from ..points import describe_layers, parse_layers
 from ..report.rows import Row
 from .runner import MODES
@@ -104,6 +105,18 @@ def check_config(golden: GoldenStore, candidate: Path) -> None:
     diffs = model_mismatches({**golden.config, "model_type": golden.model_type}, config)
     if diffs:
         raise SetupError(f"candidate {candidate} does not match the golden's model: " + "; ".join(diffs))
+    check_quantized(candidate, config)
+
+
+def check_quantized(candidate: Path, config: dict[str, Any]) -> None:
+    """A quantized candidate checkpoint: a layout this reads, every quantized weight with a scale of its
+    shape (from the headers alone), before any point runs."""
+    try:
+        quant = layout(config, f"candidate {candidate}")
+        if quant is not None and any(candidate.glob("*.safetensors")):
+            check_tensors(read_tensors(candidate), quant, f"candidate {candidate}")
+    except CheckpointError as exc:
+        raise SetupError(str(exc)) from None
 
 
 MODEL_POINTS = "model"  # the word of --parity-layers for the items that are not a layer's
