@@ -53,7 +53,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise BadInput(f"--quant {exc}") from None
         if scheme == "mxfp4" and args.arch != "gpt_oss":
-            raise BadInput(f"--quant mxfp4 is GPT-OSS's layout (its fused experts); --arch {args.arch} has no such release")
+            raise BadInput(
+                f"--quant mxfp4 is GPT-OSS's layout (its fused experts); --arch {args.arch} has no such release"
+            )
     quiet_transformers()
     out = write_tiny_model(
         args.arch, args.out, layers=args.layers, seed=args.seed, max_shard_size=args.shard_size,
@@ -132,6 +134,7 @@ def _golden_arguments(sub: Any) -> None:
         "longest; a short --prompt or --input-ids repeated), for `moe-parity sweep OUT`",
     )
     _golden_run_arguments(golden)
+    _golden_quant_arguments(golden)
 
 
 def _golden_run_arguments(golden: Any) -> None:
@@ -155,14 +158,6 @@ def _golden_run_arguments(golden: Any) -> None:
         action="store_true",
         help="hold two decoder layers at a time, read from the checkpoint as the forward reaches them: "
         "a reference larger than the host's memory, on one device, without an offload folder",
-    )
-    golden.add_argument(
-        "--reference-quant",
-        choices=("dequant", "native"),
-        default=None,
-        help="a quantized checkpoint (fp8, compressed-tensors, mxfp4): how the reference's matmuls run: dequant "
-        "(default: weights dequantized as each layer is read, what transformers does on a CPU) or native "
-        "(the maker's quantized kernels, where transformers runs them here)",
     )
     golden.add_argument(
         "--layers",
@@ -217,6 +212,18 @@ def _golden_run_arguments(golden: Any) -> None:
         help="allow the checkpoint's own modeling code (off by default)",
     )
     golden.add_argument("-q", "--quiet", action="store_true", help="print only the closing line")
+
+
+def _golden_quant_arguments(golden: Any) -> None:
+    """A quantized checkpoint's options (docs/quantization.md)."""
+    golden.add_argument(
+        "--reference-quant",
+        choices=("dequant", "native"),
+        default=None,
+        help="a quantized checkpoint (fp8, compressed-tensors, mxfp4): how the reference's matmuls run: dequant "
+        "(default: weights dequantized as each layer is read, what transformers does on a CPU) or native "
+        "(the maker's quantized kernels, where transformers runs them here)",
+    )
 
 
 def cmd_golden(args: argparse.Namespace) -> int:
