@@ -77,6 +77,7 @@ def _expected(model: Path) -> dict:
     scales = {"weight": 0, "kv_cache": 0}
     read: dict[str, int] = {}
     written: dict[str, int] = {}
+    largest = 0
     for name, (dtype, shape) in _headers(model).items():
         stored = _nbytes(dtype, shape)
         unit = _unit(name)
@@ -86,6 +87,7 @@ def _expected(model: Path) -> dict:
             scales["kv_cache" if name.endswith(KV_SCALES) else "weight"] += 1
         elif dtype in ("F8_E4M3", "I8") or name.endswith("_blocks"):
             converted = math.prod(shape) * (2 if name.endswith("_blocks") else 1) * 2
+            largest = max(largest, converted * 2)  # its float32 copy
             slot = quantized.setdefault(tensor_class(name), {"tensors": 0, "bytes": 0, "bfloat16_bytes": 0})
             slot["tensors"] += 1
             slot["bytes"] += stored
@@ -106,22 +108,23 @@ def _expected(model: Path) -> dict:
         "converted": sum(written.values()),
         "peak": peak,
         "all_at_once": sum(read.values()) + sum(written.values()),
+        "largest_float32": largest,
     }
 
 
 # -- moe-parity audit ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "name, scheme, block, line",
-    [
-        ("qwen3_moe-fp8-block", "fp8-block:32", [32, 32], "quantization: fp8, fp8-block:32: a scale per 32x32 block"),
-        ("deepseek_v3-fp8-block", "fp8-block:32", [32, 32], "quantization: fp8, fp8-block:32: a scale per 32x32 "),
-        ("gpt_oss-mxfp4", "mxfp4", [1, 32], "quantization: mxfp4, mxfp4: an e8m0 exponent per 32 values"),
-        ("qwen3_moe-fp8-channel-kv", "fp8-channel", None, "compressed-tensors, fp8-channel: a scale per output "),
-    ],
-)
-def test_the_audit_of_a_quantized_checkpoint_sums_its_headers(
-    name: str, scheme: str, block, line: str, quantized, tmp_path: Path, capsys
-) -> None:
+# each layout's scheme and block as the audit gives them, and its line
+SAID = {
+    "qwen3_moe-fp8-block": ("fp8-block:32", [32, 32], "quantization: fp8, fp8-block:32: a scale per 32x32 block"),
+    "deepseek_v3-fp8-block": ("fp8-block:32", [32, 32], "quantization: fp8, fp8-block:32: a scale per 32x32 "),
+    "gpt_oss-mxfp4": ("mxfp4", [1, 32], "quantization: mxfp4, mxfp4: an e8m0 exponent per 32 values"),
+    "qwen3_moe-fp8-channel-kv": ("fp8-channel", None, "compressed-tensors, fp8-channel: a scale per output channel"),
+}
+
+
+@pytest.mark.parametrize("name", list(SAID))
+def test_the_audit_of_a_quantized_checkpoint_sums_its_headers(name: str, quantized, tmp_path: Path, capsys) -> None:
+    scheme, block, line = SAID[name]
     model = quantized(name)
     code, out, err = cli(capsys, "audit", "--model", model, "--json", tmp_path / "a.json")
     assert code == 0, out + err
@@ -137,6 +140,7 @@ def test_the_audit_of_a_quantized_checkpoint_sums_its_headers(
     assert conversion["per_unit"] == want["per_unit"]
     assert (conversion["stored_bytes"], conversion["converted_bytes"]) == (want["stored"], want["converted"])
     assert conversion["one_layer_at_a_time_peak_bytes"] == want["peak"]
+    assert conversion["largest_tensor_float32_bytes"] == want["largest_float32"]
     assert conversion["all_at_once_peak_bytes"] == want["all_at_once"] == data["total_bytes"] + want["converted"]
     # the scales are their own class, never an unexpected dtype; the unquantized tensors by class
     assert "scales" in data["census"] and "float8_e4m3fn" not in str(data["findings"])
@@ -508,3 +512,80 @@ def test_a_golden_of_the_quantized_checkpoint_and_of_its_copy_are_bitwise_equal(
         assert a.keys() == b.keys(), file
         for key in a:
             assert a[key].dtype == b[key].dtype and torch.equal(_bits(a[key]), _bits(b[key])), f"{file}: {key}"
+
+
+def _large_fp8(out: Path, layers: int = 4, experts: int = 32, hidden: int = 1024, inter: int = 512) -> Path:
+    """A qwen3_moe FP8 checkpoint (128x128 blocks) of random bytes, one shard per layer, written without
+    building the model: about 50 MB of FP8 experts a layer."""
+    from pytest_moe_parity.record.tiny import tiny_config_dict
+
+    out.mkdir()
+    gen = torch.Generator().manual_seed(0)
+
+    def fp8(*shape: int) -> dict[str, torch.Tensor]:
+        q = torch.randint(0, 0x7E, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return {"": q, "_scale_inv": torch.rand(math.ceil(shape[0] / 128), math.ceil(shape[1] / 128), generator=gen)}
+
+    weight_map = {}
+    for layer in range(-1, layers):
+        state: dict[str, torch.Tensor] = {}
+        if layer < 0:
+            state = {"model.embed_tokens.weight": torch.zeros(256, hidden, dtype=torch.bfloat16),
+                     "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                     "lm_head.weight": torch.zeros(256, hidden, dtype=torch.bfloat16)}  # fmt: skip
+        else:
+            p = f"model.layers.{layer}."
+            mats = {f"{p}self_attn.{n}_proj.weight": (hidden, hidden) for n in "qkvo"}
+            for e in range(experts):
+                for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+                    mats[f"{p}mlp.experts.{e}.{n}_proj.weight"] = shape
+            for name, shape in mats.items():
+                state.update({name + suffix: t for suffix, t in fp8(*shape).items()})
+            state[f"{p}mlp.gate.weight"] = torch.zeros(experts, hidden, dtype=torch.bfloat16)
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                state[f"{p}{n}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        shard = f"model-{layer + 2:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(state, str(out / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, shard))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = tiny_config_dict("qwen3_moe", layers, {"hidden_size": hidden, "moe_intermediate_size": inter,
+                                                    "num_experts": experts, "head_dim": 64, "num_attention_heads": 16,
+                                                    "num_key_value_heads": 16})  # fmt: skip
+    config.update(torch_dtype="bfloat16", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+MEASURE = """
+import resource, sys
+import torch, safetensors.torch
+from pytest_moe_parity.cli import main
+from pytest_moe_parity.record import dequantize
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+code = main(["dequantize", "--model", sys.argv[1], "--out", sys.argv[2]])
+print("measured", code, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_dequantize_peaks_at_the_audits_one_layer_figure(tmp_path: Path) -> None:
+    """In a fresh process, dequantizing a checkpoint of 4 layers of ~50 MB FP8 each raises the peak by about
+    the audit's one-layer figure (a layer's FP8 + its bf16 bytes, one tensor's float32 temporaries on top),
+    a fraction of the all-at-once figure."""
+    import subprocess
+    import sys
+
+    from pytest_moe_parity.record.audit import audit
+
+    model = _large_fp8(tmp_path / "q")
+    conversion = audit(model).quantization["conversion"]
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(model), str(tmp_path / "d")], capture_output=True, text=True, check=True
+    )
+    line = next(li for li in run.stdout.splitlines() if li.startswith("measured"))
+    _, code, base, peak = line.split()
+    assert code == "0", run.stderr
+    grown = int(peak) - int(base)
+    one = conversion["one_layer_at_a_time_peak_bytes"]
+    assert grown < 1.25 * one, (grown, one)
+    assert grown < 0.4 * conversion["all_at_once_peak_bytes"], (grown, conversion["all_at_once_peak_bytes"])

@@ -427,7 +427,8 @@ class QuantView:
     def conversion(self) -> dict[str, Any]:
         """The memory of converting to bfloat16: one unit (a decoder layer, or the model-level tensors)
         at a time holds its stored bytes and its bfloat16 bytes; all at once, the checkpoint and every
-        bfloat16 byte."""
+        bfloat16 byte. Dequantizing a tensor makes float32 temporaries of it on top (a few copies of
+        `largest_tensor_float32_bytes`, transformers' arithmetic: both factors in float32)."""
         read: dict[str, int] = {}
         written: dict[str, int] = {}
         for t in self.tensors:
@@ -436,7 +437,9 @@ class QuantView:
             written[unit] = written.get(unit, 0) + self.converted_bytes(t)
         peaks = {u: read[u] + written[u] for u in read}
         largest = max(peaks, key=peaks.get, default=MODEL_UNIT)
+        biggest = max((self.elements(t) for t in self.tensors if self.role(t) == "quantized"), default=0)
         return {
+            "largest_tensor_float32_bytes": biggest * 4,
             "dtype": NAMES[CONVERTED],
             "stored_bytes": sum(read.values()),
             "converted_bytes": sum(written.values()),
@@ -544,7 +547,8 @@ def quantization_lines(q: dict[str, Any]) -> list[str]:
     unit = c["per_unit"][c["largest_unit"]]
     lines.append(
         f"converting to {c['dtype']} one layer at a time: peak {gib(c['one_layer_at_a_time_peak_bytes'])} "
-        f"({c['largest_unit']}: {gib(unit['read_bytes'])} read, {gib(unit['written_bytes'])} written); "
+        f"({c['largest_unit']}: {gib(unit['read_bytes'])} read, {gib(unit['written_bytes'])} written; "
+        f"float32 temporaries of one tensor on top, {gib(c['largest_tensor_float32_bytes'])} a copy); "
         f"all at once: {gib(c['all_at_once_peak_bytes'])} ({gib(c['stored_bytes'])} read, "
         f"{gib(c['converted_bytes'])} written)"
     )

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..dtypes import parse_dtype
 from ..errors import BadInput, CheckpointError
-from ..host import gib, malloc_trim
+from ..host import gib, malloc_trim, map_large_allocations
 from ..model.checkpoint import INDEX_FILE, read_config, weight_map
 from .audit import MODEL_UNIT, QuantView, checkpoint_tensors, conversion_unit, quantized_view
 
@@ -56,6 +56,7 @@ def dequantize_checkpoint(
     need = sum(view.converted_bytes(t, SIZES[dtype]) for t in tensors)
     _check_room(out, need)
     units = _units(model_dir)
+    map_large_allocations()  # a unit's temporaries handed back as they are freed: it holds what it keeps
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
