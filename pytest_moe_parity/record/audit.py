@@ -229,8 +229,10 @@ def quantized_view(model_dir: Path, tensors: list[Tensor], config: dict[str, Any
 
 
 def _ignored_patterns(config: dict[str, Any]) -> list[str]:
-    q = config.get("quantization_config") or {}
-    return [str(p) for key in IGNORE_KEYS for p in (q.get(key) or []) if isinstance(q, dict)]
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return []
+    return [str(p) for key in IGNORE_KEYS for p in (q.get(key) or [])]
 
 
 def conversion_unit(name: str) -> str:
