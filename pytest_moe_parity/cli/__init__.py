@@ -3,7 +3,7 @@ comparison of dumps, and reports redrawn and compared run to run.
 Exit codes: 0 success, 1 a comparison failed, 2 bad input.
 
 A package by family of commands: `record` (tiny-model, golden), `runs` (compare, demo, sweep),
-`reports` (report, diff), `checkpoint` (audit, estimate), `inspect` (show, drill-ops, routes, scan);
+`reports` (report, diff), `checkpoint` (audit, estimate, dequantize), `inspect` (show, drill-ops, routes, scan);
 `common` what they share. Each command raises a `ParityError` for what the user must fix, and `main`
 says it once: one line on stderr, exit 2."""
 
@@ -39,6 +39,7 @@ COMMANDS: dict[str, Command] = {
         reports.DIFF,
         checkpoint.AUDIT,
         checkpoint.ESTIMATE,
+        checkpoint.DEQUANTIZE,
     )
 }
 

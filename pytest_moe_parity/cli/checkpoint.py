@@ -1,5 +1,6 @@
 """`moe-parity audit` and `moe-parity estimate`: a checkpoint read from its headers and config (its
-dtypes; its memory, golden size, placement and a sharded nightly's shards)."""
+dtypes and quantization; its memory, golden size, placement and a sharded nightly's shards); and
+`moe-parity dequantize`: a quantized checkpoint's unquantized copy, written one layer at a time."""
 
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ def _audit_arguments(sub: Any) -> None:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    """Exit 1 when a tensor is in an unexpected dtype, 2 on bad input; headers only are read."""
+    """Exit 1 when a tensor is in an unexpected dtype (or, quantized, a projection is left unquantized that
+    the config does not say), 2 on bad input (a quantized checkpoint its layout cannot read); headers only."""
     from ..record.audit import audit, text_lines
 
     result = _checkpoint_report(
         args, lambda: audit(args.model, args.expect_dtype), lambda r: text_lines(r, args.model), lambda r: r.to_dict()
     )
-    return EXIT_FAILED if result.findings else EXIT_OK
+    return EXIT_FAILED if result.failed else EXIT_OK
 
 
 def _estimate_arguments(sub: Any) -> None:
@@ -136,5 +138,31 @@ def _shard_plan(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, A
     return {"shards": [sel for sel, _ in plan.shards], "shard_plan": plan.to_json()}
 
 
+def _dequantize_arguments(sub: Any) -> None:
+    dequantize = sub.add_parser(
+        "dequantize",
+        help="write an unquantized copy of a quantized checkpoint (fp8, compressed-tensors, mxfp4), one decoder "
+        "layer at a time",
+    )
+    dequantize.add_argument("--model", required=True, type=Path, help="the quantized checkpoint directory")
+    dequantize.add_argument("--out", required=True, type=Path, help="a new directory for the copy")
+    dequantize.add_argument(
+        "--dtype", default="bfloat16", help="the dequantized weights' dtype: bfloat16 (default), float16, float32"
+    )
+    dequantize.add_argument("--json", type=Path, default=None, help="also write what was written as JSON here")
+
+
+def cmd_dequantize(args: argparse.Namespace) -> int:
+    """Exit 0 once the copy is complete; 2 on bad input (nothing is left at --out)."""
+    from ..record.dequantize import dequantize_checkpoint, dequantize_lines
+
+    def run() -> dict[str, Any]:
+        return dequantize_checkpoint(args.model, args.out, args.dtype, progress=lambda line: print(f"  {line}"))
+
+    _checkpoint_report(args, run, dequantize_lines, lambda r: r)
+    return EXIT_OK
+
+
 AUDIT = Command("audit", _audit_arguments, cmd_audit, needs_transformers_5=True)
 ESTIMATE = Command("estimate", _estimate_arguments, cmd_estimate, needs_transformers_5=True)
+DEQUANTIZE = Command("dequantize", _dequantize_arguments, cmd_dequantize)

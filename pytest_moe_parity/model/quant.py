@@ -191,7 +191,7 @@ def _shape(sl: Any) -> list[int]:
 
 
 def _read(sl: Any) -> torch.Tensor:
-    return sl if isinstance(sl, torch.Tensor) else sl[:]
+    return sl if isinstance(sl, torch.Tensor) else sl[...]  # `[...]`: a 0-dim slice (a per-tensor scale) too
 
 
 class Dequantizer:
