@@ -210,6 +210,14 @@ def test_a_quantized_checkpoint_records_streamed_and_replays_clean_on_itself(
     assert result.parseoutcomes()["passed"] > 40 and result.ret == 0
     described = layout(read_json(model / "config.json")).describe()
     result.stdout.fnmatch_lines([f"moe-parity: golden quantized: {described}: the reference ran weights dequantized*"])
+    # and against its dequantized bf16 copy (what users used to write by hand), in bf16: weights included
+    copy = pytester.path / "bf16"
+    code, _, err = cli(capsys, "dequantize", "--model", model, "--out", copy, "--dtype", "bfloat16")
+    assert code == 0, err
+    result = run_parity(pytester, golden, "--hw", "cpu", "--dtype", "bfloat16", model=copy)
+    outcomes = result.parseoutcomes()
+    assert result.ret == 0 and outcomes["passed"] > 40 and "failed" not in outcomes and "errors" not in outcomes
+    result.stdout.fnmatch_lines(["first divergence: none"])
 
 
 def edited(src: Path, dst: Path, edit) -> Path:
