@@ -200,7 +200,7 @@ def test_a_quantized_checkpoint_records_streamed_and_replays_clean_on_itself(
 ) -> None:
     model = quantized(arch, quant)
     golden = pytester.path / "g"
-    code, out, err = cli(capsys, "golden", "--model", model, "--out", golden, "--stream", "--decode-steps", "1")
+    code, _out, err = cli(capsys, "golden", "--model", model, "--out", golden, "--stream", "--decode-steps", "1")
     assert code == 0, err
     manifest = read_json(golden / "manifest.json")
     assert manifest["quantization"]["reference"] == "dequant"
@@ -240,13 +240,12 @@ SCALE = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     [
         (
             lambda t: {k: v for k, v in t.items() if k != SCALE},
-            "model.layers.1.self_attn.o_proj.weight is stored in F8_E4M3 but has no "
+            "model.layers.1.self_attn.o_proj.weight is stored in float8_e4m3fn but has no "
             "model.layers.1.self_attn.o_proj.weight_scale_inv: a quantized weight needs its scale",
         ),
         (
             lambda t: {**t, SCALE: t[SCALE][:1]},
-            f"{SCALE} has shape [1, 2]; a [64, 64] weight in blocks of 32x32 needs [2, 2]: the config's "
-            "weight_block_size does not match the scales",
+            f"{SCALE} has shape [1, 2]; its [64, 64] weight under fp8-block:32 needs [2, 2]",
         ),
     ],
     ids=["missing-scale", "scale-shape"],
@@ -328,7 +327,7 @@ def test_native_compressed_tensors_is_transformers_w8a8_and_differs_from_dequant
         assert code == 0, err
     native, dequant = GoldenStore(tmp_path / "native"), GoldenStore(tmp_path / "dequant")
     assert native.manifest["quantization"]["reference"] == "native"
-    out = [k for k in native.tensors("logits") if "out" in k][0]
+    out = next(k for k in native.tensors("logits") if "out" in k)
     a, b = native.tensors("logits")[out], dequant.tensors("logits")[out]
     assert not torch.equal(a, b) and (a - b).norm() / b.norm() < 0.2
 
@@ -351,7 +350,8 @@ def test_dequantizer_names_and_refuses() -> None:
     q = torch.ones(4, 4).to(torch.float8_e4m3fn)
     out = deq.dequantize({"a.weight": q, "a.weight_scale_inv": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, torch.float32)
     assert out["a.weight"][3, 3].item() == 4.0 and out["a.weight"][0, 0].item() == 1.0
-    with pytest.raises(CheckpointError, match=r"ckpt: a\.weight is stored in F8_E4M3 but has no a\.weight_scale_inv"):
+    missing = r"ckpt: a\.weight is stored in float8_e4m3fn but has no a\.weight_scale_inv"
+    with pytest.raises(CheckpointError, match=missing):
         deq.dequantize({"a.weight": q}, torch.float32)
 
 

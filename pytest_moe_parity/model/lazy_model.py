@@ -26,7 +26,8 @@ from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
 from .checkpoint import SIZES, read_tensors, weight_map
 from .conversion import fused, model_names
-from .quant import Dequantizer, check_tensors, layout
+from .quant import Dequantizer, layout
+from .quant_check import check_tensors
 
 # transformers' switch from its threaded tensor materialisation to one thread.
 SYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"

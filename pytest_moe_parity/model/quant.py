@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CheckpointError
 
 FP8 = torch.float8_e4m3fn
@@ -258,8 +259,9 @@ class Dequantizer:
             raise CheckpointError(f"{self.where}: {scale_key} is there but its weight {name} is not")
         if scale is None:
             if dtype_code(weight) in ("F8_E4M3", "F8_E5M2", "I8"):
+                stored = SAFETENSORS_DTYPES.get(dtype_code(weight), dtype_code(weight))
                 raise CheckpointError(
-                    f"{self.where}: {name} is stored in {dtype_code(weight)} but has no {scale_key}: "
+                    f"{self.where}: {name} is stored in {stored} but has no {scale_key}: "
                     "a quantized weight needs its scale"
                 )
             return weight
@@ -450,51 +452,3 @@ def fake_quant(w: torch.Tensor, scheme: str, block: tuple[int, int] | None = Non
     q, s = quantize_fp8(w, scheme, block)
     full = s if scheme != "fp8-block" else expand_scale(s, tuple(w.shape), block)
     return (q.to(torch.float32) * full).to(w.dtype)
-
-
-# -- a checkpoint's quantized tensors, checked from their headers ----------------------------------
-
-QUANTIZED_CODES = {"fp8": ("F8_E4M3", "F8_E5M2"), "int8": ("I8",), "mxfp4": ("U8",)}
-
-
-def check_tensors(tensors: list[Any], quant: Layout, where: str) -> None:
-    """Every quantized weight of a checkpoint (`checkpoint.Tensor`s, from its headers) has its scale, of a
-    shape its weight fits under `quant`; CheckpointError naming the first tensor that does not."""
-    by_name = {t.name: t for t in tensors}
-    deq = Dequantizer(quant, where)
-    for t in tensors:
-        if quant.bits == "mxfp4":
-            if t.name.endswith("_blocks") and t.name[: -len("_blocks")] + "_scales" not in by_name:
-                raise CheckpointError(f"{where}: {t.name} has no {t.name[: -len('_blocks')]}_scales beside it")
-            continue
-        if t.dtype not in QUANTIZED_CODES[quant.bits] or deq.aside(t.name) or deq.companion(t.name):
-            continue
-        scale_name = t.name[: -len("weight")] + quant.scale_suffix if t.name.endswith("weight") else None
-        scale = by_name.get(scale_name) if scale_name else None
-        if scale is None:
-            raise CheckpointError(
-                f"{where}: {t.name} is stored in {t.dtype} but has no {scale_name or 'scale'}: "
-                "a quantized weight needs its scale"
-            )
-        expect = expected_scale_shape(tuple(t.shape), quant)
-        if not scale_fits(tuple(scale.shape), expect, quant):
-            block = f" in blocks of {quant.block[0]}x{quant.block[1]}" if quant.block else ""
-            raise CheckpointError(
-                f"{where}: {scale.name} has shape {list(scale.shape)}; a {list(t.shape)} weight{block} needs "
-                f"{list(expect) if expect else 'one element'}"
-                + (": the config's weight_block_size does not match the scales" if quant.block else "")
-            )
-
-
-def scale_fits(shape: tuple[int, ...], expect: tuple[int, ...] | None, quant: Layout) -> bool:
-    """Whether a scale of `shape` fits the `expect`ed one (per tensor: one element; per channel:
-    `[rows, 1]` or `[rows]`)."""
-    if expect is None:
-        return _numel(shape) == 1
-    if quant.scheme.endswith("-channel"):
-        return shape in (expect, expect[:-1])
-    return shape == expect
-
-
-def _numel(shape: Any) -> int:
-    return math.prod(int(d) for d in shape)

@@ -23,7 +23,6 @@ do not fit) is bad input, one sentence naming the tensor: no command could read 
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,8 @@ from ..errors import BadInput, CheckpointError
 from ..host import gib
 from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_config, read_tensors
-from ..model.quant import ACT_SCALE, KV_SCALE, MX_GROUP, Dequantizer, Layout, expand_scale, expected_scale_shape, layout
+from ..model.quant import ACT_SCALE, KV_SCALE, MX_GROUP, Dequantizer, Layout, layout
+from ..model.quant_check import QUANTIZED_CODES, tensor_problems
 from ..points import layer_group
 
 NAMES = SAFETENSORS_FLOATS
@@ -190,7 +190,6 @@ def fusion_memory(layers: dict[int, dict[str, int]], dtype: str, total: int) -> 
 
 
 # -- quantized checkpoints ----------------------------------------------------------------------------
-QUANTIZED_CODES = ("F8_E4M3", "F8_E5M2", "I8")  # a weight stored so is quantized (MXFP4: its `_blocks`)
 SCALE_ROLES = ("scale", "kv_scale", "activation_scale")  # the census's class `scales`
 PROJECTIONS = ("attention", "experts", "shared_experts", "mlp")  # the classes a layout quantizes
 IGNORE_KEYS = ("modules_to_not_convert", "ignore", "ignored_layers")  # a config's modules left unquantized
@@ -284,90 +283,9 @@ class QuantView:
             return t.bytes
         return self.elements(t, role) * size
 
-    # -- what keeps the layout from reading it ----------------------------------------------------
     def problems(self) -> list[str]:
-        """One sentence per tensor the layout cannot read, naming it (the sentences the reading itself
-        raises: `model.quant`)."""
-        if self.layout.bits == "mxfp4":
-            return self._mxfp4_problems()
-        out: list[str] = []
-        misfits: list[tuple[Tensor, Tensor]] = []
-        fitting = 0
-        for t in self.tensors:
-            role = self.role(t)
-            if role == "scale" and self.dequantizer.companion(t.name) not in self.by_name:
-                out.append(
-                    f"{self.where}: {t.name} is there but its weight {self.dequantizer.companion(t.name)} is not"
-                )
-            if role != "quantized":
-                continue
-            key = self.scale_key(t.name)
-            scale = self.by_name.get(key)
-            if scale is None:
-                out.append(
-                    f"{self.where}: {t.name} is stored in {NAMES.get(t.dtype, t.dtype)} but has no {key}: "
-                    "a quantized weight needs its scale"
-                )
-            elif self._fits(scale, t):
-                fitting += 1
-            else:
-                misfits.append((t, scale))
-        return out + self._misfit_problems(misfits, fitting)
-
-    def scale_key(self, weight: str) -> str:
-        return weight.removesuffix("weight") + self.layout.scale_suffix
-
-    def _fits(self, scale: Tensor, weight: Tensor) -> bool:
-        """Whether `model.quant.expand_scale` takes the scale for the weight (run on the meta device)."""
-        import torch
-
-        if len(weight.shape) < 2:
-            return scale.numel == 1
-        try:
-            meta = torch.empty(scale.shape, device="meta")
-            expand_scale(meta, tuple(weight.shape), self.layout.block, layout=self.layout)
-        except CheckpointError:
-            return False
-        return True
-
-    def _need(self, weight: Tensor) -> str:
-        want = expected_scale_shape(tuple(weight.shape), self.layout) if len(weight.shape) >= 2 else None
-        return str(list(want)) if want else "one element"
-
-    def _misfit_problems(self, misfits: list[tuple[Tensor, Tensor]], fitting: int) -> list[str]:
-        if not misfits:
-            return []
-        block = self.layout.block
-        if block is not None and self.layout.scheme.endswith("-block") and not fitting:
-            t, scale = misfits[0]
-            fit = _fitting_block(misfits)
-            hint = f"; they fit blocks of {fit[0]}x{fit[1]}" if fit else ""
-            return [
-                f"{self.where}: weight_block_size {list(block)} does not match the scales: {scale.name} has shape "
-                f"{scale.shape}, and a {t.shape} weight in blocks of {block[0]}x{block[1]} needs {self._need(t)}{hint}"
-            ]
-        return [
-            f"{self.where}: {scale.name} has shape {scale.shape}; its {t.shape} weight under "
-            f"{self.layout.name} needs {self._need(t)}"
-            for t, scale in misfits
-        ]
-
-    def _mxfp4_problems(self) -> list[str]:
-        out = []
-        for t in self.tensors:
-            base, suffix = t.name[:-7], t.name[-7:]
-            other = {"_blocks": "_scales", "_scales": "_blocks"}.get(suffix)
-            if other is None:
-                continue
-            partner = self.by_name.get(base + other)
-            if partner is None:
-                out.append(f"{self.where}: {t.name} has no {base}{other} beside it: MXFP4 needs both")
-            elif suffix == "_blocks" and (t.shape[:-1] != partner.shape or t.shape[-1] != MX_GROUP // 2):
-                out.append(
-                    f"{self.where}: {t.name} has shape {t.shape} and {partner.name} {partner.shape}; MXFP4 needs "
-                    f"[..., groups, {MX_GROUP // 2}] bytes and [..., groups] exponents"
-                )
-        return out
+        """One sentence per tensor the layout cannot read, naming it (`model.quant_check`)."""
+        return tensor_problems(self.tensors, self.layout, self.where)
 
     # -- the audit's section ------------------------------------------------------------------------
     def ignored_by_config(self, name: str) -> bool:
@@ -461,27 +379,6 @@ def _add(table: dict[str, dict[str, int]], key: str, t: Tensor, *extra: str) -> 
 
 def _ordered(table: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {c: table[c] for c in CLASSES if c in table}
-
-
-def _fitting_block(misfits: list[tuple[Tensor, Tensor]]) -> tuple[int, int] | None:
-    """A block size every misfit scale fits (a mistyped `weight_block_size`; a power of two where one
-    does), or None: per dimension, the sizes b with ceil(n / b) = s, intersected over the weights."""
-    ranges = [[1, 2**62], [1, 2**62]]
-    for weight, scale in misfits:
-        if len(scale.shape) != len(weight.shape) or len(weight.shape) < 2 or scale.shape[:-2] != weight.shape[:-2]:
-            return None
-        for r, n, s in zip(ranges, weight.shape[-2:], scale.shape[-2:], strict=True):
-            if s <= 0:
-                return None
-            r[0] = max(r[0], math.ceil(n / s))  # (s - 1) * b < n <= s * b
-            r[1] = min(r[1], math.ceil(n / (s - 1)) - 1 if s > 1 else 2**62)
-    if any(lo > hi for lo, hi in ranges):
-        return None
-    picks = []
-    for lo, hi in ranges:
-        twos = [2**k for k in range(63) if lo <= 2**k <= hi]
-        picks.append(twos[-1] if twos else lo)
-    return picks[0], picks[1]
 
 
 def text_lines(result: Audit, model_dir: Path) -> list[str]:

@@ -19,7 +19,8 @@ from ..dtypes import dtype_name, parse_dtype
 from ..errors import BackendError, CheckpointError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
 from ..model.checkpoint import read_config, read_tensors
-from ..model.quant import check_tensors, layout
+from ..model.quant import layout
+from ..model.quant_check import check_tensors
 from ..points import describe_layers, parse_layers
 from ..report.rows import Row
 from .runner import MODES
