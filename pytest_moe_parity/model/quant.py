@@ -191,7 +191,9 @@ def _shape(sl: Any) -> list[int]:
 
 
 def _read(sl: Any) -> torch.Tensor:
-    return sl if isinstance(sl, torch.Tensor) else sl[:]
+    if isinstance(sl, torch.Tensor):
+        return sl
+    return sl[:] if sl.get_shape() else sl[()]  # a per-tensor scale may be stored 0-dimensional: no slice of it
 
 
 class Dequantizer:
@@ -299,6 +301,50 @@ def expected_scale_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, .
         return (*lead, rows, 1)
     b0, b1 = layout.block or (rows, cols)
     return (*lead, math.ceil(rows / b0), math.ceil(cols / b1))
+
+
+def stored_problem(tensors: list[tuple[str, str, list[int]]], lay: Layout, where: str = "the checkpoint") -> str | None:
+    """From a checkpoint's headers alone (name, dtype code, shape of each tensor): the first quantized
+    weight stored without its scale, a scale without its weight, or a scale of a shape its layout does
+    not give that weight, in one sentence naming the tensor; None when every one fits."""
+    shapes = {name: shape for name, _, shape in tensors}
+    reader = Dequantizer(lay, where)
+    for name, code, shape in tensors:
+        weight = reader.companion(name)
+        if lay.bits == "mxfp4":
+            if weight is not None:
+                other = weight + ("_scales" if name.endswith("_blocks") else "_blocks")
+                if other not in shapes:
+                    return f"{where}: {name} has no {other} beside it: MXFP4 needs both"
+                if name.endswith("_blocks") and (shape[:-1] != shapes[other] or shape[-1] != MX_GROUP // 2):
+                    return (f"{where}: {name} has shape {shape} and {other} {shapes[other]}; MXFP4 needs "
+                            f"[..., groups, {MX_GROUP // 2}] bytes and [..., groups] exponents")  # fmt: skip
+            continue
+        if weight is not None and weight not in shapes:
+            return f"{where}: {name} is there but its weight {weight} is not"
+        if code not in ("F8_E4M3", "F8_E5M2", "I8") or not name.endswith("weight") or len(shape) < 2:
+            continue
+        scale_key = name[: -len("weight")] + lay.scale_suffix
+        if scale_key not in shapes:
+            return f"{where}: {name} is stored in {code} but has no {scale_key}: a quantized weight needs its scale"
+        scale = tuple(shapes[scale_key])
+        expect = expected_scale_shape(tuple(shape), lay)
+        fits = math.prod(scale) == 1 or (
+            len(scale) >= 2 and scale[-2:] == (shape[-2], 1) and not lay.scheme.endswith("-block")
+        )
+        if not fits and scale != expect:
+            return f"{where}: the scale of {name} has shape {list(scale)}; {_scale_hint(tuple(shape), lay, expect)}"
+    return None
+
+
+def _scale_hint(shape: tuple[int, ...], lay: Layout, expect: tuple[int, ...] | None) -> str:
+    if expect is None:
+        return f"a {list(shape)} weight needs one element (a scale per tensor)"
+    if lay.block is not None:
+        b0, b1 = lay.block
+        return (f"a {list(shape)} weight in blocks of {b0}x{b1} needs {list(expect)}: "
+                "the checkpoint's weight_block_size does not match its scales")  # fmt: skip
+    return f"a {list(shape)} weight needs {list(expect)}"
 
 
 def expand_scale(

@@ -16,9 +16,10 @@ import torch
 
 from ..backends import CHAIN_KINDS, backend_class, registry
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import BackendError, SetupError
+from ..errors import BackendError, CheckpointError, SetupError
 from ..judge.tolerances import NOISE_FACTOR, Override
-from ..model.checkpoint import read_config
+from ..model.checkpoint import read_config, read_tensors
+from ..model.quant import layout, stored_problem
 from ..points import describe_layers, parse_layers
 from ..report.rows import Row
 from .runner import MODES
@@ -104,6 +105,25 @@ def check_config(golden: GoldenStore, candidate: Path) -> None:
     diffs = model_mismatches({**golden.config, "model_type": golden.model_type}, config)
     if diffs:
         raise SetupError(f"candidate {candidate} does not match the golden's model: " + "; ".join(diffs))
+    check_quantized(candidate, config)
+
+
+def check_quantized(candidate: Path, config: dict[str, Any]) -> None:
+    """A quantized candidate's weights each stored with a scale its layout gives them, from the
+    checkpoint's headers (a layout moe-parity cannot read is left to the backend that reads it)."""
+    try:
+        lay = layout(config, f"candidate {candidate}")
+    except CheckpointError:
+        return
+    if lay is None:
+        return
+    try:
+        tensors = [(t.name, t.dtype, t.shape) for t in read_tensors(candidate)]
+    except CheckpointError as exc:
+        raise SetupError(str(exc)) from None
+    problem = stored_problem(tensors, lay, f"candidate {candidate}")
+    if problem:
+        raise SetupError(problem)
 
 
 MODEL_POINTS = "model"  # the word of --parity-layers for the items that are not a layer's
