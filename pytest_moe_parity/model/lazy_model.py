@@ -117,6 +117,7 @@ class LazyModel:
         layers_name = self._layers_path.rsplit(".", 1)[-1]
         self._layer_re = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
         self._conversion: list[Any] | None = None  # `_mapping`
+        self._names: Any = None  # `model_name`
         self._group_keys()
         self._loaded: list[Unit] = []  # loaded units; decoder layers in least recently used order
         # decoder layers held at once (None: every one, never evicted)
@@ -194,6 +195,12 @@ class LazyModel:
         transformers has no conversion mapping (4.x: keys are the model's names)."""
         mapping = self._mapping()
         return (lambda key: key) if mapping is None else model_names(mapping, set(self.model.state_dict()))
+
+    def model_name(self, key: str) -> str:
+        """The model's name of a checkpoint key: a per-expert key's is its fused parameter's."""
+        if self._names is None:
+            self._names = self._model_names()
+        return self._names(key)
 
     def layer_of(self, key_or_path: str) -> int | None:
         """The decoder layer a checkpoint key or module path belongs to (None: model-level)."""

@@ -1,8 +1,9 @@
 """Weight items: a candidate checkpoint's weights against the reference's, one unit (a decoder
 layer, or the model-level modules) at a time, both loaded as transformers loads them (so fused
 expert layouts are compared as the model holds them), in float32; what differs is said in words
-(`judge.weights.diagnose`). `weight_items` sets up their checker (`WeightItems`), or says why a run
-has none."""
+(`judge.weights.diagnose`). A quantized tensor (of either side) is judged as its checkpoint stores
+it, within its format's rounding at its block's scale (`replay.quant_weights`). `weight_items` sets
+up their checker (`WeightItems`), or says why a run has none."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..model.lazy_model import LazyModel
 from ..points import Point, layer_group, weights_id
 from ..report.rows import Row, unjudged_row, weights_row
 from .checks import Checker, CheckerSetup, Option, Unchecked
+from .quant_weights import QuantizedWeights, quantized_checkpoint
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -116,6 +118,17 @@ class WeightCheck:
             "candidate": {t.name: t.dtype for t in read_tensors(self.candidate)},
         }
         self.trust_remote_code = trust_remote_code
+        self._quantized: QuantizedWeights | None = None
+        self.quantized = quantized_checkpoint(self.reference) or quantized_checkpoint(self.candidate)
+        if self.quantized:  # tensors stored quantized are judged at their format's rounding, not as conversions
+            for which, path in (("reference", self.reference), ("candidate", self.candidate)):
+                for key in QuantizedWeights.stored_keys(path):
+                    self._stored[which].pop(key, None)
+
+    def _quantized_weights(self) -> QuantizedWeights:
+        if self._quantized is None:
+            self._quantized = QuantizedWeights(self.reference, self.candidate, self._model("candidate").layer_of)
+        return self._quantized
 
     def _model(self, which: str) -> LazyModel:
         if which not in self._models:
@@ -160,16 +173,16 @@ class WeightCheck:
         converted = self.conversion(layer)
         narrower = {SAFETENSORS_FLOATS.get(c) for (_, c) in converted} - {None}
         rounding = getattr(torch, next(iter(narrower))) if len(narrower) == 1 else None
-        out: list[str] = []
-        exact = 0
+        out, judged, loose, count = self._quantized_findings(layer) if self.quantized else ([], set(), {}, 0)
+        if held is not None and judged:
+            out += self._conversion_of_quantized(layer, held, judged)
         for name, r in ref.items():
-            if r is None:
+            if r is None or name in judged:
                 continue
             c = cand.get(name)
             if rounding is not None and c is not None and rounded(r, c, rounding):
-                exact += 1
                 continue
-            found = diagnose(name, r, c)
+            found = diagnose(name, r, c, **({"tol": loose[name]} if name in loose else {}))
             if found and converted:
                 stored = ", ".join(
                     f"{n} tensor(s) stored as {c}, the reference's as {r}" for (r, c), n in converted.items()
@@ -183,7 +196,48 @@ class WeightCheck:
             )
             how = "each the reference's values rounded to it" if rounding is not None else "within its rounding"
             notes.append(f"a conversion: {stored}; judged against that rounding, {how}")
+        if count and not out:
+            notes.append(f"{count} quantized tensor(s) within their format's rounding at their block's scale")
         return out, notes
+
+    def _conversion_of_quantized(self, layer: int | None, held: dict[str, torch.Tensor], judged: set[str]) -> list[str]:
+        """A backend's conversion of the quantized tensors (NxDI's dequantizes them as it converts)
+        against transformers' dequantization of the same checkpoint: the checkpoint itself is judged
+        as stored; what the conversion made of it must be what transformers makes of it."""
+        own = self._unit_params(self._model("candidate"), layer)
+        out: list[str] = []
+        for name in sorted(judged):
+            if own.get(name) is not None:
+                found = diagnose(name, own[name], held.get(name))
+                out += [f"{f} (the backend's conversion, against the checkpoint dequantized as transformers does)"
+                        for f in found]  # fmt: skip
+        return out
+
+    def quantized_line(self) -> str | None:
+        """The header's line on quantized checkpoints: how their quantized tensors are judged."""
+        if not self.quantized:
+            return None
+        weights = self._quantized_weights()
+        sides = [
+            f"{which} {side.layout.describe()}"
+            for which, side in (("candidate", weights.candidate), ("reference", weights.reference))
+            if side.layout is not None
+        ]
+        return (
+            f"moe-parity: quantized weights ({'; '.join(sides)}) are judged as stored, each value within its "
+            "format's rounding at its block's scale"
+        )
+
+    def _quantized_findings(self, layer: int | None) -> tuple[list[str], set[str], dict[str, float], int]:
+        """The unit's quantized tensors judged as stored; the model's names of the parameters they make
+        (not compared again); those the reference names otherwise, by the relative error their format
+        allows (`quant_weights.LOOSE`); how many checkpoint tensors were judged as stored."""
+        weights = self._quantized_weights()
+        found, judged, quantized = weights.findings(layer)
+        model = self._model("candidate")
+        names = {model.model_name(k) for k in judged}
+        loose = {model.model_name(k): weights.loose for k in quantized - judged}
+        return found, names - set(loose), loose, len(judged)
 
     def close(self) -> None:
         for model in self._models.values():
@@ -247,7 +301,10 @@ class WeightItems(Checker):
         if converted and not held:
             lines.append(f"moe-parity: the candidate checkpoint is a conversion ({_stored_as(converted)}): its weights "
                          "are judged against the reference's rounded to its dtype")  # fmt: skip
-        return lines
+        quantized = self.weights.quantized_line()
+        if quantized and held:
+            quantized += f"; the {self.hw} backend's conversion of them against transformers' dequantization"
+        return [*lines, quantized] if quantized else lines
 
     def close(self) -> None:
         self.weights.close()

@@ -22,7 +22,21 @@ class Qwen3MoeInferenceConfig(InferenceConfig):
     pass
 
 
+def maybe_dequantize_layer(neuron_state_dict, config):
+    """As the source's (release 2.29): each `*_scale_inv` (DeepSeek's FP8 block layout) times its e4m3
+    weight, the scales repeated over `quantization_config["weight_block_size"]` blocks, multiplied in
+    float32 and cast to the config's dtype; the scales dropped."""
+    for key in [k for k in neuron_state_dict if k.endswith("_scale_inv")]:
+        scales = neuron_state_dict.pop(key)
+        name = key.replace("_scale_inv", "")
+        b0, b1 = config.quantization_config["weight_block_size"]
+        full = scales.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
+        weight = neuron_state_dict[name].to(torch.float32) * full.to(torch.float32)
+        neuron_state_dict[name] = weight.to(config.neuron_config.torch_dtype)
+
+
 def convert_qwen3_moe_hf_to_neuron_state_dict(neuron_state_dict, config):
+    maybe_dequantize_layer(neuron_state_dict, config)
     ranks = lambda: torch.arange(0, config.neuron_config.tp_degree, dtype=torch.int32)  # noqa: E731
     neuron_state_dict["rank_util.rank"] = ranks()
     for layer in range(config.num_hidden_layers):
