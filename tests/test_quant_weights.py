@@ -400,6 +400,10 @@ def test_each_scale_bug_fails_its_weight_item_then_its_first_activation_point(
     item = f"layer_{layer}.weights"
     result.stdout.fnmatch_lines([f"first divergence: {item}  (*", f"FAILED *{item}*"])
     assert words in result.stdout.str()
+    if bug == "block-size":  # every tensor of the layer: said once, how many and the first in full
+        result.stdout.fnmatch_lines(
+            ["2? tensors (model.layers.0.*and 2? more): its weight_scale_inv fits blocks of 32x32*"]
+        )
     assert result.parseoutcomes()["failed"] == 1
     rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == item

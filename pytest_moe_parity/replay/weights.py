@@ -286,7 +286,7 @@ class WeightItems(Checker):
         row.notes = notes
         if not findings:
             return row, None
-        return row, "\n".join([f"{entry.id}: the candidate's weights differ from the reference's:", *findings])
+        return row, "\n".join([f"{entry.id}: the candidate's weights differ from the reference's:", *grouped(findings)])
 
     def unjudged_row(self, entry: Any, status: str, message: str) -> Row:
         return unjudged_row(weights_row(entry.id, entry.layer, entry.order, []), status, message)
@@ -308,3 +308,23 @@ class WeightItems(Checker):
 
     def close(self) -> None:
         self.weights.close()
+
+
+GROUPED = 4  # findings that end in the same words, from this many on, are said once
+
+
+def grouped(findings: list[str]) -> list[str]:
+    """The findings, those that end in the same words (a block size off in every tensor of a layer) said
+    once: how many, which (the first few), and the first in full."""
+    tails: dict[str, list[str]] = {}
+    for line in findings:
+        tails.setdefault(line.rsplit(": ", 1)[-1], []).append(line)
+    out: list[str] = []
+    for tail, lines in tails.items():
+        if len(lines) < GROUPED or tail == lines[0]:
+            out += lines
+            continue
+        names = [line.split(": ", 1)[0] for line in lines]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        out.append(f"{len(lines)} tensors ({', '.join(names[:3])}{more}): {tail}; the first: {lines[0]}")
+    return out
