@@ -107,6 +107,8 @@ class LazyModel:
                 del self.config.quantization_config
         self.weight_map = weights if weights is not None else weight_map(self.model_dir)
         self.stats = ReadStats()
+        # called with each unit's module and path once its weights are read (an emulated quantization's)
+        self.on_load: list[Any] = []
         self.model = self._build(trust_remote_code)
         from .archs import layers_path
 
@@ -269,6 +271,8 @@ class LazyModel:
         target = self._unit_module(unit)
         if keys:
             self._load_keys(keys)
+            for hook in self.on_load:
+                hook(target, self.unit_path(unit))
             own_memory(target)
             if len(self._loaded) < self.max_layers:  # no eviction will give the conversion's temporaries back
                 malloc_trim()
