@@ -27,6 +27,7 @@ from .points import PARTS, Point, describe_layers, point_id
 from .replay.batch import BatchItems
 from .replay.checks import Checker, CheckerSetup, Entry
 from .replay.config import ConfigItems
+from .replay.floors import pick_floor
 from .replay.parallel import ParallelItems
 from .replay.routing import RoutingItems
 from .replay.runner import ParityRunner, Prepared
@@ -73,6 +74,7 @@ class RunOptions:
     ini_tolerances: Sequence[Override] = ()
     layers: str | None = None
     mode: str | None = None  # isolated, chain or both (None: isolated, or chain for a --capture-tokens golden)
+    noise_quant: str | None = None  # --noise-quant: the golden's quantization floor to judge by (`replay.floors`)
     report_dir: Path | None = None
     plots: bool = True  # the report's pictures beside its JSON
     trust_remote_code: bool = False
@@ -132,8 +134,9 @@ class ParitySession:
         self.dtype: torch.dtype = self.backend.dtype
         self._fit_threads()
         self.layers, self.model_points = select_units(options.layers, self.golden, flags["layers"])
-        self.mode = run_mode(self.golden, cls, options.mode, flags["mode"], self.hw, self.dtype)
-        check_noise(self.golden, self.dtype, [*options.cli_tolerances, *options.ini_tolerances])
+        self.floor = pick_floor(self.golden, self.dtype, options.noise_quant, self.backend, self.candidate_dir)
+        self.mode = run_mode(self.golden, cls, options.mode, flags["mode"], self.hw, self.dtype, self.floor.key)
+        check_noise(self.golden, self.dtype, [*options.cli_tolerances, *options.ini_tolerances], self.floor.key)
         self.runner = ParityRunner(
             self.golden,
             self.backend,
@@ -141,6 +144,7 @@ class ParitySession:
             ini_tolerances=list(options.ini_tolerances),
             mode=self.mode,
             freeze_gc=options.freeze_gc,
+            floor=self.floor,
         )
         self.rows: dict[str, Row] = {}
         self.interrupted = False
@@ -301,6 +305,7 @@ class ParitySession:
             f"moe-parity: candidate {self.candidate_dir} ({self.candidate_source}) on --hw {self.hw} "
             f"in {dtype_name(self.dtype)}",
             self.inputs_line(),
+            *self.floor.lines(),
             *(line for checker in self.checkers.values() for line in checker.header_lines()),
         ]
 
@@ -342,7 +347,7 @@ class ParitySession:
             return [("no parity items ran", None)]
         mark_inherited(rows)
         table = coloured_table(rows)
-        reports = [(line, None) for line in self.report_lines]
+        reports = [(line, None) for line in [*self.floor.lines(), *self.report_lines]]
         points = [r for r in rows if r.kind != "op"]
         backend = [(line, None) for line in self.backend.closing_lines([r.to_json() for r in points])]
         nothing = self.nothing_compared()
@@ -392,6 +397,7 @@ class ParitySession:
             "wall_seconds": round(time.perf_counter() - self.started, 3),
             "mode": self.mode,
             "noise_dtypes": self.golden.noise_dtypes,
+            "noise_floor": self.floor.to_json(),
             "versions": compat.versions(),
         }
         # What this process read (absent under xdist, where the workers did the reading).

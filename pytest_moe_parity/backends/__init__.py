@@ -293,6 +293,11 @@ class Backend(ABC):
         """What was read from the candidate so far (reported in comparison_summary.json)."""
         return None
 
+    def batch_dependence(self) -> str | None:
+        """What in the candidate makes a row's output depend on the other rows of its batch by design (an
+        activation scale shared over the batch), in words, for `--parity-batch-invariance`; None: nothing."""
+        return None
+
     def explain(self, point: Point, golden: GoldenRecord) -> dict[str, Any]:
         """Called for a point that failed, with the golden record and its output: what more the
         backend can say (`{"notes": [...], "hint": "..."}`, as in `CandidateOutput.info`), e.g. a

@@ -18,6 +18,7 @@ from ..host import HeldThreads
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
 from ..model.calls import cache_kwarg, cache_state, in_kept_dtype, next_inputs, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
+from ..model.emulate import Emulation, QuantSpec, parse_spec
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
@@ -50,8 +51,16 @@ class TorchBackend(Backend):
             non_negative,
             DEFAULT_BUDGET_MIB,
         ),
+        HwOption(
+            "quant",
+            "run the candidate under an emulated quantization, a SPEC as `moe-parity golden --noise-quant` takes it "
+            "(e.g. fp8-block:128+dynamic-token+kv-fp8): its projections' weights through the scheme as each layer "
+            "loads, its activations and K/V through e4m3 (--hw cpu and cuda)",
+            lambda text: parse_spec(text, flag=""),
+        ),
     )
     device_type = "cpu"
+    emulates = ("cpu", "cuda")  # the backends that take `quant` (hooks: nothing a trace or a compile keeps)
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
@@ -74,21 +83,86 @@ class TorchBackend(Backend):
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
         self._threads = HeldThreads()  # `threads`, set for the forwards until close
+        self.emulation: Emulation | None = None  # --hw-option quant: the candidate's quantization, emulated
+        spec = self.hw_options["quant"]
+        if spec is not None:
+            if self.name not in self.emulates:
+                raise BackendError(
+                    f"--hw-option quant: a quantization is emulated on --hw cpu and cuda, not {self.name}"
+                )
+            self.lazy = self._lazy()  # its skeleton, on the meta device: the spec checked against it now
+            self.emulation = self._emulation(spec)
 
-    def start(self) -> None:
-        threads = self.hw_options["threads"]
-        if threads is not None:
-            self._threads.set(threads)
-        self.lazy = LazyModel(
+    def _lazy(self) -> LazyModel:
+        return LazyModel(
             self.setup.model_dir,
             dtype=self.dtype,
             device=self.device,
             trust_remote_code=self.setup.trust_remote_code,
             max_layers=self.hw_options["max_layers"],
-            fit_threads=threads is None,
+            fit_threads=self.hw_options["threads"] is None,
             weights=self._weights,
         )
+
+    def _emulation(self, spec: QuantSpec) -> Emulation:
+        """The emulation of `spec` on the candidate's model; the weights of a checkpoint already in the
+        scheme are the checkpoint's own. BackendError where the model cannot take the spec."""
+        lazy = self.lazy
+        assert lazy is not None
+        own = lazy.dequantizer.layout.name if lazy.dequantizer is not None else None
+        try:
+            emulation = Emulation(spec, lazy.model, where=str(self.setup.model_dir), weights=own != spec.weights_name)
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
+        emulation.checkpoint_scales(list(lazy.weight_map), lambda key: read_tensor(lazy, key))
+        lazy.on_load.append(emulation.quantize_unit)
+        return emulation
+
+    def start(self) -> None:
+        threads = self.hw_options["threads"]
+        if threads is not None:
+            self._threads.set(threads)
+        if self.lazy is None:
+            self.lazy = self._lazy()
         self.lazy.plan(self._plan)
+        if self.emulation is not None:
+            self.emulation.attach()
+            if self.emulation.missing():
+                self._calibrate(self.emulation)
+
+    def _calibrate(self, emulation: Emulation) -> None:
+        """The static and KV scales the checkpoint lacks, computed over one forward of the golden's own
+        input ids (its batch's mask and positions), the weights already through the scheme."""
+        golden, lazy = self.golden, self.lazy
+        assert lazy is not None
+        if golden is None:
+            raise BackendError(
+                f"--hw-option quant={emulation.spec.name}: {len(emulation.missing())} static scales are not in the "
+                "checkpoint, and there is no golden to compute them from"
+            )
+        inputs = golden.manifest["inputs"]
+        ids = torch.tensor(inputs["input_ids"], dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        padding = {}
+        if golden.padded:
+            padding = {
+                k: torch.tensor(inputs[k], dtype=torch.long).to(self.device) for k in ("attention_mask", "position_ids")
+            }
+        with emulation.calibrating(), lazy.streaming() as model, torch.no_grad(), self._attention(*ids.shape)[0]:
+            model(input_ids=ids.to(self.device), use_cache=False, **padding)
+
+    def batch_dependence(self) -> str | None:
+        spec = self.emulation.spec if self.emulation is not None else None
+        if spec is None or spec.batch_invariant:
+            return None
+        return f"--hw-option quant={spec.name}: each projection's input is rounded with one scale over the whole batch"
+
+    def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
+        if self.emulation is None:
+            return []
+        spec = self.emulation.spec
+        said = "; ".join([spec.describe(), *self.emulation.describe_scales()])
+        return [f"candidate quantization emulated (--hw-option quant={spec.name}): {said}"]
 
     def _model(self) -> LazyModel:
         if self.lazy is None:
@@ -214,9 +288,19 @@ class TorchBackend(Backend):
         }
 
     def close(self) -> None:
+        if self.emulation is not None:
+            self.emulation.detach()
         if self.lazy is not None:
             self.lazy.close()
         self._threads.restore()
+
+
+def read_tensor(lazy: LazyModel, key: str) -> torch.Tensor:
+    """One tensor of the checkpoint a lazy model reads (a scale: small), by its key."""
+    from safetensors import safe_open
+
+    with safe_open(str(lazy.model_dir / lazy.weight_map[key]), framework="pt") as fh:
+        return fh.get_tensor(key)
 
 
 class CudaBackend(TorchBackend):

@@ -166,13 +166,7 @@ def _golden_run_arguments(golden: Any) -> None:
         help="record only these decoder layers (e.g. 10-20, or 1,17,20-29); embedding and rotary come with "
         "layer 0, final norm and logits with the last layer",
     )
-    golden.add_argument(
-        "--noise-dtype",
-        default=None,
-        metavar="DTYPE",
-        help="also run the reference in this dtype (e.g. bfloat16), isolated and chained, and keep its own error at "
-        "every point: the noise floor that candidates in that dtype are judged against (noise_factor)",
-    )
+    _golden_noise_arguments(golden)
     golden.add_argument(
         "--decode-steps",
         type=positive_int_arg,
@@ -226,6 +220,27 @@ def _golden_quant_arguments(golden: Any) -> None:
     )
 
 
+def _golden_noise_arguments(golden: Any) -> None:
+    """The reference's own error beside its golden: the noise floors."""
+    golden.add_argument(
+        "--noise-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="also run the reference in this dtype (e.g. bfloat16), isolated and chained, and keep its own error at "
+        "every point: the noise floor that candidates in that dtype are judged against (noise_factor)",
+    )
+    golden.add_argument(
+        "--noise-quant",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also run the reference under a candidate's quantization, isolated and chained, and keep its own error "
+        "at every point: the floor a candidate quantized so is judged against (pytest --noise-quant SPEC). SPEC is "
+        "WEIGHTS[+ACTIVATIONS][+kv-fp8]: fp8-block[:N], fp8-channel, fp8-tensor, mxfp4 or int8-channel; "
+        "dynamic-token, dynamic-tensor or static; repeatable, and beside --noise-dtype",
+    )
+
+
 def cmd_golden(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -234,6 +249,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
     quiet_transformers()
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     noise_dtype = _noise_dtype(args.noise_dtype, args.dtype)
+    args.noise_quant = _noise_quants(args)
     # the request's options are the command line's, by the same names
     named = {f.name: getattr(args, f.name) for f in fields(GoldenRequest) if f.name not in ("model_dir", "out")}
     named["decode_steps"] = args.decode_steps or 0
@@ -241,10 +257,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
         return _golden_sweep(args, named, noise_dtype, say)
     request = GoldenRequest(args.model, args.out, **named)
     result = request.record(progress=say)
-    seconds = result.seconds
-    if noise_dtype is not None:
-        seconds += _noise_floor(args, result.out, noise_dtype, say)
-    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
+    seconds = result.seconds + _noise_floors(args, result.out, noise_dtype, say)
+    noise = _said_floors(noise_dtype, args.noise_quant)
     if result.decode:
         noise = f", prefill and {result.decode}{noise}"
     print(
@@ -253,14 +267,35 @@ def cmd_golden(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _noise_floor(args: argparse.Namespace, golden: Path, dtype: Any, say: Any) -> float:
-    """`--noise-dtype`: the reference's own error recorded into `golden`; the seconds it took."""
+def _noise_quants(args: argparse.Namespace) -> list[Any]:
+    """The --noise-quant specs, each checked against the model and the golden's dtype before anything is
+    recorded (BadInput, one sentence)."""
+    from ..replay.noise import check_quant
+
+    specs = [check_quant(args.model, text, args.dtype, args.trust_remote_code) for text in args.noise_quant]
+    return list({spec.name: spec for spec in specs}.values())
+
+
+def _said_floors(dtype: Any, quants: list[Any]) -> str:
+    said = [f"noise floor in {dtype}"] if dtype else []
+    said += [f"quantization floor {spec.name}" for spec in quants]
+    return "".join(f", {s}" for s in said)
+
+
+def _noise_floors(args: argparse.Namespace, golden: Path, dtype: Any, say: Any) -> float:
+    """`--noise-dtype` and each `--noise-quant`: the reference's own error recorded into `golden`; the
+    seconds they took."""
     from ..replay.noise import record_noise
 
     device = args.device if not args.device_map else ("cuda" if cuda_available() else "cpu")
-    return record_noise(
-        golden, dtype, model_dir=args.model, device=device, trust_remote_code=args.trust_remote_code, progress=say
-    )["recorded"]["seconds"]
+    runs = ([(dtype, None)] if dtype is not None else []) + [(None, spec) for spec in args.noise_quant]
+    return sum(
+        record_noise(
+            golden, d, quant=q, model_dir=args.model, device=device, trust_remote_code=args.trust_remote_code,
+            progress=say,
+        )["recorded"]["seconds"]
+        for d, q in runs
+    )  # fmt: skip
 
 
 def _golden_sweep(args: argparse.Namespace, named: dict[str, Any], noise_dtype: Any, say: Any) -> int:
@@ -289,11 +324,9 @@ def _golden_sweep(args: argparse.Namespace, named: dict[str, Any], noise_dtype: 
         say(f"length {length}:")
         options = {**named, "prompt": None, "input_ids": ids[length], "seq_len": None}
         result = GoldenRequest(args.model, out / DIR.format(length=length), **options).record(progress=say)
-        seconds += result.seconds
-        if noise_dtype is not None:
-            seconds += _noise_floor(args, result.out, noise_dtype, say)
+        seconds += result.seconds + _noise_floors(args, result.out, noise_dtype, say)
     write_manifest(out, lengths)
-    noise = f", noise floor in {noise_dtype}" if noise_dtype else ""
+    noise = _said_floors(noise_dtype, args.noise_quant)
     print(f"length sweep written: {len(lengths)} goldens ({', '.join(map(str, lengths))} tokens){noise}, "
           f"{seconds:.1f} s -> {out}")  # fmt: skip
     return EXIT_OK

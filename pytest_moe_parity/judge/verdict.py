@@ -136,6 +136,7 @@ class Judge:
         # the reference's own squared error per token and tensor (NaN: a token it left out): its figures
         # are then taken over the very tokens the candidate is judged on
         self.noise_tokens = case.noise_tokens or {}
+        self.floor = case.floor  # a quantization floor (its scheme), or None: the candidate dtype's own rounding
         self._fixed_targets: set[str] = set()  # tensors judged by the dtype's limits: no token both runs kept
         self._unreachable: dict[str, set[str]] = {}  # the dtype's limits the reference's own run fails, by tensor
         self._kept: dict[str, torch.Tensor] = {}  # per tensor with a row per token: the rows judged
@@ -228,11 +229,19 @@ class Judge:
         beyond: set[str] = set()
         for scope, figure, key in (("tensor", "rel_l2", REL_L2_LIMIT), ("token", "max_token_rel_l2", TOKEN_LIMIT)):
             limit, value = self.tol.limit(key), (ref or {}).get(figure)
-            if limit is not None and value is not None and not key.passes(value, limit):
+            # under a quantization floor, wherever the ratio the noise verdict allows reaches past the limit
+            reach = 1.0 if not self.floor else self.tol.noise_factor * (TOKEN_NOISE_SLACK if scope == "token" else 1.0)
+            if limit is not None and value is not None and not key.passes(value * reach, limit):
                 beyond.add(scope)
+                run = f"{dtype_name(self.dtype)} run" if not self.floor else f"run under {self.floor}"
+                within = (
+                    f"{figure} {value:.4g} > {limit:g}"
+                    if reach == 1.0
+                    else f"{figure} {value:.4g} x {reach:g} > {limit:g}"
+                )
                 self.result.notes.append(
-                    f"{target}: the reference's own {dtype_name(self.dtype)} run is beyond the dtype's limit here "
-                    f"({figure} {value:.4g} > {limit:g}): judged against that run alone (its noise ratio)"
+                    f"{target}: the reference's own {run} is beyond the dtype's limit here "
+                    f"({within}): judged against that run alone (its noise ratio)"
                 )
         self._unreachable[target] = beyond
         return beyond
@@ -319,7 +328,7 @@ class Judge:
             r.notes.append(rm.weight_words())
         if judge_flips:
             for key in ROUTING_LIMITS:
-                value, limit = getattr(rm, key.figure), self._flip_limit(key, "top_k")
+                value, limit = getattr(rm, key.figure), self._flip_limit(key, "top_k", rm.num_tokens)
                 passed = key.passes(value, limit)
                 r.checks.append(Check(key.check_name, "top_k", value, limit, key.op, passed, key.name))
         return rm.disagreeing_tokens
@@ -416,7 +425,7 @@ class Judge:
         lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor)
         self.result.logits = lm
         for key in LOGITS_LIMITS:
-            value, limit = getattr(lm.top1, key.figure), self._flip_limit(key, "top1")
+            value, limit = getattr(lm.top1, key.figure), self._flip_limit(key, "top1", lm.top1.num_tokens)
             passed = key.passes(value, limit)
             self.result.checks.append(Check(key.check_name, "top1", value, limit, key.op, passed, key.name))
 
@@ -437,15 +446,19 @@ class Judge:
             c = getattr(candidate, name, None) if candidate is not None else None
             self.compare(f"cache.{name}", _positions(g), _positions(c) if isinstance(c, torch.Tensor) else None)
 
-    def _flip_limit(self, key: ToleranceKey, target: str) -> float:
+    def _flip_limit(self, key: ToleranceKey, target: str, tokens: int = 0) -> float:
         """The share of real flips (routing top-k, next-token top-1) allowed: the tolerance, or in a
         chained run judged against the noise floor, at least `noise_factor` times the share of real
         flips the reference's own chained run had (inherited drift flips near-ties wider than a
-        dtype's rounding)."""
+        dtype's rounding). Under a quantization floor, whose chained runs drift far wider than a
+        dtype's rounding, a share over `tokens` tokens resolves one token: the reference's counts as
+        at least one token's (its 0 of 16 and a candidate's 1 of 14 differ by one near-tie)."""
         limit = self.tol.limit(key)
         if self.fixed or not self.noise:
             return limit
         reference = self.noise.get(target, {}).get("flip_share", 0.0)
+        if self.floor and tokens:
+            reference = max(reference, 1.0 / tokens)
         return max(limit, self.tol.noise_factor * reference)
 
     def _noise_checks(self) -> None:
@@ -486,6 +499,8 @@ class Judge:
             )
         if targets:
             self.result.noise = {"ratio": max(t["ratio"] for t in targets.values()), "targets": targets}
+            if self.floor:
+                self.result.noise["floor"] = self.floor
             subset = [t for t in targets.values() if t.get("reference_tokens", 0) < t.get("reference_of_tokens", 0)]
             if subset:
                 n, of = subset[0]["reference_tokens"], subset[0]["reference_of_tokens"]
@@ -640,6 +655,8 @@ class Case:
             rows that fail are named.
         cache_write: (the golden's keys and values after a decode step, the candidate's CacheState or
             None), compared too.
+        floor: the scheme of a quantization floor (``noise`` is the reference's own error under it): where
+            the ratio ``noise_factor`` allows reaches past the dtype's limit, the ratio alone judges.
     """
 
     point: Point | Custom
@@ -659,6 +676,7 @@ class Case:
     noise_tokens: dict[str, torch.Tensor] | None = None
     padding: tuple[list[int], int] | None = None
     sequences: int = 1
+    floor: str | None = None
 
 
 def judge_point(case: Case) -> PointResult:

@@ -110,6 +110,8 @@ class LazyModel:
         if quant is not None:  # every quantized weight has a scale of its shape, before anything is read
             check_tensors(read_tensors(self.model_dir), quant, str(self.model_dir))
         self.stats = ReadStats()
+        # called with each unit's module and path once its weights are read (an emulated quantization's)
+        self.on_load: list[Any] = []
         self.model = self._build(trust_remote_code)
         from .archs import layers_path
 
@@ -279,6 +281,8 @@ class LazyModel:
         target = self._unit_module(unit)
         if keys:
             self._load_keys(keys)
+            for hook in self.on_load:
+                hook(target, self.unit_path(unit))
             own_memory(target)
             if len(self._loaded) < self.max_layers:  # no eviction will give the conversion's temporaries back
                 malloc_trim()

@@ -59,6 +59,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
                                     "metavar": "PATTERN:key=value,..."},
      "tolerance override for point ids matching PATTERN, e.g. 'layer_*.router:max_flip_share=0.1' "
      "(keys: {keys}); repeatable"),
+    ("--noise-quant", "parity_noise_quant", {"metavar": "SPEC"},
+     "judge each point against the golden's quantization noise floor of SPEC (recorded by `moe-parity golden "
+     "--noise-quant SPEC`, e.g. fp8-block:128+dynamic-token): its error over the reference's own under that scheme; "
+     "none: the candidate dtype's floor (default: the floor of the scheme of --hw-option quant, else for a quantized "
+     "candidate checkpoint the golden's one quantization floor)"),
     ("--parity-map", "parity_map", {"metavar": "FILE"}, "same as --hw-option map=FILE (--hw dump)"),
     ("--parity-weights", "parity_weights", {"action": "store_true", "default": None},
      "check the candidate's weights against the golden's model before its activations: an item per layer "
@@ -158,6 +163,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
                 ini_tolerances=ini_tolerances,
                 layers=config.getoption("parity_layers") or config.getini("parity_layers"),
                 mode=config.getoption("parity_mode") or config.getini("parity_mode") or None,
+                noise_quant=config.getoption("parity_noise_quant"),
                 report_dir=Path(report).expanduser().resolve() if report else None,
                 plots=plots == "yes",
                 threads=threads,

@@ -14,7 +14,9 @@ changes only beyond `noise_factor` times it too.
 
 Where the rows that fail are exactly the padded ones, the padding is the condition (a mask that lets
 real tokens see padding, positions or offsets that ignore it); where an unpadded row fails too, its
-neighbours are (a kernel that is not batch invariant, capacity shared across rows)."""
+neighbours are (a kernel that is not batch invariant, capacity shared across rows, an activation
+scale shared over the batch). Where the backend says its candidate shares a scale over the batch by
+design (`Backend.batch_dependence`: `--hw-option quant=...+dynamic-tensor`), that is the condition named."""
 
 from __future__ import annotations
 
@@ -45,7 +47,13 @@ HINTS = {
     ),
     "neighbours": (
         "a row without padding changes in the batch: the candidate's output depends on its neighbours (a kernel "
-        "that is not batch invariant, expert capacity shared across rows, a reduction over the batch)"
+        "that is not batch invariant, expert capacity shared across rows, a reduction over the batch, an "
+        "activation scale shared over the batch: per-tensor dynamic quantization)"
+    ),
+    "shared_scale": (
+        "a row's output depends on the other rows of the batch: an activation scale shared over the batch "
+        "(per-tensor dynamic quantization) does this, each row rounded on a grid set by the batch's largest "
+        "value (the rows holding it keep their output); per-token scales do not"
     ),
 }
 
@@ -168,7 +176,7 @@ class BatchItems(Checker):
         batch = runner.call(point, record)
         router = self.golden.router_of(point)
         bias = runner.score_bias(point, record)
-        reference = self.golden.noise(runner.dtype, "batch", point.id) or []  # the reference's own, per row
+        reference = self.golden.noise(runner.floor.key, "batch", point.id) or []  # the reference's own, per row
         tol, _ = runner.tolerance(point)
         floor = noise_floor(runner.dtype)
         results = []
@@ -216,13 +224,18 @@ class BatchItems(Checker):
                 note += f" ({self.rows.count - len(results)} of padding only, not run alone)"
             return self._row(entry, "passed", results, notes=[note]), None
         condition = "padding" if set(changed) <= set(padded) else "neighbours"
+        # a candidate that shares a scale over the batch by design: the rows holding the batch's largest value
+        # keep their output, and those may be exactly the unpadded ones
+        shared = self.runner.backend.batch_dependence()
+        condition = "shared_scale" if shared else condition
         said = ", ".join(map(str, changed))
         note = (
             f"batching alone changes row{'s' if len(changed) > 1 else ''} {said} of {self.rows.count}: "
             f"{'its' if len(changed) == 1 else 'their'} output in the batch differs from "
             f"{'its' if len(changed) == 1 else 'their'} own run alone"
         )
-        row = self._row(entry, "failed", results, notes=[note], hint=HINTS[condition], changed_rows=changed,
+        hint = HINTS[condition] + (f" ({shared})" if shared else "")
+        row = self._row(entry, "failed", results, notes=[note], hint=hint, changed_rows=changed,
                         condition=condition)  # fmt: skip
         return row, "\n".join([f"{entry.id}: {note}", *_rows_table(row, self.rows.side), f"  hint: {row.hint}"])
 

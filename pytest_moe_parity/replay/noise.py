@@ -18,11 +18,12 @@ import torch
 from ..backends import BackendSetup
 from ..backends.hf import TorchBackend
 from ..dtypes import dtype_name, parse_dtype
-from ..errors import BackendFailure, BadInput, PointUnavailable
+from ..errors import BackendError, BackendFailure, BadInput, PointUnavailable
 from ..golden import GoldenStore
 from ..golden.writer import update_manifest
 from ..host import gib, malloc_trim
 from ..judge.result import PointResult
+from ..model.emulate import RESOLVES, QuantSpec, parse_spec, resolves
 from ..points import ROUTER
 from .batch import Rows
 from .runner import ParityRunner
@@ -51,8 +52,9 @@ def noise_figures(result: PointResult) -> dict[str, dict[str, float]]:
 
 def record_noise(
     golden_dir: Path | str,
-    dtype: str,
+    dtype: str | None,
     *,
+    quant: str | QuantSpec | None = None,
     model_dir: Path | str | None = None,
     device: str = "cpu",
     trust_remote_code: bool = False,
@@ -60,24 +62,28 @@ def record_noise(
 ) -> dict[str, Any]:
     """Run the golden's own model in `dtype`, isolated (every point on its golden inputs) and
     chained (one whole-model forward, steered, and once more free), and add its error at every point
-    to the golden's manifest (each token's, to a file beside it)."""
+    to the golden's manifest (each token's, to a file beside it). With `quant` (a `--noise-quant` spec,
+    `model.emulate`), the model runs under that quantization, in `dtype` (None: the golden's own), and
+    its floor is keyed `quant:SPEC`."""
     say = progress or (lambda msg: None)
     # what the recording before it left for the collector (its model's modules hold cycles: with accelerate's
     # disk offload, ~150 MB of host weights of 16 Mixtral-style layers alive until collected) goes back first
     gc.collect()
     malloc_trim()
-    try:
-        torch_dtype = parse_dtype(dtype, floating=True)
-    except ValueError:
-        raise BadInput(f"--noise-dtype {dtype!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
     golden = GoldenStore(golden_dir)
+    spec = noise_spec(quant)
+    torch_dtype = _noise_dtype(dtype if dtype is not None or spec is None else golden.dtype, golden, spec)
     name = dtype_name(torch_dtype)
-    if name == golden.dtype:
-        raise BadInput(f"--noise-dtype {name} is the golden's own dtype: its error would be zero; pick a lower one")
-    golden.manifest.get("noise", {}).pop(name, None)  # recorded again: the old figures judge nothing here
+    key = name if spec is None else spec.key
+    label = name if spec is None else f"{name} under {spec.name}"
+    golden.manifest.get("noise", {}).pop(key, None)  # recorded again: the old figures judge nothing here
     model = Path(model_dir) if model_dir is not None else Path(golden.manifest["model"]["path"])
-    setup = BackendSetup(golden, model, torch_dtype, options={"device": device}, trust_remote_code=trust_remote_code)
-    backend = TorchBackend(setup)
+    options = {"device": device, **({"quant": spec.name} if spec is not None else {})}
+    setup = BackendSetup(golden, model, torch_dtype, options=options, trust_remote_code=trust_remote_code)
+    try:
+        backend = TorchBackend(setup)
+    except BackendError as exc:
+        raise BadInput(f"the reference under --noise-quant {spec.name if spec else ''}: {exc}") from None
     # a --capture-tokens golden keeps no inputs: its points are judged chained only, on a chain that
     # cannot be steered (the free run's figures are the chained ones)
     captured = golden.captured_tokens is not None
@@ -85,35 +91,18 @@ def record_noise(
     steered = ParityRunner(golden, backend, mode="chain", steer=not captured)
     free = ParityRunner(golden, backend, mode="chain", steer=False)  # the same model, a chain nobody steers
     started = time.perf_counter()
-    say(f"noise floor: the reference in {name}, isolated and chained (steered, free), at {len(golden.points)} points")
+    say(f"noise floor: the reference in {label}, isolated and chained (steered, free), at {len(golden.points)} points")
     try:
         isolated.start(golden.points[0])  # the model on the meta device: what it will hold, before any forward
     except BackendFailure as exc:
-        raise BadInput(f"the reference in {name} cannot be built: {exc}") from None
+        raise BadInput(f"the reference in {label} cannot be built: {exc}") from None
     line, held = cost(golden, backend)
     say(line)
-    # the set of figures -> point id -> the point's figures
-    sets: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
-    rows = Rows.of(golden) if not captured else None
-    if rows is not None and rows.count > 1:
-        sets["batch"] = {}  # each prefill point's rows: the reference's own output in the batch against alone
-    tokens: dict[str, torch.Tensor] = {}  # figures/point/tensor -> each token's squared error (NaN: left out)
-    try:
-        # Three passes, each holding what recording holds: every point on its golden inputs (a point at
-        # a time), then the two whole-model runs, each point judged as the forward produces it and
-        # forgotten (a layer's outputs at a time; the model's would grow with its depth and length).
-        # (a --capture-tokens golden's points have no inputs: only those the chain does not run are run so)
-        chained_only = {p.id for p in steered.chain.points} if captured else set()
-        _isolated_pass(isolated, sets, tokens, rows, name, chained_only, say, started)
-        _chained_passes(isolated, steered, free, captured, sets, tokens, name, say, started)
-    finally:
-        for runner in (isolated, steered, free):
-            if runner.chain is not None:
-                runner.chain.close()
-        isolated.close()  # the backend, once
+    sets = _passes(golden, isolated, steered, free, label, say, started, spec)
+    tokens = sets.pop("tokens")
     entry = {
         **sets,
-        "tokens": write_noise_tokens(golden.root, name, tokens),
+        "tokens": write_noise_tokens(golden.root, key.replace(":", "_").replace("+", "_"), tokens),
         "recorded": {
             "seconds": round(time.perf_counter() - started, 3),
             "device": device,
@@ -121,10 +110,69 @@ def record_noise(
             "host_weight_bytes": held,  # the most weight bytes it held on the host at once
         },
     }
-    noise = {**golden.manifest.get("noise", {}), name: entry}
+    if backend.emulation is not None:
+        entry["quant"] = {"dtype": name, **backend.emulation.to_dict()}
+    noise = {**golden.manifest.get("noise", {}), key: entry}
     update_manifest(golden.root, "noise", noise)
     say(f"noise floor recorded in {time.perf_counter() - started:.1f}s")
     return entry
+
+
+def noise_spec(quant: str | QuantSpec | None) -> QuantSpec | None:
+    """A `--noise-quant` value, parsed (BadInput, one sentence, for a bad one)."""
+    if quant is None or isinstance(quant, QuantSpec):
+        return quant
+    try:
+        return parse_spec(quant)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def _noise_dtype(dtype: str, golden: GoldenStore | None, spec: QuantSpec | None) -> torch.dtype:
+    """The dtype the noise floor runs in, checked: a dtype's floor below the golden's, a quantization's
+    floor in a dtype fine enough to resolve the scheme's own step (`emulate.resolves`)."""
+    flag = "--noise-dtype" if spec is None else "--noise-quant"
+    try:
+        torch_dtype = parse_dtype(dtype, floating=True)
+    except ValueError:
+        raise BadInput(f"{flag} {dtype!r} is not a floating-point torch dtype (e.g. bfloat16)") from None
+    name = dtype_name(torch_dtype)
+    if spec is None and golden is not None and name == golden.dtype:
+        raise BadInput(f"--noise-dtype {name} is the golden's own dtype: its error would be zero; pick a lower one")
+    if spec is not None and not resolves(torch_dtype, spec):
+        raise BadInput(
+            f"--noise-quant {spec.name}: the reference would run in {name}, whose own rounding (eps "
+            f"{torch.finfo(torch_dtype).eps:.2g}) is not {RESOLVES:g}x finer than the scheme's step ({spec.eps:.2g}): "
+            f"the floor would measure {name} as much as the scheme; record the golden in float32"
+        )
+    return torch_dtype
+
+
+def _passes(golden, isolated, steered, free, label, say, started, spec) -> dict[str, Any]:
+    """The three passes (`record_noise`): the figures of each set, and each token's under "tokens"."""
+    captured = golden.captured_tokens is not None
+    # the set of figures -> point id -> the point's figures
+    sets: dict[str, dict[str, Any]] = {"isolated": {}, "chain": {}, "free": {}}
+    rows = Rows.of(golden) if not captured else None
+    # each prefill point's rows: the reference's own output in the batch against alone; not under a scale shared
+    # over the batch (dynamic-tensor), whose batch dependence is the very thing the batch items look for
+    if rows is not None and rows.count > 1 and (spec is None or spec.batch_invariant):
+        sets["batch"] = {}
+    tokens: dict[str, torch.Tensor] = {}  # figures/point/tensor -> each token's squared error (NaN: left out)
+    try:
+        # Three passes, each holding what recording holds: every point on its golden inputs (a point at
+        # a time), then the two whole-model runs, each point judged as the forward produces it and
+        # forgotten (a layer's outputs at a time; the model's would grow with its depth and length).
+        # (a --capture-tokens golden's points have no inputs: only those the chain does not run are run so)
+        chained_only = {p.id for p in steered.chain.points} if captured else set()
+        _isolated_pass(isolated, sets, tokens, rows, label, chained_only, say, started)
+        _chained_passes(isolated, steered, free, captured, sets, tokens, label, say, started)
+    finally:
+        for runner in (isolated, steered, free):
+            if runner.chain is not None:
+                runner.chain.close()
+        isolated.close()  # the backend, once
+    return {**sets, "tokens": tokens}
 
 
 def cost(golden: GoldenStore, backend: TorchBackend) -> tuple[str, int]:
@@ -249,3 +297,30 @@ def write_noise_tokens(root: Path, dtype: str, tokens: dict[str, torch.Tensor]) 
         save_file({k: v.contiguous() for k, v in tokens.items()}, str(tmp))
         digest = sha256_file(tmp)
     return {"file": name, "sha256": digest}
+
+
+def check_quant(model_dir: Path | str, quant: str, golden_dtype: str, trust_remote_code: bool = False) -> QuantSpec:
+    """A `--noise-quant` value checked before anything is recorded: parsed, fine enough for the dtype the
+    reference records in, and one the model can take (its skeleton, on the meta device: mxfp4's groups of
+    32, kv-fp8's K/V projections). BadInput, one sentence; a model that cannot be read is the recording's
+    to report."""
+    spec = noise_spec(quant)
+    assert spec is not None
+    try:
+        dtype = parse_dtype(golden_dtype, floating=True)
+    except ValueError:
+        return spec  # the recording reports its --dtype
+    if not resolves(dtype, spec):
+        _noise_dtype(golden_dtype, None, spec)  # raises, saying why
+    try:
+        from ..model.emulate import find_targets
+        from ..model.lazy_model import LazyModel
+
+        model = LazyModel(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).model
+    except Exception:  # not a model this can read: the recording says why, in its own words
+        return spec
+    try:
+        find_targets(model, spec, str(model_dir))
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    return spec

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends import Backend, CandidateOutput
+from ..dtypes import dtype_name
 from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
@@ -21,6 +22,7 @@ from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, judge_point
 from ..points import EXPERTS, LOGITS, ROUTER, Point
 from ..tree import first_tensor, leaves, map_structure
+from .floors import NoiseFloor, combined, combined_tokens
 
 if TYPE_CHECKING:
     from .chain import ChainSetup
@@ -82,10 +84,13 @@ class ParityRunner:
         mode: str = "isolated",
         freeze_gc: bool = False,
         steer: bool = True,
+        floor: NoiseFloor | None = None,
     ):
         self.golden = golden
         self.backend = backend
         self.dtype = backend.dtype
+        # the noise floor the ratios divide by (`replay.floors`): by default the candidate dtype's own
+        self.floor = floor or NoiseFloor(dtype_name(self.dtype))
         self.cli_tolerances = list(cli_tolerances)
         self.ini_tolerances = list(ini_tolerances)
         self.started = False
@@ -111,8 +116,9 @@ class ParityRunner:
     def tolerance(self, pid: str | Point, marker: dict[str, Any] | None = None) -> tuple[Tolerance, list[str]]:
         point = pid if isinstance(pid, Point) else self.golden.point(pid)
         return resolve(
-            point.id, point.component, self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances
-        )
+            point.id, point.component, self.dtype, marker=marker, cli=self.cli_tolerances, ini=self.ini_tolerances,
+            quantized=self.floor.spec is not None,
+        )  # fmt: skip
 
     def start(self, point: Point) -> None:
         """Start the backend before its first point. Its failure is the backend's, said once: every
@@ -212,7 +218,7 @@ class ParityRunner:
         if kept:  # --capture-tokens: the candidate's output at the token positions the golden keeps
             cand = replace(cand, output=self.golden.keep_tokens(point, cand.output),
                            routing=self.golden.keep_tokens(point, cand.routing))  # fmt: skip
-        facts = self.golden.facts(point, self.dtype, self.noise_figures_for(mode))  # one read of the store
+        facts = self.facts(point, self.noise_figures_for(mode))  # one read of the store
         golden_out, last_note = last_token_logits(point, record.output, cand.output, self.golden)
         if last_note:  # the golden's logits at each row's last real token: no padding, no per-token figures
             facts = replace(facts, noise=None, noise_tokens=None, padding=None)
@@ -239,6 +245,7 @@ class ParityRunner:
                 noise_tokens=facts.noise_tokens,
                 padding=facts.padding,
                 sequences=facts.sequences,
+                floor=self.floor.scheme,
             )
             result = judge_point(case)
         except (ValueError, RuntimeError, IndexError, TypeError) as exc:
@@ -300,8 +307,21 @@ class ParityRunner:
         against: `"isolated"`, or the chained run steered as this chain is (`"chain"`), or free
         (`"free"`, where the golden has it)."""
         unsteered = mode == "chain" and self.chain is not None and not self.chain.steered
-        figures = self.golden.unsteered_noise(self.dtype) if unsteered else mode  # a mode's own run: its name
+        figures = self.golden.unsteered_noise(self.floor.key) if unsteered else mode  # a mode's own run: its name
         return figures
+
+    def facts(self, point: Point, figures: str) -> Any:
+        """What `point` is judged with beside its record (`GoldenStore.facts`), its noise figures this run's
+        floor's: a quantization floor's with the candidate dtype's own added where the floor says so."""
+        facts = self.golden.facts(point, self.floor.key, figures)
+        if self.floor.combine is None:
+            return facts
+        own = self.golden.facts(point, self.floor.combine, figures)
+        return replace(
+            facts,
+            noise=combined(facts.noise, own.noise),
+            noise_tokens=combined_tokens(facts.noise_tokens, own.noise_tokens),
+        )
 
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
         return self.judge(self.prepare(pid), marker)

@@ -157,9 +157,12 @@ def _chain_of(name: str) -> str | None:
         return None
 
 
-def run_mode(golden: GoldenStore, cls: type, asked: str | None, flag: str, hw: str, dtype: torch.dtype) -> str:
+def run_mode(
+    golden: GoldenStore, cls: type, asked: str | None, flag: str, hw: str, dtype: torch.dtype, floor: str | None = None
+) -> str:
     """The judging mode (`asked`, else isolated, or chain for a golden that keeps some tokens only),
-    one the golden and the backend (`cls`, named `hw`) can judge in `dtype`."""
+    one the golden and the backend (`cls`, named `hw`) can judge in `dtype` (against the noise floor
+    `floor`, a key of the golden's noise floors: by default the dtype's)."""
     captured = golden.describe_captured()  # --capture-tokens: judged chained only
     mode = asked or ("chain" if captured else "isolated")
     if mode not in MODES:
@@ -187,7 +190,7 @@ def run_mode(golden: GoldenStore, cls: type, asked: str | None, flag: str, hw: s
             f"{flag} both: a {hw} candidate holds one run of its own; use {flag} chain if it is "
             "a whole-model run, isolated if it was fed the golden inputs"
         )
-    if dtype.itemsize < 4 and not golden.has_noise(dtype, "chain"):
+    if dtype.itemsize < 4 and not golden.has_noise(floor or dtype, "chain"):
         raise SetupError(
             f"{flag} {mode} in {dtype_name(dtype)} judges each point against the reference's own "
             f"{dtype_name(dtype)} error, and {golden.root} has none: record the golden with "
@@ -196,10 +199,12 @@ def run_mode(golden: GoldenStore, cls: type, asked: str | None, flag: str, hw: s
     return mode
 
 
-def check_noise(golden: GoldenStore, dtype: torch.dtype, overrides: Sequence[Override]) -> None:
-    """`noise_factor` set by the user needs noise figures in the candidate's dtype."""
+def check_noise(
+    golden: GoldenStore, dtype: torch.dtype, overrides: Sequence[Override], floor: str | None = None
+) -> None:
+    """`noise_factor` set by the user needs noise figures in the candidate's dtype (or the run's `floor`)."""
     asked = [p for p, values in overrides if "noise_factor" in values]
-    if asked and not golden.has_noise(dtype, "isolated"):
+    if asked and not golden.has_noise(floor or dtype, "isolated"):
         recorded = ", ".join(golden.noise_dtypes) or "none"
         raise SetupError(
             f"noise_factor ({asked[0]}) needs the reference's own error in {dtype_name(dtype)}, which "

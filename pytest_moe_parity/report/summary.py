@@ -333,8 +333,8 @@ def coloured_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -
 
 
 LEGEND = {
-    "noise R": "noise R: the point's rel_l2 over the reference's own error in the candidate's dtype (fails above "
-    "its noise_factor)",
+    "noise R": "noise R: the point's rel_l2 over the reference's own error in the candidate's dtype, or under its "
+    "quantization (--noise-quant) (fails above its noise_factor)",
     "chain rel": "chain rel, chain R: the same figures on the candidate's own inputs (the chained run)",
     "flips": "flips, ties: tokens whose top-k experts differ from the golden's, beyond / within the dtype's rounding "
     "of the router's scores (ties never fail; flip_share: the share of flipped tokens)",

@@ -122,7 +122,8 @@ def _noise_lines(noise: dict[str, Any]) -> list[str]:
         f"{target} {fmt(t['ratio'], 3)}x (reference rel_l2 {fmt(t.get('reference_rel_l2'), 3)})"
         for target, t in noise["targets"].items()
     ]
-    return _wrapped("  noise ratio (error / the reference's own in this dtype): ", ", ".join(parts))
+    own = f"under {noise['floor']}" if noise.get("floor") else "in this dtype"  # a quantization floor: its scheme
+    return _wrapped(f"  noise ratio (error / the reference's own {own}): ", ", ".join(parts))
 
 
 def _row_lines(rows: list[BatchRow]) -> list[str]:
