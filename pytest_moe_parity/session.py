@@ -291,8 +291,7 @@ class ParitySession:
 
     def header_lines(self) -> list[str]:
         m = self.golden.manifest
-        layers = self.describe_selection()
-        layers = f", {layers}" if layers else ""
+        layers = f", {said}" if (said := self.describe_selection()) else ""
         recorded = f"{m['model'].get('num_hidden_layers')} layers"
         if "layers" in m["record"]:  # a slice: `moe-parity golden --layers`
             recorded = f"a slice: layers {describe_layers(self.golden.layers)} of {recorded}"
