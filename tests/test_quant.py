@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli, read_json, run_parity, usage_error
+from helpers import assert_replays_bitwise, cli, read_json, run_parity, usage_error
 from safetensors.torch import load_file, save_file
 
 from pytest_moe_parity.errors import CheckpointError
@@ -210,6 +210,12 @@ def test_a_quantized_checkpoint_records_streamed_and_replays_clean_on_itself(
     assert result.parseoutcomes()["passed"] > 40 and result.ret == 0
     described = layout(read_json(model / "config.json")).describe()
     result.stdout.fnmatch_lines([f"moe-parity: golden quantized: {described}: the reference ran weights dequantized*"])
+    # bitwise where the same kernels run: every point on the checkpoint read whole (transformers' weights)
+    lazy = LazyModel(model, dtype=torch.float32, max_layers=None)
+    with lazy.streaming() as whole:
+        whole(input_ids=torch.tensor([[5]]))  # every unit read
+    assert_replays_bitwise(golden, whole)
+    lazy.close()
     # and against its dequantized bf16 copy (what users used to write by hand), in bf16: weights included
     copy = pytester.path / "bf16"
     code, _, err = cli(capsys, "dequantize", "--model", model, "--out", copy, "--dtype", "bfloat16")
