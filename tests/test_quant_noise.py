@@ -385,3 +385,39 @@ def test_per_token_scales_keep_each_row_its_own(pytester: pytest.Pytester, batch
     )  # fmt: skip
     result.assert_outcomes(passed=len([p for p in GoldenStore(batch_golden).points if p.step is None]))
     result.stdout.fnmatch_lines(["first divergence: none"])
+
+
+def test_compare_judges_a_dumped_fp8_port_against_the_floor_of_its_scheme(
+    capsys, quant_golden: Path, tiny_model, tmp_path: Path
+) -> None:
+    """`moe-parity compare --noise-quant SPEC`: a clean FP8 port's dump (the model in bf16 under the scheme,
+    every point on the golden's inputs) passes against the scheme's floor and fails without it."""
+    from safetensors.torch import save_file
+
+    from pytest_moe_parity.session import ParitySession, RunOptions
+
+    run = ParitySession(RunOptions(
+        golden_dir=quant_golden, model=tiny_model("qwen3_moe", LAYERS), dtype="bfloat16", hw_options=[f"quant={SPEC}"],
+    ))  # fmt: skip
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    tensors = {}
+    try:
+        for point in (p for p in run.points if not p.id.endswith("rotary")):  # the tables: no quantization
+            output = run.prepare(point).candidate.output
+            leaves = [t for t in (output if isinstance(output, tuple) else (output,)) if isinstance(t, torch.Tensor)]
+            tensors.update({f"{point.id}.{i}": t.contiguous() for i, t in enumerate(leaves)})
+    finally:
+        run.close()
+    save_file(tensors, str(dump / "dump.safetensors"))
+    names = {p.id: [f"{p.id}.{i}" for i in range(8) if f"{p.id}.{i}" in tensors] for p in run.points}
+    names = {pid: keys for pid, keys in names.items() if keys}
+    (tmp_path / "map.json").write_text(
+        json.dumps({pid: keys[0] if len(keys) == 1 else keys for pid, keys in names.items()})
+    )
+    argv = ("compare", quant_golden, dump, "--map", tmp_path / "map.json", "--dtype", "bfloat16", "--plots", "no")
+    code, out, err = cli(capsys, *argv, "--noise-quant", SPEC, "--report", tmp_path / "r")
+    assert code == 0 and "first divergence: none" in out, out + err
+    assert read_json(tmp_path / "r" / REPORT_FILE)["noise_floor"]["scheme"] == SPEC
+    code, out, err = cli(capsys, *argv, "--noise-quant", "none", "--report", tmp_path / "none")
+    assert code == 1 and _first(tmp_path / "none") == "layer_0.attention", out + err

@@ -35,6 +35,13 @@ def _compare_arguments(sub: Any) -> None:
         "judged against the reference's own error (needs a golden recorded with --noise-dtype)",
     )
     compare.add_argument(
+        "--noise-quant",
+        default=None,
+        metavar="SPEC",
+        help="judge against the golden's floor of the candidate's quantization (moe-parity golden --noise-quant "
+        "SPEC), e.g. fp8-block:128+dynamic-token; none: the candidate dtype's floor",
+    )
+    compare.add_argument(
         "--tol", action="append", default=[], metavar="PATTERN:key=value,...", help="tolerance override; repeatable"
     )
     compare.add_argument(
@@ -73,6 +80,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         model=args.candidate,
         dtype=args.dtype,
         mode=args.mode,
+        noise_quant=args.noise_quant,
         hw_options=hw_options,
         batch=args.rows is not None,
         cli_tolerances=tolerances,
