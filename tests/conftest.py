@@ -58,6 +58,18 @@ def golden_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> Callable
     return make
 
 
+@pytest.fixture
+def nxdi_double(monkeypatch):
+    """NxDI's test double (tests/doubles: its modules' code, with the device calls left out) on the path,
+    and its modules forgotten after the test."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "doubles"))
+    yield
+    for name in [m for m in sys.modules if m.startswith("neuronx_distributed_inference")]:
+        del sys.modules[name]
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One trace cache per test worker, away from ~/.cache."""

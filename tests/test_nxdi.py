@@ -5,7 +5,6 @@ the documented layout, the input/output adapters against transformers' modules, 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import faults
@@ -18,14 +17,6 @@ from pytest_moe_parity.report.files import REPORT_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 DOUBLES = Path(__file__).resolve().parent / "doubles"
-
-
-@pytest.fixture
-def nxdi_double(monkeypatch):
-    monkeypatch.syspath_prepend(str(DOUBLES))
-    yield
-    for name in [m for m in sys.modules if m.startswith("neuronx_distributed_inference")]:
-        del sys.modules[name]
 
 
 def test_without_nxdi_the_run_is_a_usage_error_with_the_install_command(pytester, golden_dir) -> None:

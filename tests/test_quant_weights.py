@@ -6,7 +6,6 @@ the point that reads the tensor; a missing scale, or scales a block size does no
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -432,15 +431,6 @@ def inverted(state_dict, config):  # a port's conversion that divides by weight_
 
 m.maybe_dequantize_layer = inverted
 """
-
-
-@pytest.fixture
-def nxdi_double(monkeypatch):
-    """NxDI's test double (tests/doubles), whose qwen3_moe conversion dequantizes as NxDI's does."""
-    monkeypatch.syspath_prepend(str(DOUBLES))
-    yield
-    for name in [m for m in sys.modules if m.startswith("neuronx_distributed_inference")]:
-        del sys.modules[name]
 
 
 @pytest.mark.usefixtures("_import_everything_once", "nxdi_double")
