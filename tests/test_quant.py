@@ -378,3 +378,21 @@ def test_a_quantized_stream_recording_holds_two_dequantized_layers(tmp_path: Pat
     layer = 16 * 3 * 512 * 512 * 4 + 4 * 512 * 512 * 4  # one layer's experts and attention in float32
     assert 2 * layer <= r["host"] <= 2 * layer + 8 * mb, r["host"] / mb
     assert r["overhead"] <= 256 * mb, r["overhead"] / mb
+
+
+def test_the_drill_reads_a_quantized_port_and_names_the_op_of_its_scale_bug(
+    pytester: pytest.Pytester, quantized, capsys
+) -> None:
+    """Both sides of the drill read through the dequantizing reader: a port whose layer 1 q_proj scale is
+    written as its inverse drills to q_proj."""
+    clean = quantized("qwen3_moe", "fp8-block:32")
+    scale = "model.layers.1.self_attn.q_proj.weight_scale_inv"
+    port = edited(clean, pytester.path / "port", lambda t: {**t, scale: 1 / t[scale]})
+    golden = pytester.path / "g"
+    code, _, err = cli(capsys, "golden", "--model", clean, "--out", golden, "--stream", "-q")
+    assert code == 0, err
+    result = run_parity(pytester, golden, "--no-parity-weights", "--parity-drill", "layer_1.attention", model=port)
+    result.stdout.fnmatch_lines([
+        "first divergence: layer_1.attention  (drill: q_proj introduced the divergence*",
+        "drill layer_1.attention: * ops, * failed; culprit q_proj*",
+    ])  # fmt: skip
