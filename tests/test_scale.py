@@ -84,7 +84,7 @@ def test_offloaded_buffers_are_named_and_read_back_from_the_offload(
         return load(*args, **kwargs, offload_buffers=True)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", offloading_buffers)
-    monkeypatch.setattr(record_run, "reader", lambda *args: "from_pretrained")  # accelerate's own loading
+    monkeypatch.setattr(record_run, "reader", lambda *args, **kwargs: "from_pretrained")  # accelerate's own loading
     offload = tmp_path / "kept"
     offload.mkdir()  # the user's own folder: left in place
     record_run.record_golden(tiny_model("minimax_m2"), tmp_path / "g", max_memory="cpu:1KB", offload_folder=offload)
