@@ -5,6 +5,7 @@ one layer at a time, bitwise what LazyModel reads of the quantized checkpoint)."
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -438,6 +439,7 @@ def test_dequantize_holds_one_unit_at_a_time(quantized, tmp_path: Path, capsys, 
     units = []
 
     def tracked(*args, **kwargs):
+        gc.collect()  # held, not merely uncollected: an earlier test's cycles may hold a frame a while
         assert all(ref() is None for ref in alive), (
             f"tensors of an earlier unit are alive while unit {len(units)} is read"
         )
