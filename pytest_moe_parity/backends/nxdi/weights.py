@@ -7,12 +7,14 @@ format's values, a float32 scale per output channel) under the reference's names
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ... import compat
 from ...errors import BackendError
 from ...judge.quant_weights import Stored
 from ...model.checkpoint import weight_map
@@ -110,12 +112,28 @@ def quantized_state(application: Any, model_dir: Path, config: Any, dtype: str, 
     for name, value in {**settings, "quantized_checkpoints_path": str(path)}.items():
         setattr(quant.neuron_config, name, value)
     try:
-        application.save_quantized_state_dict(str(model_dir), quant)
+        application.save_quantized_state_dict(str(readable(model_dir, path.parent / "hf-view")), quant)
     except NotImplementedError as exc:
         raise BackendError(f"--hw-option quantized={dtype}: NxDI cannot quantize this model ({exc})") from None
     if not path.is_file():
         raise BackendError(f"--hw-option quantized={dtype}: NxDI's save_quantized_state_dict wrote nothing to {path}")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def readable(model_dir: Path, view: Path) -> Path:
+    """The checkpoint as this transformers reads it, for NxDI's `load_hf_model`: itself where the config
+    reads as written; else (a config written by transformers 5 on the Neuron stack's 4.57) a view of it,
+    its tensors linked and its config as `compat.load_config` reads it."""
+    config = compat.load_config(model_dir)
+    written = json.loads((model_dir / "config.json").read_text())
+    if all(config.to_dict().get(k) == v for k, v in written.items() if not isinstance(v, dict)):
+        return model_dir
+    view.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.name != "config.json" and not (view / file.name).exists():
+            (view / file.name).symlink_to(file.resolve())
+    config.to_json_file(str(view / "config.json"))
+    return view
 
 
 def stored_unit(
