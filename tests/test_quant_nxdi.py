@@ -113,20 +113,26 @@ def test_nxdi_s_quantized_state_dict_is_judged_and_an_inverted_scale_fails_its_l
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
+    ("case", "message"),
     [
         ("int4", "--hw-option quantized=int4: expected one of int8, f8e4m3, got 'int4'"),
-        ("int8", "is quantized already, and NxDI's per-channel quantization quantizes a float checkpoint"),
+        ("fp8", "is quantized already, and NxDI's per-channel quantization quantizes a float checkpoint"),
+        ("mixtral", "has no save_quantized_state_dict: NxDI cannot quantize this model"),
     ],
-    ids=["unknown-dtype", "quantized-checkpoint"],
+    ids=["unknown-dtype", "quantized-checkpoint", "no-quantization"],
 )
 def test_bad_quantized_values_are_usage_errors(
-    value: str, message: str, nxdi_double, golden_dir, candidate: Path, pytester: pytest.Pytester, tmp_path: Path
-) -> None:
-    """An unknown dtype, or a checkpoint quantized already (NxD quantizes a float model), is one sentence
-    and exit 4."""
+    case: str, message: str, nxdi_double, golden_dir, tiny_model, candidate: Path, pytester: pytest.Pytester,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """An unknown dtype, a checkpoint quantized already (NxD quantizes a float model), or an application
+    without NxDI's quantization (the double's Mixtral) is one sentence and exit 4."""
     pytester.syspathinsert(DOUBLES)
-    model = write_tiny_model("qwen3_moe", tmp_path / "fp8", quant="fp8-block:32") if value == "int8" else candidate
-    golden = golden_dir("qwen3_moe")
-    result = run_parity(pytester, golden, *ARGS, "--hw-option", f"quantized={value}", model=model)
+    arch, model = "qwen3_moe", candidate
+    if case == "mixtral":
+        arch, model = "mixtral", Path(shutil.copytree(tiny_model("mixtral"), tmp_path / "m"))
+    elif case == "fp8":
+        model = write_tiny_model("qwen3_moe", tmp_path / "fp8", quant="fp8-block:32")
+    value = "int4" if case == "int4" else "int8"
+    result = run_parity(pytester, golden_dir(arch), *ARGS, "--hw-option", f"quantized={value}", model=model)
     usage_error(result, message)
