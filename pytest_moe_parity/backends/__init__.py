@@ -289,6 +289,16 @@ class Backend(ABC):
         holds the candidate checkpoint's as transformers loads them (then the checkpoint is read)."""
         return None
 
+    def held_quantized(self, layer: int | None) -> dict[str, Any] | None:
+        """The weights this backend holds quantized for a unit, as stored (`judge.quant_weights.Stored`),
+        under the reference's names, for weight items to judge within their format's rounding; None
+        where it quantizes none itself."""
+        return None
+
+    def quantized_words(self) -> str | None:
+        """How this backend quantizes the weights it holds, for the weight items' header (None: it does not)."""
+        return None
+
     def read_stats(self) -> dict[str, Any] | None:
         """What was read from the candidate so far (reported in comparison_summary.json)."""
         return None

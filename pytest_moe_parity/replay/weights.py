@@ -17,6 +17,7 @@ import torch
 from .. import compat
 from ..dtypes import SAFETENSORS_FLOATS
 from ..errors import CheckpointError, ParityError
+from ..judge.quant_weights import Stored, judge_quantized
 from ..judge.weights import diagnose, rounded
 from ..model.checkpoint import read_tensors
 from ..model.lazy_model import LazyModel
@@ -88,8 +89,9 @@ def weight_items(
     else:
         try:
             check = WeightCheck(
-                found[0].resolve(), candidate, trust_remote_code=trust_remote_code, held=backend.held_weights
-            )
+                found[0].resolve(), candidate, trust_remote_code=trust_remote_code, held=backend.held_weights,
+                held_stored=backend.held_quantized,
+            )  # fmt: skip
         except ParityError as exc:  # its activations are compared all the same
             why = f"a checkpoint cannot be read ({exc})"
         else:
@@ -107,11 +109,13 @@ class WeightCheck:
         *,
         trust_remote_code: bool = False,
         held: Callable[[int | None], dict[str, torch.Tensor] | None] | None = None,
+        held_stored: Callable[[int | None], dict[str, Stored] | None] | None = None,
     ):
         """`held(layer)`: the weights a backend holds for the unit, mapped back to the reference's
-        names and layout (a backend that converts them); else the candidate checkpoint is read."""
+        names and layout (a backend that converts them); else the candidate checkpoint is read.
+        `held_stored(layer)`: those it quantizes itself (NxDI's quantized state dict), as stored."""
         self.reference, self.candidate = Path(reference), Path(candidate)
-        self.held = held
+        self.held, self.held_stored = held, held_stored
         self._models: dict[str, LazyModel] = {}
         self._stored = {
             "reference": {t.name: t.dtype for t in read_tensors(self.reference)},
@@ -176,6 +180,11 @@ class WeightCheck:
         out, judged, loose, count = self._quantized_findings(layer) if self.quantized else ([], set(), {}, 0)
         if held is not None and judged:
             out += self._conversion_of_quantized(layer, held, judged)
+        stored = self.held_stored(layer) if self.held_stored is not None else None
+        for name, weight in (stored or {}).items():  # the backend's own quantization, judged as it stores it
+            if ref.get(name) is not None:
+                out += judge_quantized(name, ref[name], weight.dequantized(), weight).findings
+                judged, count = judged | {name}, count + 1
         for name, r in ref.items():
             if r is None or name in judged:
                 continue
@@ -304,6 +313,10 @@ class WeightItems(Checker):
         quantized = self.weights.quantized_line()
         if quantized and held:
             quantized += f"; the {self.hw} backend's conversion of them against transformers' dequantization"
+        own = self.backend.quantized_words()
+        if own:
+            lines.append(f"moe-parity: the {self.hw} backend's weights are {own}: each quantized weight is judged "
+                         "as stored, within its format's rounding at its output channel's scale")  # fmt: skip
         return [*lines, quantized] if quantized else lines
 
     def close(self) -> None:

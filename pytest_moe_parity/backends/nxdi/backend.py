@@ -32,7 +32,16 @@ from .calls import (
 from .evidence import merge, rank_evidence, ranks_differing, tp_differential
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
 from .tables import TABLES, Component, load_module_table, resolve, tables
-from .weights import back_to_reference, convert_unit, nxdi_cast_state, under, unit_state
+from .weights import (
+    QUANTIZED,
+    back_to_reference,
+    convert_unit,
+    nxdi_cast_state,
+    quantized_state,
+    stored_unit,
+    under,
+    unit_state,
+)
 
 BUILDS = ("neuron", "cpu")
 
@@ -79,6 +88,14 @@ class NxdiBackend(Backend):
             on_off,
             False,
         ),
+        HwOption(
+            "quantized",
+            "int8 or f8e4m3: NxDI's own quantization (neuron_config.quantized, per_channel_symmetric at this "
+            "quantization_dtype); the weight items judge the quantized state dict NxDI writes, each weight within its "
+            "format's rounding at its output channel's scale (default: off)",
+            one_of(*QUANTIZED),
+            None,
+        ),
         HwOption("workdir", "where converted checkpoints and compiler artifacts go (default: a temporary directory)"),
         HwOption("compiler_args", "neuronx-cc arguments (default: NxDI's own)"),
     )
@@ -112,12 +129,34 @@ class NxdiBackend(Backend):
                 "--hw-option tp_diff=on compares TP 1 with TP N on the CPU: it needs build=cpu and tp_degree above 1"
             )
         self.weights = weight_map(setup.model_dir)
+        self._check_quantized(setup.model_dir)
+        self._quantized: dict[str, torch.Tensor] | None = None  # NxDI's quantized state dict, once written
         self.config: Any = None
         self._configs: dict[tuple[int, int], Any] = {}  # per plan: (tp, ep)
         self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
         self._built: dict[tuple, Any] = {}
         self._converted: dict[tuple[int | None, int, int], dict[str, torch.Tensor]] = {}  # one unit's, per plan
         self._workdir: Path | None = None
+
+    def _check_quantized(self, model_dir: Path) -> None:
+        """`quantized=` on a model NxDI's quantization does not take is a usage error, in one sentence."""
+        dtype = self.hw_options["quantized"]
+        if dtype is None:
+            return
+        from ...model.checkpoint import read_config
+        from ...model.quant import layout
+
+        if layout(read_config(model_dir), str(model_dir)) is not None:
+            raise BackendError(
+                f"--hw-option quantized={dtype}: {model_dir} is quantized already, and NxDI's per-channel "
+                "quantization quantizes a float checkpoint; pass the unquantized model, or drop quantized="
+            )
+        application = resolve(self.table.application)
+        if not hasattr(application, "save_quantized_state_dict"):
+            raise BackendError(
+                f"--hw-option quantized={dtype}: NxDI's {self.table.application} has no save_quantized_state_dict: "
+                "NxDI cannot quantize this model"
+            )
 
     def _check_plan(self, tp: int, ep: int, said_tp: str, said_ep: str) -> None:
         """A plan NxD cannot shard the golden's model by is a usage error, not a run of errors."""
@@ -355,6 +394,26 @@ class NxdiBackend(Backend):
             self.start()
         return back_to_reference(self._unit(layer), self.table.weights, layer)
 
+    def held_quantized(self, layer: int | None) -> dict[str, Any] | None:
+        """With `quantized=`: the unit's tensors of the quantized state dict NxDI writes, as stored,
+        under the reference's names (None: the option is off)."""
+        dtype = self.hw_options["quantized"]
+        if dtype is None:
+            return None
+        if self.config is None:
+            self.start()
+        if self._quantized is None:
+            assert self._workdir is not None
+            application = resolve(self.table.application)
+            with upstream_warnings():
+                path = self._workdir / f"quantized.{dtype}.pt"
+                self._quantized = quantized_state(application, self.setup.model_dir, self.config, dtype, path)
+        return stored_unit(self._quantized, layer, self.table.weights or {"prefix": "model."}, QUANTIZED[dtype])
+
+    def quantized_words(self) -> str | None:
+        dtype = self.hw_options["quantized"]
+        return None if dtype is None else f"NxDI's quantized state dict (per_channel_symmetric {dtype})"
+
     def _rank_kv_heads(self, tp: int | None = None) -> list[list[int]] | None:
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         return rank_kv_heads(tp or self.tp, heads, kv_heads)
@@ -446,6 +505,7 @@ class NxdiBackend(Backend):
     def close(self) -> None:
         self._release()
         self._converted.clear()
+        self._quantized = None
         if getattr(self, "cpu", False):
             from .cpu.ranks import close_pools
 

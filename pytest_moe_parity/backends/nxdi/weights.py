@@ -1,17 +1,22 @@
 """One unit's checkpoint through NxDI's conversion: its tensors read (renamed to layer 0), converted
 by the application's `convert_hf_to_neuron_state_dict`, cast as NxDI casts them, and mapped back to
-the reference's names for weight items."""
+the reference's names for weight items. With NxDI's own quantization (`--hw-option quantized=`), the
+quantized state dict NxDI's `save_quantized_state_dict` writes, read back as stored (`Stored`: the
+format's values, a float32 scale per output channel) under the reference's names."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ... import compat
 from ...errors import BackendError
+from ...judge.quant_weights import Stored
 from ...model.checkpoint import weight_map
 
 
@@ -90,3 +95,66 @@ def nxdi_cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
         return state
     cast = {k for k, v in state.items() if v.is_floating_point() and v.dtype != torch.float8_e4m3fn}
     return {k: v.to(dtype) if k in cast and not k.endswith("scale") else v for k, v in state.items()}
+
+
+# --hw-option quantized=: NxD's quantization dtype (NeuronConfig's `quantization_dtype`) -> the judge's format
+QUANTIZED = {"int8": "int8", "f8e4m3": "e4m3"}
+
+
+def quantized_state(application: Any, model_dir: Path, config: Any, dtype: str, path: Path) -> dict[str, torch.Tensor]:
+    """The quantized state dict NxDI writes for `neuron_config.quantized=True` with per-channel
+    symmetric `dtype` (application_base's `save_quantized_state_dict`: the HF model quantized by NxD's
+    `quantize_pytorch_model_per_channel_symmetric`, saved to `quantized_checkpoints_path`), read back
+    from where NxDI wrote it; the caller's config is untouched."""
+    quant = copy.copy(config)
+    quant.neuron_config = copy.copy(config.neuron_config)
+    settings = {"quantized": True, "quantization_type": "per_channel_symmetric", "quantization_dtype": dtype}
+    for name, value in {**settings, "quantized_checkpoints_path": str(path)}.items():
+        setattr(quant.neuron_config, name, value)
+    try:
+        application.save_quantized_state_dict(str(readable(model_dir, path.parent / "hf-view")), quant)
+    except NotImplementedError as exc:
+        raise BackendError(f"--hw-option quantized={dtype}: NxDI cannot quantize this model ({exc})") from None
+    if not path.is_file():
+        raise BackendError(f"--hw-option quantized={dtype}: NxDI's save_quantized_state_dict wrote nothing to {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def readable(model_dir: Path, view: Path) -> Path:
+    """The checkpoint as this transformers reads it, for NxDI's `load_hf_model`: itself where the config
+    reads as written; else (a config written by transformers 5 on the Neuron stack's 4.57) a view of it,
+    its tensors linked and its config as `compat.load_config` reads it."""
+    config = compat.load_config(model_dir)
+    written = json.loads((model_dir / "config.json").read_text())
+    if all(config.to_dict().get(k) == v for k, v in written.items() if not isinstance(v, dict)):
+        return model_dir
+    view.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.name != "config.json" and not (view / file.name).exists():
+            (view / file.name).symlink_to(file.resolve())
+    config.to_json_file(str(view / "config.json"))
+    return view
+
+
+def stored_unit(
+    state: dict[str, torch.Tensor], layer: int | None, inverse: dict[str, Any], fmt: str
+) -> dict[str, Stored]:
+    """One unit's quantized tensors of NxDI's quantized state dict (HF module names, less the base
+    model's prefix; each quantized weight beside its `scale`), as stored, under the reference's names
+    (`prefix`, but for the `top_level` names): a scale per output channel (NxD's [out, 1]) covers its
+    row, one of a single element the whole weight."""
+    top, prefix = tuple(inverse.get("top_level", ())), inverse.get("prefix", "")
+    out: dict[str, Stored] = {}
+    for key, scale in state.items():
+        weight = state.get(key[: -len("scale")] + "weight")
+        if not key.endswith(".scale") or weight is None or weight.dim() != 2:
+            continue
+        if not (key.startswith(f"layers.{layer}.") if layer is not None else not key.startswith("layers.")):
+            continue
+        rows, cols = weight.shape
+        per_channel = scale.numel() == rows and scale.numel() > 1
+        grid = scale.float().reshape(rows, 1) if per_channel else scale.float().reshape(1, 1)
+        name = key[: -len("scale")] + "weight"
+        stored = Stored(weight.float(), grid, (1, cols) if per_channel else (rows, cols), fmt, "scale", "nxdi-channel")
+        out[name if name.startswith(top) else prefix + name] = stored
+    return out

@@ -12,6 +12,7 @@ from ...modules.attention.attention_base import NeuronAttentionBase
 from ...modules.attention.utils import RotaryEmbedding
 from ...modules.custom_calls import CustomRMSNorm
 from ...modules.moe_v2 import initialize_moe_module
+from ..application_base import NeuronApplicationBase
 from ..config import InferenceConfig
 from ..model_base import MoEDecoderLayer
 
@@ -57,7 +58,13 @@ def convert_qwen3_moe_hf_to_neuron_state_dict(neuron_state_dict, config):
     return neuron_state_dict
 
 
-class NeuronQwen3MoeForCausalLM:
+class NeuronQwen3MoeForCausalLM(NeuronApplicationBase):
+    @staticmethod
+    def load_hf_model(model_path, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict, config):
         return convert_qwen3_moe_hf_to_neuron_state_dict(state_dict, config)
