@@ -66,7 +66,7 @@ def nxdi_double(monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "doubles"))
     yield
-    for name in [m for m in sys.modules if m.startswith("neuronx_distributed_inference")]:
+    for name in [m for m in sys.modules if m.startswith(("neuronx_distributed_inference", "neuronx_distributed."))]:
         del sys.modules[name]
 
 

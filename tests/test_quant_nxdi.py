@@ -9,7 +9,6 @@ or a checkpoint NxDI's quantization does not take, is bad input."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -42,14 +41,6 @@ def inverted(cls, model):
 
 a.NeuronApplicationBase.prepare_quantized_state_dict = classmethod(inverted)
 """
-
-
-@pytest.fixture
-def nxdi_double(monkeypatch):
-    monkeypatch.syspath_prepend(str(DOUBLES))
-    yield
-    for name in [m for m in sys.modules if m.startswith(("neuronx_distributed_inference", "neuronx_distributed."))]:
-        del sys.modules[name]
 
 
 @pytest.fixture
