@@ -1,8 +1,11 @@
 """Checks that need a CUDA GPU (CI has none): `--hw cuda` and `--hw compile` replays, a golden
 recorded on the GPU, and an accelerate placement over GPU, host and disk read one unit at a time
-against the same placement through `from_pretrained`.
+against the same placement through `from_pretrained`; with `--quant`, the quantized paths a GPU has
+(docs/quantization.md): an FP8 and an MXFP4 checkpoint recorded on the GPU, `--reference-quant native`
+(transformers' fp8 / mxfp4 kernels, compute capability 8.9 for fp8) against the dequantized reference,
+and `--hw cuda --hw-option quant=SPEC` judged against the golden's floor of SPEC.
 
-    python benchmarks/gpu_check.py [--archs qwen3_moe,mixtral,minimax_m2] [--out summary.json]
+    python benchmarks/gpu_check.py [--archs qwen3_moe,mixtral,minimax_m2] [--quant] [--out summary.json]
 
 Run it from the repository root. On a bare GPU machine where the package cannot be installed (no
 build backend, no index), `--register DIR` writes the package's entry points (the plugin and the
@@ -24,7 +27,7 @@ from pathlib import Path
 FROM_PRETRAINED = """
 import sys
 from pytest_moe_parity.record import run
-run.reader = lambda *args: "from_pretrained"
+run.reader = lambda *args, **kwargs: "from_pretrained"
 from pytest_moe_parity.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -135,11 +138,46 @@ def check(arch: str, root: Path) -> dict:
     return out
 
 
+QUANT = "fp8-block:32+dynamic-token"
+
+
+def quant_check(arch: str, scheme: str, root: Path) -> dict:
+    """A quantized tiny checkpoint on the GPU: its golden dequantized on cuda against the CPU's, the
+    native kernels' golden against the dequantized one (how far the maker's W8A8 path is from it), and
+    the emulated FP8 candidate on cuda against the floor of its scheme."""
+    out: dict = {"arch": arch, "scheme": scheme}
+    model, g_cpu = root / f"q-{arch}", root / f"qg-cpu-{arch}"
+    code, text = cli("tiny-model", "--arch", arch, "--out", str(model), "--quant", scheme)
+    if code:
+        return {**out, "skipped": text.strip().splitlines()[-1]}
+    spec = QUANT if scheme.startswith("fp8") else "mxfp4+dynamic-token"
+    code, text = cli("golden", "--model", str(model), "--out", str(g_cpu), "--noise-dtype", "bfloat16",
+                     "--noise-quant", spec, "-q")  # fmt: skip
+    out["golden_cpu"] = code == 0 or text[-500:]
+    for name, extra in {"dequant": (), "native": ("--reference-quant", "native")}.items():
+        golden = root / f"qg-{name}-{arch}"
+        code, text = cli("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
+        out[f"golden_cuda_{name}"] = {"exit": code, "tail": text[-600:] if code else line(text, "golden written")}
+        if not code:  # the CPU's dequantized checkpoint judged against this golden
+            code, text = parity(golden, model, "--hw", "cpu")
+            out[f"cpu_against_cuda_{name}"] = {"exit": code, "summary": line(text, " points: "),
+                                               "first": line(text, "first divergence")}  # fmt: skip
+    code, text = parity(g_cpu, model, "--hw", "cuda", "--dtype", "bfloat16", "--hw-option", f"quant={spec}",
+                        "--noise-quant", spec, "--parity-mode", "both")  # fmt: skip
+    out["hw_cuda_emulated"] = {
+        "exit": code,
+        "summary": line(text, " points: "),
+        "first": line(text, "first divergence"),
+    }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", default="qwen3_moe,mixtral,minimax_m2")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--register", type=Path, default=None, help="write the entry points here (no install)")
+    ap.add_argument("--quant", action="store_true", help="also the quantized checks (FP8, MXFP4)")
     args = ap.parse_args()
     if args.register:
         register(args.register)
@@ -149,6 +187,9 @@ def main() -> None:
         raise SystemExit("no CUDA device: these checks need one")
     with tempfile.TemporaryDirectory() as tmp:
         results = [check(arch, Path(tmp)) for arch in args.archs.split(",")]
+        if args.quant:
+            quant = [("qwen3_moe", "fp8-block:32"), ("deepseek_v3", "fp8-block:8"), ("gpt_oss", "mxfp4")]
+            results += [quant_check(arch, scheme, Path(tmp)) for arch, scheme in quant]
     text = json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": results}, indent=1)
     print(text)
     if args.out:
@@ -157,9 +198,22 @@ def main() -> None:
         r["arch"]
         for r in results
         if "skipped" not in r
+        and "scheme" not in r
         and (
             any(r[k]["exit"] for k in ("hw_cuda_bf16", "hw_cuda_fp32", "golden_cuda", "placed_by_unit"))
             or r.get("placed_same_as_from_pretrained") != "bitwise"
+        )
+    ]
+    # the quantized checks: the dequantized golden on cuda and the emulated candidate must hold (native's
+    # distance from the dequantized reference is a figure, not a failure)
+    failed += [
+        f"{r['arch']} {r['scheme']}"
+        for r in results
+        if "scheme" in r
+        and "skipped" not in r
+        and any(
+            r.get(k, {"exit": 1})["exit"]
+            for k in ("golden_cuda_dequant", "cpu_against_cuda_dequant", "hw_cuda_emulated")
         )
     ]
     sys.exit(1 if failed else 0)
