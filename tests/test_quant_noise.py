@@ -421,3 +421,29 @@ def test_compare_judges_a_dumped_fp8_port_against_the_floor_of_its_scheme(
     assert read_json(tmp_path / "r" / REPORT_FILE)["noise_floor"]["scheme"] == SPEC
     code, out, err = cli(capsys, *argv, "--noise-quant", "none", "--report", tmp_path / "none")
     assert code == 1 and _first(tmp_path / "none") == "layer_0.attention", out + err
+
+
+def test_a_kv_cache_whose_scales_clip_fails_at_the_attention_of_its_layer(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """An FP8 KV cache calibrated on too few tokens: its k_scale / v_scale cover half the range the prompt
+    needs (layer 1), so K / V clip at 448 x scale. Judged against the floor of the checkpoint's own scales,
+    the clean checkpoint passes every point and the clipped one fails first at layer_1.attention."""
+    kv_spec = "fp8-channel+dynamic-token+kv-fp8"
+    clean = write_tiny_model("qwen3_moe", tmp_path / "ct", layers=LAYERS, quant="fp8-channel", kv_scales=True)
+    golden = tmp_path / "golden"
+    record_golden(clean, golden, seq_len=16)
+    record_noise(golden, None, quant=kv_spec, model_dir=clean)
+
+    def halved(tensors) -> None:
+        for key in [k for k in tensors if k.endswith(("k_scale", "v_scale")) and ".layers.1." in k]:
+            tensors[key] = tensors[key] / 2
+
+    clipped = edit_checkpoint(clean, tmp_path / "clipped", halved)
+    argv = ("--hw-option", f"quant={kv_spec}", "--no-parity-weights", "--parity-report")
+    ok = run_parity(pytester, golden, *argv, str(tmp_path / "ok"), model=clean)
+    ok.stdout.fnmatch_lines(["first divergence: none", "*K/V scales: 4 of 4 from the checkpoint's k_scale / v_scale*"])
+    assert ok.ret == 0
+    bad = run_parity(pytester, golden, *argv, str(tmp_path / "bad"), model=clipped)
+    bad.stdout.fnmatch_lines(["first divergence: layer_1.attention  (*"])
+    assert _first(tmp_path / "bad") == "layer_1.attention"
