@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..formats import E2M1_MAX, FP4_VALUES, FP8, FP8_MAX, INT8_MAX, expand_blocks, nearest_e2m1, per_block
+
 EPS = 2.0**-8
 SCALE_TOL = 2.0**-7
 # A reading of the stored values that fits the reference within this many allowances is the bug's.
@@ -37,9 +39,6 @@ FITS = 1.0
 RATIO_FITS = 2.0**-6
 # A twice-rounded weight is off by two roundings at most: beyond this many allowances it is something else.
 TWICE_AT_MOST = 4.0
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-INT8_MAX = 127.0
 SHOWN = 3  # blocks listed by name in a finding
 FORMAT_NAMES = {"e4m3": "e4m3", "int8": "int8", "e2m1": "e2m1 (MXFP4)"}
 
@@ -57,7 +56,7 @@ class Stored:
     scheme: str = ""  # the layout's scheme, for words: fp8-block:128, fp8-channel, mxfp4
 
     def full_scale(self, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
-        return expand(self.scale if scale is None else scale, block or self.block, tuple(self.values.shape))
+        return expand_blocks(self.scale if scale is None else scale, block or self.block, tuple(self.values.shape))
 
     def dequantized(self) -> torch.Tensor:
         return self.values * self.full_scale()
@@ -86,24 +85,6 @@ class QuantVerdict:
     scale_name: str = "scale"
 
 
-def expand(grid: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
-    """A scale grid over its weight's `shape`: each block's scale on its block, the last block of a
-    dimension cut to what is left."""
-    b0, b1 = block
-    rows, cols = shape[-2], shape[-1]
-    return grid.repeat_interleave(b0, dim=-2)[..., :rows, :].repeat_interleave(b1, dim=-1)[..., :cols]
-
-
-def per_block(x: torch.Tensor, grid: tuple[int, ...], block: tuple[int, int], how: str = "sum") -> torch.Tensor:
-    """`x` ([..., rows, cols]) reduced over each block (sum or amax): a tensor of the grid's shape."""
-    b0, b1 = block
-    rows, cols = x.shape[-2:]
-    r, c = grid[-2], grid[-1]
-    padded = torch.nn.functional.pad(x, (0, c * b1 - cols, 0, r * b0 - rows))
-    blocks = padded.reshape(*x.shape[:-2], r, b0, c, b1)
-    return blocks.sum(dim=(-3, -1)) if how == "sum" else blocks.amax(dim=(-3, -1))
-
-
 def half_step(values: torch.Tensor, fmt: str) -> torch.Tensor:
     """Half the format's spacing at each value (see the module): the most that rounding to the
     nearest value of the format moves a value that lands on it."""
@@ -120,10 +101,9 @@ def round_to(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int8":
         return x.round().clamp(-INT8_MAX, INT8_MAX)
     if fmt == "e2m1":
-        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-        mag = grid[(x.abs().clamp(max=E2M1_MAX).unsqueeze(-1) - grid).abs().argmin(dim=-1)]
+        mag = torch.tensor(FP4_VALUES[:8])[nearest_e2m1(x)]
         return torch.where(x < 0, -mag, mag)
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
 
 
 def judge_quantized(

@@ -31,18 +31,14 @@ import torch
 
 from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CheckpointError
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-INT8_MAX = 127.0
-MX_GROUP = 32  # MXFP4: values per shared exponent
-# e2m1 values by nibble (OCP MX), as transformers' and GPT-OSS's own dequantization index them.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from ..formats import FP4_VALUES, FP8, FP8_MAX, INT8_MAX, MX_GROUP, expand_blocks, nearest_e2m1, per_block
 
 READ_METHODS = ("fp8", "compressed-tensors", "mxfp4")
 COMPRESSED_FORMATS = {"float-quantized": "fp8", "int-quantized": "int8", "naive-quantized": "int8"}
 # A scale of an FP8 KV cache (compressed-tensors, vLLM): kept aside, not a weight of the model.
 KV_SCALE = re.compile(r"\.(k_scale|v_scale|q_scale|prob_scale)$")
+# A weight stored in one of these is quantized (MXFP4: its `_blocks`).
+QUANTIZED_CODES = ("F8_E4M3", "F8_E5M2", "I8")
 # Scales of activations (static input scales): kept aside too.
 ACT_SCALE = re.compile(r"\.(input_scale|activation_scale)$")
 # The experts' tensors, which transformers' conversion merges (and dequantizes in float32 first).
@@ -187,10 +183,6 @@ def dtype_code(sl: Any) -> str:
     return sl.get_dtype()
 
 
-def _shape(sl: Any) -> list[int]:
-    return list(sl.shape) if isinstance(sl, torch.Tensor) else list(sl.get_shape())
-
-
 def _read(sl: Any) -> torch.Tensor:
     return sl if isinstance(sl, torch.Tensor) else sl[...]  # `[...]`: a 0-dim slice (a per-tensor scale) too
 
@@ -258,7 +250,7 @@ class Dequantizer:
         if weight is None:
             raise CheckpointError(f"{self.where}: {scale_key} is there but its weight {name} is not")
         if scale is None:
-            if dtype_code(weight) in ("F8_E4M3", "F8_E5M2", "I8"):
+            if dtype_code(weight) in QUANTIZED_CODES:
                 stored = SAFETENSORS_DTYPES.get(dtype_code(weight), dtype_code(weight))
                 raise CheckpointError(
                     f"{self.where}: {name} is stored in {stored} but has no {scale_key}: "
@@ -327,7 +319,7 @@ def expand_scale(
         b0, b1 = block
         want = (math.ceil(rows / b0), math.ceil(cols / b1))
         if tuple(scale.shape[-2:]) == want and tuple(scale.shape[:-2]) == tuple(shape[:-2]):
-            return scale.repeat_interleave(b0, dim=-2)[..., :rows, :].repeat_interleave(b1, dim=-1)[..., :cols]
+            return expand_blocks(scale, block, shape)
     expect = expected_scale_shape(shape, layout) if layout is not None else None
     hint = (
         f"a {list(shape)} weight in blocks of {block[0]}x{block[1]} needs {list(expect or ())}: "
@@ -394,7 +386,7 @@ def quantize_fp8(w: torch.Tensor, scheme: str, block: tuple[int, int] | None) ->
         amax = x.abs().amax(dim=-1, keepdim=True)
     else:
         b0, b1 = block or (128, 128)
-        amax = _block_amax(x, b0, b1)
+        amax = per_block(x.abs(), (math.ceil(x.shape[-2] / b0), math.ceil(x.shape[-1] / b1)), (b0, b1), "amax")
     scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     full = scale if scheme != "fp8-block" else expand_scale(scale, tuple(x.shape), block)
     q = (x / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -406,15 +398,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = w.to(torch.float32)
     scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     return (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-
-
-def _block_amax(x: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
-    rows, cols = x.shape[-2:]
-    pr, pc = (-rows) % b0, (-cols) % b1
-    padded = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
-    lead = padded.shape[:-2]
-    blocks = padded.reshape(*lead, (rows + pr) // b0, b0, (cols + pc) // b1, b1)
-    return blocks.amax(dim=(-3, -1))
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,8 +413,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - 2, torch.zeros_like(amax))
     exp = exp.clamp(-127, 127)
     scaled = g / torch.exp2(exp)
-    lut = torch.tensor(FP4_VALUES[:8], dtype=torch.float32)
-    mag = (scaled.abs().clamp(max=6.0).unsqueeze(-1) - lut).abs().argmin(dim=-1)  # nearest magnitude (ties: lower)
+    mag = nearest_e2m1(scaled)
     nibble = (mag + 8 * (scaled < 0)).to(torch.uint8)
     nibble = torch.where(mag == 0, torch.zeros_like(nibble), nibble)  # no negative zero
     pairs = nibble.reshape(*lead, out, inp // MX_GROUP, MX_GROUP // 2, 2)

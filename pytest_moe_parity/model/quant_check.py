@@ -15,9 +15,7 @@ import torch
 
 from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CheckpointError
-from .quant import MX_GROUP, Dequantizer, Layout, expand_scale, expected_scale_shape
-
-QUANTIZED_CODES = ("F8_E4M3", "F8_E5M2", "I8")  # a weight stored so is quantized (MXFP4: its `_blocks`)
+from .quant import MX_GROUP, QUANTIZED_CODES, Dequantizer, Layout, expand_scale, expected_scale_shape
 
 
 def check_tensors(tensors: list[Any], quant: Layout, where: str) -> None:

@@ -33,8 +33,8 @@ from ..errors import BadInput, CheckpointError
 from ..host import gib
 from ..model.attention import DEFAULT_BUDGET_MIB, budget_bytes, score_bytes
 from ..model.checkpoint import SIZES, Tensor, read_config, read_tensors
-from ..model.quant import ACT_SCALE, KV_SCALE, MX_GROUP, Dequantizer, Layout, layout
-from ..model.quant_check import QUANTIZED_CODES, tensor_problems
+from ..model.quant import ACT_SCALE, KV_SCALE, MX_GROUP, QUANTIZED_CODES, Dequantizer, Layout, layout
+from ..model.quant_check import tensor_problems
 from ..points import layer_group
 
 NAMES = SAFETENSORS_FLOATS

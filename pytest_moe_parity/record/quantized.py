@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..model.quant import MX_GROUP, parse_weight_scheme, quantize_fp8, quantize_int8, quantize_mxfp4
+from ..model.quant import FP8_MAX, MX_GROUP, parse_weight_scheme, quantize_fp8, quantize_int8, quantize_mxfp4
 
 QUANT_CHOICES = ("fp8-block", "fp8-channel", "fp8-tensor", "int8-channel", "mxfp4")
 QUANTIZED_CLASSES = ("attention", "experts", "shared_experts", "mlp")
@@ -116,7 +116,7 @@ def kv_scales(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     finally:
         for h in handles:
             h.remove()
-    return {k: (v / 448.0).clamp(min=1e-12).reshape(()) for k, v in amax.items()}
+    return {k: (v / FP8_MAX).clamp(min=1e-12).reshape(()) for k, v in amax.items()}
 
 
 def write_quantized(
