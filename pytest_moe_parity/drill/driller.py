@@ -22,11 +22,13 @@ from ..judge.tolerances import noise_floor
 from ..model.calls import with_cache_kwarg, with_live_caches
 from ..points import ROUTER, Point
 from ..replay.runner import candidate_inputs, cast_inputs
+from ..report.drill import Drill
 from ..tree import first_tensor
 from . import store
 from .capture import OpGraph, capture_ops, extend
-from .engine import Drill, Reference, run_drill
+from .engine import Reference
 from .ranks import join_ranks
+from .verdicts import run_drill
 
 if TYPE_CHECKING:
     from ..backends import Backend

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ..golden import GoldenStore
     from ..replay.runner import ParityRunner
-    from .engine import Drill
+    from ..report.drill import Drill
 
 
 @dataclass(frozen=True)

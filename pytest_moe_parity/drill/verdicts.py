@@ -1,0 +1,170 @@
+"""The drill's findings at one point, in words: the culprit (the first op the table marks
+introduced) and its recovery by substitution, the structural differences (reference ops with no
+counterpart, candidate ops that match none) with the ops their values go into, and, where no op
+explains the divergence, why (`engine.Drilling` judges the ops; this module says what the table
+means)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..report.drill import Drill, OpRow
+from .capture import OpGraph
+from .engine import BOOKKEEPING, Drilling, Execute, Reference
+from .explain import label
+
+
+def run_drill(
+    point: str,
+    reference: Reference,
+    candidate: OpGraph,
+    *,
+    dtype: torch.dtype,
+    factor: float,
+    floor: float,
+    execute: Execute | None = None,
+    replay_chained: bool = False,
+    same_code: bool = True,
+    point_passed: bool | None = None,
+) -> Drill:
+    started = time.perf_counter()
+    d = Drilling(
+        point, reference, candidate, execute=execute, replay_chained=replay_chained,
+        factor=factor, floor=floor, same_code=same_code, point_passed=point_passed, dtype=dtype,
+    )  # fmt: skip
+    rows = d.rows()
+    error, noise, _ = d.component
+    introduced = [r for r in rows if r.verdict == "introduced"]
+    culprit, recovery, substituted, recovery_all, partial = None, None, [], None, None
+    culprit_op, evidence = "", []
+    unmatched = _unmatched(rows)
+    if introduced and unmatched is None:
+        culprit_row = introduced[0]
+        culprit = culprit_row.name
+        recovery, substituted = d.substitute(culprit)
+        culprit_row.recovery = recovery
+        matched = [r.name for r in introduced if r.how is not None]
+        if len(matched) > 1:
+            recovery_all = d.substitute(matched)[0]
+        if recovery is not None and recovery < 0.5:  # part of the error: which other op explains more
+            partial = _explains_more(d, rows, culprit_row, recovery)
+        culprit_op, evidence = label(culprit, culprit_row.kind), d.evidence(culprit)
+    structure = _structure(d, rows, culprit) if unmatched is None else []
+    accumulation = None
+    # the component diverges with no op to blame: its point failed, or, not judged in this run, its
+    # error here is beyond the factor
+    beyond = error > factor * max(noise, floor)
+    diverges = (point_passed is False and error > noise) or (point_passed is None and beyond)
+    if culprit is None and not structure and unmatched is None and diverges:
+        accumulation = _accumulation(d, rows)
+    result = Drill(
+        point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
+        time.perf_counter() - started, substituted, recovery_all,
+        structure=structure, partial=partial, accumulation=accumulation, unmatched=unmatched,
+        culprit_op=culprit_op, evidence=evidence,
+    )  # fmt: skip
+    result.state = d  # for a repro file; not part of the JSON
+    return result
+
+
+# structure sentences whose recovery a substitution measures (a replay each): as many as the text shows
+MEASURED_SENTENCES = 5
+
+
+def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]:
+    """A sentence per run of adjacent missing ops and per extra op, with the judged ops their values
+    go into (and, for missing ops where no op introduced the divergence, what their reference value
+    in the candidate's run recovers: the last of the run that can be substituted)."""
+
+    def listed(names: list[str]) -> str:
+        names = [f"{n}, the culprit" if n == culprit else n for n in names]
+        return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+    out: list[str] = []
+    runs: list[list[OpRow]] = []
+    at: dict[int, int] = {}  # a run of missing ops -> where its sentence goes (the table's order)
+    measured = 0  # substitutions cost a replay each: for the first MEASURED_SENTENCES sentences
+    for i, row in enumerate(rows):
+        if row.verdict == "extra":
+            text = f"the candidate's own op {label(row.name, row.kind)} matches no reference op"
+            fed = d.feeds(row)
+            if fed:  # it has no reference output; the ops it feeds have
+                text += f" and feeds {listed(fed)}"
+                measured += 1
+                recovery = d.substitute(fed)[0] if measured <= MEASURED_SENTENCES else None
+                if recovery is not None:
+                    text += f" (the reference's values of the ops it feeds recover {100 * recovery:.0f}%)"
+            out.append(text)
+        elif row.verdict == "missing":
+            if runs and rows[i - 1] is runs[-1][-1]:
+                runs[-1].append(row)
+            else:
+                runs.append([row])
+                at[len(runs) - 1] = len(out)
+                out.append("")
+    for k, run in enumerate(runs):
+        names = [r.name for r in run]
+        fed = [n for r in run for n in d.feeds(r) if n not in names]
+        verb = "has" if len(run) == 1 else "have"
+        text = f"the reference's {', '.join(label(r.name, r.kind) for r in run)} {verb} no counterpart in the candidate"
+        if fed:
+            text += f", which feed{'s' * (len(run) == 1)} {listed(list(dict.fromkeys(fed)))}"
+        measured += 1
+        if culprit is None and measured <= MEASURED_SENTENCES:
+            for row in reversed(run):
+                row.recovery = d.substitute(row.name)[0]
+                if row.recovery is not None:
+                    text += f" (the reference's value of {row.name} in the candidate's run recovers "
+                    text += f"{100 * row.recovery:.0f}%)"
+                    break
+        out[at[k]] = text
+    return out
+
+
+def _explains_more(d: Drilling, rows: list[OpRow], culprit: OpRow, recovery: float) -> dict[str, Any] | None:
+    """Where substituting the culprit recovers under half of the error: the other introduced or
+    missing op (the first five after it) whose substitution recovers most, if it recovers more."""
+    others = [r for r in rows if r is not culprit and r.verdict in ("introduced", "missing")][:5]
+    best = None
+    for row in others:
+        got = d.substitute(row.name)[0]
+        if got is not None and got > recovery and (best is None or got > best["recovery"]):
+            best = {"op": row.name, "recovery": got}
+    return best
+
+
+def _accumulation(d: Drilling, rows: list[OpRow]) -> str:
+    """The component diverges and no op leaves its floor: the error builds up over many ops, each
+    within one rounding of its dtype. Says over how many ops the error exceeds the reference's own,
+    the largest of those ratios, and the ops that ran in another dtype than the reference's (usually
+    the finding: a softmax in bfloat16)."""
+    above = [(r.error / r.noise, r) for r in rows if r.error is not None and r.noise and r.error > r.noise]
+    above.sort(key=lambda x: -x[0])
+    largest = ", ".join(f"{r.name} {ratio:.2f}x" for ratio, r in above[:3])
+    text = (
+        f"no single op leaves its dtype's floor: the error accumulates over {len(above)} ops above the "
+        f"reference's own error" + (f" (the largest: {largest})" if largest else "")
+    )
+    dtypes = d.other_dtypes()
+    if dtypes:
+        text += f"; ran in another dtype than the reference's: {', '.join(dtypes[:5])}"
+    return text
+
+
+def _unmatched(rows: list[OpRow]) -> str | None:
+    """Where most of the reference's floating-point ops match no candidate op, matching failed: no
+    op's verdict means anything, and no culprit is named."""
+    judged = [r for r in rows if r.note != BOOKKEEPING and r.verdict != "extra"]
+    missing = [r for r in judged if r.verdict == "missing"]
+    if len(judged) < 4 or 2 * len(missing) <= len(judged):
+        return None
+    names = ", ".join(r.name for r in missing[:3])
+    return (
+        f"{len(missing)} of {len(judged)} reference ops match no candidate op ({names}, ...): the two sides' "
+        f"ops could not be matched, so no culprit is named. Values the candidate builds inside the component "
+        f"(positions, masks, rotary tables) where the reference is given them, or another order of its "
+        f"rows, are the usual cause"
+    )
