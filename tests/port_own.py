@@ -38,6 +38,7 @@ BUGS = {
     "decode_position_stale": "the new token rotated at the last cached position, not its own",
     "decode_cache_overwrites_last": "the new keys and values written over the last cached ones",
     "decode_drops_last_cached": "the new token attends to every cached position but the last",
+    "decode_cache_keys_unrotated": "the new keys cached before RoPE (the step attends with its rotated keys)",
     # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
     "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
     # not a bug: the sorted rows made by a one-hot matmul (GShard's dispatch), not by a gather: no
@@ -134,6 +135,7 @@ class Attention(nn.Module):
         if not self.bugs.k_norm_skipped:
             k = rms(k, self.k_norm_weight, self.eps)
         v = self.wv(x).view(b, t, self.kv_heads, self.dim)
+        unrotated = k.transpose(1, 2) if self.bugs.decode_cache_keys_unrotated else None  # (no op otherwise)
         q = self.rotate(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
         k = self.rotate(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -141,10 +143,14 @@ class Attention(nn.Module):
             at = torch.arange(past, past + t)
             if t == 1 and past and self.bugs.decode_cache_overwrites_last:
                 at = at - 1
-            cache.keys.index_copy_(2, at, k)
+            unrotated_write = t == 1 and past and self.bugs.decode_cache_keys_unrotated
+            cache.keys.index_copy_(2, at, unrotated if unrotated_write else k)
             cache.values.index_copy_(2, at, v)
             cache.length = int(at[-1]) + 1
+            own = k
             k, v = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
+            if unrotated_write:  # the step itself attends with the keys it rotated
+                k = torch.cat([k[:, :, :-1], own], dim=2)
         group = self.heads // self.kv_heads
         if self.bugs.kv_head_modulo:  # heads regrouped as if head h belonged to group h % kv_heads
             q = q.view(b, group, self.kv_heads, t, self.dim).transpose(1, 2)

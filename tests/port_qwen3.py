@@ -55,6 +55,9 @@ class Bugs:
     decode_router_softmax_bf16: bool = False  # the decode graph's router softmax in bf16, not float32
     decode_drops_last_cached: bool = False  # the new token attends to every cached position but the last
     decode_cache_overwrites_last: bool = False  # the new token's keys and values overwrite the last cached ones
+    # the new token's keys cached as they were before RoPE (the step itself attends with its rotated keys: its
+    # output is right, the next step reads a wrong key)
+    decode_cache_keys_unrotated: bool = False
     cache_bf16: bool = False  # keys and values kept in bf16 whatever the port computes in (a float32 port's bug)
 
 
@@ -127,6 +130,7 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(b, t, self.kv_heads, self.dim)).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        unrotated = k
         q = q * cos + _rotate(q, self.bugs.rope_interleaved) * sin
         k = k * cos + _rotate(k, self.bugs.rope_interleaved) * sin
         past = 0
@@ -141,6 +145,8 @@ class Attention(nn.Module):
                     k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
             if self.bugs.cache_bf16:  # what is kept is rounded; this call still uses its own keys and values
                 cache[:] = [k.to(torch.bfloat16).to(q.dtype), v.to(torch.bfloat16).to(q.dtype)]
+            elif past and t == 1 and self.bugs.decode_cache_keys_unrotated:
+                cache[:] = [torch.cat([k[:, :, :-1], unrotated], dim=2), v]
             else:
                 cache[:] = [k, v]
         groups = self.heads // self.kv_heads

@@ -196,9 +196,15 @@ class DumpBackend(Backend):
                 if shape:
                     logits = fit(logits, shape, self.batch, self._positions(point), self.left)[0]
                 routing = (logits,)
-        return CandidateOutput(
-            output, routing, info={"dumped_as": name, "notes": notes}, cache=_cache(dump, point, name)
-        )
+        cache = _cache(dump, point, name)
+        if cache is not None:
+            cache = _fit_cache(cache, self._golden_cache_positions(point), notes)
+        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes}, cache=cache)
+
+    def _golden_cache_positions(self, point: Point) -> int | None:
+        """The positions the golden's KV cache holds after a decode step's attention, from the manifest."""
+        spec = self.golden.entry(point)["tensors"].get(f"{point.id}/cache_after.keys")
+        return int(spec["shape"][-2]) if spec and len(spec.get("shape", ())) == 4 else None
 
     def _positions(self, point: Point) -> int:
         """The golden's positions per sequence at `point`: the prompt's, or one at a decode step."""
@@ -249,6 +255,21 @@ def _cache(dump: DumpDir, point: Point, name: str) -> CacheState | None:
         if dump.has(keys) and dump.has(values):
             return CacheState(point.layer, dump.read(keys), dump.read(values))
     return None
+
+
+def _fit_cache(cache: CacheState, positions: int | None, notes: list[str]) -> CacheState:
+    """A static cache dumped whole (`[B, kv_heads, max_len, D]`, preallocated and written by index, as
+    NxDI's and most serving stacks' are) cut to the positions the golden's holds after the step: the
+    positions past them were never written by a cache that is right (one written a position late
+    leaves the last judged position empty, and fails there)."""
+    keys, values = cache.keys, cache.values
+    if positions is None or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (keys, values)):
+        return cache
+    held = keys.shape[-2]
+    if held <= positions or values.shape[-2] != held:
+        return cache
+    notes.append(f"cache: the dump holds {held} positions (a static cache): the first {positions} judged")
+    return CacheState(cache.layer, keys[:, :, :positions], values[:, :, :positions], cache.window, cache.seen)
 
 
 def _some(names: list[str]) -> str:

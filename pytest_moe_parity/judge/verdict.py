@@ -67,6 +67,11 @@ HINTS = {
         "the routing weights differ while the logits and the chosen experts agree: their normalisation (top-k "
         "renormalisation: norm_topk_prob, a routed scaling factor, softmax over all experts vs over the top k)"
     ),
+    "cache_write": (
+        "the KV cache this decode step left, while its own output is right: where it wrote (a position early or "
+        "late, the worst positions above) or what (keys cached before RoPE or their norm, values for keys); the "
+        "next step reads it"
+    ),
     "experts": "experts wrong with golden routing: gate/up order or expert order in the fused weights, or activation",
     "shared_experts": "shared expert: its weights, gate/up order, or a scaling factor",
     "moe": (
@@ -181,6 +186,7 @@ class Judge:
         keep_rows = self._keep(target, g, keep_rows) if g.shape == c.shape else keep_rows
         if keep_rows is not None:
             self._kept[target] = keep_rows
+        self._without_figures(target)
         if g.shape == c.shape:  # (a copy of the rows kept: none where every row is, as for vocabulary-wide logits)
             g, c = _kept_rows(g, keep_rows), _kept_rows(c, keep_rows)
         m = compare_tensors(g, c, atol=self.tol.atol, rtol=self.tol.rtol)
@@ -218,6 +224,21 @@ class Judge:
                 rows = [((kept[i[0]], *i[1:]), gv, cv, dv) for i, gv, cv, dv in rows]
             r.worst_elements[target] = rows
         return m
+
+    def _without_figures(self, target: str) -> None:
+        """Under the noise verdict, a tensor the golden holds no figure of the reference's own run for
+        (a decode step's KV cache in a golden recorded before its chained runs kept it, any other target
+        they did not judge) is judged by the dtype's limits, as an isolated run judges it: every tensor a
+        point holds gets a check."""
+        if self.fixed or target in self._fixed_targets or target in (self.noise or {}):
+            return
+        if target in self.noise_tokens:  # its every token left out by the reference's run: `_keep` decided
+            return
+        self._fixed_targets.add(target)
+        self.result.notes.append(
+            f"{target}: the golden holds no figure of the reference's own run for it: judged by the dtype's limits "
+            "(record its noise floor again for a noise ratio)"
+        )
 
     def _beyond_the_reference(self, target: str) -> set[str]:
         """The dtype's limits (`tensor`: rel_l2 and those it implies; `token`) that the reference's own
@@ -625,6 +646,9 @@ class Judge:
             if "top_k" in failed:  # the logits agree: not the gate
                 return HINTS["router_selection"]
             return HINTS["router_weights"]
+        failed = {c.target for c in self.result.checks if not c.passed}
+        if comp == ATTENTION and failed and all(t.startswith("cache.") for t in failed):
+            return HINTS["cache_write"]
         if comp == ATTENTION and self.point.layer == 0:
             return HINTS["attention"] + "; at layer 0 check RoPE (theta, layout) first"
         return HINTS.get(comp, "")

@@ -90,6 +90,28 @@ def cache_state(cache: Any, layer: int) -> CacheState:
     )
 
 
+def cache_key(pid: str) -> str:
+    """Where a whole-model run's outputs (`OutputCapture.outputs`) keep the KV cache that a decode
+    step's attention `pid` left in its layer: beside the point's output, under a name no point has."""
+    return f"{pid}#cache"
+
+
+def _cache_written(point: Point, args: tuple, kwargs: dict[str, Any]) -> CacheState | None:
+    """A decode step's attention call: its layer of the live cache it was given, as the call left it
+    (past and this step's write), copied to the CPU; None for other calls, or where no cache was passed
+    or the layer holds nothing."""
+    if point.component != ATTENTION or point.step is None or point.layer is None:
+        return None
+    caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
+    if not caches or point.layer >= len(caches[0].layers):
+        return None
+    try:
+        state = cache_state(caches[0], point.layer)
+    except RecordError:
+        return None
+    return map_structure(state, lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t)
+
+
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """The tensor leaves of a point's output, in order: what an origin's `leaf` indexes."""
     return [t for t in leaves(output) if isinstance(t, torch.Tensor)]
@@ -160,6 +182,9 @@ class OutputCapture:
                 if steered is not output:
                     replaced = output = steered
             self.outputs[point.id] = _kept(point, output)
+            written = _cache_written(point, args, kwargs)
+            if written is not None:  # a decode step's attention: what it left in its layer's cache
+                self.outputs[cache_key(point.id)] = written
             if self.seen is not None:
                 self._done.add(point.id)
                 self.seen(point, self.outputs[point.id], self.outputs)

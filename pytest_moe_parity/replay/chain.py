@@ -36,7 +36,7 @@ from ..errors import BackendFailure, PointUnavailable
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import Spec
 from ..judge.routing import router_triple, routing_view
-from ..model.calls import output_tensors
+from ..model.calls import cache_key, output_tensors
 from ..points import ROUTER, Point, layer_group
 from ..tree import first_tensor, map_structure
 
@@ -280,7 +280,8 @@ class ModelChain(Chain):
             outputs = self._run()
         if point.id not in outputs:
             raise PointUnavailable(f"{point.id} was not called by the candidate's whole-model run")
-        out = CandidateOutput(outputs[point.id], self.routing(point, None), 0.0, {"chain": "model"})
+        cache = outputs.get(cache_key(point.id))  # a decode step's attention: the cache it left
+        out = CandidateOutput(outputs[point.id], self.routing(point, None), 0.0, {"chain": "model"}, cache=cache)
         if self._holding:
             self._let_go_before(point, outputs)
         return out
@@ -307,6 +308,7 @@ class ModelChain(Chain):
             self._holding = True
         for p in earlier:
             del outputs[p.id]
+            outputs.pop(cache_key(p.id), None)
             self._let_go.add(p.id)
 
     def close(self) -> None:
