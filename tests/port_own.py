@@ -46,6 +46,7 @@ BUGS = {
     # not a bug: NxDI's static cache, scores over all of its slots, those not live masked
     "static_whole": "(layout) scores over the whole static cache (a bucket), slots not live masked by position",
     "static_scatter": "(layout) the whole cache written with scatter_ and an index tensor, not index_copy_",
+    "static_index_put": "(layout) the whole cache written by indexing (cache[:, :, slots] = new: index_put_)",
     "static_left_padded": "(layout) the whole cache left padded: the live slots end a context bucket, as NxDI pads",
     # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
     "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
@@ -78,8 +79,10 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-WHOLE = ("static_whole", "static_scatter", "static_left_padded", "decode_write_one_early", "decode_k_before_rope",
-         "decode_past_not_joined", "decode_mask_hides_last")  # fmt: skip
+WHOLE = (  # the whole-cache layouts, and the decode bugs that imply one
+    "static_whole", "static_scatter", "static_index_put", "static_left_padded",
+    "decode_write_one_early", "decode_k_before_rope", "decode_past_not_joined", "decode_mask_hides_last",
+)  # fmt: skip
 
 
 class StaticCache:
@@ -182,8 +185,8 @@ class Attention(nn.Module):
         return self.wo(out)
 
     def over_whole_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-        """NxDI's decode: K/V written into the static cache at their slots (`index_copy_`, or
-        `scatter_` with an index tensor), the scores over every slot of the cache, the slots not live
+        """NxDI's decode: K/V written into the static cache at their slots (`index_copy_`, `scatter_`
+        with an index tensor, or `index_put_`), the scores over every slot of the cache, the slots not live
         (padding, not yet written) masked by the cache's positions."""
         b, _, t, _ = q.shape
         live, size = cache.start + cache.length, cache.keys.shape[2]
@@ -195,6 +198,8 @@ class Attention(nn.Module):
         for into, new in ((keys, k), (values, v)):
             if self.bugs.static_scatter:
                 into.scatter_(2, at.view(1, 1, t, 1).expand_as(new), new)
+            elif self.bugs.static_index_put:
+                into[:, :, at] = new
             else:
                 into.index_copy_(2, at, new)
         cache.length += t

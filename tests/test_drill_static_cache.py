@@ -21,7 +21,13 @@ from pytest_moe_parity.drill.cache import CACHE_WRITE
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
 POINT = DECODE.format("attention")
-LAYOUTS = ["static_whole", "static_scatter", "static_left_padded", "static_scatter,static_left_padded"]
+LAYOUTS = [
+    "static_whole",
+    "static_scatter",
+    "static_index_put",
+    "static_left_padded",
+    "static_scatter,static_left_padded",
+]
 WRITE, MASK, ROTATED = "update.cat", "eager_attention_forward.add", "apply_rotary_pos_emb.add"
 
 
@@ -57,6 +63,7 @@ def test_a_static_cache_drills_clean(layout, own) -> None:  # noqa: F811 (the fi
         ("decode_k_before_rope", WRITE),
         ("static_scatter,decode_k_before_rope", WRITE),
         ("decode_past_not_joined", WRITE),
+        ("static_index_put,decode_write_one_early", WRITE),
         ("decode_mask_hides_last", MASK),
         ("static_left_padded,decode_mask_hides_last", MASK),
         ("static_whole,decode_drops_last_cached", MASK),
@@ -77,7 +84,14 @@ def test_each_decode_bug_over_a_static_cache_is_named_at_the_op_it_changes(bugs,
     said = " ".join(record["evidence"])
     if named == WRITE:  # the slot it writes, where the reference's positions are, which differ
         early = "one_early" in bugs or "overwrites_last" in bugs
-        assert f"({'scatter_.src' if 'scatter' in bugs else 'index_copy_.default'}, {size} slots)" in said, said
+        aten = (
+            "scatter_.src"
+            if "scatter" in bugs
+            else "index_put_.default"
+            if "index_put" in bugs
+            else "index_copy_.default"
+        )
+        assert f"({aten}, {size} slots)" in said, said
         assert f"writes slot {start + past - early};" in said, said
         assert f"positions 0-{past} ({WRITE}) are its slots {start}-{start + past} " in said, said
         wrong = {"early": f"positions {past - 1}-{past} differ", "rope": f"position {past} differs"}
