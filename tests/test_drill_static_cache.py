@@ -14,6 +14,7 @@ import re
 
 import pytest
 from drill_port import OwnPortBackend
+from test_drill import run_repro
 from test_drill_own_port import DECODE, own  # noqa: F401 (the fixture)
 
 from pytest_moe_parity.drill.cache import CACHE_WRITE
@@ -104,3 +105,16 @@ def test_each_decode_bug_over_a_static_cache_is_named_at_the_op_it_changes(bugs,
     if named == MASK:  # the live slot it masks
         hidden = past if "hides_last" in bugs else past - 1
         assert f"masks the reference's position {hidden} (the cache's slot {start + hidden})" in said, said
+
+
+@pytest.mark.parametrize(("bugs", "cand_op"), [("decode_k_before_rope", "aten.index_copy_.default"),
+                                               ("decode_mask_hides_last", "aten.where.self")])  # fmt: skip
+def test_the_repro_of_a_static_cache_s_culprit_fails_alone(bugs, cand_op, own, tmp_path) -> None:  # noqa: F811
+    """The culprit over a static cache (the write, the mask) as a repro: the port's op on the
+    reference's values of its inputs, those in the cache's live slots (the rest the port's own), fails
+    alone; the reference's op passes."""
+    repro = tmp_path / "repro"
+    _, _, record = own(POINT, bugs, "--parity-repro", str(repro))
+    out, meta = run_repro(repro)
+    assert f"{POINT}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in out
+    assert meta["candidate"]["op"] == cand_op
