@@ -17,7 +17,9 @@ In three passes over the ops that compute (views and factories are followed thro
 The passes for a port's own structure are left out when both sides run the same code.
 
 **Rows by identity** (`rows`): where a port gathers each expert's rows in another order than the
-reference's, they are put in the reference's order first (`Match.frames`).
+reference's, they are put in the reference's order first (`Match.frames`). **Static caches** (`cache`):
+a port's write into a cache sized to a bucket is the reference's join of the past and the new keys, and
+it and the ops that go on with the cache's slots are compared on their live slots (`Match.frames` too).
 
 Whatever is left is unmatched, and the drill lists it and fails."""
 
@@ -300,8 +302,7 @@ def match(
     matching = _Matching(reference, candidate, same_code)
     for step in (
         matching.by_path, matching.cache_writes, matching.by_value, matching.dense_rows, matching.computed_inputs,
-        matching.computed_again,
-        matching.passed_on, matching.pieces, matching.by_order_or_place,
+        matching.computed_again, matching.passed_on, matching.pieces, matching.by_order_or_place,
     ):  # fmt: skip
         step()
     return matching.result()
@@ -370,7 +371,7 @@ class _Matching:
                     self.add(Match((r.index,), (c.index,), "path and op"))
 
     def cache_writes(self) -> None:
-        """a static cache's write (`index_copy_`, `scatter_`) is the reference's join of the past and the
+        """a static cache's write (`index_copy_`, `scatter_`, `index_put_`) is the reference's join of the past and the
         new keys (`cache.cache_slots`), compared on its live slots whatever its values"""
         for r, c, perm in self.cache.pairs:
             if r not in self.matched_ref and c not in self.matched_cand:
