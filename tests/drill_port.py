@@ -79,6 +79,16 @@ class OwnPortBackend(_ModuleBackend):
     native_dtype = torch.bfloat16
     SLACK = 4  # the static cache's positions beyond what a call needs, as a port's max length leaves
 
+    @classmethod
+    def slots(cls, past: int, new: int, bugs: frozenset[str]) -> tuple[int, int]:
+        """Where the golden's past goes in the port's cache, and the cache's size: `past + new + SLACK`
+        positions; over the whole cache (`port_own.WHOLE`), a bucket (the next power of two), left
+        padded where asked (the past ends a context bucket of its own, as NxDI pads a prompt)."""
+        if not bugs & set(port_own.WHOLE):
+            return 0, past + new + cls.SLACK
+        start = (1 << past.bit_length()) - past if "static_left_padded" in bugs else 0  # never none
+        return start, 1 << (start + past + new + cls.SLACK - 1).bit_length()
+
     def start(self) -> None:
         if self.setup.model_dir is None:
             raise BackendError("--hw ownport needs the checkpoint: pass --model DIR")
@@ -95,9 +105,10 @@ class OwnPortBackend(_ModuleBackend):
             state = golden.kwargs.get("cache")
             if state is None:
                 return layer.attn, [hidden]
-            size = state.keys.shape[2] + hidden.shape[1] + self.SLACK
-            cache = port_own.StaticCache.holding(state.keys.to(self.dtype), state.values.to(self.dtype), size)
-            return layer.attn, [hidden, cache]
+            past, bugs = state.keys.shape[2], self.hw_options["bugs"]
+            start, size = self.slots(past, hidden.shape[1], bugs.names)
+            keys, values = state.keys.to(self.dtype), state.values.to(self.dtype)
+            return layer.attn, [hidden, port_own.StaticCache.holding(keys, values, size, start)]
         if point.component == "experts":
             return layer.moe.experts, list(golden.args[:3])
         return (layer.moe.router if point.component == "router" else layer.moe), [golden.args[0]]

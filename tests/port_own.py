@@ -39,6 +39,16 @@ BUGS = {
     "decode_cache_overwrites_last": "the new keys and values written over the last cached ones",
     "decode_drops_last_cached": "the new token attends to every cached position but the last",
     "decode_cache_keys_unrotated": "the new keys cached before RoPE (the step attends with its rotated keys)",
+    # decode, over the whole static cache (each implies `static_whole`)
+    "decode_write_one_early": "the new keys and values written one slot early, over the last cached ones",
+    "decode_k_before_rope": "the new keys written into the cache before their rotation",
+    "decode_past_not_joined": "the new keys and values written into a fresh buffer: the past is never read",
+    "decode_mask_hides_last": "the mask hides the last live slot (the new token's own)",
+    # not a bug: NxDI's static cache, scores over all of its slots, those not live masked
+    "static_whole": "(layout) scores over the whole static cache (a bucket), slots not live masked by position",
+    "static_scatter": "(layout) the whole cache written with scatter_ and an index tensor, not index_copy_",
+    "static_index_put": "(layout) the whole cache written by indexing (cache[:, :, slots] = new: index_put_)",
+    "static_left_padded": "(layout) the whole cache left padded: the live slots end a context bucket, as NxDI pads",
     # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
     "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
     # not a bug: the sorted rows made by a one-hot matmul (GShard's dispatch), not by a gather: no
@@ -70,11 +80,18 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class StaticCache:
-    """One layer's keys and values, preallocated [B, kv_heads, max_len, D], `length` positions held."""
+WHOLE = (  # the whole-cache layouts, and the decode bugs that imply one
+    "static_whole", "static_scatter", "static_index_put", "static_left_padded",
+    "decode_write_one_early", "decode_k_before_rope", "decode_past_not_joined", "decode_mask_hides_last",
+)  # fmt: skip
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        self.keys, self.values, self.length = keys, values, length
+
+class StaticCache:
+    """One layer's keys and values, preallocated [B, kv_heads, max_len, D], `length` positions held
+    from slot `start` on (left padding: the slots before it are padding)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, start: int = 0):
+        self.keys, self.values, self.length, self.start = keys, values, length, start
 
     @classmethod
     def empty(cls, batch: int, heads: int, dim: int, max_len: int, dtype: torch.dtype) -> StaticCache:
@@ -82,12 +99,13 @@ class StaticCache:
         return cls(zeros, zeros.clone(), 0)
 
     @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> StaticCache:
-        """A cache of `max_len` positions holding `keys`/`values` [B, kv, past, D] (a golden's)."""
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_len: int, start: int = 0) -> StaticCache:
+        """A cache of `max_len` positions holding `keys`/`values` [B, kv, past, D] (a golden's) from
+        slot `start` on."""
         cache = cls.empty(keys.shape[0], keys.shape[1], keys.shape[3], max_len, keys.dtype)
-        cache.keys[:, :, : keys.shape[2]] = keys
-        cache.values[:, :, : keys.shape[2]] = values
-        cache.length = keys.shape[2]
+        cache.keys[:, :, start : start + keys.shape[2]] = keys
+        cache.values[:, :, start : start + keys.shape[2]] = values
+        cache.length, cache.start = keys.shape[2], start
         return cache
 
 
@@ -135,10 +153,12 @@ class Attention(nn.Module):
         if not self.bugs.k_norm_skipped:
             k = rms(k, self.k_norm_weight, self.eps)
         v = self.wv(x).view(b, t, self.kv_heads, self.dim)
-        unrotated = k.transpose(1, 2) if self.bugs.decode_cache_keys_unrotated else None  # (no op otherwise)
         q = self.rotate(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
-        k = self.rotate(k.transpose(1, 2), cos, sin)
+        unrotated = k.transpose(1, 2)
+        k = self.rotate(unrotated, cos, sin)
         v = v.transpose(1, 2)
+        if cache is not None and any(n in self.bugs.names for n in WHOLE):
+            return self.wo(self.over_whole_cache(q, unrotated if self.bugs.decode_k_before_rope else k, v, cache))
         if cache is not None:  # written at their cache positions, then the positions held read back
             at = torch.arange(past, past + t)
             if t == 1 and past and self.bugs.decode_cache_overwrites_last:
@@ -169,6 +189,37 @@ class Attention(nn.Module):
             out = out.transpose(1, 2)
         out = out.reshape(b, self.heads, t, self.dim).transpose(1, 2).reshape(b, t, -1)
         return self.wo(out)
+
+    def over_whole_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """NxDI's decode: K/V written into the static cache at their slots (`index_copy_`, `scatter_`
+        with an index tensor, or `index_put_`), the scores over every slot of the cache, the slots not live
+        (padding, not yet written) masked by the cache's positions."""
+        b, _, t, _ = q.shape
+        live, size = cache.start + cache.length, cache.keys.shape[2]
+        own = torch.arange(live, live + t)  # the new tokens' slots
+        at = own - 1 if t == 1 and (self.bugs.decode_write_one_early or self.bugs.decode_cache_overwrites_last) else own
+        keys, values = cache.keys, cache.values
+        if self.bugs.decode_past_not_joined:
+            keys, values = torch.zeros_like(keys), torch.zeros_like(values)
+        for into, new in ((keys, k), (values, v)):
+            if self.bugs.static_scatter:
+                into.scatter_(2, at.view(1, 1, t, 1).expand_as(new), new)
+            elif self.bugs.static_index_put:
+                into[:, :, at] = new
+            else:
+                into.index_copy_(2, at, new)
+        cache.length += t
+        group = self.heads // self.kv_heads
+        q = q.reshape(b, self.kv_heads, group * t, self.dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, group * T, slots]
+        slots, rows = torch.arange(size), own.repeat(group)
+        allowed = (slots[None, :] >= cache.start) & (slots[None, :] <= rows[:, None])
+        if t == 1 and (self.bugs.decode_drops_last_cached or self.bugs.decode_mask_hides_last):
+            allowed = allowed & (slots != live - (1 if self.bugs.decode_drops_last_cached else 0))
+        scores = torch.where(allowed, scores, torch.tensor(float("-inf"), dtype=scores.dtype))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values).view(b, self.kv_heads, group, t, self.dim)
+        return out.reshape(b, self.heads, t, self.dim).transpose(1, 2).reshape(b, t, -1)
 
 
 class Router(nn.Module):

@@ -77,7 +77,7 @@ ROTATED = ("apply_rotary_pos_emb.add", "apply_rotary_pos_emb.add#2")  # the rota
         ("silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("weights_ignored", PREFILL.format("experts"), (".index_add",)),
         ("decode_position_stale", DECODE.format("attention"), ("apply_rotary_pos_emb.add",)),
-        ("decode_drops_last_cached", DECODE.format("attention"), ("eager_attention_forward.softmax",)),
+        ("decode_drops_last_cached", DECODE.format("attention"), ("eager_attention_forward.add",)),  # the mask
         ("decode_cache_overwrites_last", DECODE.format("attention"), ("eager_attention_forward.bmm#2",)),
     ],
 )

@@ -6,8 +6,9 @@ point's recorded inputs and again in the candidate's dtype (every op's noise flo
 op (`capture`). The candidate is the backend's module for the point (`Backend.drill_call`), run on the
 same inputs; a backend that compiles runs each op again through its compiler (`Backend.op_runner`),
 on its own earlier outputs (chained) and on the reference's (isolated). `match` pairs the two sides'
-ops (`rows` first puts the rows of a port's expert gathers in the reference's order), `engine` judges
-them, `verdicts` says what the table means (the culprit, the structure, why no op explains it)."""
+ops (`rows` first puts the rows of a port's expert gathers in the reference's order, `cache` takes a
+static cache's live slots), `engine` judges them, `verdicts` says what the table means (the culprit,
+the structure, why no op explains it)."""
 
 from ..report.drill import REPRODUCE_TOL, Drill, OpRow
 from .driller import AUTO, Driller, DrillError, drill_patterns, selects

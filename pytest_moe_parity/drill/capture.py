@@ -392,6 +392,7 @@ class _OpRecorder(TorchDispatchMode):
         for t in leaves(written):  # a collective writes a list of tensors
             if isinstance(t, torch.Tensor):
                 self._before_write(t)
+                self.ref_of(t)  # a constant written in place (a static cache) is kept as it was before
         out = func(*args, **kwargs)
         scope = self.stack[-1] if self.stack else ""
         param = expert = None
@@ -437,6 +438,12 @@ class _OpRecorder(TorchDispatchMode):
         # from constants alone (factories included): the same whatever the inputs
         node.constant = all(r.kind == "const" or (r.kind == "op" and self.nodes[r.at].constant) for r in node.inputs())
         self.nodes.append(node)
+        if node.constant:  # a constant written through a view (`mask[:, i] = False`): its base as written
+            for pos in mutates:
+                base = getattr(args[pos], "_base", None) if pos < len(args) else None
+                if isinstance(base, torch.Tensor) and id(base) in self.refs:
+                    del self.refs[id(base)]
+                    self.ref_of(base)
         return out
 
 

@@ -249,7 +249,8 @@ class Driller:
             return None
         cand_call, low_call, ref_node, m = calls
         shape = cand_call[0].value.shape
-        expected_candidate = m.to_candidate([ref_node.value], [shape])[0] if len(m.ref) == 1 else ref_node.value
+        own = [cand_call[0].value]  # a static cache's slots that are not live: the candidate's own
+        expected_candidate = m.to_candidate([ref_node.value], [shape], own)[0] if len(m.ref) == 1 else ref_node.value
         limit = drill.factor * max(row.isolated_noise or 0.0, d.floor)
         backend = self.backend
         kind = backend.name if backend.name in ("compile", "trace", "neuron") else "eager"

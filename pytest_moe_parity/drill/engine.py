@@ -40,6 +40,7 @@ import torch
 
 from ..judge.distance import rel_l2, unmasked_norm
 from ..report.drill import OpRow
+from .cache import CACHE_WRITE, mask_evidence, write_evidence
 from .capture import OpGraph, OpNode, Ref
 from .explain import culprit_evidence
 from .match import (
@@ -190,8 +191,9 @@ class Drilling:
                     out.append(c_val)
             return out
         shapes = [self.cand.nodes[c].value.shape for c in m.cand]
+        own = [_primary(self.chained[c]) for c in m.cand]
         try:
-            converted = m.to_candidate([r.value for r in refs], shapes)
+            converted = m.to_candidate([r.value for r in refs], shapes, own)
         except (RuntimeError, ValueError):
             return None
         value = converted[m.cand.index(cand_index)]
@@ -518,7 +520,10 @@ class Drilling:
         m = self.by_ref.get(r.index) if r is not None else None
         if r is None or m is None or len(m.cand) != 1:
             return []
-        return culprit_evidence(self.ref, r, self.cand, self.cand.nodes[m.cand[0]])
+        c = self.cand.nodes[m.cand[0]]
+        if m.how == CACHE_WRITE and m.frames:
+            return write_evidence(self.ref, r, self.cand, c, m.frames[0])
+        return culprit_evidence(self.ref, r, self.cand, c) + mask_evidence(r, m, _primary(self.chained[c.index]))
 
     def isolated_calls(self, ref_name: str) -> tuple[tuple, tuple, OpNode, Match] | None:
         """The candidate's and the reference's (candidate dtype) calls of op `ref_name` on the

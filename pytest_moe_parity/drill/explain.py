@@ -108,7 +108,7 @@ def culprit_evidence(reference: OpGraph, ref_node: OpNode, candidate: OpGraph, c
     if _aten(ref_node) != _aten(cand_node):
         said.append(f"the reference runs {_aten(ref_node)}, the candidate {_aten(cand_node)}")
     ref_plain, cand_plain = _plain(reference, ref_node), _plain(candidate, cand_node)
-    if len(ref_plain) == len(cand_plain):
+    if len(ref_plain) == len(cand_plain) and ref_node.kind == cand_node.kind:  # another op's mean otherwise
         for (where, a), (_, b) in zip(ref_plain, cand_plain, strict=True):
             if _differs(a, b):
                 said.append(f"{where}: {a!r} in the reference, {b!r} in the candidate (a constant, not a kernel, bug)")

@@ -17,7 +17,9 @@ In three passes over the ops that compute (views and factories are followed thro
 The passes for a port's own structure are left out when both sides run the same code.
 
 **Rows by identity** (`rows`): where a port gathers each expert's rows in another order than the
-reference's, they are put in the reference's order first (`Match.frames`).
+reference's, they are put in the reference's order first (`Match.frames`). **Static caches** (`cache`):
+a port's write into a cache sized to a bucket is the reference's join of the past and the new keys, and
+it and the ops that go on with the cache's slots are compared on their live slots (`Match.frames` too).
 
 Whatever is left is unmatched, and the drill lists it and fails."""
 
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from ..judge.distance import MASKED, mask_figures, rel_l2
+from .cache import CACHE_WRITE, CacheWrites, Slots, cache_slots, take
 from .capture import OpGraph, OpNode
 from .rows import VALUE_TOL, RowIdentity, row_frames
 
@@ -55,8 +58,9 @@ class Match:
     perm: tuple[int, ...] | None = None  # one to one: the candidate's dims in the reference's order
     input: int | None = None  # no reference op: the candidate computes this input of the reference's call
     rows: tuple[int | None, torch.Tensor] | None = None  # a dense op: (its expert's slice, the rows it holds)
-    # per candidate op: the order that puts its rows (dim 0) in the reference's (rows by identity), or None
-    frames: tuple[torch.Tensor | None, ...] | None = None
+    # per candidate op: the order that puts its rows (dim 0) in the reference's (rows by identity), or
+    # its live slots of a static cache (`cache.Slots`), or None
+    frames: tuple[torch.Tensor | Slots | None, ...] | None = None
     # one to one by value: the candidate's output's relative L2 error to the reference's, as compared
     # (its rows in the reference's order, its dims permuted): the drill's chained error where the
     # candidate's values are its capture's own
@@ -66,7 +70,7 @@ class Match:
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
         """The candidate's primary outputs as the reference's ops' (one per reference op)."""
         if self.frames is not None:
-            cand_values = [v if f is None else v[f.to(v.device)] for v, f in zip(cand_values, self.frames, strict=True)]
+            cand_values = [take(v, f) for v, f in zip(cand_values, self.frames, strict=True)]
         if self.rows is not None:
             return [_dense_rows(cand_values[0], self.rows).reshape(ref_shapes[0])]
         if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
@@ -79,15 +83,22 @@ class Match:
             return [p.reshape(s) for p, s in zip(cand_values[0].split(sizes, dim=self.dim), ref_shapes, strict=True)]
         return [torch.cat(cand_values, dim=self.dim).reshape(ref_shapes[0])]  # split
 
-    def to_candidate(self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size]) -> list[torch.Tensor]:
+    def to_candidate(
+        self, ref_values: list[torch.Tensor], cand_shapes: list[torch.Size], own: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """The reference's primary outputs as the candidate's ops' (one per candidate op), contiguous
-        (the candidate's ops after it may `view` them)."""
-        values = [v.contiguous() for v in self._to_candidate(ref_values, cand_shapes)]
+        (the candidate's ops after it may `view` them). `own`: the candidate's values, for the slots of
+        a static cache that are not live."""
+        frames = self.frames or (None,) * len(cand_shapes)
+        shapes = [f.shape(s) if isinstance(f, Slots) else s for s, f in zip(cand_shapes, frames, strict=True)]
+        values = [v.contiguous() for v in self._to_candidate(ref_values, shapes)]
         if self.frames is None:
             return values
         out = []
-        for v, f in zip(values, self.frames, strict=True):
-            if f is not None:  # back in the candidate's row order
+        for i, (v, f) in enumerate(zip(values, self.frames, strict=True)):
+            if isinstance(f, Slots):
+                v = f.put(v, own[i] if own is not None else None)
+            elif f is not None:  # back in the candidate's row order
                 back = torch.empty_like(v)
                 back[f.to(v.device)] = v
                 v = back
@@ -290,8 +301,8 @@ def match(
     twice) are left out: what they would pair there is a near-tie routing flip's, not a port's."""
     matching = _Matching(reference, candidate, same_code)
     for step in (
-        matching.by_path, matching.by_value, matching.dense_rows, matching.computed_inputs, matching.computed_again,
-        matching.passed_on, matching.pieces, matching.by_order_or_place,
+        matching.by_path, matching.cache_writes, matching.by_value, matching.dense_rows, matching.computed_inputs,
+        matching.computed_again, matching.passed_on, matching.pieces, matching.by_order_or_place,
     ):  # fmt: skip
         step()
     return matching.result()
@@ -306,9 +317,10 @@ class _Matching:
         self.reference, self.candidate, self.same_code = reference, candidate, same_code
         self.ref_ops, self.cand_ops = reference.compute(), candidate.compute()
         self.identity = RowIdentity({}, {}, set()) if same_code else row_frames(reference, candidate)
-        self.frames = self.identity.frames
+        self.cache = CacheWrites({}, []) if same_code else cache_slots(reference, candidate)
+        self.frames: dict[int, torch.Tensor | Slots] = {**self.identity.frames, **self.cache.slots}
         self.norms = _Norms()
-        self.framed = {c: candidate.nodes[c].value[f] for c, f in self.frames.items()}
+        self.framed = {c: take(candidate.nodes[c].value, f) for c, f in self.frames.items()}
         self.matches: list[Match] = []
         self.matched_ref: set[int] = set()
         self.matched_cand: set[int] = set()
@@ -357,6 +369,13 @@ class _Matching:
             for r, c in _in_order(self.free_r(), self.free_c(), _leaf_key):
                 if r.scope and c.scope:  # a module's own op under a wrapper of the port's
                     self.add(Match((r.index,), (c.index,), "path and op"))
+
+    def cache_writes(self) -> None:
+        """a static cache's write (`index_copy_`, `scatter_`, `index_put_`) is the reference's join of the past and the
+        new keys (`cache.cache_slots`), compared on its live slots whatever its values"""
+        for r, c, perm in self.cache.pairs:
+            if r not in self.matched_ref and c not in self.matched_cand:
+                self.add(Match((r,), (c,), CACHE_WRITE, perm=perm))
 
     def by_value(self) -> None:
         """2. by value: a top-k by the experts it selects (its values may be other scores: logits); several
@@ -462,10 +481,13 @@ class _Matching:
                 value = self.reference.nodes[owner[0]].value if len(owner) == 1 else None
                 if value is not None and self.norms.close([self.val(c)], value) and _same(self.val(c), value):
                     self.add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
+        read_by = self.candidate.consumers()
         for r in self.free_r():
             owners = {m.cand for s in self.reference.sources(r) for m in self.matches if s in m.ref}
             if len(owners) == 1:
                 (owner,) = owners
+                if owner[0] in self.cache.slots and read_by.get(owner[0], set()) - self.matched_cand:
+                    continue  # over a static cache the candidate acts there (its mask): paired by place
                 value = self.val(self.candidate.nodes[owner[0]]) if len(owner) == 1 else None
                 if value is not None and self.norms.close([value], r.value) and _same(value, r.value):
                     self.add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
@@ -500,7 +522,7 @@ class _Matching:
             for r, c in _in_order(self.free_r(), [c for c in self.free_c() if not c.partial], _kind):
                 self.add(Match((r.index,), (c.index,), ORDER))
         else:
-            pair = _Pair(self.reference, self.candidate)
+            pair = _Pair(self.reference, self.candidate, self.framed)
             _by_place(pair, self.matches, self.add, self.drop, self.free_r, self.free_c, self.identity.gathers)
             if _joined_rows(pair, self.identity.joined, self.matches, self.add, self.free_r, self.free_c, self.val):
                 _by_place(pair, self.matches, self.add, self.drop, self.free_r, self.free_c, self.identity.gathers)
@@ -673,8 +695,9 @@ class _Pair:
     """What a flow reads of the two graphs, worked out once per matching: the candidate's call
     inputs that are the reference's (by value), and each graph's consumers."""
 
-    def __init__(self, reference: OpGraph, candidate: OpGraph):
+    def __init__(self, reference: OpGraph, candidate: OpGraph, framed: dict[int, torch.Tensor] | None = None):
         self.reference, self.candidate = reference, candidate
+        self.framed = framed or {}  # candidate ops' values in the reference's frame (rows, live slots)
         self.inputs: dict[int, int] = {}
         for j, t in enumerate(candidate.inputs):
             i = next((i for i, u in enumerate(reference.inputs) if _same_input(t, u)), None)
@@ -694,6 +717,7 @@ class _Flow:
         for m in matches:
             self.add(m)
         self.inputs, self.ref_users, self.cand_users = pair.inputs, pair.ref_users, pair.cand_users
+        self.framed = pair.framed
 
     def add(self, m: Match) -> None:
         for c in m.cand:
@@ -792,7 +816,8 @@ class _Flow:
         """Of one size, `c` reading (upstream) only what `r` reads and something of it (`both_ways`:
         see `reads_alike`), and read directly by the counterparts of the matched ops that read `r`
         directly (by none where none reads `r`)."""
-        if r.value is None or c.value is None or r.value.numel() != c.value.numel():
+        value = self.framed.get(c.index, c.value)
+        if r.value is None or value is None or r.value.numel() != value.numel():
             return False
         if not _experts_agree(r, c) or not self.reads_alike(r, c, both_ways):
             return False

@@ -284,9 +284,12 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
                 f"own: {fmt(drill.component_noise, 3)})"
             )
         if drill.partial:
+            share, then = f"part of the error ({pct(drill.recovery)})", "the next op that does"
+            if drill.recovery is not None and drill.recovery < 0.005:  # another op's error hides its own
+                share, then = "none of the error alone (0%)", "the next op that explains some"
             lines.append(
-                f"  {drill.culprit} explains part of the error ({pct(drill.recovery)}); the next op that does: "
-                f"{drill.partial['op']} (substituting it recovers {pct(drill.partial['recovery'])})"
+                f"  {drill.culprit} explains {share}; {then}: {drill.partial['op']} (substituting it recovers "
+                f"{pct(drill.partial['recovery'])})"
             )
         if drill.recovery_introduced is not None and drill.recovery_introduced != drill.recovery:
             lines.append(f"  substituting every op that introduced error recovers {pct(drill.recovery_introduced)}")
