@@ -72,7 +72,9 @@ class PortBackend(_ModuleBackend):
 class OwnPortBackend(_ModuleBackend):
     """`port_own`'s port (`--hw ownport`): its attention takes the hidden states alone (positions,
     rotary tables and mask made inside, from what its static cache holds); a decode step's cache is
-    the golden's, copied into the port's own preallocated one."""
+    the golden's, copied into the port's own preallocated one. The `rotary` point is the model
+    wrapper's `Positions`: given the hidden states alone, it makes the position ids it drives the
+    rotary tables with."""
 
     name = "ownport"
     options = (HwOption("bugs", "port bugs, comma-separated (port_own.BUGS)", port_own.Bugs.parse, port_own.Bugs()),)
@@ -97,6 +99,8 @@ class OwnPortBackend(_ModuleBackend):
     def _call(self, point, golden) -> tuple[torch.nn.Module, list]:
         if not hasattr(self, "port"):
             self.start()
+        if point.id == "rotary":  # the wrapper makes the positions: given the hidden states alone
+            return self.port.positions, [golden.args[0]]
         if point.layer is None or point.component not in ("attention", "router", "experts", "moe"):
             raise PointUnavailable(f"the port has no {point.component} module to compare")
         layer = self.port.layers[point.layer]

@@ -7,7 +7,9 @@ with `index_copy_`; the router takes its top-k over the logits and a softmax ove
 renormalised top-k of the softmax, by another road); the experts dispatch sorted (every (token, slot)
 pair sorted by expert, each expert a slice of one gather, the results weighted and scattered back at
 once). Names are its own (`wq`, `wk`, `wv`, `wo`, `gate`, `w13`, `w2`). `Bugs` are the port bugs the
-drill must name at the op they change, prefill and decode."""
+drill must name at the op they change, prefill and decode. `Positions` is the model wrapper's step
+before the layers: it makes the position ids itself and drives the rotary tables with them (the
+`rotary` point: values made inside the call, where the golden is given its position ids)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ BUGS = {
     "static_scatter": "(layout) the whole cache written with scatter_ and an index tensor, not index_copy_",
     "static_index_put": "(layout) the whole cache written by indexing (cache[:, :, slots] = new: index_put_)",
     "static_left_padded": "(layout) the whole cache left padded: the live slots end a context bucket, as NxDI pads",
+    # the rotary point (its tables driven by the model wrapper, which makes the position ids)
+    "wrapper_positions_from_one": "the wrapper's position ids start at 1, not 0",
+    "inv_freq_bf16": "the inverse-frequency table rounded to bfloat16 (a rounding that fails the point alone)",
     # not a bug: another dispatch, each expert's tokens taken with a boolean mask, in token order
     "dispatch_masked": "(layout) each expert's rows taken with x[mask], not from one sorted gather",
     # not a bug: the sorted rows made by a one-hot matmul (GShard's dispatch), not by a gather: no
@@ -222,6 +227,40 @@ class Attention(nn.Module):
         return out.reshape(b, self.heads, t, self.dim).transpose(1, 2).reshape(b, t, -1)
 
 
+class Rotary(nn.Module):
+    """The model's rotary tables from the position ids it is given, in transformers' layout (cos and
+    sin [B, T, D], each half the same angles); its inverse frequencies made in the call."""
+
+    def __init__(self, cfg: dict, bugs: Bugs):
+        super().__init__()
+        self.dim = cfg["head_dim"]
+        self.theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        self.bugs = bugs
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = torch.pow(self.theta, -torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
+        if self.bugs.inv_freq_bf16:  # the table kept in the model's dtype
+            inv_freq = inv_freq.to(torch.bfloat16)
+        angles = positions[..., None].float() * inv_freq.float()  # [B, T, D/2]
+        both = torch.cat([angles, angles], dim=-1)
+        return both.cos().to(dtype), both.sin().to(dtype)
+
+
+class Positions(nn.Module):
+    """The model wrapper's step before the layers, as an NxDI model wrapper takes it: the position
+    ids made here (from how many positions the cache holds), not given, and the rotary tables of them."""
+
+    def __init__(self, rotary: Rotary, bugs: Bugs):
+        super().__init__()
+        self.rotary, self.bugs = rotary, bugs
+
+    def forward(self, x: torch.Tensor, past: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = x.shape[:2]
+        start = past + (1 if self.bugs.wrapper_positions_from_one else 0)
+        positions = torch.arange(start, start + t).expand(b, t)
+        return self.rotary(positions, x.dtype)
+
+
 class Router(nn.Module):
     def __init__(self, cfg: dict, bugs: Bugs):
         super().__init__()
@@ -315,6 +354,7 @@ class OwnPort(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(Block(cfg, bugs) for _ in range(cfg["num_hidden_layers"]))
+        self.positions = Positions(Rotary(cfg, bugs), bugs)
         self.norm = nn.Parameter(torch.ones(cfg["hidden_size"]))
         self.head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 

@@ -8,6 +8,9 @@ component."""
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import pytest
 import torch
 from drill_port import OwnPortBackend
@@ -15,6 +18,9 @@ from helpers import NO_WEIGHTS, run_parity
 from test_drill import drill, run_repro
 
 from pytest_moe_parity import backends
+from pytest_moe_parity.drill.capture import capture_ops
+from pytest_moe_parity.drill.verdicts import _accumulation
+from pytest_moe_parity.report.drill import OpRow
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
@@ -25,8 +31,9 @@ PREFILL, DECODE = "layer_1.{}", "step_1.layer_1.{}"
 def own(monkeypatch: pytest.MonkeyPatch, pytester, golden_dir, tiny_model):
     monkeypatch.setitem(backends.registry(), OwnPortBackend.name, OwnPortBackend)
 
-    def run(point: str, bugs: str = "", *more: str, raw: bool = False):
-        golden = golden_dir("qwen3_moe", decode=2) if point.startswith("step_") else golden_dir("qwen3_moe")
+    def run(point: str, bugs: str = "", *more: str, raw: bool = False, golden: Path | None = None):
+        if golden is None:
+            golden = golden_dir("qwen3_moe", decode=2) if point.startswith("step_") else golden_dir("qwen3_moe")
         args = ["--hw", OwnPortBackend.name, "--hw-option", f"bugs={bugs}", *more]
         if raw:  # the run alone (a drill that cannot run has no record)
             args = ["--dtype", "bfloat16", NO_WEIGHTS, "--parity-drill", point, "-k", point, *args]
@@ -53,10 +60,19 @@ def test_the_own_port_drills_clean(point, layout, own) -> None:
     result, ops, record = own(point, layout)
     assert result.ret == 0, result.stdout.str()[-2000:]
     assert record["culprit"] is None and not record["structure"] and record["unmatched"] is None, record
+    assert record["made"] is None, record["made"]  # its positions and mask are the golden's
     assert [r["id"] for r in ops if r["status"] == "failed"] == []
 
 
 ROTATED = ("apply_rotary_pos_emb.add", "apply_rotary_pos_emb.add#2")  # the rotated queries, keys
+
+
+MADE = {
+    "mask_one_ahead": "the candidate's attention mask (le), made inside the call, lets query 0 see key 1; the "
+    "golden's attention_mask does not",
+    "decode_position_stale": "the candidate's positions (arange), made inside the call, start at 15; the golden's "
+    "position_ids at 16",
+}
 
 
 @pytest.mark.parametrize(
@@ -91,6 +107,9 @@ def test_each_bug_of_the_own_port_is_named_at_an_op_it_changes(bug, point, named
     assert recovered and max(recovered) >= 0.9, record
     if bug == "k_norm_skipped":  # the reference's key norm: no counterpart in the port
         assert any(s.startswith("the reference's k_norm.") for s in record["structure"]), record["structure"]
+    if bug in MADE:  # a value made inside the call that differs from the golden's of its meaning
+        assert record["made"].startswith(MADE[bug]), record["made"]
+        assert record["made"].endswith("(giving the golden's in its place recovers 100% of the error)")
     if bug == "weights_ignored":  # the reference's weighting: no counterpart in the port
         assert any(".mul#2" in s and "no counterpart" in s for s in record["structure"]), record["structure"]
     said = culprit.replace("[", "[[]")  # fnmatch: a bracket opens a set
@@ -143,7 +162,7 @@ def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op,
             "returned a scripted (torch.jit) module*",
         ),
         (lambda module, args: (torch.compile(module), args, {}, False), "returned a compiled (torch.compile) module*"),
-        (lambda module, args: (_Silent(), args, {}, False), "module ran no op the drill can capture*"),
+        (lambda module, args: (_Silent(), args, {}, False), "module ran no aten op: nothing it returns was computed*"),
     ],
     ids=["short", "wrong-types", "scripted", "compiled", "no-ops"],
 )
@@ -165,3 +184,98 @@ class _Silent(torch.nn.Module):
 
     def forward(self, x):
         return x
+
+
+# -- values made inside the call: the model wrapper's positions (the `rotary` point) ------------------
+
+
+@pytest.fixture
+def long_golden(golden_dir) -> Path:
+    """64 positions, with the reference's own bfloat16 error: a table rounded to bfloat16 fails the
+    rotary point by itself there (its angles' error grows with the position)."""
+    return golden_dir("qwen3_moe", seq_len=64, noise="bfloat16")
+
+
+def test_a_wrapper_that_makes_its_positions_drills_clean(own, long_golden) -> None:
+    """The port's `Positions` makes the position ids itself and drives its rotary with them: every op it
+    runs is made inside the call (nothing it was given reaches its outputs). They are rows, matched to
+    the reference's (which is given the golden's position ids), and all within their floor."""
+    result, ops, record = own("rotary", "", golden=long_golden)
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    assert record["culprit"] is None and record["made"] is None and record["accumulation"] is None, record
+    assert {"_to_copy", "cos", "sin"} <= {r["name"] for r in record["rows"] if r["how"]}, record["rows"]
+    assert [r["id"] for r in ops if r["status"] == "failed"] == []
+
+
+POSITIONS_SAID = "the candidate's positions (arange), made inside the call, start at 1; the golden's position_ids at 0"
+
+
+def test_positions_made_in_the_wrapper_that_start_at_1_are_named(own, long_golden, golden_dir) -> None:
+    """Positions made inside the call that start at 1: the drill names the made value against the
+    golden's position ids, with what the golden's in its place recovers, and drills at the op they
+    change (the cast of the positions to float, the reference's `_to_copy`). Never said to be a
+    compiled or scripted module: it ran eager ops, on values it made."""
+    result, _, record = own("rotary", "wrapper_positions_from_one", golden=long_golden)
+    assert record["culprit"] == "_to_copy" and record["recovery"] >= 0.9, record
+    assert record["made"].startswith(POSITIONS_SAID), record["made"]
+    result.stdout.fnmatch_lines(
+        [f"  made inside the call: {POSITIONS_SAID} (giving the golden's in its place recovers 100% of the error)"]
+    )
+    result.stdout.fnmatch_lines(["drill rotary: * culprit _to_copy, substituting it recovers *"])
+    # 16 positions: [1, 16] is too far from [0, 15] to be paired by value; the made value is named still
+    result, _, record = own("rotary", "wrapper_positions_from_one", golden=golden_dir("qwen3_moe"))
+    assert record["made"].startswith(POSITIONS_SAID), record
+    result.stdout.fnmatch_lines(["drill rotary: * no culprit (*a value made inside the call differs*"])
+    for said in (result.stdout.str(), *(v for v in record.values() if isinstance(v, str))):
+        assert "compiled" not in said and "scripted" not in said
+
+
+def test_a_table_rounded_to_bf16_that_fails_the_point_alone_is_said(own, long_golden) -> None:
+    """The inverse-frequency table rounded to bfloat16 inside the call: the point fails its noise floor
+    and no op leaves its own (a rounding of bfloat16 is within one). The drill says how many ops it
+    compared, the largest ratios, and the table made in another dtype than the reference's buffer,
+    whose values in its place recover the point; never "over 0 ops"."""
+    result, _, record = own("rotary", "inv_freq_bf16", golden=long_golden)
+    result.stdout.fnmatch_lines(["FAILED *parity::rotary - *"])  # the point fails its noise floor
+    said = record["accumulation"]
+    assert record["culprit"] is None and said is not None, record
+    assert " over 0 ops" not in result.stdout.str() and " ops compared" in said and "largest ratios" in said, said
+    table = "rotary._to_copy in bfloat16 (the reference's inv_freq: float32)"
+    assert said.endswith(f"ran in another dtype than the reference's: {table}"), said
+    made = record["made"]
+    table = "the candidate's table rotary._to_copy, made inside the call in bfloat16, is the reference's inv_freq"
+    assert made.startswith(f"{table} (float32) within "), made
+    assert made.endswith("(giving the reference's in its place recovers 100% of the error)"), made
+    result.stdout.fnmatch_lines([f"  made inside the call: {made}", f"  {said}"])
+
+
+def test_ops_on_values_made_inside_the_call_are_captured() -> None:
+    """A module whose outputs come from values it makes alone: its ops are captured as rows (made),
+    not left as constants with nothing to judge; ops that mix made values with its inputs stay the
+    first judged, the made ones before them followed."""
+
+    class Made(torch.nn.Module):
+        def forward(self, x):
+            angles = torch.arange(x.shape[1]).float()[:, None] * torch.ones(4)
+            return angles.cos(), x * torch.arange(x.shape[1]).float()[:, None].sin()
+
+    graph, _ = capture_ops(Made(), [torch.ones(1, 3, 4)], {})
+    judged = {n.kind for n in graph.compute()}
+    assert {"cos", "mul"} <= judged and "sin" not in judged, judged  # the sin meets the input: followed
+    assert all(n.made for n in graph.compute() if n.kind == "cos")
+
+
+def test_a_failing_point_with_no_op_above_its_own_error_says_what_it_compared() -> None:
+    """No op out of its floor and none above the reference's own error: the sentence says how many ops
+    were compared and the largest ratios (below 1), never "accumulates over 0 ops"."""
+    rows = [
+        OpRow("cos", "cos", [4], "value", error=1e-3, noise=2e-3, ratio=0.5),
+        OpRow("sin", "sin", [4], "value", error=3e-3, noise=4e-3, ratio=0.75),
+        OpRow("extra", "mul", [4], None, verdict="extra"),
+    ]
+    said = _accumulation(types.SimpleNamespace(other_dtypes=lambda: []), rows)
+    assert said == (
+        "no single op leaves its dtype's floor, and none of the 2 ops compared is above the reference's own "
+        "error: the largest ratios are sin 0.75x, cos 0.50x of their floor"
+    ), said
+    assert "over 0" not in _accumulation(types.SimpleNamespace(other_dtypes=lambda: []), rows[2:])

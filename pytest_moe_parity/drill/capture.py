@@ -137,12 +137,15 @@ class OpNode:
     mutates: tuple[int, ...] = ()  # positions of args it writes in place
     name: str = ""
     constant: bool = False  # computed from constants alone (a port's own causal mask): not a row
+    # a constant op whose value reaches the module's outputs through made values alone (rotary tables
+    # from positions the module makes): a row, as nothing the call was given leads to what it returns
+    made: bool = False
     partial: str = ""  # ranks joined: a rank's share of what this collective (its name) reduces
     _leaves: list[Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def layout(self) -> bool:
-        return self.kind in LAYOUT_OPS or self.constant
+        return self.kind in LAYOUT_OPS or (self.constant and not self.made)
 
     def leaves(self) -> list[Any]:
         """Its arguments flattened: refs and plain values (computed once: they do not change)."""
@@ -496,8 +499,23 @@ def capture_ops(
             h.remove()
     out_refs = tree_map(lambda x: recorder.refs.get(id(x), x) if isinstance(x, torch.Tensor) else x, output)
     graph = OpGraph(recorder.nodes, kept_inputs, params, recorder.consts, out_refs)
+    made_outputs(graph)
     name_ops(graph, router)
     return graph, output
+
+
+def made_outputs(graph: OpGraph) -> None:
+    """The ops of values made inside the call (positions, tables, masks) are followed, not judged, up
+    to the first op that mixes them with what the call was given. An output made from them alone (a
+    wrapper's rotary tables from the positions it makes) has no such op: the made ops it comes from
+    are rows (`OpNode.made`), judged against the reference's as any op."""
+    todo = [r.at for r in graph.output_refs() if r.kind == "op" and graph.nodes[r.at].constant]
+    while todo:
+        node = graph.nodes[todo.pop()]
+        if node.made:
+            continue
+        node.made = True
+        todo.extend(r.at for r in node.inputs() if r.kind == "op" and graph.nodes[r.at].constant)
 
 
 class _Call(nn.Module):

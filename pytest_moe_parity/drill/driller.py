@@ -25,8 +25,9 @@ from ..replay.runner import candidate_inputs, cast_inputs
 from ..report.drill import Drill
 from ..tree import first_tensor
 from . import store
-from .capture import OpGraph, capture_ops, extend
+from .capture import LAYOUT_OPS, OpGraph, capture_ops, extend
 from .engine import Reference
+from .made import named_inputs
 from .ranks import join_ranks
 from .verdicts import run_drill
 
@@ -212,10 +213,7 @@ class Driller:
         except NotImplementedError as exc:
             raise DrillError(str(exc)) from None
         if not candidate.compute():
-            raise DrillError(
-                f"{point.id}: {backend.name}'s drill_call module ran no op the drill can capture (a compiled "
-                f"or scripted module runs its own graph): return the eager module it was made from"
-            )
+            raise DrillError(f"{point.id}: {backend.name}'s drill_call module {_computes_nothing(candidate)}")
         runner = backend.op_runner()
         # a dtype without rounding: run_drill's own least floor (its ratios divide by it), not the verdict's 0
         floor = noise_floor(backend.dtype, default=1e-6)
@@ -226,6 +224,7 @@ class Driller:
         result = run_drill(
             point.id, reference, candidate, dtype=backend.dtype, factor=factor, floor=floor,
             execute=runner, replay_chained=runner is not None, same_code=same_code, point_passed=point_passed,
+            inputs=named_inputs(record),
         )  # fmt: skip
         result.reference_error = self.reproduced.get(point.id)
         self.drills[point.id] = result
@@ -297,6 +296,21 @@ def _checked_call(backend: Backend, point: Point, call: Any) -> tuple[Any, list,
             f"one by one: return the eager module it was made from (a compiled one's `_orig_mod`)"
         )
     return module, list(args), kwargs, same_code
+
+
+def _computes_nothing(candidate: OpGraph) -> str:
+    """What a module whose capture holds no op to judge ran instead (compiled and scripted modules are
+    refused before it runs, by `_checked_call`; values made inside the call are rows, `capture`)."""
+    if not candidate.nodes:
+        return "ran no aten op: nothing it returns was computed in its call"
+    computing = sorted({n.kind for n in candidate.nodes if n.kind not in LAYOUT_OPS})
+    if computing:
+        return (
+            f"computed only on values it made inside the call ({', '.join(computing[:6])}), and none of them "
+            f"reaches what it returns"
+        )
+    kinds = sorted({n.kind for n in candidate.nodes})
+    return f"ran no op that computes: only views, copies and factories ({', '.join(kinds[:6])})"
 
 
 def weight_names(record: Any) -> list[str | None]:

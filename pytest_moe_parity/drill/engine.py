@@ -645,7 +645,14 @@ class Drilling:
                 return None, []
             targets = [c.index]
             replace[Ref("op", c.index, 0)] = _like(node.value.reshape(c.value.shape), c.value)
-        first = min(targets)
+        names = [self.cand.nodes[c].name for c in targets]
+        recovery = self.recovery(replace, min(targets))
+        return (recovery, names) if recovery is not None or self.component[0] <= self.component[1] else (None, [])
+
+    def recovery(self, replace: dict[Ref, Any], first: int) -> float | None:
+        """The share of the component's excess error (over the reference's own) that goes away when the
+        candidate's run takes the values `replace` gives (its ops from `first` on run again), or None."""
+        replace = dict(replace)
         for n in self.cand.nodes[:first]:  # the ops before run as they did
             for i, v in enumerate(self.chained[n.index]):
                 replace.setdefault(Ref("op", n.index, i), v)
@@ -656,13 +663,10 @@ class Drilling:
         if len(refs) > at:
             ref = refs[at]
             sub = values.get(ref) if ref.kind == "op" else self.final(self.cand, at)
-        if ref_final is None or sub is None:
-            return None, []
+        if ref_final is None or sub is None or not error - noise > 0:
+            return None
         remaining = rel_l2(sub.reshape(ref_final.shape), ref_final)
-        excess = error - noise
-        if not excess > 0:
-            return None, [self.cand.nodes[c].name for c in targets]
-        return max(0.0, min(1.0, (error - remaining) / excess)), [self.cand.nodes[c].name for c in targets]
+        return max(0.0, min(1.0, (error - remaining) / (error - noise)))
 
     @functools.cached_property
     def computed_inputs(self) -> dict[str, OpNode]:

@@ -110,7 +110,7 @@ def join_ranks(graphs: list[OpGraph]) -> OpGraph:
         kind, mutates = (collective, ()) if collective else (template.kind, template.mutates)
         node = OpNode(
             index, func, kind, args, kwargs, outputs, template.scope, template.function, template.expert,
-            template.param, mutates, name, template.constant,
+            template.param, mutates, name, template.constant, made=template.made,
         )  # fmt: skip
         nodes.append(node)
         return index

@@ -104,6 +104,7 @@ def save(golden_root: Path, point: str, graphs: dict[str, OpGraph]) -> int:
                     "mutates": list(n.mutates),
                     "name": n.name,
                     "constant": n.constant,
+                    "made": n.made,
                 }
                 for n in graph.nodes
             ],
@@ -224,7 +225,7 @@ def op_names(golden_root: Path, point: str) -> list[str] | None:
     if not meta_path.is_file():
         return None
     nodes = json.loads(meta_path.read_text())["graphs"]["float32"]["nodes"]
-    return [n["name"] for n in nodes if not n["constant"] and op_kind(n["func"]) not in LAYOUT_OPS]
+    return [n["name"] for n in nodes if (not n["constant"] or n.get("made")) and op_kind(n["func"]) not in LAYOUT_OPS]
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -258,7 +259,7 @@ def _graph(meta: dict[str, Any], tensors: _Tensors, lazy: bool = False) -> OpGra
             raise StoreError(f"the stored op {n['func']} is not in this torch's op registry") from None
         node = OpNode(
             i, func, op_kind(func), _dec(n["args"]), _dec(n["kwargs"]), [], n["scope"], n["function"], n["expert"],
-            n["param"], tuple(n["mutates"]), n["name"], n["constant"],
+            n["param"], tuple(n["mutates"]), n["name"], n["constant"], made=n.get("made", False),
         )  # fmt: skip
         if n["outputs"] == RECOMPUTE:  # a view, taken again of what it viewed when first read
             node.outputs = _View(lambda node=node: node.func(*map_structure(node.args, value),

@@ -15,6 +15,7 @@ from ..report.drill import Drill, OpRow
 from .capture import OpGraph
 from .engine import BOOKKEEPING, Drilling, Execute, Reference
 from .explain import label
+from .made import Made, made_found, said
 
 
 def run_drill(
@@ -29,6 +30,7 @@ def run_drill(
     replay_chained: bool = False,
     same_code: bool = True,
     point_passed: bool | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> Drill:
     started = time.perf_counter()
     d = Drilling(
@@ -58,13 +60,14 @@ def run_drill(
     # error here is beyond the factor
     beyond = error > factor * max(noise, floor)
     diverges = (point_passed is False and error > noise) or (point_passed is None and beyond)
+    made = made_found(d, inputs)  # a value made inside the call that differs from the golden's
     if culprit is None and not structure and unmatched is None and diverges:
-        accumulation = _accumulation(d, rows)
+        accumulation = _accumulation(d, rows, made)
     result = Drill(
         point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
         time.perf_counter() - started, substituted, recovery_all,
         structure=structure, partial=partial, accumulation=accumulation, unmatched=unmatched,
-        culprit_op=culprit_op, evidence=evidence,
+        culprit_op=culprit_op, evidence=evidence, made=said(d, made),
     )  # fmt: skip
     result.state = d  # for a repro file; not part of the JSON
     return result
@@ -136,19 +139,31 @@ def _explains_more(d: Drilling, rows: list[OpRow], culprit: OpRow, recovery: flo
     return best
 
 
-def _accumulation(d: Drilling, rows: list[OpRow]) -> str:
-    """The component diverges and no op leaves its floor: the error builds up over many ops, each
-    within one rounding of its dtype. Says over how many ops the error exceeds the reference's own,
-    the largest of those ratios, and the ops that ran in another dtype than the reference's (usually
-    the finding: a softmax in bfloat16)."""
-    above = [(r.error / r.noise, r) for r in rows if r.error is not None and r.noise and r.error > r.noise]
-    above.sort(key=lambda x: -x[0])
-    largest = ", ".join(f"{r.name} {ratio:.2f}x" for ratio, r in above[:3])
-    text = (
-        f"no single op leaves its dtype's floor: the error accumulates over {len(above)} ops above the "
-        f"reference's own error" + (f" (the largest: {largest})" if largest else "")
-    )
+def _accumulation(d: Drilling, rows: list[OpRow], made: Made | None = None) -> str:
+    """The component diverges and no op leaves its floor: how many ops were compared, how many are
+    above the reference's own error (the error builds up over them, each within its floor), the largest
+    ratios to their floors (below 1 too), and the ops that ran in another dtype than the reference's
+    (usually the finding: a softmax in bfloat16, a table made in bfloat16)."""
+    compared = [r for r in rows if r.error is not None and r.ratio is not None]
+    above = [r for r in compared if r.error > (r.noise or 0.0)]
+    ranked = sorted(compared, key=lambda r: -r.ratio)[:3]
+    largest = ", ".join(f"{r.name} {r.ratio:.2f}x" for r in ranked)
+    if not compared:
+        text = "no op leaves its dtype's floor: the drill compared no op's values (no row of the table has an error)"
+    elif above:
+        text = (
+            f"no single op leaves its dtype's floor: the error accumulates over {len(above)} of the "
+            f"{len(compared)} ops compared, above the reference's own error (the largest ratios: {largest} of "
+            f"their floor)"
+        )
+    else:
+        text = (
+            f"no single op leaves its dtype's floor, and none of the {len(compared)} ops compared is above the "
+            f"reference's own error: the largest ratios are {largest} of their floor"
+        )
     dtypes = d.other_dtypes()
+    if made is not None and made.dtype:
+        dtypes.append(made.dtype)
     if dtypes:
         text += f"; ran in another dtype than the reference's: {', '.join(dtypes[:5])}"
     return text

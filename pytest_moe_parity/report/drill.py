@@ -65,6 +65,9 @@ class Drill:
     partial: dict[str, Any] | None = None
     accumulation: str | None = None  # the component diverges and no op leaves its floor: how it builds up
     unmatched: str | None = None  # most of the reference's ops matched nothing: matching failed, no culprit
+    # a value the candidate makes inside the call (positions, a mask, a table) that differs from the
+    # golden's of the same meaning (`drill.made`)
+    made: str | None = None
     # the culprit's aten op and what it was given that the reference's was not (`explain`)
     culprit_op: str = ""
     evidence: list[str] = field(default_factory=list)
@@ -98,6 +101,8 @@ class Drill:
         """The drill's sentences beside its line and op table: the culprit's evidence, the structure,
         how the error accumulates, why matching failed, the next op that explains it, the repro."""
         said = [*self.differs(), *(f"structure: {s}" for s in self.structure)]
+        if self.made:
+            said.append(f"made inside the call: {self.made}")
         if self.accumulation:
             said.append(str(self.accumulation))
         if self.unmatched:

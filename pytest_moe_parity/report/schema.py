@@ -58,6 +58,7 @@ def drills(rows: list[Row]) -> dict[str, Any]:
             "structure": d.structure,
             "accumulation": d.accumulation,
             "unmatched": d.unmatched,
+            "made": d.made,
             "ops": len(d.rows),
             "failed_ops": sum(r.verdict != "ok" for r in d.rows),
             "repro": d.repro,

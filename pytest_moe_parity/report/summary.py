@@ -362,7 +362,10 @@ def drill_line(drill: Drill) -> tuple[str, str | None]:
     if not drill.culprit:
         why = drill.unmatched and "matching failed"
         why = why or (drill.structure and f"structure: {drill.structure[0]}")
-        why = why or (drill.accumulation and "the error accumulates, no op leaves its floor")
+        accumulates = drill.accumulation and " accumulates " in drill.accumulation
+        why = why or (drill.accumulation and f"{'the error accumulates, ' * bool(accumulates)}no op leaves its floor")
+        made = drill.made and "a value made inside the call differs from the golden's"
+        why = f"{why}; {made}" if why and made else why or made
         return f"{head}; no culprit{f' ({why})' if why else ''}", "green" if not failed and not why else "red"
     recovery = drill.recovery
     said = f", {recovers(recovery)}" if recovery is not None else ""

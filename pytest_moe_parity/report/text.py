@@ -270,6 +270,8 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
             f"{fmt(drill.reference_error, 3)}): the golden's model or transformers' code here differ from the "
             f"recording's, and the ops below are judged against this machine's run"
         )
+    if drill.made:
+        lines.append(f"  made inside the call: {drill.made}")
     if drill.unmatched:
         lines.append(f"  matching failed: {drill.unmatched}")
     elif drill.culprit:
