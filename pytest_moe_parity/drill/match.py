@@ -460,6 +460,9 @@ class _Matching:
             if len(owners) == 1:
                 (owner,) = owners
                 value = self.reference.nodes[owner[0]].value if len(owner) == 1 else None
+                # (not another expert's: a zeroed expert's running sum passes the last one's on)
+                if value is not None and not _experts_agree(self.reference.nodes[owner[0]], c):
+                    continue
                 if value is not None and self.norms.close([self.val(c)], value) and _same(self.val(c), value):
                     self.add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
         for r in self.free_r():
@@ -467,6 +470,8 @@ class _Matching:
             if len(owners) == 1:
                 (owner,) = owners
                 value = self.val(self.candidate.nodes[owner[0]]) if len(owner) == 1 else None
+                if value is not None and not _experts_agree(r, self.candidate.nodes[owner[0]]):
+                    continue
                 if value is not None and self.norms.close([value], r.value) and _same(value, r.value):
                     self.add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
 
