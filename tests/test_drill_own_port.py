@@ -166,7 +166,9 @@ def test_a_capacity_dispatch_says_which_tokens_each_expert_dropped(own, golden_d
         assert not [s for s in record["structure"] if f"expert[{expert}].gate_up_proj" in s], record["structure"]
     more = "; ..." if len(expected) > 1 else ""
     line = f"drill {point}: * culprit {record['culprit_group']} ({expected[0]}{more})".replace("[", "[[]")
-    result.stdout.fnmatch_lines([*(f"  rows differ: {e}" for e in expected), line])
+    first = min(by_expert)  # the culprit's op is the gather of the first of them
+    head = f"  culprit: {record['culprit_group']} introduced the divergence (the first: *, expert {first}'s gather)"
+    result.stdout.fnmatch_lines([head, *(f"  rows differ: {e}" for e in expected), line])
 
 
 def test_rows_no_index_traces_are_paired_as_a_set_and_said_so(own) -> None:
@@ -237,3 +239,19 @@ class _Silent(torch.nn.Module):
 
     def forward(self, x):
         return x
+
+
+def test_the_rows_sentence_says_dropped_duplicated_and_misrouted_tokens() -> None:
+    """An expert's tokens as the candidate ran them against the reference's: which were dropped, taken
+    twice, or not the expert's own; and an op's name with its expert taken out (how groups are made)."""
+    from pytest_moe_parity.drill.groups import rows_sentence, split
+
+    assert rows_sentence("expert 0", "token", [3, 12, 5, 31, 7], [3, 5, 7]) == (
+        "expert 0 ran on 3 of its 5 tokens: tokens 12, 31 were dropped"
+    )
+    assert rows_sentence("expert 2", "token", [1, 4, 9], [1, 4, 4, 9, 6]) == (
+        "expert 2 ran on 3 of its 3 tokens: token 4 was taken more than once (duplicated); token 6 was not "
+        "routed to expert 2 (misrouted to it)"
+    )
+    assert split("mlp.experts.expert[5].down_proj#2") == ("mlp.experts.down_proj#2", 5)
+    assert split("act_fn.silu#4") is None

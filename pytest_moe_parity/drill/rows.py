@@ -281,27 +281,35 @@ def row_sets(reference: OpGraph, candidate: OpGraph) -> list[RowSet]:
             got = keyed[cut[0]][0], keyed[cut[0]][1][cut[1] : cut[2]]
         if got is not None:
             keyed[node.index] = got
+    counted = {index: Counter(key.tolist()) for index, (_, key) in keyed.items()}
+    exact = {(tuple(keyed[i][0].shape), tuple(sorted(c.elements()))) for i, c in counted.items()}
+    holding: dict[int, set[int]] = {}  # a row -> the candidate gathers that take it
+    for index, c in counted.items():
+        for row in c:
+            holding.setdefault(row, set()).add(index)
     same: dict[tuple[int, int], bool] = {}
     found: list[RowSet] = []
     for r, (r_source, r_key) in refs:
+        rows = r_key.tolist()
+        mine = Counter(rows)
+        if (tuple(r_source.shape), tuple(sorted(rows))) in exact:
+            continue  # the same rows: `row_frames` pairs them
         best, share = None, SAME_ROWS_SHARE
-        for index, (source, key) in keyed.items():
+        for index in sorted({i for row in set(rows) for i in holding.get(row, ())}):
+            source = keyed[index][0]
             if source.shape != r_source.shape:
                 continue
-            got = _shared(r_key.tolist(), key.tolist())
-            if got == 1.0:  # the same rows: `row_frames` pairs them
-                best = None
-                break
+            got = _shared(mine, counted[index])
             ids = id(source), id(r_source)
-            if got >= share and (same.get(ids) or same.setdefault(ids, rel_l2(source, r_source) <= VALUE_TOL)):
-                best, share = (index, key), got
+            better = got > share or (best is None and got == share)  # the first of equal shares
+            if better and (same.get(ids) or same.setdefault(ids, rel_l2(source, r_source) <= VALUE_TOL)):
+                best, share = index, got
         if best is not None:
-            found.append(RowSet(r.index, best[0], r_key.tolist(), best[1].tolist()))
+            found.append(RowSet(r.index, best, rows, keyed[best][1].tolist()))
     return found
 
 
-def _shared(a: list[int], b: list[int]) -> float:
+def _shared(ca: Counter, cb: Counter) -> float:
     """The share of rows two gathers have in common, as multisets (Jaccard)."""
-    ca, cb = Counter(a), Counter(b)
     union = sum((ca | cb).values())
     return sum((ca & cb).values()) / union if union else 1.0

@@ -299,7 +299,10 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
 def _culprit_lines(drill: Drill) -> list[str]:
     """The culprit (its group's), what its op was given, the rows it ran on, and the recoveries."""
     group, own = drill.culprit_group, drill.culprit
-    first = f" (the first: {own})" if group else ""
+    row = drill.row(own)
+    rows_of = row is not None and row.note in drill.row_sets  # a gather of other rows: whose they are
+    whose = f", {row.note.split(' ran on ')[0]}'s gather" if rows_of else ""  # the op's name may say another
+    first = f" (the first: {own}{whose})" if group else ""
     lines = [f"  culprit: {group or own} introduced the divergence{first}"]
     if drill.culprit_op and drill.culprit_op != own:
         lines.append(f"  the culprit's op: {drill.culprit_op}")
@@ -311,10 +314,10 @@ def _culprit_lines(drill: Drill) -> list[str]:
             f"  substituting the reference's output of {own} in the candidate's run recovers {pct(drill.recovery)} "
             f"of {drill.point}'s error ({error}; the reference's own: {noise})"
         )
-    elif drill.row_sets and drill.row(own) is not None and drill.row(own).note in drill.row_sets:
+    elif rows_of:
         lines.append(
-            f"  nothing substituted: the candidate's {own} holds other rows than the reference's, which cannot take "
-            f"their place"
+            f"  nothing substituted: the candidate's counterpart of {own} holds other rows than it, so the "
+            f"reference's values cannot take their place"
         )
     if group and drill.group_recovery is not None:
         lines.append(
