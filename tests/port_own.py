@@ -14,12 +14,16 @@ before the layers: it makes the position ids itself and drives the rotary tables
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ZEROED_EXPERT = 3  # `expert_zeroed`: the expert the conversion leaves zero (the test input routes to it)
+CAPACITY_FACTOR = 1.5  # `capacity_truncated`: each expert's capacity, times an even share of the pairs
 
 BUGS = {
     # prefill (attention)
@@ -36,6 +40,9 @@ BUGS = {
     "experts_reversed": "expert e given expert E - 1 - e's weights (conversion)",
     "weights_ignored": "expert outputs summed unweighted",
     "silu_as_gelu": "the experts' activation gelu, not silu",
+    "expert_zeroed": f"expert {ZEROED_EXPERT}'s weights zeroed (conversion)",
+    "capacity_truncated": f"a capacity dispatch: each expert keeps its first ceil(T * k / E * {CAPACITY_FACTOR}) "
+    "(token, slot) pairs in token order, the rest dropped (GShard's, NxDI's capacity factor)",
     # decode only
     "decode_position_stale": "the new token rotated at the last cached position, not its own",
     "decode_cache_overwrites_last": "the new keys and values written over the last cached ones",
@@ -293,8 +300,10 @@ class Experts(nn.Module):
         k, inter = ids.shape[1], self.w2.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # every (token, slot) pair, by expert
-        token = order // k
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        if self.bugs.capacity_truncated:
+            order, counts = capacity_dispatch(flat, self.w13.shape[0])
+        token = order // k
         rows = F.one_hot(token, x.shape[0]).to(x.dtype) @ x if self.bugs.dispatch_onehot else x[token]
         act = F.gelu if self.bugs.silu_as_gelu else F.silu
         outs, start = [], 0
@@ -370,6 +379,19 @@ class OwnPort(nn.Module):
         return self.head(rms(x, self.norm, self.cfg["rms_norm_eps"]))
 
 
+def capacity_dispatch(flat: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
+    """`capacity_truncated`: every (token, slot) pair (`flat`: each pair's expert) sorted by expert, of
+    which each expert keeps its first `capacity` (in token order), an even share of the pairs times
+    CAPACITY_FACTOR, the rest dropped (GShard's, NxDI's capacity dispatch): (the kept pairs, each
+    expert's count)."""
+    capacity = math.ceil(flat.numel() / experts * CAPACITY_FACTOR)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=experts).tolist()
+    starts = torch.tensor([0, *counts[:-1]]).cumsum(0)
+    rank = torch.arange(order.numel()) - starts[flat[order]]  # each pair's place among its expert's
+    return order[rank < capacity], [min(n, capacity) for n in counts]
+
+
 def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs = Bugs()) -> OwnPort:
     """The port with the checkpoint's weights converted to its own names and fused layout."""
     from safetensors.torch import load_file
@@ -398,5 +420,8 @@ def load_port(model_dir: Path, dtype: torch.dtype = torch.bfloat16, bugs: Bugs =
             [torch.cat([expert(e, halves[0]).T, expert(e, halves[1]).T], dim=1) for e in experts]
         )
         state[ours + "moe.experts.w2"] = torch.stack([expert(e, "down_proj").T for e in experts])
+        if bugs.expert_zeroed:
+            for name in ("w13", "w2"):
+                state[f"{ours}moe.experts.{name}"][ZEROED_EXPERT] = 0
     port.load_state_dict({k: v.contiguous() for k, v in state.items()})
     return port.to(dtype).eval()

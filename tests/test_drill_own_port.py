@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import port_own
 import pytest
 import torch
 from drill_port import OwnPortBackend
@@ -20,6 +21,7 @@ from test_drill import drill, run_repro
 from pytest_moe_parity import backends
 from pytest_moe_parity.drill.capture import capture_ops
 from pytest_moe_parity.drill.verdicts import _accumulation
+from pytest_moe_parity.golden.store import GoldenStore
 from pytest_moe_parity.report.drill import OpRow
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
@@ -85,10 +87,6 @@ MADE = {
         ("scale_by_hidden", PREFILL.format("attention"), ("eager_attention_forward.mul",)),
         ("mask_one_ahead", PREFILL.format("attention"), ("eager_attention_forward.add",)),
         ("k_norm_skipped", PREFILL.format("attention"), ("apply_rotary_pos_emb.add#2",)),
-        ("gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
-        ("experts_reversed", PREFILL.format("experts"), (".gate_up_proj",)),
-        ("dispatch_masked,gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
-        ("dispatch_onehot,gate_up_swapped", PREFILL.format("experts"), (".gate_up_proj",)),
         ("dispatch_onehot,silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("silu_as_gelu", PREFILL.format("experts"), ("act_fn.silu",)),
         ("weights_ignored", PREFILL.format("experts"), (".index_add",)),
@@ -103,7 +101,7 @@ def test_each_bug_of_the_own_port_is_named_at_an_op_it_changes(bug, point, named
     culprit = record["culprit"]
     assert culprit is not None and culprit.endswith(named), (culprit, record["structure"])
     assert rows[culprit]["verdict"] == "introduced"
-    recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
+    recovered = [record[k] for k in ("recovery", "recovery_introduced", "group_recovery") if record[k] is not None]
     assert recovered and max(recovered) >= 0.9, record
     if bug == "k_norm_skipped":  # the reference's key norm: no counterpart in the port
         assert any(s.startswith("the reference's k_norm.") for s in record["structure"]), record["structure"]
@@ -114,6 +112,82 @@ def test_each_bug_of_the_own_port_is_named_at_an_op_it_changes(bug, point, named
         assert any(".mul#2" in s and "no counterpart" in s for s in record["structure"]), record["structure"]
     said = culprit.replace("[", "[[]")  # fnmatch: a bracket opens a set
     result.stdout.fnmatch_lines([f"drill {point}: * culprit {said}, substituting it recovers *"])
+
+
+ALL = "in all 8 experts"  # the test input routes tokens to every expert of layer 1
+
+
+@pytest.mark.parametrize(
+    ("bug", "group"),
+    [
+        ("gate_up_swapped", f"gate_up_proj {ALL}"),
+        ("dispatch_masked,gate_up_swapped", f"gate_up_proj {ALL}"),
+        ("dispatch_onehot,gate_up_swapped", f"gate_up_proj {ALL}"),
+        # w13 and w2 both reversed: gate_up_proj's group alone recovers nothing, down_proj still wrong
+        ("experts_reversed", f"gate_up_proj, down_proj {ALL}"),
+        # one expert: its own ops (its down_proj zero too: its gate_up_proj alone recovers nothing)
+        ("expert_zeroed", f"gate_up_proj, down_proj in expert {port_own.ZEROED_EXPERT}"),
+        # each expert's own combine: the zeroed expert's adds nothing, and is still its own op
+        ("dispatch_masked,expert_zeroed", f"gate_up_proj, down_proj in expert {port_own.ZEROED_EXPERT}"),
+    ],
+)
+def test_a_bug_in_many_experts_is_one_culprit_the_group(bug, group, own) -> None:
+    """The same op introducing error in many experts (a conversion that swaps gate and up, or
+    reverses the experts) is one culprit, the group: substituting the first expert's op alone
+    recovers an eighth, the group's substitution all of it. A bug in one expert is that expert's ops,
+    by its index."""
+    point = PREFILL.format("experts")
+    result, _, record = own(point, bug)
+    rows = {r["name"]: r for r in record["rows"]}
+    assert record["culprit_group"] == group, record
+    assert record["group_ops"][0] == record["culprit"] and rows[record["culprit"]]["verdict"] == "introduced"
+    assert all(rows[n]["verdict"] == "introduced" for n in record["group_ops"])
+    expert = f"expert[{port_own.ZEROED_EXPERT}]." if "expert_zeroed" in bug else "expert[0]."
+    assert record["culprit"] == f"{expert}gate_up_proj"
+    if bug == "dispatch_masked,expert_zeroed":  # its ops matched (values differ), none without a counterpart
+        assert not [n for n, r in rows.items() if n.startswith(expert) and r["verdict"] == "missing"], rows
+        assert not [s for s in record["structure"] if "no counterpart" in s], record["structure"]
+    assert record["group_recovery"] >= 0.9, record
+    if "gate_up_swapped" in bug:  # each expert's op alone: its share
+        assert record["recovery"] < 0.5, record
+    result.stdout.fnmatch_lines([f"drill {point}: * culprit {group}, substituting them recovers *"])
+    result.stdout.fnmatch_lines([f"  substituting the reference's outputs of {group} (* ops) recovers *"])
+
+
+def test_a_capacity_dispatch_says_which_tokens_each_expert_dropped(own, golden_dir) -> None:
+    """A dispatch that keeps at most its capacity of each expert's tokens: the experts that ran on
+    fewer tokens than the reference's, and which tokens they dropped (as the port's own dispatch
+    drops them), are the culprit; no recovery is claimed (the rows are others), and the expert's
+    ops with no counterpart inherit it instead of standing as structural differences."""
+    point = PREFILL.format("experts")
+    ids = GoldenStore(golden_dir("qwen3_moe")).load(point).args[1]
+    flat, k = ids.reshape(-1), ids.shape[1]
+    kept, _ = port_own.capacity_dispatch(flat, int(flat.max()) + 1)
+    dropped = sorted(set(range(flat.numel())) - set(kept.tolist()))
+    by_expert: dict[int, list[int]] = {}
+    for pair in dropped:
+        by_expert.setdefault(int(flat[pair]), []).append(pair // k)
+    assert by_expert, "the test input must overflow an expert's capacity"
+    expected = []
+    for expert, tokens in sorted(by_expert.items()):
+        total = int((flat == expert).sum())
+        listed = ", ".join(map(str, sorted(tokens)))
+        said = f"tokens {listed} were" if len(tokens) > 1 else f"token {listed} was"
+        expected.append(f"expert {expert} ran on {total - len(tokens)} of its {total} tokens: {said} dropped")
+    result, _, record = own(point, "capacity_truncated")
+    assert record["row_sets"] == expected, (record["row_sets"], expected)
+    experts = ", ".join(map(str, sorted(by_expert)))
+    assert record["culprit_group"] == f"the dispatch of expert{'s' * (len(by_expert) > 1)} {experts}"
+    assert record["recovery"] is None and record["group_recovery"] is None
+    culprit = next(r for r in record["rows"] if r["name"] == record["culprit"])
+    assert culprit["verdict"] == "introduced" and culprit["note"] == expected[0]
+    for expert in by_expert:  # its ops run on other rows: inherited, not "no counterpart"
+        assert not [s for s in record["structure"] if f"expert[{expert}].gate_up_proj" in s], record["structure"]
+    more = "; ..." if len(expected) > 1 else ""
+    line = f"drill {point}: * culprit {record['culprit_group']} ({expected[0]}{more})".replace("[", "[[]")
+    first = min(by_expert)  # the culprit's op is the gather of the first of them
+    head = f"  culprit: {record['culprit_group']} introduced the divergence (the first: *, expert {first}'s gather)"
+    result.stdout.fnmatch_lines([head, *(f"  rows differ: {e}" for e in expected), line])
 
 
 def test_rows_no_index_traces_are_paired_as_a_set_and_said_so(own) -> None:
@@ -279,3 +353,19 @@ def test_a_failing_point_with_no_op_above_its_own_error_says_what_it_compared() 
         "error: the largest ratios are sin 0.75x, cos 0.50x of their floor"
     ), said
     assert "over 0" not in _accumulation(types.SimpleNamespace(other_dtypes=lambda: []), rows[2:])
+
+
+def test_the_rows_sentence_says_dropped_duplicated_and_misrouted_tokens() -> None:
+    """An expert's tokens as the candidate ran them against the reference's: which were dropped, taken
+    twice, or not the expert's own; and an op's name with its expert taken out (how groups are made)."""
+    from pytest_moe_parity.drill.groups import rows_sentence, split
+
+    assert rows_sentence("expert 0", "token", [3, 12, 5, 31, 7], [3, 5, 7]) == (
+        "expert 0 ran on 3 of its 5 tokens: tokens 12, 31 were dropped"
+    )
+    assert rows_sentence("expert 2", "token", [1, 4, 9], [1, 4, 4, 9, 6]) == (
+        "expert 2 ran on 3 of its 3 tokens: token 4 was taken more than once (duplicated); token 6 was not "
+        "routed to expert 2 (misrouted to it)"
+    )
+    assert split("mlp.experts.expert[5].down_proj#2") == ("mlp.experts.down_proj#2", 5)
+    assert split("act_fn.silu#4") is None

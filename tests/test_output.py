@@ -122,10 +122,12 @@ def test_a_remapped_expert_is_named_with_the_weight_it_holds(
     )  # fmt: skip
     result.stdout.fnmatch_lines(
         [
-            "  culprit: expert[[]3].down_proj introduced the divergence",
+            # the two experts' down_proj: one culprit, the group, each expert's op named with its weight
+            "  culprit: down_proj in experts 3, 5 introduced the divergence (the first: expert[[]3].down_proj)",
             "  the culprit's op: expert[[]3].down_proj (mm)",
             "  the culprit's op differs: its weight down_proj differs from the reference's (rel_l2 *): a weight, "
             "not a kernel, bug; it holds the reference's down_proj[[]5] (expert 5's)",
+            "  substituting the reference's outputs of down_proj in experts 3, 5 (2 ops) recovers 100% *",
         ]
     )
     row = next(r for r in read_json(report / REPORT_FILE)["points"] if r["id"] == "layer_1.experts")
@@ -230,7 +232,7 @@ def test_report_prints_one_block_to_paste_with_the_culprit(
     assert block[1] == f"golden: {golden} (qwen3_moe, fingerprint {fingerprint})"
     assert block[2] == f"candidate: {port} (--model) on --hw cpu in bfloat16, isolated mode; --hw-option: none"
     assert "first divergence: layer_1.experts" in block and "  out.rel_l2 0.8897 (limit <= 0.04)" in block, block
-    assert "drill layer_1.experts: culprit expert[3].down_proj (mm), substituting it recovers 49%" in block, block
+    assert "drill layer_1.experts: culprit down_proj in experts 3, 5, substituting them recovers 100%" in block, block
     assert any("it holds the reference's down_proj[5] (expert 5's)" in line for line in block), block
     repro_line = next(line for line in block if line.startswith("  repro: "))
     assert Path(repro_line.removeprefix("  repro: ")).is_file()

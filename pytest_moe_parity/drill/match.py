@@ -479,6 +479,9 @@ class _Matching:
             if len(owners) == 1:
                 (owner,) = owners
                 value = self.reference.nodes[owner[0]].value if len(owner) == 1 else None
+                # (not another expert's: a zeroed expert's running sum passes the last one's on)
+                if value is not None and not _experts_agree(self.reference.nodes[owner[0]], c):
+                    continue
                 if value is not None and self.norms.close([self.val(c)], value) and _same(self.val(c), value):
                     self.add(Match(owner, (c.index,), "value (passed on: an op the candidate adds)"))
         read_by = self.candidate.consumers()
@@ -489,6 +492,8 @@ class _Matching:
                 if owner[0] in self.cache.slots and read_by.get(owner[0], set()) - self.matched_cand:
                     continue  # over a static cache the candidate acts there (its mask): paired by place
                 value = self.val(self.candidate.nodes[owner[0]]) if len(owner) == 1 else None
+                if value is not None and not _experts_agree(r, self.candidate.nodes[owner[0]]):
+                    continue
                 if value is not None and self.norms.close([value], r.value) and _same(value, r.value):
                     self.add(Match((r.index,), owner, "value (passed on: an op the candidate leaves out)"))
 

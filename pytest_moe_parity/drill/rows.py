@@ -5,10 +5,12 @@ as a reference gather in another order (the same multiset of indices), its rows 
 reference's order, and so are those of every op that goes on row by row from it (same leading size),
 up to a scatter back (`index_add`, `scatter`, `index_put`): the candidate's values are compared,
 substituted and isolated row by row by which token (and top-k slot) each row holds, not by position
-(`match.Match.frames`)."""
+(`match.Match.frames`). Where a reference gather's rows are in no candidate gather, but most of them
+are in one, `row_sets` says which rows each side took (`groups` says it in words)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -132,7 +134,7 @@ def row_frames(reference: OpGraph, candidate: OpGraph) -> RowIdentity:
             pairs[index] = r.index
             break
     sets: set[int] = set()
-    found = _rows_as_sets(candidate, [r for r, _ in refs if r.index not in taken], set(keyed))
+    found = _rows_as_sets(candidate, [r for r, _ in refs if r.index not in taken], set(frames))
     if any(not torch.equal(order, torch.arange(order.numel())) for _, order in found.values()):
         for index, (r_index, order) in found.items():
             frames[index], pairs[index] = order, r_index
@@ -247,3 +249,67 @@ def _joined_frames(graph: OpGraph, node: OpNode, frames: dict[int, torch.Tensor]
         joined.append(frame + offset)
         offset += frame.numel()
     return torch.cat(joined)
+
+
+# A candidate gather holds a reference gather's rows, some dropped, duplicated or others in their place,
+# where the two sets share at least this share of their rows (Jaccard, as multisets).
+SAME_ROWS_SHARE = 0.5
+
+
+@dataclass
+class RowSet:
+    """A reference gather whose rows the candidate's nearest gather (or slice of one) holds only in
+    part: which of the source's rows each side took (one integer key each, `_gathered`)."""
+
+    ref: int  # the reference gather
+    cand: int  # the candidate's gather or slice of one
+    ref_rows: list[int]
+    cand_rows: list[int]
+
+
+def row_sets(reference: OpGraph, candidate: OpGraph) -> list[RowSet]:
+    """The reference's gathers of rows whose rows no candidate gather takes (not even in another
+    order), each with the candidate gather or slice of one, from the same values, that shares the most
+    of them (a capacity dispatch that drops an expert's overflowing tokens, a token sent to an expert
+    twice or to the wrong one): `row_frames` pairs gathers whose rows are the same set."""
+    refs = [(n, g) for n in reference.compute() if (g := _gathered(reference, n)) is not None]
+    keyed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for node in candidate.nodes if refs else ():
+        got = _gathered(candidate, node) if not node.layout else None
+        cut = _row_slice(candidate, node) if node.layout else None
+        if cut is not None and cut[0] in keyed:
+            got = keyed[cut[0]][0], keyed[cut[0]][1][cut[1] : cut[2]]
+        if got is not None:
+            keyed[node.index] = got
+    counted = {index: Counter(key.tolist()) for index, (_, key) in keyed.items()}
+    exact = {(tuple(keyed[i][0].shape), tuple(sorted(c.elements()))) for i, c in counted.items()}
+    holding: dict[int, set[int]] = {}  # a row -> the candidate gathers that take it
+    for index, c in counted.items():
+        for row in c:
+            holding.setdefault(row, set()).add(index)
+    same: dict[tuple[int, int], bool] = {}
+    found: list[RowSet] = []
+    for r, (r_source, r_key) in refs:
+        rows = r_key.tolist()
+        mine = Counter(rows)
+        if (tuple(r_source.shape), tuple(sorted(rows))) in exact:
+            continue  # the same rows: `row_frames` pairs them
+        best, share = None, SAME_ROWS_SHARE
+        for index in sorted({i for row in set(rows) for i in holding.get(row, ())}):
+            source = keyed[index][0]
+            if source.shape != r_source.shape:
+                continue
+            got = _shared(mine, counted[index])
+            ids = id(source), id(r_source)
+            better = got > share or (best is None and got == share)  # the first of equal shares
+            if better and (same.get(ids) or same.setdefault(ids, rel_l2(source, r_source) <= VALUE_TOL)):
+                best, share = index, got
+        if best is not None:
+            found.append(RowSet(r.index, best, rows, keyed[best][1].tolist()))
+    return found
+
+
+def _shared(ca: Counter, cb: Counter) -> float:
+    """The share of rows two gathers have in common, as multisets (Jaccard)."""
+    union = sum((ca | cb).values())
+    return sum((ca & cb).values()) / union if union else 1.0

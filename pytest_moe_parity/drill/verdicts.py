@@ -15,6 +15,7 @@ from ..report.drill import Drill, OpRow
 from .capture import OpGraph
 from .engine import BOOKKEEPING, Drilling, Execute, Reference
 from .explain import label
+from .groups import OtherRows, culprit_group, differing_rows, rows_group
 from .made import Made, made_found, said
 
 
@@ -39,21 +40,10 @@ def run_drill(
     )  # fmt: skip
     rows = d.rows()
     error, noise, _ = d.component
-    introduced = [r for r in rows if r.verdict == "introduced"]
-    culprit, recovery, substituted, recovery_all, partial = None, None, [], None, None
-    culprit_op, evidence = "", []
+    other_rows = [] if same_code else differing_rows(d.ref, d.cand, rows)
     unmatched = _unmatched(rows)
-    if introduced and unmatched is None:
-        culprit_row = introduced[0]
-        culprit = culprit_row.name
-        recovery, substituted = d.substitute(culprit)
-        culprit_row.recovery = recovery
-        matched = [r.name for r in introduced if r.how is not None]
-        if len(matched) > 1:
-            recovery_all = d.substitute(matched)[0]
-        if recovery is not None and recovery < 0.5:  # part of the error: which other op explains more
-            partial = _explains_more(d, rows, culprit_row, recovery)
-        culprit_op, evidence = label(culprit, culprit_row.kind), d.evidence(culprit)
+    found = _culprit(d, rows, other_rows) if unmatched is None else {}
+    culprit = found.get("culprit")
     structure = _structure(d, rows, culprit) if unmatched is None else []
     accumulation = None
     # the component diverges with no op to blame: its point failed, or, not judged in this run, its
@@ -64,13 +54,46 @@ def run_drill(
     if culprit is None and not structure and unmatched is None and diverges:
         accumulation = _accumulation(d, rows, made)
     result = Drill(
-        point, rows, culprit, recovery, error, noise, factor, str(dtype).removeprefix("torch."), same_code,
-        time.perf_counter() - started, substituted, recovery_all,
-        structure=structure, partial=partial, accumulation=accumulation, unmatched=unmatched,
-        culprit_op=culprit_op, evidence=evidence, made=said(d, made),
+        point, rows, culprit, found.get("recovery"), error, noise, factor, str(dtype).removeprefix("torch."),
+        same_code, time.perf_counter() - started, found.get("substituted", []), found.get("recovery_all"),
+        structure=structure, partial=found.get("partial"), accumulation=accumulation, unmatched=unmatched,
+        culprit_op=found.get("culprit_op", ""), evidence=found.get("evidence", []),
+        row_sets=[o.sentence for o in other_rows],
+        made=said(d, made),
+        **found.get("group", {}),
     )  # fmt: skip
     result.state = d  # for a repro file; not part of the JSON
     return result
+
+
+def _culprit(d: Drilling, rows: list[OpRow], other_rows: list[OtherRows]) -> dict[str, Any]:
+    """The culprit (the first introduced row), its recovery, its group's (`groups.culprit_group`),
+    every introduced op's together, the next op that explains more, and what its op was given. A
+    gather whose rows differ as a set (`groups.differing_rows`) is not substituted: the candidate's
+    rows are other rows than the reference's, so the reference's cannot take their place."""
+    introduced = [r for r in rows if r.verdict == "introduced"]
+    if not introduced:
+        return {}
+    row = introduced[0]
+    found: dict[str, Any] = {"culprit": row.name, "culprit_op": label(row.name, row.kind)}
+    on_other_rows = row.name in {o.row for o in other_rows}
+    recovery, substituted = (None, []) if on_other_rows else d.substitute(row.name)
+    row.recovery = recovery
+    found.update(recovery=recovery, substituted=substituted, evidence=d.evidence(row.name))
+    if on_other_rows:
+        group = rows_group(other_rows, row, rows)
+    else:
+        group = culprit_group(rows, row, recovery, lambda names: d.substitute(names)[0])
+    if group is not None:
+        found["group"] = {"culprit_group": group.label, "group_ops": group.ops, "group_recovery": group.recovery}
+    matched = [r.name for r in introduced if r.how is not None]
+    if len(matched) > 1:
+        same = group is not None and set(group.ops) == set(matched)
+        found["recovery_all"] = group.recovery if same else d.substitute(matched)[0]
+    best = group.recovery if group is not None and group.recovery is not None else recovery
+    if best is not None and best < 0.5:  # part of the error: which other op explains more
+        found["partial"] = _explains_more(d, rows, row, best, group.ops if group is not None else [])
+    return found
 
 
 # structure sentences whose recovery a substitution measures (a replay each): as many as the text shows
@@ -127,10 +150,14 @@ def _structure(d: Drilling, rows: list[OpRow], culprit: str | None) -> list[str]
     return out
 
 
-def _explains_more(d: Drilling, rows: list[OpRow], culprit: OpRow, recovery: float) -> dict[str, Any] | None:
-    """Where substituting the culprit recovers under half of the error: the other introduced or
-    missing op (the first five after it) whose substitution recovers most, if it recovers more."""
-    others = [r for r in rows if r is not culprit and r.verdict in ("introduced", "missing")][:5]
+def _explains_more(
+    d: Drilling, rows: list[OpRow], culprit: OpRow, recovery: float, group: list[str]
+) -> dict[str, Any] | None:
+    """Where substituting the culprit (its group) recovers under half of the error: the other
+    introduced or missing op (the first five after it, out of its group) whose substitution recovers
+    most, if it recovers more."""
+    others = [r for r in rows if r is not culprit and r.name not in group and r.verdict in ("introduced", "missing")]
+    others = others[:5]
     best = None
     for row in others:
         got = d.substitute(row.name)[0]

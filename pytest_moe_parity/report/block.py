@@ -8,12 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtypes import json_safe
-from .drill import Drill, differs, recovers
+from .drill import Drill, culprit_said, differs
 from .rows import PointRow, Row, WeightsRow
 from .summary import counts, first_divergence
 from .text import fmt
 
-DRILL = ("point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro")  # the block's drill
+DRILL = (
+    "point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro", "culprit_group",
+    "group_recovery", "row_sets",
+)  # fmt: skip  # the block's drill
 CANDIDATE = ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
 BEGIN, END = "--- moe-parity bug report (paste this block) ---", "--- end of the bug report ---"
 
@@ -93,9 +96,10 @@ def bug_report_text(block: dict[str, Any]) -> list[str]:
     drill = block["drill"]
     if drill is not None:
         if drill["culprit"]:
-            said = recovers(drill["recovery"])
-            said = f", {said}" if said else ""
-            lines.append(f"drill {drill['point']}: culprit {drill['culprit_op'] or drill['culprit']}{said}")
+            culprit = drill["culprit_op"] or drill["culprit"]
+            said = culprit_said(culprit, drill["recovery"], drill.get("culprit_group"), drill.get("group_recovery"),
+                                drill.get("row_sets"))  # fmt: skip
+            lines.append(f"drill {drill['point']}: culprit {said}")
             lines.extend(f"  {e}" for e in differs(drill["evidence"] or []))
         elif drill["structure"]:
             lines.append(f"drill {drill['point']}: {drill['structure'][0]}")

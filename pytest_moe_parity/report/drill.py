@@ -71,6 +71,13 @@ class Drill:
     # the culprit's aten op and what it was given that the reference's was not (`explain`)
     culprit_op: str = ""
     evidence: list[str] = field(default_factory=list)
+    # the same op introduced error in several experts (`drill.groups`): the group in words ("gate_up_proj
+    # in all 8 experts"), its ops (rows' names, the culprit first) and what substituting them all recovers
+    culprit_group: str | None = None
+    group_ops: list[str] = field(default_factory=list)
+    group_recovery: float | None = None
+    # experts that ran on other rows than the reference's ("expert 0 ran on 5 of its 7 tokens: ...")
+    row_sets: list[str] = field(default_factory=list)
     # the drill's values while its point is drilled (the engine's `Drilling`, for a repro file); dropped
     # by `Driller.release`, never in the JSON
     state: Any = field(default=None, repr=False, compare=False)
@@ -95,12 +102,14 @@ class Drill:
 
     def finding(self) -> str | None:
         """What the drill proved about its point, as the point's hint (None: nothing beyond it)."""
-        return finding(self.culprit, self.recovery, self.structure)
+        return finding(self.culprit, self.recovery, self.structure, self.culprit_group, self.group_recovery,
+                       self.row_sets)  # fmt: skip
 
     def findings(self) -> list[str]:
         """The drill's sentences beside its line and op table: the culprit's evidence, the structure,
         how the error accumulates, why matching failed, the next op that explains it, the repro."""
-        said = [*self.differs(), *(f"structure: {s}" for s in self.structure)]
+        said = [*self.differs(), *(f"rows differ: {s}" for s in self.row_sets)]
+        said += [f"structure: {s}" for s in self.structure]
         if self.made:
             said.append(f"made inside the call: {self.made}")
         if self.accumulation:
@@ -153,16 +162,42 @@ def differs(evidence: list[str]) -> list[str]:
     return [f"the culprit's op differs: {said}" for said in evidence]
 
 
-def recovers(recovery: float | None) -> str:
-    """ "substituting it recovers N%" (empty where nothing was substituted)."""
-    return f"substituting it recovers {100 * recovery:.0f}%" if recovery is not None else ""
+def recovers(recovery: float | None, them: bool = False) -> str:
+    """ "substituting it recovers N%" ("them": a group's; empty where nothing was substituted)."""
+    return f"substituting {'them' if them else 'it'} recovers {100 * recovery:.0f}%" if recovery is not None else ""
 
 
-def finding(culprit: str | None, recovery: float | None, structure: list[str] | None) -> str | None:
+def culprit_said(
+    culprit: str,
+    recovery: float | None,
+    group: str | None = None,
+    group_recovery: float | None = None,
+    row_sets: list[str] | None = None,
+) -> str:
+    """The culprit and its recovery in one phrase: `gate_up_proj in all 8 experts, substituting them
+    recovers 100%`, `down_proj, substituting it recovers 97%`, or the rows it ran on where no
+    substitution can be measured (`expert[0].index: expert 0 ran on 5 of its 7 tokens: ...`)."""
+    said = recovers(group_recovery, them=True) if group else recovers(recovery)
+    text = f"{group or culprit}{', ' + said if said else ''}"
+    if not said and row_sets:
+        text += f" ({row_sets[0]}{'; ...' if len(row_sets) > 1 else ''})"
+    return text
+
+
+def finding(
+    culprit: str | None,
+    recovery: float | None,
+    structure: list[str] | None,
+    group: str | None = None,
+    group_recovery: float | None = None,
+    row_sets: list[str] | None = None,
+) -> str | None:
     """What a drill proved about its point (of a drill, or of the summary's `drills` entry)."""
     if culprit:
-        said = recovers(recovery)
-        return f"drill: {culprit} introduced the divergence{'; ' + said if said else ''}"
+        said = recovers(group_recovery, them=True) if group else recovers(recovery)
+        if not said and row_sets:
+            said = row_sets[0]
+        return f"drill: {group or culprit} introduced the divergence{'; ' + said if said else ''}"
     if structure:
         return f"drill: {structure[0]}"
     return None

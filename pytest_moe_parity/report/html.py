@@ -283,7 +283,8 @@ class _Page:
                 )
             )
             drill = (s.get("drills") or {}).get(first)
-            proved = finding(drill.get("culprit"), drill.get("recovery"), drill.get("structure")) if drill else None
+            keys = ("culprit", "recovery", "structure", "culprit_group", "group_recovery", "row_sets")
+            proved = finding(*(drill.get(k) for k in keys)) if drill else None
             if proved:
                 parts.append(el("p", el("b", "drill: "), proved.removeprefix("drill: ")))
             if s.get("hint"):

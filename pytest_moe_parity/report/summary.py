@@ -10,7 +10,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
-from .drill import Drill, recovers
+from .drill import Drill, culprit_said
 from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .text import fmt
 
@@ -367,9 +367,9 @@ def drill_line(drill: Drill) -> tuple[str, str | None]:
         made = drill.made and "a value made inside the call differs from the golden's"
         why = f"{why}; {made}" if why and made else why or made
         return f"{head}; no culprit{f' ({why})' if why else ''}", "green" if not failed and not why else "red"
-    recovery = drill.recovery
-    said = f", {recovers(recovery)}" if recovery is not None else ""
+    said = culprit_said(drill.culprit, drill.recovery, drill.culprit_group, drill.group_recovery, drill.row_sets)
+    shown = drill.group_recovery if drill.culprit_group else drill.recovery
     both = drill.recovery_introduced
-    if both is not None and both != recovery:
+    if both is not None and both != shown:
         said += f" ({100 * both:.0f}% with every op that introduced error)"
-    return f"{head}; culprit {drill.culprit}{said}", "red"
+    return f"{head}; culprit {said}", "red"

@@ -275,26 +275,7 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
     if drill.unmatched:
         lines.append(f"  matching failed: {drill.unmatched}")
     elif drill.culprit:
-        lines.append(f"  culprit: {drill.culprit} introduced the divergence")
-        if drill.culprit_op and drill.culprit_op != drill.culprit:
-            lines.append(f"  the culprit's op: {drill.culprit_op}")
-        lines.extend(f"  {said}" for said in drill.differs())
-        if drill.recovery is not None:
-            lines.append(
-                f"  substituting the reference's output of {drill.culprit} in the candidate's run recovers "
-                f"{pct(drill.recovery)} of {drill.point}'s error ({fmt(drill.component_error, 3)}; the reference's "
-                f"own: {fmt(drill.component_noise, 3)})"
-            )
-        if drill.partial:
-            share, then = f"part of the error ({pct(drill.recovery)})", "the next op that does"
-            if drill.recovery is not None and drill.recovery < 0.005:  # another op's error hides its own
-                share, then = "none of the error alone (0%)", "the next op that explains some"
-            lines.append(
-                f"  {drill.culprit} explains {share}; {then}: {drill.partial['op']} (substituting it recovers "
-                f"{pct(drill.partial['recovery'])})"
-            )
-        if drill.recovery_introduced is not None and drill.recovery_introduced != drill.recovery:
-            lines.append(f"  substituting every op that introduced error recovers {pct(drill.recovery_introduced)}")
+        lines.extend(_culprit_lines(drill))
     elif drill.structure:
         lines.append("  no op introduced the divergence: it is structural (ops missing or extra, below)")
     elif drill.accumulation:
@@ -317,6 +298,48 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
     return "\n".join(lines)
 
 
+def _culprit_lines(drill: Drill) -> list[str]:
+    """The culprit (its group's), what its op was given, the rows it ran on, and the recoveries."""
+    group, own = drill.culprit_group, drill.culprit
+    row = drill.row(own)
+    rows_of = row is not None and row.note in drill.row_sets  # a gather of other rows: whose they are
+    whose = f", {row.note.split(' ran on ')[0]}'s gather" if rows_of else ""  # the op's name may say another
+    first = f" (the first: {own}{whose})" if group else ""
+    lines = [f"  culprit: {group or own} introduced the divergence{first}"]
+    if drill.culprit_op and drill.culprit_op != own:
+        lines.append(f"  the culprit's op: {drill.culprit_op}")
+    lines.extend(f"  {said}" for said in drill.differs())
+    lines.extend(f"  rows differ: {said}" for said in drill.row_sets)
+    error, noise = fmt(drill.component_error, 3), fmt(drill.component_noise, 3)
+    if drill.recovery is not None:
+        lines.append(
+            f"  substituting the reference's output of {own} in the candidate's run recovers {pct(drill.recovery)} "
+            f"of {drill.point}'s error ({error}; the reference's own: {noise})"
+        )
+    elif rows_of:
+        lines.append(
+            f"  nothing substituted: the candidate's counterpart of {own} holds other rows than it, so the "
+            f"reference's values cannot take their place"
+        )
+    if group and drill.group_recovery is not None:
+        lines.append(
+            f"  substituting the reference's outputs of {group} ({len(drill.group_ops)} ops) recovers "
+            f"{pct(drill.group_recovery)} of {drill.point}'s error"
+        )
+    best = drill.group_recovery if group and drill.group_recovery is not None else drill.recovery
+    if drill.partial:
+        share, then = f"part of the error ({pct(best)})", "the next op that does"
+        if best is not None and best < 0.005:  # another op's error hides its own
+            share, then = "none of the error alone (0%)", "the next op that explains some"
+        lines.append(
+            f"  {group or own} explains {share}; {then}: {drill.partial['op']} (substituting it recovers "
+            f"{pct(drill.partial['recovery'])})"
+        )
+    if drill.recovery_introduced is not None and drill.recovery_introduced not in (drill.recovery, best):
+        lines.append(f"  substituting every op that introduced error recovers {pct(drill.recovery_introduced)}")
+    return lines
+
+
 def drill_op_text(point: str, op: OpRow, drill: Drill) -> str:
     """One drill item's failure."""
     head = {
@@ -326,11 +349,15 @@ def drill_op_text(point: str, op: OpRow, drill: Drill) -> str:
         "missing": "has no counterpart among the candidate's ops",
         "extra": "is a candidate op that matches no reference op",
     }[op.verdict]
+    if op.verdict == "introduced" and op.note in drill.row_sets:
+        head = "introduced the divergence: the candidate's counterpart holds other rows (tokens) than it"
     lines = [f"{point}::{op.name} {head}", _op_line(op)]
     if op.candidate:
         lines.append(f"  computed by the candidate's {', '.join(op.candidate)}")
     if op.recovery is not None:
         lines.append(f"  substituting its golden output recovers {pct(op.recovery)} of {point}'s error")
-    if drill.culprit and drill.culprit != op.name:
-        lines.append(f"  the drill's culprit: {drill.culprit}")
+    if drill.culprit_group and op.name in drill.group_ops:
+        lines.append(f"  part of the drill's culprit, {drill.culprit_group}")
+    elif drill.culprit and drill.culprit != op.name:
+        lines.append(f"  the drill's culprit: {drill.culprit_group or drill.culprit}")
     return "\n".join(lines)
