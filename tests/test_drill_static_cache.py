@@ -5,8 +5,8 @@ it, the slots not live masked by the cache's positions. The reference joins the 
 keys (`torch.cat` in `DynamicCache.update`) and scores over the live length: the write is matched to
 the join on its live slots, and the scores, the masked scores and the probabilities on theirs. Clean,
 each layout drills clean; each decode bug is named at the op it changes (the write, the mask, the
-rotation), substituting it (or every op that introduced error: the keys' write and the values')
-recovers the component, and what the drill says of the culprit is true of the port."""
+rotation), substituting it (or, where the keys' write and the values' both introduced the error,
+the cache write as one) recovers the component, and what the drill says of the culprit is true of the port."""
 
 from __future__ import annotations
 
@@ -78,9 +78,13 @@ def test_each_decode_bug_over_a_static_cache_is_named_at_the_op_it_changes(bugs,
     assert culprit == named and rows[culprit]["verdict"] == "introduced", (culprit, record["structure"])
     recovered = [x for x in (record["recovery"], record["recovery_introduced"]) if x is not None]
     assert recovered and max(recovered) >= 0.9, record
-    result.stdout.fnmatch_lines([f"drill {POINT}: * culprit {named}, substituting it recovers *"])
-    if record["partial"] and record["recovery"] < 0.005:  # the keys' write alone: the values' hides it
-        result.stdout.fnmatch_lines([f"  {named} explains none of the error alone (0%); the next op that explains *"])
+    group = record["culprit_group"]
+    if group:  # the keys' and the values' writes both introduced it: each alone leaves the other's error
+        assert named == WRITE and group == "the cache write (keys and values)", group
+        assert record["group_ops"] == [WRITE, f"{WRITE}#2"] and record["group_recovery"] >= 0.9, record
+        result.stdout.fnmatch_lines([f"drill {POINT}: * culprit {group}, substituting them recovers *"])
+    else:
+        result.stdout.fnmatch_lines([f"drill {POINT}: * culprit {named}, substituting it recovers *"])
     past, start, size = _geometry(record, bugs)
     said = " ".join(record["evidence"])
     if named == WRITE:  # the slot it writes, where the reference's positions are, which differ

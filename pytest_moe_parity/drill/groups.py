@@ -9,6 +9,9 @@ reversed experts' `down_proj`, a zeroed expert's every matmul) and the op alone 
 `GROUP_ENOUGH`, the group takes them in (`gate_up_proj, down_proj in expert 3`) where that recovers
 more. Where one expert alone introduced it, that expert's op is the culprit, with its own recovery.
 Ops are grouped by their names with the expert taken out (`capture.name_ops`: `expert[5].down_proj`).
+A static cache's write of the keys and of the values (`cache.CACHE_WRITE`) is one group too where
+both introduced the error (a write one slot early, a past never joined): each alone leaves the other's
+error in place, so the write is the culprit as one, `the cache write (keys and values)`.
 
 **Row sets.** Where a reference expert's gather of its tokens has no candidate gather of the same
 tokens, but one that shares most of them (`rows.row_sets`: a capacity dispatch drops an expert's
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..report.drill import OpRow
+from .cache import CACHE_WRITE
 from .capture import OpGraph
 from .rows import row_sets
 
@@ -74,7 +78,7 @@ def culprit_group(
     recovery of substituting several ops."""
     own = split(culprit.name)
     if own is None:
-        return None
+        return _cache_write(rows, culprit, substitute)
     ran = {p[1] for r in rows if r.verdict != "extra" and (p := split(r.name)) is not None}  # the reference's
     by_op: dict[str, dict[int, str]] = {}
     for r in rows:
@@ -98,6 +102,17 @@ def culprit_group(
         if got is not None and (recovery is None or got > recovery):
             group = Group(f"{', '.join(joined_ops)} in {_where(experts, ran)}", joined, got)
     return group
+
+
+def _cache_write(rows: list[OpRow], culprit: OpRow, substitute: Callable[[list[str]], float | None]) -> Group | None:
+    """A static cache's writes (keys, values) that both introduced error: the culprit as one."""
+    if culprit.how != CACHE_WRITE:
+        return None
+    writes = [r.name for r in rows if r.verdict == "introduced" and r.how == CACHE_WRITE]
+    if len(writes) < 2:
+        return None
+    label = "the cache write (keys and values)" if len(writes) == 2 else f"the cache writes ({len(writes)} of them)"
+    return Group(label, writes, substitute(writes))
 
 
 @dataclass
