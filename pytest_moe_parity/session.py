@@ -263,8 +263,8 @@ class ParitySession:
             )
 
     def plan(self, points: list[Point]) -> None:
-        """The points this run will prepare, in order (the backend may read ahead)."""
-        self.backend.plan(points)
+        """The points this run will prepare, in order (the backend reads ahead, the golden checks ahead)."""
+        self.runner.plan(points)
 
     def run_all(self, items: bool = False) -> Iterator[Row]:
         """Judge every selected point in forward order, recording and yielding its row; with `items`,

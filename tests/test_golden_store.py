@@ -144,6 +144,34 @@ def test_truncated_layer_file_names_the_file(golden_copy: Path) -> None:
         unverified.load("layer_2.attention")
 
 
+def test_planned_files_are_checked_ahead_and_a_mismatch_is_said_at_their_read(golden_copy: Path, monkeypatch) -> None:
+    """`plan` computes the planned files' sha256s in a background thread, once each; a file that does not
+    match is said where it was said before: at its first read, and the other layers read as they did."""
+    hashed: list[str] = []
+    real_sha = golden_mod.sha256_file
+
+    def spy_sha(path, *a, **k):
+        hashed.append(Path(path).name)
+        return real_sha(path, *a, **k)
+
+    monkeypatch.setattr(golden_mod, "sha256_file", spy_sha)
+    path = golden_copy / "layer_2.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    store = GoldenStore(golden_copy)
+    layers = [p for p in store.points if p.layer in (1, 2)]
+    store.plan(layers)
+    store.plan(layers)  # planned twice: each file still hashed once
+    store.load("layer_1.attention")
+    with pytest.raises(GoldenError, match=r"layer_2.safetensors does not match its sha256"):
+        store.load("layer_2.attention")
+    store.close()
+    assert sorted(hashed) == ["layer_1.safetensors", "layer_2.safetensors"]
+    assert list(store.opened_files) == ["layer_1.safetensors"]  # layer_2 failed its check before its read
+    unverified = GoldenStore(golden_copy, verify=False)
+    unverified.plan(layers)  # nothing to check ahead
+    assert unverified._hasher is None
+
+
 def test_replaced_file_fails_its_sha256(golden_copy: Path) -> None:
     shutil.copy(golden_copy / "layer_1.safetensors", golden_copy / "layer_0.safetensors")
     with pytest.raises(GoldenError, match=r"layer_0.safetensors does not match its sha256"):

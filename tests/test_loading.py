@@ -14,7 +14,7 @@ import torch
 from pytest_moe_parity.backends import BackendSetup
 from pytest_moe_parity.backends.hf import TorchBackend
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel
+from pytest_moe_parity.model.lazy_model import SYNC_LOAD_VARIABLE, CheckpointError, LazyModel, _UnitStateDict
 from pytest_moe_parity.record.reference import load_model
 from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.replay.runner import cast_inputs
@@ -40,6 +40,26 @@ def test_one_layer_matches_the_full_load(arch: str, dtype: torch.dtype, tiny_mod
     assert all(k.startswith(prefix) for k in lazy.stats.keys)
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert lazy.stats.files == {index[k] for k in lazy.stats.keys}
+
+
+def test_a_layer_read_shows_the_loader_that_layer_not_the_whole_model(tiny_model, monkeypatch) -> None:
+    """transformers' loader takes the model's state dict at every call (a walk of every module of every
+    layer, per layer read): a decoder layer's read hands it the layer's own, any other name answered
+    from the module it names as the whole state dict answers it."""
+    lazy = LazyModel(tiny_model("qwen3_moe"), dtype=torch.bfloat16)
+    whole = lazy.model.state_dict()
+    walks: list[str] = []
+    real = type(lazy.model).state_dict
+    monkeypatch.setattr(type(lazy.model), "state_dict", lambda self, *a, **k: walks.append("") or real(self, *a, **k))
+    lazy.ensure(1)
+    assert walks == []  # (test_one_layer_matches_the_full_load: the weights read are transformers' own)
+    scoped = _UnitStateDict(lazy.model, lazy.unit_path(1))
+    assert set(scoped) == {k for k in whole if k.startswith("model.layers.1.")}
+    others = ["model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight", "layers.1.mlp.gate.bias",
+              "model.layers.1.nope.weight", "model.nope.weight", "model.rotary_emb.inv_freq", "nope"]  # fmt: skip
+    for name in others:
+        assert (name in scoped) == (name in whole), name
+        assert (scoped.get(name) is None) == (whole.get(name) is None), name
 
 
 @pytest.mark.parametrize("arch", available_archs())

@@ -8,7 +8,8 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ class GoldenStore:
         self.verify = verify
         self.opened_files: dict[str, None] = {}  # file names in the order first read
         self._verified: set[str] = set()
+        self._hashing: dict[str, Future[str]] = {}  # file name -> its sha256, computed ahead (`plan`)
+        self._hasher: ThreadPoolExecutor | None = None
         self._safe_paths: dict[str, Path] = {}  # file name -> its checked path (resolved once)
         self._padding: tuple[list[int], int] | None = None  # the batch's padding tokens (see padding)
         self._noise_keys: dict[str, dict[tuple[str, str], list[str]]] = {}  # see noise_tokens
@@ -460,7 +463,7 @@ class GoldenStore:
             raise GoldenError(f"{path} is missing from the golden directory")
         if (self.verify or force) and name not in self._verified:
             expected = self.manifest["files"][name].get("sha256")
-            actual = sha256_file(path)
+            actual = self._sha256(name, path)
             if actual != expected:
                 raise GoldenError(
                     f"{path} does not match its sha256 in the manifest (corrupted, truncated or replaced); "
@@ -468,6 +471,43 @@ class GoldenStore:
                 )
             self._verified.add(name)
         return path
+
+    def _sha256(self, name: str, path: Path) -> str:
+        """The file's sha256: computed ahead by `plan` where it was (waited for where it is under way),
+        else here."""
+        future = self._hashing.pop(name, None)
+        if future is not None and not future.cancel():  # under way or done: its result
+            try:
+                return future.result()
+            except OSError:
+                pass  # said by the read here
+        return sha256_file(path)
+
+    def plan(self, points: Iterable[str | Point]) -> None:
+        """The points a run will read, in order: their files' sha256s are computed ahead, one file after
+        another in a background thread (reading and hashing release the GIL), so that a point's first
+        read finds its file checked, and in the page cache. Nothing changes in what is checked or when
+        a mismatch is said: at the first read of the file (`_check_file`)."""
+        if not self.verify:
+            return
+        entries = (self._entries.get(p.id if isinstance(p, Point) else p) for p in points)
+        for name in dict.fromkeys(e["file"] for e in entries if e is not None):
+            if name in self._verified or name in self._hashing or name not in self.manifest["files"]:
+                continue
+            try:
+                path = self._safe_path(name)
+            except GoldenError:
+                continue  # said at its first read
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="golden-sha256")
+            self._hashing[name] = self._hasher.submit(sha256_file, path)
+
+    def close(self) -> None:
+        """Stop computing sha256s ahead (`plan`); a later read checks its file itself."""
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher = None
+        self._hashing.clear()
 
     def tensors(self, pid: str | Point) -> dict[str, torch.Tensor]:
         """The tensors of one point, read from its own file only."""

@@ -76,6 +76,72 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _META_BUILD = threading.Lock()
 
 
+class _UnitStateDict(dict):
+    """The model's state dict as transformers' loader reads it while one unit's weights load: the unit's
+    own entries, and any other name answered from the module it names (as the whole model's state
+    dict would answer it), never by walking every module of every layer. The loader builds the whole
+    model's state dict at each call, a walk of the whole skeleton for each layer read."""
+
+    def __init__(self, model: nn.Module, path: str):
+        super().__init__(model.get_submodule(path).state_dict(prefix=f"{path}."))
+        self._model, self._prefix = model, f"{path}."
+        self._whole: dict[str, Any] | None = None
+
+    def _lookup(self, name: str) -> Any:
+        if name.startswith(self._prefix):  # the unit's own: complete above
+            return None
+        module_path, _, leaf = name.rpartition(".")
+        if leaf == "_extra_state":  # a module's own state, rare: the whole state dict's answer
+            if self._whole is None:
+                self._whole = self._model.state_dict()
+            return self._whole.get(name)
+        try:
+            module = self._model.get_submodule(module_path)
+        except AttributeError:
+            return None
+        if leaf in module._parameters and module._parameters[leaf] is not None:
+            return module._parameters[leaf].detach()
+        if module._buffers.get(leaf) is not None and leaf not in module._non_persistent_buffers_set:
+            return module._buffers[leaf].detach()
+        return None
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(name) or (isinstance(name, str) and self._lookup(name) is not None)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if super().__contains__(name):
+            return super().__getitem__(name)
+        found = self._lookup(name)
+        return default if found is None else found
+
+    def __missing__(self, name: str) -> Any:
+        found = self._lookup(name)
+        if found is None:
+            raise KeyError(name)
+        return found
+
+
+class _UnitView:
+    """The model, as transformers' loader sees it while the weights of the unit at `path` load: its
+    state dict and buffers the unit's (`_UnitStateDict`), everything else the model's own."""
+
+    def __init__(self, model: nn.Module, path: str):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_path", path)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return _UnitStateDict(self._model, self._path)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model.get_submodule(self._path).named_buffers(prefix=self._path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._model, name, value)
+
+
 class LazyModel:
     """A transformers causal LM built on the meta device; `module(path)` materialises the weights
     of the unit (decoder layer or model-level module) that contains `path`, once."""
@@ -445,8 +511,12 @@ class LazyModel:
                 device_map={"": self.device},
                 weight_mapping=self._mapping(),
             )
+            layers = {self.layer_of(k) for k in keys}  # one decoder layer's keys: the loader sees that layer
+            target = (
+                _UnitView(self.model, self.unit_path(layers.pop())) if layers != {None} and len(layers) == 1 else None
+            )
             with _META_BUILD:
-                convert_and_load_state_dict_in_model(self.model, state, config)
+                convert_and_load_state_dict_in_model(target or self.model, state, config)
             state.clear()
 
     @contextlib.contextmanager

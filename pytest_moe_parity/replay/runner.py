@@ -326,6 +326,12 @@ class ParityRunner:
     def run(self, pid: str | Point, marker: dict[str, Any] | None = None) -> PointResult:
         return self.judge(self.prepare(pid), marker)
 
+    def plan(self, points: list[Point]) -> None:
+        """The points this run will prepare, in order: the backend may read their weights ahead, the
+        golden computes their files' sha256s ahead (`GoldenStore.plan`)."""
+        self.backend.plan(points)
+        self.golden.plan(points)
+
     def close(self) -> None:
         self._router_cache.clear()
         try:
@@ -333,6 +339,7 @@ class ParityRunner:
                 self.chain.close()
             self.backend.close()
         finally:
+            self.golden.close()
             if self._froze:
                 gc.unfreeze()
                 self._froze = False
