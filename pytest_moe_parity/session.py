@@ -326,7 +326,7 @@ class ParitySession:
         if self.mode == "isolated" or kind is None:
             return (
                 "moe-parity: inputs: each point on the golden's recorded call (hidden states, masks, position ids, "
-                "rotary tables, caches): the port's own mask and position builders are not exercised here"
+                "rotary tables, caches): a port's own mask and position builders run only in a module that makes them"
                 + ("; --parity-mode chain runs them" if kind == "model" else "")
             )
         if kind == "model":

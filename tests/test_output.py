@@ -352,12 +352,12 @@ def test_failing_verdicts_and_rows_are_red_where_the_terminal_shows_colour(
 
 
 def test_the_run_says_which_inputs_came_from_the_golden(pytester: pytest.Pytester, golden_dir) -> None:
-    """A backend fed the golden's masks and positions never runs the port's own builders: the run says
-    so, and says where the candidate builds its own (a chained whole-model run)."""
+    """A backend fed the golden's masks and positions runs a port's own builders only in a module that
+    makes them: the run says so, and says where the candidate builds its own (a chained whole-model run)."""
     golden = golden_dir("qwen3_moe", noise="bfloat16")
     isolated = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding")
     isolated.stdout.fnmatch_lines(
-        ["moe-parity: inputs: each point on the golden's recorded call (*masks, position ids*not exercised here*"]
+        ["moe-parity: inputs: each point on the golden's recorded call*builders run only in a module*"]
     )
     chained = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding", "--parity-mode", "chain")
     chained.stdout.fnmatch_lines(
