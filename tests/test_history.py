@@ -262,3 +262,48 @@ def test_decode_steps_are_drawn_apart_from_the_prefill(
     for name in ("heatmap", "layers"):
         for suffix in ("", ".step_1", ".step_2"):
             decode_png(report / f"{name}{suffix}.png")
+
+
+def test_diff_counts_an_item_new_tonight_that_failed_as_worse(runs, tiny_model, tmp_path: Path, capsys) -> None:
+    """Last night had no config or weight items; tonight's config item is new and failed (the night's
+    root cause): worse, `new tonight`, exit 1. The weight items, new and passed, are only in tonight."""
+    from pytest_moe_parity.session import ParitySession, RunOptions
+
+    copy = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "copy", lambda t: None)
+    edited = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "edited", lambda t: None)
+    faults.edit_config(edited, lambda c: c.update(rms_norm_eps=c["rms_norm_eps"] * 10))
+    nights = {"last": (copy, {"weights": False, "config": False}), "clean": (copy, {}), "tonight": (edited, {})}
+    for name, (candidate, items) in nights.items():
+        options = RunOptions(golden_dir=runs["golden"], model=candidate, dtype="bfloat16", report_dir=tmp_path / name,
+                             **items)  # fmt: skip
+        session = ParitySession(options)
+        list(session.run_all(items=True))  # the config and weight items too
+        session.write_reports()
+    ids = {r["id"]: r["status"] for r in read_json(tmp_path / "tonight" / REPORT_FILE)["points"]}
+    weights = sorted(i for i in ids if i.endswith("weights"))
+    assert ids["config"] == "failed" and weights and all(ids[w] == "passed" for w in weights), ids
+
+    code, out, err = cli(capsys, "diff", tmp_path / "last", tmp_path / "tonight", "--json", tmp_path / "diff.json")
+    assert code == 1, out + err
+    lines = out.splitlines()
+    worse = lines[2 : 2 + int(lines[1].rsplit(": ", 1)[1])]
+    assert worse[0].split()[:5] == ["config", "isolated", "new", "tonight,", "failed;"]
+    assert "rms_norm_eps" in worse[0]
+    assert not [w for w in worse if "weights" in w.split()[0]]
+    only_new = next(line for line in lines if line.startswith(f"only in {tmp_path / 'tonight'} (not compared): "))
+    assert "config" not in only_new.split(": ", 1)[1].split(", ") and weights[0] in only_new
+    written = read_json(tmp_path / "diff.json")
+    config = written["worse"][0]
+    assert config["id"] == "config" and config["new"] is True and config["status"] == [None, "failed"]
+    assert "rms_norm_eps" in config["detail"] and "config" not in written["only_new"]
+    assert all(c.get("new") is not True for c in written["worse"][1:] if c["id"] != "config")
+
+    # the page shows it; new items that passed are not worse: exit 0
+    shutil.copy(tmp_path / "diff.json", tmp_path / "tonight" / "diff.json")
+    code, _, err = cli(capsys, "report", tmp_path / "tonight")
+    assert code == 0, err
+    assert "new tonight, failed" in (tmp_path / "tonight" / HTML_FILE).read_text()
+    code, out, err = cli(capsys, "diff", tmp_path / "last", tmp_path / "clean")
+    assert code == 0, out + err
+    assert "worse beyond x2 or newly failing: 0" in out
+    assert f"only in {tmp_path / 'clean'} (not compared): config, weights, layer_0.weights" in out

@@ -25,24 +25,35 @@ DIFF_FILE = "diff.json"  # a diff kept beside the report it was taken against (t
 @dataclass
 class Change:
     """How one point's verdict in one mode changed: its status, and the figures that moved beyond the
-    factor, as (figure, old, new)."""
+    factor, as (figure, old, new). An item new tonight that failed (`new`) has no old status (None) and
+    says what failed it (`detail`: its figures, findings or error)."""
 
     id: str
     mode: str
-    status: tuple[str, str] | None = None
+    status: tuple[str | None, str] | None = None
     figures: list[tuple[str, float, float]] = field(default_factory=list)
+    new: bool = False
+    detail: str = ""
 
     def line(self) -> str:
-        parts = [f"{self.status[0]} -> {self.status[1]}"] if self.status else []
+        if self.new and self.status:
+            parts = [f"new tonight, {self.status[1]}"]
+        else:
+            parts = [f"{self.status[0]} -> {self.status[1]}"] if self.status else []
         for what, old, new in self.figures:
             factor = f" (x{new / old:.3g})" if old else ""
             parts.append(f"{what} {old:.3g} -> {new:.3g}{factor}")
+        if self.detail:
+            parts.append(self.detail)
         return f"{self.id:<28} {self.mode:<9} " + "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         figures = [{"figure": what, "old": old, "new": new} for what, old, new in self.figures]
-        return {"id": self.id, "mode": self.mode, "status": list(self.status) if self.status else None,
-                "figures": figures}  # fmt: skip
+        out = {"id": self.id, "mode": self.mode, "status": list(self.status) if self.status else None,
+               "figures": figures}  # fmt: skip
+        if self.new:  # new tonight (not in the old report) and failed: status [null, "failed"]
+            out.update(new=True, detail=self.detail)
+        return out
 
 
 @dataclass
@@ -120,16 +131,20 @@ def comparable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
 
 def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.0, min_error: float = 1e-3) -> Diff:
     """Point by point and mode by mode: a status that went from passed to failed or error, and a
-    figure that grew beyond `factor` (rel_l2 ending above `min_error`, a noise ratio above 1)."""
+    figure that grew beyond `factor` (rel_l2 ending above `min_error`, a noise ratio above 1); an item
+    new tonight that failed or errored is worse too (it may be the night's root cause)."""
     floors = {"rel_l2": min_error, "noise_ratio": 1.0}
     old_rows = {r.id: r for r in map(Row.from_json, old["points"])}
     new_rows = {r.id: r for r in map(Row.from_json, new["points"])}
     diff = Diff(old, new)
     diff.only_old = [pid for pid in old_rows if pid not in new_rows]
-    diff.only_new = [pid for pid in new_rows if pid not in old_rows]
     for pid, n_row in new_rows.items():
         o_row = old_rows.get(pid)
-        if o_row is None:
+        if o_row is None:  # new tonight: worse where it failed (a config item, weight items), else not compared
+            failures = new_failures(n_row)
+            diff.worse += failures
+            if not failures:
+                diff.only_new.append(pid)
             continue
         diff.common += 1
         if "skipped" in (o_row.status, n_row.status):
@@ -158,6 +173,31 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
             elif better.figures:
                 diff.better.append(better)
     return diff
+
+
+def new_failures(row: Row) -> list[Change]:
+    """An item new tonight, as the worse changes of its modes that failed or errored (none where it
+    passed or was skipped): each says what failed it."""
+    out = []
+    for mode, mode_row in row.by_mode().items():
+        status = "error" if row.status == "error" else mode_row.verdict(mode)
+        if status in ("failed", "error"):
+            out.append(Change(row.id, mode, (None, status), new=True, detail=_what_failed(row, mode_row)))
+    return out
+
+
+def _what_failed(row: Row, mode_row: Row) -> str:
+    """One line on what failed a new item: its error, its findings (a config or weight item), or its
+    figures (a point)."""
+    if row.error:
+        return row.error.strip().splitlines()[0] if row.error.strip() else "error"
+    findings = getattr(row, "findings", None) or []
+    if findings:
+        more = f" and {len(findings) - 2} more" if len(findings) > 2 else ""
+        return ", ".join(findings[:2]) + more
+    shown = [(what, figure(mode_row, what)) for what in FIGURES]
+    figures = [f"{what} {value:.3g}" for what, value in shown if value is not None and not math.isnan(value)]
+    return "; ".join(figures) or mode_row.hint or row.hint
 
 
 def load_diff(directory: Path, report: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:

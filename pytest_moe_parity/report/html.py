@@ -352,7 +352,9 @@ class _Page:
         body = []
         for c in changes:
             status = " → ".join(map(str, c["status"])) if c.get("status") else ""
-            figures = []
+            if c.get("new"):  # new tonight (not in the old report) and failed: what failed it
+                status = f"new tonight, {c['status'][1] if c.get('status') else 'failed'}"
+            figures = [str(c["detail"])] if c.get("detail") else []
             for f in c.get("figures") or []:
                 old, new = number(f.get("old")), number(f.get("new"))
                 times = f" (×{new / old:.3g})" if old and new is not None else ""
