@@ -116,3 +116,11 @@ def test_the_session_knows(golden_dir, tiny_model) -> None:
 )
 def test_what_requires_a_candidate(option: bool, env: dict[str, str], expected: str | None) -> None:
     assert required(option, env) == expected
+
+
+def test_a_run_of_the_users_own_tests_alone_is_not_empty(pytester: pytest.Pytester, golden_dir) -> None:
+    """Paths given and every point deselected: the user's tests run, which may check the candidate."""
+    pytester.makepyfile(test_mine="def test_mine(golden):\n    assert golden.points\n")
+    result = run_parity(pytester, golden_dir(ARCH), "test_mine.py", "--dtype", "bfloat16", "-k", "mine", REQUIRE_FLAG)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    assert NO_POINT not in result.stdout.str()

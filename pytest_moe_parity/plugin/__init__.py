@@ -311,7 +311,10 @@ class ParityPlugin:
         if self.worker:  # a worker runs the items it is sent, not those it collected
             return
         points = [i.point for i in session.items if isinstance(i, ParityItem)]
-        alone = self.session.options.workers == 1  # an xdist controller holds no items of its own
+        # no point, and no test of the user's (which may check the candidate through the fixtures); an
+        # xdist controller holds no items of its own
+        theirs = any(not isinstance(i, ParityItem | _CheckItem) for i in session.items)
+        alone = self.session.options.workers == 1 and not theirs
         if alone and not points and self.session.vacuous is None:  # -k, -m, --parity-layers kept none
             from ..replay.vacuous import NO_POINT, refusal, required
 
