@@ -24,6 +24,7 @@ from .host import HeldThreads
 from .judge.result import PointResult
 from .judge.tolerances import Override
 from .points import PARTS, Point, describe_layers, point_id
+from .replay import vacuous
 from .replay.batch import BatchItems
 from .replay.checks import Checker, CheckerSetup, Entry
 from .replay.config import ConfigItems
@@ -150,6 +151,7 @@ class ParitySession:
         self.interrupted = False
         self.report_lines: list[str] = []  # what write_reports drew, for the closing lines
         self.checkers = self._checkers()
+        self.vacuous = vacuous.against_itself(self)  # the golden against itself (or, said later, no point)
 
     # -- setup ----------------------------------------------------------------------------------
     def _start_backend(self, cls: type[Backend]) -> Backend:
@@ -306,6 +308,7 @@ class ParitySession:
             self.inputs_line(),
             *self.floor.lines(),
             *(line for checker in self.checkers.values() for line in checker.header_lines()),
+            *vacuous.header_line(self.vacuous),
         ]
 
     def describe_selection(self) -> str:
@@ -341,9 +344,9 @@ class ParitySession:
 
     def closing_lines(self) -> list[tuple[str, str | None]]:
         """The summary table and the closing lines, as (text, colour)."""
-        rows = list(self.rows.values())
+        rows, said = list(self.rows.values()), [(line, "yellow") for line in vacuous.header_line(self.vacuous)]
         if not rows:
-            return [("no parity items ran", None)]
+            return [("no parity items ran", None), *said]
         mark_inherited(rows)
         table = coloured_table(rows)
         reports = [(line, None) for line in [*self.floor.lines(), *self.report_lines]]
@@ -352,7 +355,9 @@ class ParitySession:
         nothing = self.nothing_compared()
         warning = [(nothing, "red")] if nothing else []
         mode = [(hint, "yellow")] if (hint := self.mode_hint(points)) else []
-        return table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + reports
+        return (
+            table + summary_lines(rows, report_dir=self.options.report_dir) + backend + mode + warning + said + reports
+        )
 
     def mode_hint(self, rows: list[Row]) -> str | None:
         """Where a candidate that holds its own run (a dump) was judged isolated: whether its failures
@@ -362,15 +367,8 @@ class ParitySession:
         return chained_hint(rows, self.golden, self.dtype, self.options.flags["mode"])
 
     def nothing_compared(self) -> str | None:
-        """A run whose every point was skipped compared nothing: a mistake (a dump of other names,
-        a selection of points the candidate lacks), never a success. Why, or None."""
-        rows = list(self.rows.values())
-        if not rows or any(r.status != "skipped" for r in rows):
-            return None
-        return (
-            f"no point was compared: the {self.hw} backend gave none of the {len(rows)} selected points "
-            f"(first: {rows[0].reason or ''})"
-        )
+        """Why a run whose every point was skipped compared nothing (`replay.vacuous`), or None."""
+        return vacuous.nothing_compared(list(self.rows.values()), self.hw)
 
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -395,6 +393,7 @@ class ParitySession:
             "workers": self.options.workers,
             "wall_seconds": round(time.perf_counter() - self.started, 3),
             "mode": self.mode,
+            "vacuous": self.vacuous,  # why this run checks nothing about a port (`replay.vacuous`), or None
             "noise_dtypes": self.golden.noise_dtypes,
             "noise_floor": self.floor.to_json(),
             "versions": compat.versions(),

@@ -93,6 +93,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
      "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
      "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi: tp)"),
+    ("--parity-require-candidate", "parity_require_candidate", {"action": "store_true", "default": False},
+     "refuse a run that checks nothing about a port: the golden against itself (its own model, dtype and "
+     "backend) or a selection with no point (a usage error; CI=true in the environment does the same)"),
     ("--parity-trust-remote-code", "parity_trust_remote_code", {"action": "store_true", "default": False},
      "allow the candidate checkpoint's own modeling code (off by default)"),
 )
@@ -152,7 +155,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
         raise pytest.UsageError(f"--parity-threads / parity_threads: {exc}") from None
     quiet_transformers()
     try:
-        return ParitySession(
+        session = ParitySession(
             RunOptions(
                 golden_dir=golden_dir,
                 hw=config.getoption("parity_hw") or "cpu",
@@ -175,6 +178,21 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
         )
     except SetupError as exc:
         raise pytest.UsageError(str(exc)) from None
+    _refuse_vacuous(config, session, session.vacuous)
+    return session
+
+
+def _refuse_vacuous(config: pytest.Config, session: ParitySession, reason: str | None) -> None:
+    """A run that checks nothing about a port (`replay.vacuous`), where a candidate is required
+    (--parity-require-candidate, CI=true): a usage error, the session closed first."""
+    from ..dtypes import dtype_name
+    from ..replay.vacuous import refusal, required
+
+    by = required(config.getoption("parity_require_candidate"))
+    if reason is None or by is None:
+        return
+    session.close()
+    raise pytest.UsageError(refusal(reason, by, dtype_name(session.dtype), session.hw))
 
 
 def _xdist_role(config: pytest.Config) -> dict[str, Any]:
@@ -290,8 +308,21 @@ class ParityPlugin:
         items[:0] = kept
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if not self.worker:  # a worker runs the items it is sent, not those it collected
-            self.session.plan([i.point for i in session.items if isinstance(i, ParityItem)])
+        if self.worker:  # a worker runs the items it is sent, not those it collected
+            return
+        points = [i.point for i in session.items if isinstance(i, ParityItem)]
+        # no point, and no test of the user's (which may check the candidate through the fixtures); an
+        # xdist controller holds no items of its own
+        theirs = any(not isinstance(i, ParityItem | _CheckItem) for i in session.items)
+        checks = any(isinstance(i, _CheckItem) for i in session.items)  # config, weights: they check the port
+        alone = self.session.options.workers == 1 and not theirs and not checks
+        if alone and not points and self.session.vacuous is None:  # -k, -m, --parity-layers kept none
+            from ..replay.vacuous import NO_POINT, refusal, required
+
+            self.session.vacuous = NO_POINT
+            if (by := required(self.config.getoption("parity_require_candidate"))) is not None:
+                raise pytest.UsageError(refusal(NO_POINT, by))
+        self.session.plan(points)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):

@@ -33,9 +33,10 @@ def candidate(request: pytest.FixtureRequest) -> Candidate:
     """The candidate: `candidate.call(record)` runs a golden record's inputs through the backend;
     `candidate.module("layer_3.attention")` is its torch module (cpu, cuda); `candidate.dtype`."""
     from ..replay.custom import Candidate
+    from ..replay.vacuous import AGAINST_ITSELF
 
     session = _require_session(request)
-    if session.options.model is None and session.options.dtype is None and session.hw in ("cpu", "cuda"):
+    if session.vacuous == AGAINST_ITSELF:  # its own model, dtype and backend (`replay.vacuous`)
         import warnings
 
         warnings.warn(
