@@ -178,21 +178,23 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
         )
     except SetupError as exc:
         raise pytest.UsageError(str(exc)) from None
-    _refuse_vacuous(config, session, session.vacuous)
+    if (refused := _vacuous_refusal(config, session, session.vacuous)) is not None:
+        session.close()  # not yet in the config's cleanups
+        raise pytest.UsageError(refused)
     return session
 
 
-def _refuse_vacuous(config: pytest.Config, session: ParitySession, reason: str | None) -> None:
-    """A run that checks nothing about a port (`replay.vacuous`), where a candidate is required
-    (--parity-require-candidate, CI=true): a usage error, the session closed first."""
+def _vacuous_refusal(config: pytest.Config, session: ParitySession, reason: str | None) -> str | None:
+    """The usage error's sentence of a run that checks nothing about a port (`replay.vacuous`) where a
+    candidate is required (--parity-require-candidate, CI=true); None where the run is not vacuous or
+    nothing requires a candidate."""
     from ..dtypes import dtype_name
     from ..replay.vacuous import refusal, required
 
     by = required(config.getoption("parity_require_candidate"))
     if reason is None or by is None:
-        return
-    session.close()
-    raise pytest.UsageError(refusal(reason, by, dtype_name(session.dtype), session.hw))
+        return None
+    return refusal(reason, by, dtype_name(session.dtype), session.hw)
 
 
 def _xdist_role(config: pytest.Config) -> dict[str, Any]:
@@ -311,17 +313,17 @@ class ParityPlugin:
         if self.worker:  # a worker runs the items it is sent, not those it collected
             return
         points = [i.point for i in session.items if isinstance(i, ParityItem)]
-        # no point, and no test of the user's (which may check the candidate through the fixtures); an
-        # xdist controller holds no items of its own
-        theirs = any(not isinstance(i, ParityItem | _CheckItem) for i in session.items)
-        checks = any(isinstance(i, _CheckItem) for i in session.items)  # config, weights: they check the port
-        alone = self.session.options.workers == 1 and not theirs and not checks
+        # no point, and no other item: the user's tests (which may check the candidate through the
+        # fixtures), the config and weight items (they check its checkpoint); an xdist controller holds
+        # no items of its own
+        others = any(not isinstance(i, ParityItem) for i in session.items)
+        alone = self.session.options.workers == 1 and not others
         if alone and not points and self.session.vacuous is None:  # -k, -m, --parity-layers kept none
-            from ..replay.vacuous import NO_POINT, refusal, required
+            from ..replay.vacuous import NO_POINT
 
             self.session.vacuous = NO_POINT
-            if (by := required(self.config.getoption("parity_require_candidate"))) is not None:
-                raise pytest.UsageError(refusal(NO_POINT, by))
+            if (refused := _vacuous_refusal(self.config, self.session, NO_POINT)) is not None:
+                raise pytest.UsageError(refused)
         self.session.plan(points)
 
     @pytest.hookimpl(wrapper=True)

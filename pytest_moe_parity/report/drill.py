@@ -177,11 +177,16 @@ def culprit_said(
     """The culprit and its recovery in one phrase: `gate_up_proj in all 8 experts, substituting them
     recovers 100%`, `down_proj, substituting it recovers 97%`, or the rows it ran on where no
     substitution can be measured (`expert[0].index: expert 0 ran on 5 of its 7 tokens: ...`)."""
-    said = recovers(group_recovery, them=True) if group else recovers(recovery)
+    said = _recovered(recovery, group, group_recovery)
     text = f"{group or culprit}{', ' + said if said else ''}"
     if not said and row_sets:
         text += f" ({row_sets[0]}{'; ...' if len(row_sets) > 1 else ''})"
     return text
+
+
+def _recovered(recovery: float | None, group: str | None, group_recovery: float | None) -> str:
+    """What substituting the culprit recovers: its group's where it has one, else its own."""
+    return recovers(group_recovery, them=True) if group else recovers(recovery)
 
 
 def finding(
@@ -194,7 +199,7 @@ def finding(
 ) -> str | None:
     """What a drill proved about its point (of a drill, or of the summary's `drills` entry)."""
     if culprit:
-        said = recovers(group_recovery, them=True) if group else recovers(recovery)
+        said = _recovered(recovery, group, group_recovery)
         if not said and row_sets:
             said = row_sets[0]
         return f"drill: {group or culprit} introduced the divergence{'; ' + said if said else ''}"
