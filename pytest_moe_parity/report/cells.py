@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..judge.result import Check
-from .rows import ConfigRow, PointRow, Row, WeightsRow
+from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .summary import figure
 from .text import fmt
 
@@ -130,6 +130,8 @@ def failed_by(row: Row, noise: bool) -> tuple[str, str] | None:
             return None
         n = len(row.findings)
         return f"{n} tensor{'s' * (n != 1)}", f"{n} tensor{'s' * (n != 1)} differ: {row.findings[0]}"
+    if isinstance(row, RoutingRow | BatchInvarianceRow | ParallelRow):
+        return _differential(row)
     if not isinstance(row, PointRow):
         return None
     failed = [c for c in row.checks if not c.passed]
@@ -142,6 +144,28 @@ def failed_by(row: Row, noise: bool) -> tuple[str, str] | None:
     if check.name == own:
         return compact(check.value), why
     return check_words(check), why
+
+
+def _differential(row: Row) -> tuple[str, str] | None:
+    """What failed a differential: its own routing's error (a routing item), the rows batching changes
+    (a batch item), plan B's error against plan A (a parallel item)."""
+    if isinstance(row, RoutingRow):
+        own = next((level for level in row.levels if level.get("level") == "own"), None)
+        value = number(own.get("rel_l2")) if own else None
+        if value is None:
+            return None
+        recovered = f"; forcing the golden's {row.recovered} recovers it" if row.recovered else ""
+        return f"own {compact(value)}", f"its own routing's rel_l2 {fmt(value, 4)}{recovered}"
+    if isinstance(row, BatchInvarianceRow):
+        if not row.changed_rows:
+            return None
+        shown = ", ".join(map(str, row.changed_rows[:4])) + ("…" if len(row.changed_rows) > 4 else "")
+        return f"rows {shown}", f"rows {', '.join(map(str, row.changed_rows))} change in the batch ({row.condition})"
+    if isinstance(row, ParallelRow):
+        value = number(row.figures.get("b_vs_a"))
+        plans = " vs ".join(reversed(row.plans)) or "B vs A"
+        return (f"B/A {compact(value)}", f"{plans}: rel_l2 {fmt(value, 4)}") if value is not None else None
+    return None
 
 
 def check_words(check: Check) -> str:

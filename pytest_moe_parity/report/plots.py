@@ -138,7 +138,8 @@ def heatmap(rows: list[Row], new, noise: bool | None = None, step: int | None = 
             image[y, x] = cell.rgb
             text = cell.text if written else cell.text[:1] if cell.verdict in ("failed", "error", "skipped") else ""
             light = tone(cell.verdict, cell.value, cell.noise)[2]
-            short = text if len(text) <= 11 else text[:10] + "…"
+            short = text if len(text) <= 16 else text.split(":")[0]  # a config field: its name
+            short = short if len(short) <= 16 else short[:15] + "…"
             ax.text(x, y, short, ha="center", va="center", fontsize=6.5, color="white" if light < 58 else "#1b1f24")
         ax.imshow(image, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
