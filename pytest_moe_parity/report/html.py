@@ -769,7 +769,7 @@ def _plain(value: Any, switches: tuple[str, str] = ("yes", "no")) -> str:
     if isinstance(value, float):
         return fmt(value)
     if isinstance(value, int | str):
-        return str(value)
+        return str(value) or "-"
     inner = lambda v: f"({_plain(v, switches)})" if isinstance(v, dict | list | tuple) and v else _plain(v, switches)  # noqa: E731
     if isinstance(value, dict):
         return ", ".join(f"{k}: {inner(v)}" for k, v in value.items()) or "none"
