@@ -205,7 +205,10 @@ def test_a_capture_names_its_problems_in_one_line(
 
     other = golden_dir("olmoe")  # no NxDI table for its architecture
     code, _, err = cli(capsys, "compare", other, capture)
-    assert code == 2 and "there is no NxDI module table for olmoe (tables: deepseek_v3, minimax_m2, mixtral, qwen3_moe)" in err
+    assert (
+        code == 2
+        and "there is no NxDI module table for olmoe (tables: deepseek_v3, minimax_m2, mixtral, qwen3_moe)" in err
+    )
 
 
 def _put(tensors: dict[str, torch.Tensor], name: str, output) -> None:

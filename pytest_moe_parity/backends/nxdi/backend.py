@@ -221,14 +221,16 @@ class NxdiBackend(Backend):
                 plan.update(moe_tp_degree=tp // ep, moe_ep_degree=ep)
             if self.hw_options["block_size"]:
                 plan["blockwise_matmul_config"] = {"block_size": self.hw_options["block_size"]}
-            hf_config = nxdi_hf_config(self.setup.model_dir)
-            for name, value in self.table.config_defaults.items():
-                if getattr(hf_config, name, None) is None:
-                    setattr(hf_config, name, copy.deepcopy(value))
             with upstream_warnings():
+                hf_config = nxdi_hf_config(self.setup.model_dir)
+                for name, value in self.table.config_defaults.items():
+                    if getattr(hf_config, name, None) is None:
+                        setattr(hf_config, name, copy.deepcopy(value))
                 hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
                 neuron_config = resolve(self.table.neuron_config)(**plan)
-                self._configs[tp, ep] = resolve(self.table.config)(neuron_config, load_config=hf_adapter(hf_config=hf_config))
+                self._configs[tp, ep] = resolve(self.table.config)(
+                    neuron_config, load_config=hf_adapter(hf_config=hf_config)
+                )
         return self._configs[tp, ep]
 
     def _spec_inputs(self, point: Point, golden: GoldenRecord) -> tuple[Component, tuple[torch.Tensor, ...]]:
@@ -463,7 +465,9 @@ class NxdiBackend(Backend):
     ) -> Any:
         tp, ep = (self.tp, self.ep) if tp is None else (tp, ep or 1)
         if self.cpu and tp > 1 and spec.cpu_tp1_only:
-            raise PointUnavailable(f"{point.id}: not built by --hw nxdi at tp_degree={tp} on the CPU: {spec.cpu_tp1_only}")
+            raise PointUnavailable(
+                f"{point.id}: not built by --hw nxdi at tp_degree={tp} on the CPU: {spec.cpu_tp1_only}"
+            )
         key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp, ep)
         if key not in self._built:
             from safetensors.torch import load_file, save_file

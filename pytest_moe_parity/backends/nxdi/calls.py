@@ -70,7 +70,10 @@ class NxdiPoint(nn.Module):
         if self.form == "mla":  # DeepSeek's MLA: its cache one tensor, (rotary K, latent KV), given and written
             mask, positions, *past = rest
             out = self.inner(
-                hidden_states=first, attention_mask=mask, position_ids=positions, past_key_value=past[0] if past else None
+                hidden_states=first,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_value=past[0] if past else None,
             )
             return (out[0], out[1][0], out[1][1])
         if self.form == "partial":  # NxD's row-parallel down projection left unreduced (reduce_output=False)
@@ -107,7 +110,6 @@ class NxdiPoint(nn.Module):
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
-
 
     def _read_topk(self, logits: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor) -> tuple:
         """The router's (logits, affinities [T, E], ids); with `topk_weights`, its top-k ids' affinities
