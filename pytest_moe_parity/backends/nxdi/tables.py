@@ -35,6 +35,9 @@ class Component:
     # the submodule whose output the call replaces by its last two inputs (a MoE's router, its affinities
     # and top-k ids given: --parity-routing); "": none
     forced: str = ""
+    # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
+    # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
+    outputs: int = 0
 
 
 @dataclass
@@ -51,6 +54,10 @@ class ModuleTable:
     weights: dict[str, Any] | None = None
     # Why NxDI's MoE of this architecture does not split its experts under moe_ep_degree ("": it does).
     no_expert_parallelism: str = ""
+    # How the checkpoint is laid out for the conversion, where not as Llama's (`model.layers.N.`, the
+    # conversion looping over `num_hidden_layers`): {"prefix", "layers", "layer_count", "model_level"}
+    # (`weights.unit_state`).
+    checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
 def tables() -> list[str]:
@@ -73,3 +80,12 @@ def resolve(spec: str) -> Any:
     if name.endswith("()"):
         return getattr(importlib.import_module(module), name[:-2])()
     return getattr(importlib.import_module(module), name)
+
+
+def attribute(config: Any, path: str) -> Any:
+    """`path` read from NxDI's config: an attribute, or dotted through nested configs and dicts
+    (`ffn_config.ffn_act_fn.name`: DBRX's nested configs are namespaces, its activation a dict)."""
+    value = config
+    for part in path.split("."):
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    return value
