@@ -7,7 +7,10 @@ What differs in config.json (the rest of the configs is read alike):
   4.57 reads `rope_theta` and `rope_scaling` and, without them, takes its class's default theta
   (Mixtral's 1e6 where the checkpoint says 1e4: every attention point off);
 - transformers 5 writes some counts under their attribute-map names (Qwen3-MoE's experts as
-  `num_local_experts`); 4.57's class takes the old name and, without it, its default (128 experts)."""
+  `num_local_experts`); 4.57's class takes the old name and, without it, its default (128 experts);
+- transformers 5 writes a nested sub-config (DBRX's `attn_config`, `ffn_config`) with every generic
+  config field (`id2label`, `return_dict`, ...), which 4.57's sub-config classes refuse: they are read
+  with the fields their class takes."""
 
 from __future__ import annotations
 
@@ -99,11 +102,35 @@ def config_overrides(written: dict[str, Any], config_class: type) -> dict[str, A
     return out
 
 
+def sub_configs(written: dict[str, Any], config_class: type) -> dict[str, Any]:
+    """A config's nested sub-configs (`config_class.sub_configs`) as 4.57's classes take them: the
+    fields each class's signature names (transformers 5 writes every generic field in them too)."""
+    out: dict[str, Any] = {}
+    for key, sub in (getattr(config_class, "sub_configs", None) or {}).items():
+        value = written.get(key)
+        if not isinstance(value, dict) or not isinstance(sub, type):
+            continue
+        takes = set(inspect.signature(sub.__init__).parameters) - {"self", "kwargs"}
+        if any(k not in takes and k != "model_type" for k in value):
+            out[key] = {k: v for k, v in value.items() if k in takes}
+    return out
+
+
 def load_config(model_dir: Path | str, **kwargs: Any) -> Any:
     """`AutoConfig.from_pretrained(model_dir)`, read as the transformers that wrote it meant."""
     from transformers import AutoConfig
 
     written = json.loads((Path(model_dir) / "config.json").read_text())
+    if MAJOR < 5:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        model_type = written.get("model_type")
+        config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None  # noqa: SIM401 (lazy: no .get)
+        nested = sub_configs(written, config_class) if config_class is not None else {}
+        if nested:  # 4.57's sub-config classes refuse the fields transformers 5 writes in them
+            config = config_class.from_dict({**written, **nested, **config_overrides(written, config_class)}, **kwargs)
+            config._name_or_path = str(model_dir)
+            return config
     config = AutoConfig.from_pretrained(model_dir, **kwargs)
     overrides = config_overrides(written, type(config))
     if overrides:

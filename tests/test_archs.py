@@ -146,7 +146,7 @@ def test_sparse_attention_that_rounding_reselects_is_judged_against_the_referenc
 def test_norms_and_attention_inside_one_block_are_each_their_own_point(tmp_path: Path) -> None:
     """DBRX holds a layer's two norms and its attention in one block (`norm_attn_norm`: norm_1, attn,
     norm_2): each is its own point, never the block itself as a norm; its experts (2-D matrices of
-    every expert) are not found, which the plan says with the number of experts the config declares."""
+    every expert, under a child `experts`) and its router are found as the MoE block's points."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -163,11 +163,10 @@ def test_norms_and_attention_inside_one_block_are_each_their_own_point(tmp_path:
         f"{block}.norm_1", f"{block}.attn", f"{block}.norm_2",
     ]  # fmt: skip
     assert len(set(modules.values())) == len(modules)  # no module is two points
-    assert plan.notes == [
-        "dbrx: its config says ffn_config.moe_num_experts=8, but no experts module was found (3-D expert weights "
-        "or a list of expert modules): recording it as a dense model, its MoE blocks judged only within each "
-        "layer's output"
-    ]
+    assert [modules[f"layer_1.{c}"] for c in ("router", "experts", "moe")] == [
+        "transformer.blocks.1.ffn.router", "transformer.blocks.1.ffn.experts", "transformer.blocks.1.ffn",
+    ]  # fmt: skip
+    assert plan.notes == [] and "layer_1.mlp" not in modules
     record_golden(tmp_path / "m", tmp_path / "g", seq_len=12)
     assert_replays_bitwise(tmp_path / "g", load_fp32(tmp_path / "m"))
 

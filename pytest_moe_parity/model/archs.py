@@ -80,13 +80,17 @@ def _has_experts(module: nn.Module) -> bool:
 
 
 def _find_experts(block: nn.Module) -> tuple[str, nn.Module] | None:
-    """The fused experts module (3-D parameters) or a ModuleList of expert MLPs below `block`."""
+    """The fused experts module (3-D parameters), a ModuleList of expert MLPs below `block`, or a child
+    named `experts` whose weights hold every expert's in 2-D (DBRX's)."""
     for name, sub in block.named_modules():
         params = list(sub.parameters(recurse=False))
         if sum(p.dim() == 3 for p in params) >= 2:
             return name, sub
     for name, sub in block.named_modules():
         if isinstance(sub, nn.ModuleList) and len(sub) >= 2 and "expert" in name.rsplit(".", 1)[-1]:
+            return name, sub
+    for name, sub in block.named_children():  # experts' weights stacked in 2-D (DBRX: [experts x ffn, hidden])
+        if name.endswith("experts") and "shared" not in name and sum(p.dim() == 2 for p in sub.parameters()) >= 2:
             return name, sub
     return None
 
@@ -135,7 +139,7 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     for component in MODEL_TAIL:
         add(component, None, getattr(spec, component))
     if not any(p.component == EXPERTS for p in plan.points):
-        key, declared = _declared_experts(getattr(model, "config", None))
+        key, declared = declared_experts(getattr(model, "config", None))
         plan.notes.append(
             f"{model_type}: its config says {key}={declared}, but no experts module was found (3-D expert "
             "weights or a list of expert modules): recording it as a dense model, its MoE blocks judged only "
@@ -146,10 +150,10 @@ def _plan_from_spec(model: nn.Module, model_type: str, spec: ArchSpec, source: s
     return plan
 
 
-def _declared_experts(config) -> tuple[str, int]:
+def declared_experts(config) -> tuple[str, int]:
     """Where a config gives a number of experts above one and that number (at its top level or in a
     sub-config, DBRX's `ffn_config.moe_num_experts`); ("", 0) where it gives none."""
-    data = config.to_dict() if hasattr(config, "to_dict") else {}
+    data = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
     sections = [("", data), *((f"{k}.", v) for k, v in data.items() if isinstance(v, dict))]
     for prefix, section in sections:
         for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):

@@ -188,6 +188,25 @@ class ParityRunner:
         router = self.golden.router_of(point)
         return self.router_record(router).extras.get("score_bias") if router is not None else None
 
+    def golden_routing(self, router: Point) -> Any:
+        """The golden's routing at `router`: its record's output; for a router that gives its logits
+        alone (DBRX's: its block softmaxes them, takes the top k and renormalises), those logits with
+        the top-k weights and ids its layer's experts were called with: the triple the verdicts read
+        (which tokens flipped), from the reference's own run."""
+        out = self.router_record(router).output
+        experts = f"{router.id.rpartition('.')[0]}.{EXPERTS}"
+        if not isinstance(out, torch.Tensor) or experts not in self.golden.point_ids:
+            return out
+        key = f"{experts}:routing"
+        if key not in self._router_cache:
+            record = self.golden.load(self.golden.point(experts))
+            self._router_cache[key] = record  # cleared with the router's (one layer at a time)
+        record = self._router_cache[key]
+        tensors = [t for t in (*record.args, *record.kwargs.values()) if isinstance(t, torch.Tensor)]
+        if len(tensors) < 3 or tensors[1].is_floating_point() or not tensors[2].is_floating_point():
+            return out
+        return (out, tensors[2], tensors[1])
+
     def router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
             self._router_cache.clear()  # one layer at a time
@@ -223,7 +242,7 @@ class ParityRunner:
         if last_note:  # the golden's logits at each row's last real token: no padding, no per-token figures
             facts = replace(facts, noise=None, noise_tokens=None, padding=None)
         router, noise = facts.router, facts.noise
-        golden_router = self.router_record(router).output if router is not None and point.component != ROUTER else None
+        golden_router = self.golden_routing(router) if router is not None and point.component != ROUTER else None
         bias = self.score_bias(point, record)
         chained = mode == "chain" and self.chain is not None
         try:

@@ -16,6 +16,7 @@ import torch
 
 from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
+from ...model.archs import declared_experts
 from ...model.checkpoint import weight_map
 from ...points import Point, layer_group
 from ...tree import CacheState, first_tensor, leaves
@@ -33,7 +34,7 @@ from .calls import (
 )
 from .evidence import merge, rank_evidence, ranks_differing, tp_differential
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
-from .tables import TABLES, Component, load_module_table, resolve, tables
+from .tables import TABLES, Component, attribute, load_module_table, resolve, tables
 from .weights import (
     QUANTIZED,
     back_to_reference,
@@ -165,7 +166,7 @@ class NxdiBackend(Backend):
     def _check_plan(self, tp: int, ep: int, said_tp: str, said_ep: str) -> None:
         """A plan NxD cannot shard the golden's model by is a usage error, not a run of errors."""
         config = self.golden.config
-        experts = routed_experts(config)
+        experts = declared_experts(config)[1]
         if ep > 1 and not experts:
             raise BackendError(f"{said_ep}={ep}: the golden's model ({self.golden.model_type}) has no routed experts")
         if ep > 1 and self.table.no_expert_parallelism:
@@ -178,12 +179,16 @@ class NxdiBackend(Backend):
                 f"{said_ep}={ep}: NxDI splits the {tp} rank(s) of {said_tp}={tp} into moe_tp_degree x moe_ep_degree, "
                 f"so the expert-parallel degree divides the TP degree; e.g. {said_tp}={2 * ep} with {said_ep}={ep}"
             )
-        sizes = {"the vocabulary": config.get("vocab_size"), "the hidden size": config.get("hidden_size")}
+        sizes = {
+            "the vocabulary": config.get("vocab_size"),
+            "the hidden size": config.get("hidden_size") or config.get("d_model"),
+        }
         degrees = [("the TP degree", tp, sizes)]
         if experts:
             moe = {
                 "each expert's intermediate size": config.get("moe_intermediate_size")
                 or config.get("intermediate_size")
+                or (config.get("ffn_config") or {}).get("ffn_hidden_size")  # DBRX's
             }
             if ep > 1:
                 degrees += [("the MoE's TP degree", tp // ep, moe), ("the EP degree", ep, {"the experts": experts})]
@@ -288,6 +293,10 @@ class NxdiBackend(Backend):
         with torch.no_grad(), upstream_warnings():
             module = self._module(point, point.component, spec, inputs, tp=degree, ep=experts)
             output = module(*inputs)
+            if spec.outputs:  # the outputs the golden's module gives (DBRX's router: its logits)
+                output = output[0] if spec.outputs == 1 else tuple(output[: spec.outputs])
+            if spec.inputs == "experts":  # NxD's experts give [tokens, hidden]; the reference's, its input's shape
+                output = output.reshape(first_tensor([*golden.args, *golden.kwargs.values()]).shape)
             if self.cpu and self.tp > 1 and tp is None:
                 merge(info, self._parallel_evidence(point, spec, inputs, module))
             routing = None
@@ -382,7 +391,7 @@ class NxdiBackend(Backend):
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if spec.inputs == "experts":
             hidden, index, weights = tensors[:3]
-            return experts_inputs(hidden, index, weights, int(routed_experts(self.golden.config)))
+            return experts_inputs(hidden, index, weights, declared_experts(self.golden.config)[1])
         return (tensors[0],)  # the hidden states, or a token-id tensor for the embedding
 
     def _unit(self, layer: int | None, tp: int | None = None, ep: int = 1) -> dict[str, torch.Tensor]:
@@ -392,12 +401,19 @@ class NxdiBackend(Backend):
         if key not in self._converted:
             if any(k[0] != layer for k in self._converted):  # one unit at a time
                 self._converted.clear()
+            layout = self.table.checkpoint
             if self.table.application:
                 convert = resolve(self.table.application).convert_hf_to_neuron_state_dict
             else:  # NxDI ships no application for this model: the table's own layout for NxD's modules
                 convert = functools.partial(table_conversion, rules=self.table.conversion or {})
-            state = unit_state(self.setup.model_dir, layer, self.weights)
-            self._converted[key] = convert_unit(state, convert, self._config(*key[1:]), int(layer is not None))
+            state = unit_state(self.setup.model_dir, layer, self.weights, layout)
+            self._converted[key] = convert_unit(
+                state,
+                convert,
+                self._config(*key[1:]),
+                int(layer is not None),
+                layout.get("layer_count", "num_hidden_layers"),
+            )
         return self._converted[key]
 
     def _weights(self, layer: int | None, module: str, tp: int, ep: int) -> dict[str, torch.Tensor]:
@@ -441,7 +457,7 @@ class NxdiBackend(Backend):
         """The factory's keywords; the config as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
         base = self._config(tp, ep)
-        kwargs = {k: getattr(base, v) for k, v in spec.args.items()}
+        kwargs = {k: attribute(base, v) for k, v in spec.args.items()}
         kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
         if spec.config:
             config = copy.copy(base)
@@ -558,9 +574,3 @@ class NxdiBackend(Backend):
         tmp = getattr(self, "_tmp", None)
         if tmp is not None:
             tmp.cleanup()
-
-
-def routed_experts(config: dict[str, Any]) -> int | None:
-    """The routed experts a golden's config declares (Qwen3-MoE's `num_experts`, Mixtral's
-    `num_local_experts`, DeepSeek-V3's `n_routed_experts`)."""
-    return config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")

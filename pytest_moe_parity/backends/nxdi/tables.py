@@ -48,6 +48,9 @@ class Component:
     neuron_set: dict[str, Any] = field(default_factory=dict)
     # why NxDI's module runs on the CPU build at TP 1 only ("": it runs at any degree)
     cpu_tp1_only: str = ""
+    # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
+    # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
+    outputs: int = 0
 
 
 @dataclass
@@ -69,6 +72,10 @@ class ModuleTable:
     conversion: dict[str, Any] | None = None
     # Config attributes NxDI's modules read that the checkpoint's config leaves out (None or absent).
     config_defaults: dict[str, Any] = field(default_factory=dict)
+    # How the checkpoint is laid out for the conversion, where not as Llama's (`model.layers.N.`, the
+    # conversion looping over `num_hidden_layers`): {"prefix", "layers", "layer_count", "model_level"}
+    # (`weights.unit_state`).
+    checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
 def tables() -> list[str]:
@@ -91,3 +98,12 @@ def resolve(spec: str) -> Any:
     if name.endswith("()"):
         return getattr(importlib.import_module(module), name[:-2])()
     return getattr(importlib.import_module(module), name)
+
+
+def attribute(config: Any, path: str) -> Any:
+    """`path` read from NxDI's config: an attribute, or dotted through nested configs and dicts
+    (`ffn_config.ffn_act_fn.name`: DBRX's nested configs are namespaces, its activation a dict)."""
+    value = config
+    for part in path.split("."):
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    return value

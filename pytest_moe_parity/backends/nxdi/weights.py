@@ -20,35 +20,47 @@ from ...judge.quant_weights import Stored
 from ...model.checkpoint import weight_map
 
 
-def unit_state(model_dir: Path, layer: int | None, weights: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def unit_state(
+    model_dir: Path, layer: int | None, weights: dict[str, str] | None = None, layout: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """One decoder layer's checkpoint tensors, renamed to layer 0, or (layer None) the model-level
     ones, without the base-model prefix (`model.layers.17.mlp.gate.weight` ->
     `layers.0.mlp.gate.weight`, `model.norm.weight` -> `norm.weight`), as NxDI's get_state_dict
-    hands them to its conversion: only these tensors are read."""
+    hands them to its conversion: only these tensors are read. `layout` (the table's `checkpoint`):
+    another base-model `prefix` and name of the `layers` (DBRX's `transformer.blocks.N.`), and the
+    `model_level` tensors the conversion reads for any unit, given to a layer's unit as empty stand-ins."""
     from safetensors import safe_open
 
+    layout = layout or {}
+    prefix, stack = layout.get("prefix", "model."), layout.get("layers", "layers") + "."
     weights = weights if weights is not None else weight_map(model_dir)
     renamed: dict[str, str] = {}
     for key in weights:
-        bare = key.removeprefix("model.")
-        if layer is not None and bare.startswith(f"layers.{layer}."):
-            renamed[key] = "layers.0." + bare[len(f"layers.{layer}.") :]
-        elif layer is None and not bare.startswith("layers."):
+        bare = key.removeprefix(prefix)
+        if layer is not None and bare.startswith(f"{stack}{layer}."):
+            renamed[key] = f"{stack}0." + bare[len(f"{stack}{layer}.") :]
+        elif layer is None and not bare.startswith(stack):
             renamed[key] = bare
     state: dict[str, torch.Tensor] = {}
     for file in sorted({weights[k] for k in renamed}):
         with safe_open(str(model_dir / file), framework="pt") as fh:
             for key in (k for k in renamed if weights[k] == file):
                 state[renamed[key]] = fh.get_tensor(key)
+    if layer is not None:
+        state.update({name: torch.empty(0) for name in layout.get("model_level", ()) if name not in state})
     return state
 
 
-def convert_unit(state: dict[str, torch.Tensor], convert: Any, config: Any, layers: int) -> dict[str, torch.Tensor]:
+def convert_unit(
+    state: dict[str, torch.Tensor], convert: Any, config: Any, layers: int, count: str = "num_hidden_layers"
+) -> dict[str, torch.Tensor]:
     """NxDI's conversion of one unit's tensors with a config of `layers` decoder layers (1 for a
-    layer renamed to layer 0, 0 for the model-level tensors); the caller's config is untouched."""
+    layer renamed to layer 0, 0 for the model-level tensors; `count`: the config attribute the
+    conversion loops over, DBRX's `n_layers`); the caller's config is untouched. What it makes of a
+    layer unit's empty stand-ins (`unit_state`'s `model_level`) is dropped."""
     one = copy.copy(config)
-    one.num_hidden_layers = layers
-    return convert(dict(state), one)
+    setattr(one, count, layers)
+    return {k: v for k, v in convert(dict(state), one).items() if v.numel() or not layers}
 
 
 def table_conversion(state: dict[str, torch.Tensor], config: Any, rules: dict[str, Any]) -> dict[str, torch.Tensor]:
