@@ -25,6 +25,7 @@ from .calls import (
     NxdiPoint,
     RankCapture,
     attention_inputs,
+    cache_after,
     cache_of,
     deinterleaved,
     experts_inputs,
@@ -133,14 +134,30 @@ class NxdiBackend(Backend):
                 "--hw-option tp_diff=on compares TP 1 with TP N on the CPU: it needs build=cpu and tp_degree above 1"
             )
         self.weights = weight_map(setup.model_dir)
+        self._check_layout(setup.model_dir)
         self._check_quantized(setup.model_dir)
         self._quantized: dict[str, torch.Tensor] | None = None  # NxDI's quantized state dict, once written
         self.config: Any = None
         self._configs: dict[tuple[int, int], Any] = {}  # per plan: (tp, ep)
+        self._layer_configs: dict[tuple[int, int], list[Any]] = {}  # each decoder layer's, per plan
         self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
         self._built: dict[tuple, Any] = {}
         self._converted: dict[tuple[int | None, int, int], dict[str, torch.Tensor]] = {}  # one unit's, per plan
         self._workdir: Path | None = None
+
+    def _check_layout(self, model_dir: Path) -> None:
+        """A checkpoint in a layout the application's conversion does not read is a usage error, in one sentence."""
+        want = self.table.checkpoint_quant
+        if not want:
+            return
+        from ...model.checkpoint import read_config
+
+        method = (read_config(model_dir).get("quantization_config") or {}).get("quant_method")
+        if method != want["quant_method"]:
+            held = f"is quantized with {method}" if method else "is not quantized"
+            raise BackendError(
+                f"--hw nxdi: {want['why']}, and {model_dir} {held}: pass the {want['quant_method']} checkpoint"
+            )
 
     def _check_quantized(self, model_dir: Path) -> None:
         """`quantized=` on a model NxDI's quantization does not take is a usage error, in one sentence."""
@@ -314,10 +331,7 @@ class NxdiBackend(Backend):
                 routing = tuple(caught) or None
                 past = cache_of(golden)
                 if past is not None and degree == 1:  # at TP > 1 K, V are rank 0's heads
-                    # token generation: the cache after the call is the past and this step's K, V
-                    cache = CacheState(
-                        past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
-                    )
+                    cache = cache_after(past, inputs[3], inputs[4], keys, values)
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs, tp=degree, ep=experts)(*inputs))
@@ -372,7 +386,7 @@ class NxdiBackend(Backend):
     def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
         if spec.inputs == "attention":
             cache = cache_of(golden)
-            if cache is not None and cache.window is not None:
+            if cache is not None and cache.window is not None and not self.table.window_cache:
                 raise PointUnavailable(
                     f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "
                     "attention keeps its own rolling layout); compare it with --hw dump on an NxDI capture"
@@ -453,12 +467,19 @@ class NxdiBackend(Backend):
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         return rank_kv_heads(tp or self.tp, heads, kv_heads)
 
-    def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int) -> dict[str, Any]:
-        """The factory's keywords; the config as NxDI gives its context-encoding model
+    def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int, layer: int | None = None) -> dict[str, Any]:
+        """The factory's keywords (`args`: config attributes, dotted for the neuron config's; `literals`:
+        "$dtype", "$layer" the point's decoder layer, "$new module:Class" a fresh instance); the config
+        (the layer's, where NxDI makes one per layer) as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
         base = self._config(tp, ep)
+        if self.table.layer_configs and layer is not None:
+            if (tp, ep) not in self._layer_configs:
+                with upstream_warnings():
+                    self._layer_configs[tp, ep] = resolve(self.table.layer_configs)(base)
+            base = self._layer_configs[tp, ep][layer]
         kwargs = {k: attribute(base, v) for k, v in spec.args.items()}
-        kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
+        kwargs.update({k: self._literal(v, layer) for k, v in spec.literals.items()})
         if spec.config:
             config = copy.copy(base)
             config.neuron_config = copy.copy(base.neuron_config)
@@ -469,6 +490,15 @@ class NxdiBackend(Backend):
                 setattr(config.neuron_config, name, value)
             kwargs["config"] = config
         return kwargs
+
+    def _literal(self, value: Any, layer: int | None) -> Any:
+        if value == "$dtype":
+            return self.dtype
+        if value == "$layer":
+            return layer
+        if isinstance(value, str) and value.startswith("$new "):
+            return resolve(value[len("$new ") :])()
+        return value
 
     def _module(
         self,
@@ -519,7 +549,7 @@ class NxdiBackend(Backend):
                 example_inputs=[tuple(inputs)],
                 module_init_kwargs={
                     "factory": spec.factory,
-                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp, ep=ep),
+                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp, ep=ep, layer=point.layer),
                     "call": spec.call,
                     "form": spec.inputs,
                     "routing": spec.routing,
@@ -528,6 +558,8 @@ class NxdiBackend(Backend):
                     "forced": spec.forced,
                     "buffers": {k: int(getattr(self._config(tp, ep), v)) for k, v in spec.buffers.items()},
                     "topk_weights": self._topk_weights(spec, tp, ep),
+                    "call_kwargs": spec.call_kwargs,
+                    "before_call": spec.before_call,
                 },
                 tp_degree=tp,
                 compiler_args=self.hw_options["compiler_args"],

@@ -4,6 +4,7 @@ read as the reference's."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ class NxdiPoint(nn.Module):
         forced: str = "",
         buffers: dict[str, int] | None = None,
         topk_weights: dict[str, Any] | None = None,
+        call_kwargs: dict[str, Any] | None = None,
+        before_call: str = "",
     ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
@@ -46,7 +49,11 @@ class NxdiPoint(nn.Module):
         config = kwargs.get("config")
         if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
             nxdi_cast(self.inner, config.neuron_config.torch_dtype)
+        # a dotted call names a submodule's attribute (GPT-OSS's `moe.router` inside its MoE wrapper)
         self.call = call
+        self._owner, _, self._method = call.rpartition(".")
+        self.call_kwargs = dict(call_kwargs or {})
+        self.before_call = before_call
         self.form = form
         self.seq_len = seq_len
         self._caught: list[Any] = []
@@ -66,7 +73,14 @@ class NxdiPoint(nn.Module):
         affinities, index = self._forced
         return (out[0], affinities.to(out[1].dtype), index.to(out[2].dtype), *out[3:])
 
+    @property
+    def owner(self) -> nn.Module:
+        """The module whose attribute the call names (the built module itself for an undotted call)."""
+        return self.inner.get_submodule(self._owner) if self._owner else self.inner
+
     def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
+        if self.before_call:  # an attribute path (GPT-OSS's rotary cache manager is no nn.Module)
+            functools.reduce(getattr, self.before_call.split("."), self.inner)()
         if self.form == "mla":  # DeepSeek's MLA: its cache one tensor, (rotary K, latent KV), given and written
             mask, positions, *past = rest
             out = self.inner(
@@ -80,7 +94,7 @@ class NxdiPoint(nn.Module):
             mlp = self.inner.get_submodule(self.call)
             return reduce_partial(mlp.tensor_parallel_group, mlp(first, self.seq_len))
         if self.form == "router":
-            return self._read_topk(*(getattr(self.inner, self.call) if self.call else self.inner)(first)[:3])
+            return self._read_topk(*(getattr(self.owner, self._method) if self.call else self.inner)(first)[:3])
         if self.form == "forced":  # the whole module, its router's affinities and top-k ids given
             self._forced = (rest[0], rest[1])
             try:
@@ -99,15 +113,16 @@ class NxdiPoint(nn.Module):
                 attention_mask=mask,
                 position_ids=positions,
                 past_key_value=tuple(past) if past else None,
+                **self.call_kwargs,
             )
             caught = tuple(self._caught[0]) if self._caught else ()
             return (out[0], out[1][0], out[1][1], *caught)
-        if self.call == "expert_mlps":
+        if self._method == "expert_mlps":
             affinities, index = rest
-            out = self.inner.expert_mlps(first, affinities, index, self.seq_len)
-            return reduce_experts(self.inner, out)
+            moe = self.owner
+            return reduce_experts(moe, moe.expert_mlps(first, affinities, index, self.seq_len))
         if self.call:
-            return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
+            return getattr(self.owner, self._method)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
 
@@ -213,6 +228,19 @@ def cache_of(golden: GoldenRecord) -> CacheState | None:
     """The KV cache a decode step's call carries (None: a prefill call)."""
     found = cache_states(golden.kwargs) + cache_states(golden.args)
     return found[0] if found else None
+
+
+def cache_after(
+    past: CacheState, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor
+) -> CacheState:
+    """A token-generation step's cache after the call: the past and this step's K, V; for a sliding-
+    window layer the window - 1 latest positions (what NxDI's rolling buffer holds, in position order)."""
+    keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+    if past.window is None:
+        return CacheState(past.layer, keys, values)
+    kept = past.window - 1
+    seen = None if past.seen is None else past.seen + new_keys.shape[2]
+    return CacheState(past.layer, keys[:, :, -kept:], values[:, :, -kept:], past.window, seen)
 
 
 def rank_kv_heads(tp_degree: int, heads: int, kv_heads: int) -> list[list[int]] | None:

@@ -55,4 +55,10 @@ def nxdi_hf_config(model_dir: Path) -> Any:
         setattr(hf_config, name, value)
     if not hasattr(hf_config, "rope_scaling"):
         hf_config.rope_scaling = None
+    scaling = hf_config.rope_scaling or {}
+    if getattr(hf_config, "initial_context_length", None) is None and "original_max_position_embeddings" in scaling:
+        # GPT-OSS's release names its YaRN's pre-extension length twice (`initial_context_length`, which
+        # NxDI's GPT-OSS rotary reads, and rope_scaling's `original_max_position_embeddings`, which
+        # transformers reads); transformers 5 writes only the latter
+        hf_config.initial_context_length = scaling["original_max_position_embeddings"]
     return hf_config

@@ -51,6 +51,11 @@ class Component:
     # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
     # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
     outputs: int = 0
+    # fixed keywords of an attention-form call (e.g. GPT-OSS's decoder layer pops cos_cache, sin_cache)
+    call_kwargs: dict[str, Any] = field(default_factory=dict)
+    # a method of the module called before each call: the per-forward state NxDI's model resets (GPT-OSS's
+    # decoder layers share a rotary cache, cleared at the end of each decode forward); "": none
+    before_call: str = ""
 
 
 @dataclass
@@ -76,6 +81,15 @@ class ModuleTable:
     # conversion looping over `num_hidden_layers`): {"prefix", "layers", "layer_count", "model_level"}
     # (`weights.unit_state`).
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    # "module:function" giving each decoder layer's config from the model's, as NxDI's model builds its
+    # layers (GPT-OSS's get_updated_configs: the sliding window kept on sliding layers alone); "": one config
+    layer_configs: str = ""
+    # NxDI's token generation takes a sliding-window layer's cache as the window - 1 positions it keeps
+    # (a rolling buffer: their order is immaterial to the attention), so the golden's kept window is fed
+    window_cache: bool = False
+    # the checkpoint layout the application's conversion reads, where it reads one alone: {"quant_method",
+    # "why"} (GPT-OSS's reads the hub's MXFP4 experts); a checkpoint in another is a usage error
+    checkpoint_quant: dict[str, str] = field(default_factory=dict)
 
 
 def tables() -> list[str]:

@@ -52,7 +52,11 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
     for name, sub in module.named_modules():  # its documented checkpoint value, where one leaves it out
         if isinstance(sub, SPMDRank):
             state.setdefault(f"{name}.rank" if name else "rank", torch.arange(sub.world_size, dtype=torch.int32))
-    wanted = set(module.state_dict())
+    # a tensor the module holds under two names (GPT-OSS's MoE shares the decoder layer's post-attention
+    # norm as its `rmsnorm`) is loaded by either: its other names are not wanted
+    names: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         get_sharded_checkpoint(state, module, rank, tp_degree)
@@ -63,7 +67,7 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
             dropped += ast.literal_eval(text[len(REDUNDANT) :].strip())
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    missing = sorted(wanted - set(state))
+    missing = sorted(group[0] for group in names.values() if not set(group) & set(state))
     if missing:
         raise RankFailure(
             f"the checkpoint has no tensor for {len(missing)} of the module's ({', '.join(missing[:6])}"
@@ -146,6 +150,10 @@ def _serve(rank: int, tp_degree: int, store: str, conn: Any, threads: int) -> No
                 continue  # no reply
             elif op == "run":
                 handle, inputs = args
+                # the rank's own copy: tensors come through the pipe in memory shared with the other ranks
+                # and the caller, and a module writing its input in place (GPT-OSS's RMSNorm in float32)
+                # must not change theirs (a traced graph's inputs are immutable device buffers)
+                inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
                 with torch.no_grad(), XlaSemantics(), _cpu_notices():
                     conn.send(("ok", _held(modules, handle)(*inputs)))
             elif op == "capture":  # --parity-drill: the forward op by op (pickled here: an op is sent by name)
