@@ -338,11 +338,19 @@ LEGEND = {
     "chain rel": "chain rel, chain R: the same figures on the candidate's own inputs (the chained run)",
     "flips": "flips, ties: tokens whose top-k experts differ from the golden's, beyond / within the dtype's rounding "
     "of the router's scores (ties never fail; flip_share: the share of flipped tokens)",
-    "tok excluded": "tok excluded: tokens the candidate routed otherwise at an earlier layer, left out from there "
-    "on (judged at that router)",
+    "tok excluded": "tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's "
+    "own layer's router, left out of its verdict (they follow other experts; that router judges them)",
     "inherited": "inherited from P: right on the golden's inputs, wrong on its own after P failed on the golden's; "
     "introduced here: wrong on the golden's inputs",
 }
+
+
+# where a chained verdict past layer 0 leaves out tokens: those routed otherwise at an earlier layer too
+EXCLUDED_EARLIER = (
+    "tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's own layer's "
+    "router or, chained, at an earlier layer's, left out of the verdict from there on (they follow other experts; "
+    "the router where they flipped judges them)"
+)
 
 
 def legend(rows: list[Row], columns: list[str]) -> list[str]:
@@ -351,7 +359,17 @@ def legend(rows: list[Row], columns: list[str]) -> list[str]:
     shown = [key for key in LEGEND if key in columns or key in notes]
     if "chain R" in columns and "chain rel" not in shown:
         shown.append("chain rel")
-    return [f"legend: {LEGEND[key]}" for key in LEGEND if key in shown]
+    said = dict(LEGEND)
+    if any(_excluded_earlier(r) for r in rows):
+        said["tok excluded"] = EXCLUDED_EARLIER
+    return [f"legend: {said[key]}" for key in LEGEND if key in shown]
+
+
+def _excluded_earlier(row: Row) -> bool:
+    """Whether a row's excluded tokens may have been routed otherwise at an earlier layer: a chained
+    verdict past the first layer (layer 0 has no earlier layer; its tokens flipped at its own router)."""
+    chained = row.mode == "chain" and (row.layer is None or row.layer > 0)
+    return chained and bool(getattr(row, "excluded_tokens", None))
 
 
 def drill_line(drill: Drill) -> tuple[str, str | None]:
