@@ -267,20 +267,34 @@ def _fit(store: GoldenStore, trace: torch.Tensor, routers: list[Point], tokens: 
     return []
 
 
+# the table's columns: (header, width, what it is), each figure under its own header
+COLUMNS = (
+    ("agree", 7, "the share of tokens whose top-k set is the golden's"),
+    ("flips", 6, "tokens routed to other experts beyond the rounding of the golden's scores"),
+    ("ties", 5, "those within it (forgiven)"),
+    ("flip share", 11, "flips over tokens, what the verdict judges"),
+    ("share limit", 12, "the largest flip share that passes"),
+    ("flip weight", 12, "the golden's routing weight the flipped experts carried"),
+)
+
+
 def routes_lines(result: RoutesResult) -> list[str]:
-    """The per-layer table and the closing line."""
+    """The per-layer table (each figure in its own column, `COLUMNS`), what its columns are, and the
+    closing line."""
+    head = "".join(f" {name:>{width}}" for name, width, _ in COLUMNS)
     lines = [
         f"routes: {result.trace} against the golden's routing: {result.tokens} tokens, {len(result.layers)} MoE "
         f"layers, ties within {result.dtype} rounding of the golden's scores forgiven",
-        f"  {'router':<22} {'agree':>7} {'flips':>6} {'ties':>5} {'flip weight':>12} {'limit':>7}  verdict",
+        f"  {'router':<22}{head}  verdict",
     ]
     for layer in result.layers:
         m = layer.routing
         weight = f"{m.flipped_weight:.1%}" if m.flipped_weight is not None else "-"
-        lines.append(
-            f"  {layer.router:<22} {m.set_agreement:>7.1%} {len(m.flips):>6} {len(m.ties):>5} {weight:>12} "
-            f"{layer.limit:>7.1%}  {'pass' if layer.passed else 'FAIL'}"
-        )
+        figures = (f"{m.set_agreement:.1%}", len(m.flips), len(m.ties), f"{m.flip_share:.1%}", f"{layer.limit:.1%}",
+                   weight)  # fmt: skip
+        cells = "".join(f" {figure:>{width}}" for figure, (_, width, _) in zip(figures, COLUMNS, strict=True))
+        lines.append(f"  {layer.router:<22}{cells}  {'pass' if layer.passed else 'FAIL'}")
+    lines.append("  columns: " + "; ".join(f"{name}: {what}" for name, _, what in COLUMNS))
     lines += [f"  note: {note}" for note in result.notes]
     first = result.first_divergence
     if first is None:
