@@ -30,6 +30,7 @@ from .golden import GoldenStore
 from .judge.routing import RoutingMetrics, SelectionRule, compare_routing, router_triple, routing_view
 from .judge.tolerances import resolve
 from .points import ROUTER, Point
+from .words import counted, noun
 
 KEY = "routed_experts"  # the tensor a .safetensors or .json trace holds, where it holds several
 SUFFIXES = (".npy", ".safetensors", ".pt", ".json")
@@ -252,18 +253,24 @@ def _fit(store: GoldenStore, trace: torch.Tensor, routers: list[Point], tokens: 
         sliced = " (the golden is a slice: record every layer, or cut the trace to them)" if "layers" in (
             store.manifest["record"]) else ""  # fmt: skip
         raise TraceError(
-            f"the trace has {layers} MoE layers, the golden records {len(routers)} (layers {recorded}){sliced}"
+            f"the trace has {counted(layers, 'MoE layer')}, the golden records {len(routers)} "
+            f"({noun(len(routers), 'layer')} {recorded}){sliced}"
         )
     if top_k != k:
-        raise TraceError(f"the trace routes each token to {top_k} experts, the golden's router to {k} (top_k)")
+        raise TraceError(
+            f"the trace routes each token to {counted(top_k, 'expert')}, the golden's router to {k} (top_k)"
+        )
     if count < tokens or (count > tokens and store.sequences > 1):
         rows = f" over its {store.sequences} rows, padding left out" if store.sequences > 1 else ""
         raise TraceError(
-            f"the trace has {count} tokens, the golden {tokens} real tokens{rows}: trace the golden's prompt "
-            "(moe-parity show GOLDEN --inputs) from its first token"
+            f"the trace has {counted(count, 'token')}, the golden {counted(tokens, 'real token')}{rows}: trace the "
+            "golden's prompt (moe-parity show GOLDEN --inputs) from its first token"
         )
     if count > tokens:
-        return [f"the trace's last {count - tokens} token(s) (past the golden's prompt) are not judged"]
+        return [
+            f"the trace's last {counted(count - tokens, 'token')} (past the golden's prompt) "
+            f"{'is' if count - tokens == 1 else 'are'} not judged"
+        ]
     return []
 
 
@@ -283,8 +290,9 @@ def routes_lines(result: RoutesResult) -> list[str]:
     closing line."""
     head = "".join(f" {name:>{width}}" for name, width, _ in COLUMNS)
     lines = [
-        f"routes: {result.trace} against the golden's routing: {result.tokens} tokens, {len(result.layers)} MoE "
-        f"layers, ties within {result.dtype} rounding of the golden's scores forgiven",
+        f"routes: {result.trace} against the golden's routing: {counted(result.tokens, 'token')}, "
+        f"{counted(len(result.layers), 'MoE layer')}, ties within {result.dtype} rounding of the golden's scores "
+        "forgiven",
         f"  {'router':<22}{head}  verdict",
     ]
     for layer in result.layers:

@@ -25,6 +25,7 @@ from .errors import BadInput
 from .points import LOGITS, OUTPUT, parse_point_id
 from .report.rows import PointRow, number
 from .report.text import brief
+from .words import counted
 
 SWEEP_FILE = "sweep.json"
 DIR = "len_{length}"
@@ -167,7 +168,7 @@ class Trend:
     def said(self, lengths: list[int]) -> str:
         how = {"grows": "grows with length", "falls": "falls with length", "flat": "stays flat over length"}
         fitted = f"x{self.factor:.2g} from {lengths[0]} to {lengths[-1]} tokens"
-        return f"{how[self.word]} ({fitted}, fitted over {self.curves} curve{'s' * (self.curves != 1)})"
+        return f"{how[self.word]} ({fitted}, fitted over {counted(self.curves, 'curve')})"
 
 
 def trend(lengths: list[int], curves: list[list[float | None]]) -> Trend | None:
@@ -230,7 +231,8 @@ def run_sweep(sweep: Sweep, *, hw: str, model: Path | None, dtype: str | None, h
             for row in session.run_all():
                 result.cells[row.id, length] = _cell(row)
             failed = sum(1 for (_, n), c in result.cells.items() if n == length and c.defect)
-            say(f"  length {length}: {sum(1 for (_, n) in result.cells if n == length)} points, {failed} over limits")
+            points = sum(1 for (_, n) in result.cells if n == length)
+            say(f"  length {length}: {counted(points, 'point')}, {failed} over limits")
         finally:
             session.close()
     assert result is not None

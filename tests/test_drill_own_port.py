@@ -224,6 +224,9 @@ def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op,
     out, meta = run_repro(repro)
     assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in out
     assert meta["candidate"]["op"] == cand_op
+    # the op's own computation, no constant: a kernel's (or the port's op's) to report
+    assert meta["constants"] == [] and record["repro_cause"] is None
+    assert "Attach it to a compiler or kernel bug report." in next(repro.glob("test_*.py")).read_text()
 
 
 @pytest.mark.parametrize(

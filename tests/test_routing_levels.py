@@ -275,8 +275,8 @@ def test_routes_bad_input(capsys, golden_dir, tmp_path: Path) -> None:
         assert code == 2 and message in err and "Traceback" not in err, err
         assert out == ""
 
-    fails(ids[:, :1], "the trace has 1 MoE layers, the golden records 2 (layers 0, 1)")
-    fails(ids[:, :, :1], "the trace routes each token to 1 experts, the golden's router to 2")
+    fails(ids[:, :1], "the trace has 1 MoE layer, the golden records 2 (layers 0, 1)")
+    fails(ids[:, :, :1], "the trace routes each token to 1 expert, the golden's router to 2")
     fails(ids[:5], "the trace has 5 tokens, the golden 16 real tokens")
     fails(ids + 100, "to expert 10")
     fails(None, "give the engine's TRACE to judge, or --write FILE")
