@@ -35,8 +35,9 @@ def _aten(node: OpNode) -> str:
 
 
 def _plain(graph: OpGraph, node: OpNode) -> list[tuple[str, Any]]:
-    """The op's arguments that are not computed values: numbers, flags, dims, and constants of one
-    element, as (where, value)."""
+    """The op's arguments, as (where, value): numbers, flags, dims, and constants of one element (given
+    as such, or made in the call from constants alone) by their value; a value computed from the
+    inputs as COMPUTED, so that both sides' arguments stay aligned."""
     out: list[tuple[str, Any]] = []
     for i, x in enumerate(node.args if isinstance(node.args, list | tuple) else [node.args]):
         out.extend(_plain_leaf(graph, f"argument {i}", x))
@@ -45,13 +46,16 @@ def _plain(graph: OpGraph, node: OpNode) -> list[tuple[str, Any]]:
     return out
 
 
+COMPUTED = "<computed>"  # an argument computed from the call's inputs: not a constant, never compared
+
+
 def _plain_leaf(graph: OpGraph, where: str, x: Any) -> list[tuple[str, Any]]:
     if isinstance(x, Ref):
-        if x.kind == "const":
-            value = graph.value_of(x)
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                return [(where, value.item())]
-        return []
+        made = x.kind == "op" and graph.nodes[x.at].constant  # made inside the call from constants alone
+        value = graph.value_of(x) if x.kind == "const" or made else None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return [(where, value.item())]
+        return [(where, COMPUTED)]
     if isinstance(x, list | tuple):
         if any(isinstance(v, Ref) for v in x):
             return [leaf for i, v in enumerate(x) for leaf in _plain_leaf(graph, f"{where}[{i}]", v)]
@@ -111,7 +115,8 @@ def differing_constants(
     ref_plain, cand_plain = _plain(reference, ref_node), _plain(candidate, cand_node)
     if len(ref_plain) != len(cand_plain) or ref_node.kind != cand_node.kind:
         return []
-    return [(where, a, b) for (where, a), (_, b) in zip(ref_plain, cand_plain, strict=True) if _differs(a, b)]
+    pairs = zip(ref_plain, cand_plain, strict=True)
+    return [(where, a, b) for (where, a), (_, b) in pairs if COMPUTED not in (a, b) and _differs(a, b)]
 
 
 def constant_said(where: str, reference: Any, candidate: Any) -> str:
