@@ -2,14 +2,15 @@
 
 The package is layered; a module imports only from the layers before its own:
 
-errors <- points, dtypes, tree, compat, files, host, formats <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan, routes <- sweep <- plugin, cli
+errors <- points, dtypes, tree, compat, files, host, formats, words <- golden, judge, model <- report <- record, dump <- backends <- replay <- drill <- session, scan, routes <- sweep <- plugin, cli
 
 - errors: the error classes, below everything (every user error is a `ParityError`: `moe-parity`
   says it in one line, the plugin a setup one as a usage error)
 - points, dtypes, tree: point ids and forward order, dtype names, nested call structures (no torch
   needed at import); compat: transformers 4.57 and 5 reading one config; files: files written whole
   or not at all; host: the process's state (threads, heap, collector); formats: quantized weights'
-  number formats (e4m3, int8, e2m1) and scale grids, shared by `model.quant` and `judge.quant_weights`
+  number formats (e4m3, int8, e2m1) and scale grids, shared by `model.quant` and `judge.quant_weights`;
+  words: a count said with its noun ("1 point", "3 points")
 - golden: the recorded call format and the golden store (write and read); judge: metrics,
   tolerances and verdicts; model: what recording and replay share: where capture points live in a
   model, a checkpoint's index and headers, loading it one unit (decoder layer or model-level module)

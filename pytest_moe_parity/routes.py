@@ -30,6 +30,7 @@ from .golden import GoldenStore
 from .judge.routing import RoutingMetrics, SelectionRule, compare_routing, router_triple, routing_view
 from .judge.tolerances import resolve
 from .points import ROUTER, Point
+from .words import counted, noun
 
 KEY = "routed_experts"  # the tensor a .safetensors or .json trace holds, where it holds several
 SUFFIXES = (".npy", ".safetensors", ".pt", ".json")
@@ -252,35 +253,56 @@ def _fit(store: GoldenStore, trace: torch.Tensor, routers: list[Point], tokens: 
         sliced = " (the golden is a slice: record every layer, or cut the trace to them)" if "layers" in (
             store.manifest["record"]) else ""  # fmt: skip
         raise TraceError(
-            f"the trace has {layers} MoE layers, the golden records {len(routers)} (layers {recorded}){sliced}"
+            f"the trace has {counted(layers, 'MoE layer')}, the golden records {len(routers)} "
+            f"({noun(len(routers), 'layer')} {recorded}){sliced}"
         )
     if top_k != k:
-        raise TraceError(f"the trace routes each token to {top_k} experts, the golden's router to {k} (top_k)")
+        raise TraceError(
+            f"the trace routes each token to {counted(top_k, 'expert')}, the golden's router to {k} (top_k)"
+        )
     if count < tokens or (count > tokens and store.sequences > 1):
         rows = f" over its {store.sequences} rows, padding left out" if store.sequences > 1 else ""
         raise TraceError(
-            f"the trace has {count} tokens, the golden {tokens} real tokens{rows}: trace the golden's prompt "
-            "(moe-parity show GOLDEN --inputs) from its first token"
+            f"the trace has {counted(count, 'token')}, the golden {counted(tokens, 'real token')}{rows}: trace the "
+            "golden's prompt (moe-parity show GOLDEN --inputs) from its first token"
         )
     if count > tokens:
-        return [f"the trace's last {count - tokens} token(s) (past the golden's prompt) are not judged"]
+        return [
+            f"the trace's last {counted(count - tokens, 'token')} (past the golden's prompt) "
+            f"{'is' if count - tokens == 1 else 'are'} not judged"
+        ]
     return []
 
 
+# the table's columns: (header, width, what it is), each figure under its own header
+COLUMNS = (
+    ("agree", 7, "the share of tokens whose top-k set is the golden's"),
+    ("flips", 6, "tokens routed to other experts beyond the rounding of the golden's scores"),
+    ("ties", 5, "those within it (forgiven)"),
+    ("flip share", 11, "flips over tokens, what the verdict judges"),
+    ("share limit", 12, "the largest flip share that passes"),
+    ("flip weight", 12, "the golden's routing weight the flipped experts carried"),
+)
+
+
 def routes_lines(result: RoutesResult) -> list[str]:
-    """The per-layer table and the closing line."""
+    """The per-layer table (each figure in its own column, `COLUMNS`), what its columns are, and the
+    closing line."""
+    head = "".join(f" {name:>{width}}" for name, width, _ in COLUMNS)
     lines = [
-        f"routes: {result.trace} against the golden's routing: {result.tokens} tokens, {len(result.layers)} MoE "
-        f"layers, ties within {result.dtype} rounding of the golden's scores forgiven",
-        f"  {'router':<22} {'agree':>7} {'flips':>6} {'ties':>5} {'flip weight':>12} {'limit':>7}  verdict",
+        f"routes: {result.trace} against the golden's routing: {counted(result.tokens, 'token')}, "
+        f"{counted(len(result.layers), 'MoE layer')}, ties within {result.dtype} rounding of the golden's scores "
+        "forgiven",
+        f"  {'router':<22}{head}  verdict",
     ]
     for layer in result.layers:
         m = layer.routing
         weight = f"{m.flipped_weight:.1%}" if m.flipped_weight is not None else "-"
-        lines.append(
-            f"  {layer.router:<22} {m.set_agreement:>7.1%} {len(m.flips):>6} {len(m.ties):>5} {weight:>12} "
-            f"{layer.limit:>7.1%}  {'pass' if layer.passed else 'FAIL'}"
-        )
+        figures = (f"{m.set_agreement:.1%}", len(m.flips), len(m.ties), f"{m.flip_share:.1%}", f"{layer.limit:.1%}",
+                   weight)  # fmt: skip
+        cells = "".join(f" {figure:>{width}}" for figure, (_, width, _) in zip(figures, COLUMNS, strict=True))
+        lines.append(f"  {layer.router:<22}{cells}  {'pass' if layer.passed else 'FAIL'}")
+    lines.append("  columns: " + "; ".join(f"{name}: {what}" for name, _, what in COLUMNS))
     lines += [f"  note: {note}" for note in result.notes]
     first = result.first_divergence
     if first is None:

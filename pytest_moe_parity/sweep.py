@@ -5,7 +5,8 @@ each length beside the reference's own error in the candidate's dtype at that po
 noise floor, `--noise-dtype`), per-layer curves over length in a picture, and a verdict.
 
 The verdict reads the grid length by length, shortest first: **accumulation** where no point leaves
-its limits at any length (the candidate's error grows with length as the reference's own does), or a
+its limits at any length (and what the candidate's error does over length, grows, falls or stays flat,
+beside what the reference's own does: `trend`), or a
 **defect** at the first point, in forward order, of the shortest length where one does (its own verdict
 fails, or its error exceeds `noise_factor` times the reference's own there): the port is right up to
 the length before and wrong from that one on, at that point (a rotary cache too short, a position
@@ -14,6 +15,7 @@ table, a bucket or tile edge). No pytest here."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,15 @@ from .errors import BadInput
 from .points import LOGITS, OUTPUT, parse_point_id
 from .report.rows import PointRow, number
 from .report.text import brief
+from .words import counted
 
 SWEEP_FILE = "sweep.json"
 DIR = "len_{length}"
+# What errors do over a sweep (`trend`): "grows" (or "falls") where the figures go up (down) consistently,
+# pair by pair within each curve (Kendall's tau pooled over the curves, at least CONSISTENT), by at least
+# TREND_FACTOR in the change fitted from the shortest length to the longest; else "flat".
+CONSISTENT = 0.5
+TREND_FACTOR = 1.05
 
 
 class SweepError(BadInput, ValueError):
@@ -126,17 +134,76 @@ class SweepResult:
         shown = [p for p in self.points if _curve_point(p) or (defect is not None and p == defect[0])]
         return {p: [self.cells.get((p, n)) for n in self.lengths] for p in shown}
 
+    def trends(self) -> tuple[Trend | None, Trend | None]:
+        """What the candidate's error, and the reference's own, do over length on the curves (`trend`)."""
+        curves = self.curves().values()
+        candidate = trend(self.lengths, [[c.rel_l2 if c else None for c in cells] for cells in curves])
+        reference = trend(self.lengths, [[c.reference if c else None for c in cells] for cells in curves])
+        return candidate, reference
+
     def to_json(self) -> dict[str, Any]:
         defect = self.defect
+        trends = dict(zip(("candidate", "reference"), self.trends(), strict=True))
         return json_safe({
             "lengths": self.lengths, "dtype": self.dtype, "mode": self.mode, "noise": self.noise,
             "verdict": "defect" if defect else "accumulation",
             "defect": {"point": defect[0], "length": defect[1]} if defect else None,
+            "trend": {side: vars(t) if t else None for side, t in trends.items()},
             "points": {
                 pid: {str(n): vars(c) for n in self.lengths if (c := self.cells.get((pid, n))) is not None}
                 for pid in self.points
             },
         })  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Trend:
+    """What errors do over a sweep's lengths: `word` grows, falls or flat, `factor` the change fitted
+    from the shortest length to the longest, over `curves` curves."""
+
+    word: str
+    factor: float
+    curves: int
+
+    def said(self, lengths: list[int]) -> str:
+        how = {"grows": "grows with length", "falls": "falls with length", "flat": "stays flat over length"}
+        fitted = f"x{self.factor:.2g} from {lengths[0]} to {lengths[-1]} tokens"
+        return f"{how[self.word]} ({fitted}, fitted over {counted(self.curves, 'curve')})"
+
+
+def trend(lengths: list[int], curves: list[list[float | None]]) -> Trend | None:
+    """What errors do over length, by two tests on the figures: their direction, Kendall's tau over the
+    pairs of lengths within each curve, pooled (+1: every pair up; -1: every pair down); and their size,
+    one slope of log(error) on log(length) fitted over every curve at once, each at its own level
+    (least squares within each curve, pooled), read as the change it fits from the shortest length to
+    the longest. Grows or falls where both agree (module constants); else flat. Figures of 0 or None
+    are left out (no logarithm); curves of every figure 0 are flat; None where no curve has two figures."""
+    xs = [math.log(n) for n in lengths]
+    sxy = sxx = 0.0
+    up = down = pairs = fitted = zeros = 0
+    for curve in curves:
+        points = [(x, math.log(v)) for x, v in zip(xs, curve, strict=True) if v is not None and v > 0]
+        if len(points) < 2:
+            zeros += bool(curve) and all(v == 0 for v in curve)
+            continue
+        mx = sum(x for x, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        sxy += sum((x - mx) * (y - my) for x, y in points)
+        sxx += sum((x - mx) ** 2 for x, _ in points)
+        for i, (_, a) in enumerate(points):
+            for _, b in points[i + 1 :]:
+                up, down, pairs = up + (b > a), down + (b < a), pairs + 1
+        fitted += 1
+    if not fitted:
+        return Trend("flat", 1.0, zeros) if zeros else None
+    factor = math.exp(sxy / sxx * (xs[-1] - xs[0]))
+    tau = (up - down) / pairs
+    word = "flat"
+    if tau >= CONSISTENT and factor >= TREND_FACTOR:
+        word = "grows"
+    elif tau <= -CONSISTENT and factor <= 1 / TREND_FACTOR:
+        word = "falls"
+    return Trend(word, factor, fitted)
 
 
 def _curve_point(pid: str) -> bool:
@@ -164,7 +231,8 @@ def run_sweep(sweep: Sweep, *, hw: str, model: Path | None, dtype: str | None, h
             for row in session.run_all():
                 result.cells[row.id, length] = _cell(row)
             failed = sum(1 for (_, n), c in result.cells.items() if n == length and c.defect)
-            say(f"  length {length}: {sum(1 for (_, n) in result.cells if n == length)} points, {failed} over limits")
+            points = sum(1 for (_, n) in result.cells if n == length)
+            say(f"  length {length}: {counted(points, 'point')}, {failed} over limits")
         finally:
             session.close()
     assert result is not None
@@ -208,13 +276,7 @@ def sweep_lines(result: SweepResult, picture: str | None) -> list[str]:
         )  # fmt: skip
         said = f"; the largest ratio to the reference's own, {worst[0]:.2f}, at {worst[1]} (length {worst[2]})" if (
             worst) else ""  # fmt: skip
-        lines.append(
-            "verdict: accumulation: no point leaves its limits at any length; the candidate's error grows with "
-            f"length as the reference's own does{said}"
-            if result.noise
-            else "verdict: accumulation: no point leaves its limits at any length (the sweep holds no noise floor: "
-            "record it with --noise-dtype to read the candidate against the reference's own error)"
-        )
+        lines.append(f"verdict: accumulation: no point leaves its limits at any length{_trend_said(result)}{said}")
     else:
         pid, length = defect
         cell = result.cells[pid, length]
@@ -229,6 +291,21 @@ def sweep_lines(result: SweepResult, picture: str | None) -> list[str]:
     if picture:
         lines.append(f"picture: {picture}")
     return lines
+
+
+def _trend_said(result: SweepResult) -> str:
+    """What the candidate's error does over length, beside what the reference's own does, in words."""
+    candidate, reference = result.trends()
+    said = f"; the candidate's error {candidate.said(result.lengths)}" if candidate else ""
+    if not result.noise:
+        floor = "record it with --noise-dtype to read the candidate against the reference's own error"
+        return f"{said} (the sweep holds no noise floor: {floor})"
+    if candidate and reference:
+        if reference.word == candidate.word:
+            said += f", as the reference's own does (x{reference.factor:.2g})"
+        else:
+            said += f", while the reference's own {reference.said(result.lengths)}"
+    return said
 
 
 def _figure(cell: Cell | None) -> str:

@@ -493,12 +493,26 @@ def test_the_repro_fails_alone_on_the_candidate_and_passes_on_the_reference(
 ) -> None:
     golden, candidate, point, culprit = _norm_eps(tiny_model, golden_dir, tmp_path)
     repro = tmp_path / "repro"
-    drill(pytester, golden, point, "--parity-repro", str(repro), model=candidate)
+    result, _, record = drill(pytester, golden, point, "--parity-repro", str(repro), model=candidate)
     assert len(list(repro.iterdir())) == 2  # the test and its safetensors, nothing of the golden
     out, meta = run_repro(repro)
-    assert f"{point}::{culprit}: the candidate's aten.add.Tensor gives rel_l2" in out
     assert "FAILED test_layer_1_input_norm_add.py::test_candidate" in out
     assert meta["candidate"]["op"] == "aten.add.Tensor" and meta["runner"]["kind"] == "eager"
+    # the culprit is the norm's epsilon, a constant the port gives `add`: the repro, its file and the drill's
+    # line say so, with both values, and call it no kernel bug
+    eps = json.loads((golden / "manifest.json").read_text())["model"]["config"]["rms_norm_eps"]
+    (constant,) = meta["constants"]
+    assert constant["reference"] == pytest.approx(eps) and constant["candidate"] == pytest.approx(eps * 1000)
+    given = (
+        f"{constant['where']} is {constant['candidate']!r} in the candidate, {constant['reference']!r} in the reference"
+    )
+    cause = f"a constant that differs, not a kernel bug: {given}"
+    assert f"{point}::{culprit}: the candidate's aten.add.Tensor ({cause}) gives rel_l2" in out
+    text = next(repro.glob("test_*.py")).read_text()
+    assert f"Its cause is {cause}." in text and "there is no kernel bug to report" in text
+    assert "Attach it to a compiler or kernel bug report" not in text
+    assert record["repro_cause"] == cause
+    result.stdout.fnmatch_lines([f"  repro: {repro}/test_layer_1_input_norm_add.py ({cause})"])
 
 
 def run_repro(repro: Path) -> tuple[str, dict]:

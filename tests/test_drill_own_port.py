@@ -8,6 +8,7 @@ component."""
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -224,6 +225,28 @@ def test_the_repro_of_a_port_s_own_op_fails_alone_on_the_candidate(bug, cand_op,
     out, meta = run_repro(repro)
     assert f"{point}::{record['culprit']}: the candidate's {cand_op} gives rel_l2" in out
     assert meta["candidate"]["op"] == cand_op
+    # the op's own computation, no constant: a kernel's (or the port's op's) to report
+    assert meta["constants"] == [] and record["repro_cause"] is None
+    assert "Attach it to a compiler or kernel bug report." in next(repro.glob("test_*.py")).read_text()
+
+
+def test_the_repro_of_a_constant_says_it_is_a_constant(own, golden_dir, tmp_path) -> None:
+    """`scale_by_hidden`: the port scales its scores by hidden_size ** -0.5 where the reference scales
+    by head_dim ** -0.5. The culprit `mul` computes right on what it is given: the repro says it is a
+    constant that differs, with both values, and no kernel bug, in its message and the drill's line."""
+    config = json.loads((golden_dir("qwen3_moe") / "manifest.json").read_text())["model"]["config"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    point = PREFILL.format("attention")
+    repro = tmp_path / "repro"
+    result, _, record = own(point, "scale_by_hidden", "--parity-repro", str(repro))
+    out, meta = run_repro(repro)
+    (constant,) = meta["constants"]
+    assert constant["reference"] == pytest.approx(head_dim**-0.5)
+    assert constant["candidate"] == pytest.approx(config["hidden_size"] ** -0.5)
+    cause = (f"a constant that differs, not a kernel bug: {constant['where']} is {constant['candidate']!r} in the "
+             f"candidate, {constant['reference']!r} in the reference")  # fmt: skip
+    assert f"the candidate's aten.mul.Tensor ({cause}) gives rel_l2" in out and record["repro_cause"] == cause
+    result.stdout.fnmatch_lines([f"  repro: {repro}/test_*.py ({cause})"])
 
 
 @pytest.mark.parametrize(

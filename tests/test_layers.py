@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pytest_moe_parity"
 # lowest first; a module may import from its own layer's package (inside a sub-package) and below
 LAYERS = [
     {"errors"},
-    {"points", "dtypes", "tree", "compat", "files", "host", "formats"},
+    {"points", "dtypes", "tree", "compat", "files", "host", "formats", "words"},
     {"golden", "judge", "model"},
     {"report"},
     {"record", "dump"},
@@ -34,6 +34,7 @@ ORDER = [
     "files",
     "host",
     "formats",
+    "words",
     "golden",
     "judge",
     "model",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import edit_checkpoint, edit_config
+from faults import edit_checkpoint, edit_config, permute_router_rows
 from helpers import read_json, run_parity
 
 from pytest_moe_parity.report.files import REPORT_FILE
@@ -362,4 +362,32 @@ def test_the_run_says_which_inputs_came_from_the_golden(pytester: pytest.Pyteste
     chained = run_parity(pytester, golden, "--dtype", "bfloat16", "-k", "embedding", "--parity-mode", "chain")
     chained.stdout.fnmatch_lines(
         ["moe-parity: inputs: chained, the candidate's own whole-model run on the golden's input ids (its own masks*"]
+    )
+
+
+def test_the_tok_excluded_legend_names_the_router_that_flipped_them(
+    pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
+) -> None:
+    """Layer 0 has no earlier layer: its moe and output leave out the tokens its own router sent to other
+    experts, and the legend says so; a chained run past layer 0 leaves out those an earlier layer's
+    router flipped too, and its legend says that."""
+    golden = golden_dir("qwen3_moe", noise="bfloat16")
+    port = edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "port", permute_router_rows(0))
+    args = ("--dtype", "bfloat16", NO_WEIGHTS, "--no-parity-config")
+    result = run_parity(pytester, golden, *args, "-k", "layer_0 and not step_", model=port)
+    result.stdout.fnmatch_lines(
+        [
+            "layer_0.moe *passed * tok excluded*",
+            "legend: tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's "
+            "own layer's router, left out of its verdict (they follow other experts; that router judges them)",
+        ]
+    )
+    assert "earlier layer" not in result.stdout.str()
+    chained = run_parity(pytester, golden, *args, "--parity-mode", "chain", "-k", "layer_1 and not step_", model=port)
+    chained.stdout.fnmatch_lines(
+        [
+            "layer_1.moe * tok excluded*",
+            "legend: tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's "
+            "own layer's router or, chained, at an earlier layer's, left out of the verdict from there on*",
+        ]
     )

@@ -237,11 +237,29 @@ def test_routes_names_the_first_layer_an_engine_routes_otherwise(
 ) -> None:
     store = GoldenStore(golden_dir("minimax_m2", LAYERS))
     write_trace(tmp_path / "engine.safetensors", engine_trace(store, biased))
-    code, out, _ = cli(capsys, "routes", str(store.root), str(tmp_path / "engine.safetensors"))
+    report = tmp_path / "r.json"
+    code, out, _ = cli(capsys, "routes", str(store.root), str(tmp_path / "engine.safetensors"), "--json", str(report))
     assert code == 1, out
     lines = out.splitlines()
     assert any(line.split()[:1] == ["layer_0.router"] and line.endswith("FAIL") for line in lines), out
     assert "first divergence: layer_0.router: " in out and "of the golden's routing weight" in out
+    # each figure in its own column, under a header that says what it is: the flip share beside its limit,
+    # the flipped routing weight apart
+    header = next(line for line in lines if line.split()[:1] == ["router"])
+    assert header.split()[1:] == ["agree", "flips", "ties", "flip", "share", "share", "limit", "flip", "weight",
+                                  "verdict"], header  # fmt: skip
+    layer = json.loads(report.read_text())["layers"][0]
+    cells = next(line for line in lines if line.split()[:1] == ["layer_0.router"]).split()[1:]
+    routing = layer["routing"]
+    assert cells == [f"{routing['set_agreement']:.1%}", str(len(routing["flips"])), str(len(routing["ties"])),
+                     f"{routing['flip_share']:.1%}", f"{layer['limit']:.1%}", f"{routing['flipped_weight']:.1%}",
+                     "FAIL"], (cells, layer)  # fmt: skip
+    assert routing["flip_share"] > layer["limit"]
+    for name, value in zip(("flip share", "share limit", "flip weight"), cells[3:6], strict=True):
+        at = header.index(name) + len(name)  # right-aligned under its header
+        row = next(line for line in lines if line.split()[:1] == ["layer_0.router"])
+        assert row[at - len(value) : at] == value, (name, header, row)
+    assert "  columns: agree: the share of tokens whose top-k set is the golden's; " in out
 
 
 def test_routes_bad_input(capsys, golden_dir, tmp_path: Path) -> None:
@@ -257,8 +275,8 @@ def test_routes_bad_input(capsys, golden_dir, tmp_path: Path) -> None:
         assert code == 2 and message in err and "Traceback" not in err, err
         assert out == ""
 
-    fails(ids[:, :1], "the trace has 1 MoE layers, the golden records 2 (layers 0, 1)")
-    fails(ids[:, :, :1], "the trace routes each token to 1 experts, the golden's router to 2")
+    fails(ids[:, :1], "the trace has 1 MoE layer, the golden records 2 (layers 0, 1)")
+    fails(ids[:, :, :1], "the trace routes each token to 1 expert, the golden's router to 2")
     fails(ids[:5], "the trace has 5 tokens, the golden 16 real tokens")
     fails(ids + 100, "to expert 10")
     fails(None, "give the engine's TRACE to judge, or --write FILE")

@@ -13,7 +13,7 @@ import pytest
 from faults import edit_config
 from helpers import cli, read_json, run_parity, usage_error
 
-from pytest_moe_parity.sweep import SweepError, family, parse_lengths
+from pytest_moe_parity.sweep import Cell, SweepError, SweepResult, Trend, family, parse_lengths, sweep_lines, trend
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
 
@@ -74,6 +74,14 @@ def test_a_clean_candidate_accumulates(capsys, sweeps, arch: str, tmp_path: Path
     assert verdict["verdict"] == "accumulation" and verdict["defect"] is None and verdict["noise"] is True
     cell = verdict["points"]["layer_0.output"]["64"]
     assert cell["reference"] > 0 and cell["ratio"] <= cell["limit"]
+    # the verdict's words are what its figures do, the candidate's and the reference's own
+    words = {"grows": "grows with length", "falls": "falls with length", "flat": "stays flat over length"}
+    curves = [[verdict["points"][p][n] for n in ("16", "32", "64")] for p in (*[f"layer_{i}.output" for i in
+                                                                                 range(LAYERS)], "logits")]  # fmt: skip
+    for side, key in (("candidate", "rel_l2"), ("reference", "reference")):
+        assert verdict["trend"][side] == vars(trend([16, 32, 64], [[c[key] for c in curve] for curve in curves]))
+    said = verdict["trend"]["candidate"]
+    assert f"the candidate's error {words[said['word']]} (x{said['factor']:.2g} from 16 to 64 tokens" in out, out
     assert (sweep / "sweep.png").is_file()
 
 
@@ -116,3 +124,52 @@ def test_the_prompt_family_is_prefixes_of_the_longest() -> None:
     assert parse_lengths("16, 32,64") == [16, 32, 64]
     with pytest.raises(SweepError, match="two or more increasing"):
         parse_lengths("16")
+
+
+def _result(candidate: dict[str, list[float]], reference: dict[str, list[float]] | None = None) -> SweepResult:
+    """A sweep's grid from its figures: each curve's rel_l2 at 16, 32 and 64 tokens (and the reference's own)."""
+    result = SweepResult([16, 32, 64], "bfloat16", "isolated", points=list(candidate))
+    for pid, figures in candidate.items():
+        for i, (n, rel) in enumerate(zip(result.lengths, figures, strict=True)):
+            own = reference[pid][i] if reference else None
+            ratio = rel / own if own else None
+            result.cells[pid, n] = Cell("passed", rel, own, ratio, 4.0 if own else None)
+    return result
+
+
+def _verdict(result: SweepResult) -> str:
+    return next(line for line in sweep_lines(result, None) if line.startswith("verdict: "))
+
+
+def test_the_verdict_says_what_the_figures_do() -> None:
+    """Grows, falls or flat as the figures go (the docs' clean bf16 sweep: 0.00507, 0.00494, 0.00457 falls),
+    and the reference's own beside it, as it goes too."""
+    falling = {"layer_0.output": [0.00507, 0.00494, 0.00457], "logits": [0.012, 0.010, 0.0081]}
+    verdict = _verdict(_result(falling, falling))
+    assert "the candidate's error falls with length (x0.78 from 16 to 64 tokens, fitted over 2 curves), as the " \
+        "reference's own does (x0.78)" in verdict, verdict  # fmt: skip
+    assert "grows" not in verdict
+    growing = {"layer_0.output": [0.002, 0.003, 0.0045], "logits": [0.01, 0.015, 0.02]}
+    flat = {"layer_0.output": [0.004, 0.0041, 0.004], "logits": [0.01, 0.0098, 0.0101]}
+    verdict = _verdict(_result(growing, flat))
+    assert "the candidate's error grows with length (x2.1 from 16 to 64 tokens, fitted over 2 curves), while the " \
+        "reference's own stays flat over length (x1 from 16 to 64 tokens" in verdict, verdict  # fmt: skip
+    verdict = _verdict(_result(flat))  # no noise floor: the candidate's alone
+    assert "the candidate's error stays flat over length (x1 from 16 to 64 tokens, fitted over 2 curves) (the " \
+        "sweep holds no noise floor" in verdict, verdict  # fmt: skip
+    assert _result(growing).to_json()["trend"] == {
+        "candidate": {"word": "grows", "factor": pytest.approx(2.12, abs=0.01), "curves": 2}, "reference": None
+    }  # fmt: skip
+
+
+def test_a_trend_is_fitted_on_the_figures() -> None:
+    lengths = [256, 1024, 4096]
+    assert trend(lengths, [[1e-3, 2e-3, 4e-3]]) == Trend("grows", pytest.approx(4.0), 1)
+    assert trend(lengths, [[4e-3, 2e-3, 1e-3]]) == Trend("falls", pytest.approx(0.25), 1)
+    assert trend(lengths, [[5.07e-3, 4.94e-3, 4.57e-3]]).word == "falls"  # the docs' layer_0.output, -10%
+    # one curve up 10%, another down 10%: flat together; up and down again; up by 2% only
+    assert trend(lengths, [[1e-3, 1.05e-3, 1.1e-3], [2e-3, 1.9e-3, 1.8e-3]]).word == "flat"
+    assert trend(lengths, [[1e-3, 1.5e-3, 1e-3]]).word == "flat"
+    assert trend(lengths, [[1e-3, 1.01e-3, 1.02e-3]]).word == "flat"
+    assert trend(lengths, [[0.0, 0.0, 0.0]]) == Trend("flat", 1.0, 1)  # bitwise at every length
+    assert trend(lengths, [[None, 1e-3, None]]) is None  # nothing to fit

@@ -10,7 +10,7 @@ from pytest_moe_parity.judge.tolerances import NOISE_FLOOR_EPS, default_toleranc
 from pytest_moe_parity.judge.verdict import Case, judge_point
 from pytest_moe_parity.points import Point
 from pytest_moe_parity.report.rows import Row, point_row
-from pytest_moe_parity.report.summary import summary_table
+from pytest_moe_parity.report.summary import summary_lines, summary_table
 from pytest_moe_parity.report.text import failure_text
 
 
@@ -166,6 +166,26 @@ def test_summary_table_is_compact_for_big_runs() -> None:
     assert len(lines) < 10
     assert any(line.startswith("layer_57.moe") and "failed" in line for line in lines)
     assert any("passing points" in line for line in lines)
+
+
+def test_a_count_of_one_takes_the_singular() -> None:
+    """Failures at the third point and the third from last fold one passing point before the first and
+    after the last: '(1 passing point)', never '(1 passing points)'; a run with one error, '1 error'."""
+    from pytest_moe_parity.words import counted, noun
+
+    rows = [
+        {"id": f"layer_{i}.moe", "order": i, "layer": i, "component": "moe", "status": "passed", "metrics": {}}
+        for i in range(50)
+    ]
+    rows[2]["status"] = rows[47]["status"] = "failed"
+    lines = summary_table([Row.from_json(row) for row in rows], full_limit=40)
+    folded = [line.split(None, 1)[1] for line in lines if line.startswith("...")]
+    assert folded == ["(1 passing point)", "(42 passing points)", "(1 passing point)"], lines
+    rows[47]["status"], rows[48]["status"] = "passed", "error"
+    said = summary_lines([Row.from_json(row) for row in rows[:3]] + [Row.from_json(rows[48])])
+    assert said[0][0].startswith("4 points: 2 passed, 1 failed, 1 error"), said
+    assert [counted(n, "point") for n in (0, 1, 2)] == ["0 points", "1 point", "2 points"]
+    assert counted(1, "entry", "entries") == "1 entry" and noun(3, "entry", "entries") == "entries"
 
 
 def test_a_router_returning_logits_only_is_compared_as_a_tensor() -> None:

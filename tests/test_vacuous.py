@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from helpers import read_json, run_parity, session, usage_error
+from helpers import cli, read_json, run_parity, session, usage_error
 
 from pytest_moe_parity.replay.vacuous import AGAINST_ITSELF, NO_POINT, REQUIRE_FLAG, required
 from pytest_moe_parity.report.files import SUMMARY_FILE
@@ -83,6 +83,50 @@ def test_required_candidate_refuses_a_selection_with_no_point(
         f"{NO_POINT}: -k, -m or --parity-layers deselected every point of the golden, which checks nothing, "
         f"and {how} requires a candidate's points: select at least one point",
     )
+
+
+@pytest.mark.parametrize("required", [False, True], ids=["said", "CI=true"])
+def test_an_xdist_run_with_no_point_says_so(
+    required: bool, pytester: pytest.Pytester, golden_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under xdist the controller collects nothing itself: the workers' empty selection is found there,
+    said in the summary, and refused where a candidate is required (CI=true), as without xdist."""
+    if required:
+        monkeypatch.setenv("CI", "true")
+    result = run_parity(pytester, golden_dir(ARCH), "--dtype", "bfloat16", "-k", "no_such_point", "-n", "2")
+    if required:
+        usage_error(result, f"{NO_POINT}: -k, -m or --parity-layers deselected every point of the golden, which "
+                    "checks nothing, and CI=true requires a candidate's points: select at least one point")  # fmt: skip
+    else:
+        assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED, result.stdout.str()
+        result.stdout.fnmatch_lines([f"moe-parity: {NO_POINT}: this checks nothing*"])
+
+
+@pytest.mark.parametrize("ci", [False, True], ids=["said", "CI=true"])
+def test_compare_refuses_the_golden_as_its_own_dump(
+    ci: bool, capsys: pytest.CaptureFixture[str], pytester: pytest.Pytester, golden_dir, tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`moe-parity compare GOLDEN GOLDEN` (or a copy of it), and `--hw dump --model GOLDEN`: the golden
+    against itself, refused in one sentence (exit 2, a usage error), naming CI=true where it requires a
+    candidate."""
+    if ci:
+        monkeypatch.setenv("CI", "true")
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    golden = golden_dir(ARCH)
+    copy = shutil.copytree(golden, tmp_path / "copy")
+    by = ", and CI=true requires a candidate" if ci else ""
+    for candidate in (golden, copy):
+        code, out, err = cli(capsys, "compare", str(golden), str(candidate))
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert err == (
+            f"moe-parity: error: CANDIDATE_DIR {candidate} is the golden itself, {AGAINST_ITSELF}, which checks "
+            f"nothing about a port{by}: pass the port's dump as CANDIDATE_DIR\n"
+        )
+    usage_error(run_parity(pytester, golden, "--hw", "dump", model=copy),
+                f"--model {copy} is the golden itself, {AGAINST_ITSELF}, which checks nothing about a port{by}: "
+                "pass the port's dump as --model")  # fmt: skip
 
 
 def test_the_session_knows(golden_dir, tiny_model) -> None:

@@ -15,6 +15,7 @@ from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, Point
+from ..words import counted
 from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
 
 # the options naming other runs' dumps: what to say where one is not given, and what its directory holds
@@ -230,7 +231,8 @@ class DumpBackend(Backend):
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         compared = [r for r in rows if r["status"] in ("passed", "failed")]
         dtype = dtype_name(self.dtype)
-        line = f"compared {len(compared)} of {len(rows)} points, candidate dtype {dtype} (from {self.dtype_source})"
+        line = f"compared {len(compared)} of {counted(len(rows), 'point')}, candidate dtype {dtype}"
+        line += f" (from {self.dtype_source})"
         census = self.dump.dtype_census()
         others = {d: n for d, n in census.items() if d != dtype}
         if others and sum(others.values()) > sum(census.values()) / 2:

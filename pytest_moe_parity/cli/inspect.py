@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..words import counted
 from .common import EXIT_FAILED, EXIT_OK, Command, positive_int_arg, quiet_transformers, write_json
 
 
@@ -31,7 +32,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     m = store.manifest
     model = m["model"]
     print(f"{args.golden}: {model['model_type']} from {model['path']}")
-    print(f"  {len(m['points'])} points, {len(m['files'])} files, {m['stats']['bytes'] / 1e6:.2f} MB")
+    size = m["stats"]["bytes"] / 1e6
+    print(f"  {counted(len(m['points']), 'point')}, {counted(len(m['files']), 'file')}, {size:.2f} MB")
     rows = f"{store.sequences} rows of " if store.sequences > 1 else ""
     padded = f", padded {m['inputs'].get('padding_side')}" if store.padded else ""
     print(f"  {rows}{m['inputs']['seq_len']} tokens{padded}, recorded in {m['record']['dtype']} on "
@@ -127,10 +129,10 @@ def cmd_drill_ops(args: argparse.Namespace) -> int:
             size = store.save(golden.root, point.id, graphs)
             written += size
             ops = len(graphs["float32"].compute())
-            print(f"{point.id}: {ops} ops in {', '.join(graphs)}, {size / 1e6:.2f} MB", flush=True)
+            print(f"{point.id}: {counted(ops, 'op')} in {', '.join(graphs)}, {size / 1e6:.2f} MB", flush=True)
     finally:
         driller.close()
-    print(f"drill ops written: {len(points)} points, {written / 1e6:.2f} MB -> {golden.root / store.DIR}")
+    print(f"drill ops written: {counted(len(points), 'point')}, {written / 1e6:.2f} MB -> {golden.root / store.DIR}")
     return EXIT_OK
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import BadInput
 from ..model.attention import DEFAULT_BUDGET_MIB
+from ..words import counted
 from .common import EXIT_OK, Command, cuda_available, int_list_arg, positive_int_arg, quiet_transformers
 
 
@@ -262,7 +263,8 @@ def cmd_golden(args: argparse.Namespace) -> int:
     if result.decode:
         noise = f", prefill and {result.decode}{noise}"
     print(
-        f"golden written: {result.points} points, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> {result.out}"
+        f"golden written: {counted(result.points, 'point')}, {result.bytes / 1e6:.2f} MB{noise}, {seconds:.1f} s -> "
+        f"{result.out}"
     )
     return EXIT_OK
 

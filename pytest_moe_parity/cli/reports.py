@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..words import counted
 from .common import EXIT_FAILED, EXIT_OK, Command, factor_arg, write_json
 
 
@@ -60,7 +61,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise BadInput(f"{directory}: cannot write {HTML_FILE} ({exc})") from None
     _, not_shown = load_diff(directory, report)
-    print(f"moe-parity report: {directory} ({_describe_run(report)}, {len(points)} points)")
+    print(f"moe-parity report: {directory} ({_describe_run(report)}, {counted(len(points), 'point')})")
     for line in summary_table(rows):
         print(line)
     for line, _ in summary_lines(rows):

@@ -57,12 +57,15 @@ def _compare_arguments(sub: Any) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     """A dump compared offline: the same session, rows and summary lines as `pytest --hw dump`."""
     from ..judge.tolerances import parse_override
+    from ..replay.vacuous import dump_refusal, golden_itself, required
     from ..session import ParitySession, RunOptions
 
     try:
         tolerances = [parse_override(t) for t in args.tol]
     except ValueError as exc:
         raise BadInput(f"--tol: {exc}") from None
+    if golden_itself(args.golden, args.candidate):  # the golden against itself, refused as the plugin does
+        raise BadInput(dump_refusal(args.candidate, required(False), "CANDIDATE_DIR"))
     flags = {
         "golden": "GOLDEN",
         "model": "CANDIDATE_DIR",

@@ -232,7 +232,8 @@ class Driller:
 
     def write_repro(self, drill: Drill, out_dir: Path) -> Path | None:
         """The culprit's repro file (see `repro`), or None where its op cannot be isolated."""
-        from .repro import write_repro
+        from .explain import differing_constants
+        from .repro import constants_said, write_repro
 
         name = drill.culprit
         row = drill.row(name) if name else None
@@ -255,11 +256,15 @@ class Driller:
         kind = backend.name if backend.name in ("compile", "trace", "neuron") else "eager"
         runner = {"kind": kind, "compiler": backend.hw_options.get("compiler"), "device": str(backend.device)}
         figures = {"isolated": row.isolated, "isolated_noise": row.isolated_noise, "dtype": drill.dtype}
+        constants = [
+            {"where": where, "reference": a, "candidate": b}
+            for where, a, b in differing_constants(d.ref, ref_node, d.cand, cand_call[0])
+        ]
         path = write_repro(
             out_dir, drill.point, row.name, cand_call, low_call, ref_node.value, expected_candidate, limit, runner,
-            figures,
+            figures, constants,
         )  # fmt: skip
-        drill.repro = str(path)
+        drill.repro, drill.repro_cause = str(path), constants_said(constants) or None
         return path
 
     def close(self) -> None:

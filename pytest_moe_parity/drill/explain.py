@@ -35,8 +35,9 @@ def _aten(node: OpNode) -> str:
 
 
 def _plain(graph: OpGraph, node: OpNode) -> list[tuple[str, Any]]:
-    """The op's arguments that are not computed values: numbers, flags, dims, and constants of one
-    element, as (where, value)."""
+    """The op's arguments, as (where, value): numbers, flags, dims, and constants of one element (given
+    as such, or made in the call from constants alone) by their value; a value computed from the
+    inputs as COMPUTED, so that both sides' arguments stay aligned."""
     out: list[tuple[str, Any]] = []
     for i, x in enumerate(node.args if isinstance(node.args, list | tuple) else [node.args]):
         out.extend(_plain_leaf(graph, f"argument {i}", x))
@@ -45,13 +46,16 @@ def _plain(graph: OpGraph, node: OpNode) -> list[tuple[str, Any]]:
     return out
 
 
+COMPUTED = "<computed>"  # an argument computed from the call's inputs: not a constant, never compared
+
+
 def _plain_leaf(graph: OpGraph, where: str, x: Any) -> list[tuple[str, Any]]:
     if isinstance(x, Ref):
-        if x.kind == "const":
-            value = graph.value_of(x)
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                return [(where, value.item())]
-        return []
+        made = x.kind == "op" and graph.nodes[x.at].constant  # made inside the call from constants alone
+        value = graph.value_of(x) if x.kind == "const" or made else None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return [(where, value.item())]
+        return [(where, COMPUTED)]
     if isinstance(x, list | tuple):
         if any(isinstance(v, Ref) for v in x):
             return [leaf for i, v in enumerate(x) for leaf in _plain_leaf(graph, f"{where}[{i}]", v)]
@@ -101,17 +105,33 @@ def _holds(reference: OpGraph, value: torch.Tensor) -> str | None:
     return None
 
 
+def differing_constants(
+    reference: OpGraph, ref_node: OpNode, candidate: OpGraph, cand_node: OpNode
+) -> list[tuple[str, Any, Any]]:
+    """The culprit's arguments that are constants (numbers, flags, dims, one-element tensors: values
+    made, not computed from the call's inputs) and differ from the reference's op's: (where, the
+    reference's value, the candidate's). None compared across two kinds of op (their arguments mean
+    other things)."""
+    ref_plain, cand_plain = _plain(reference, ref_node), _plain(candidate, cand_node)
+    if len(ref_plain) != len(cand_plain) or ref_node.kind != cand_node.kind:
+        return []
+    pairs = zip(ref_plain, cand_plain, strict=True)
+    return [(where, a, b) for (where, a), (_, b) in pairs if COMPUTED not in (a, b) and _differs(a, b)]
+
+
+def constant_said(where: str, reference: Any, candidate: Any) -> str:
+    """A constant that differs, in words: `argument 1: 1e-06 in the reference, 0.001 in the candidate`."""
+    return f"{where}: {reference!r} in the reference, {candidate!r} in the candidate"
+
+
 def culprit_evidence(reference: OpGraph, ref_node: OpNode, candidate: OpGraph, cand_node: OpNode) -> list[str]:
     """Sentences on what the candidate's culprit op was given that the reference's was not: another
     aten op, arguments and constants that differ, a weight that differs (and whose it is)."""
     said: list[str] = []
     if _aten(ref_node) != _aten(cand_node):
         said.append(f"the reference runs {_aten(ref_node)}, the candidate {_aten(cand_node)}")
-    ref_plain, cand_plain = _plain(reference, ref_node), _plain(candidate, cand_node)
-    if len(ref_plain) == len(cand_plain) and ref_node.kind == cand_node.kind:  # another op's mean otherwise
-        for (where, a), (_, b) in zip(ref_plain, cand_plain, strict=True):
-            if _differs(a, b):
-                said.append(f"{where}: {a!r} in the reference, {b!r} in the candidate (a constant, not a kernel, bug)")
+    for where, a, b in differing_constants(reference, ref_node, candidate, cand_node):
+        said.append(f"{constant_said(where, a, b)} (a constant, not a kernel, bug)")
     ref_in, cand_in = ref_node.inputs(), cand_node.inputs()
     if len(ref_in) == len(cand_in):
         for ref_x, cand_x in zip(ref_in, cand_in, strict=True):

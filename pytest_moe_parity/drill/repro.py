@@ -3,7 +3,10 @@ the op's inputs (the reference's values, as the candidate's op received them) an
 output. It needs neither the golden nor the model: `test_reference` runs the reference's op in the
 candidate's dtype and passes, `test_candidate` runs the candidate's op as the candidate runs it (its
 device, or its compiler: `torch.compile` with the same backend, `torch.jit.trace`,
-`torch_neuronx.trace`) and fails. The file to attach to a compiler or kernel bug report."""
+`torch_neuronx.trace`) and fails. The file to attach to a compiler or kernel bug report, unless the
+culprit's difference is a constant it is given (a number, a flag, a one-element tensor: a value made,
+not computed from the inputs, `explain.differing_constants`): then the file, and the drill's `repro:`
+line, say it is a constant that differs, with both values, and no kernel bug."""
 
 from __future__ import annotations
 
@@ -62,8 +65,10 @@ def write_repro(
     limit: float,
     runner: dict[str, Any],
     figures: dict[str, Any],
+    constants: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write `test_<point>__<op>.py` and its `.safetensors`; returns the test file's path."""
+    """Write `test_<point>__<op>.py` and its `.safetensors`; returns the test file's path. `constants`:
+    the culprit's constants that differ from the reference's op's ({"where", "reference", "candidate"})."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "test_" + re.sub(r"[^0-9A-Za-z]+", "_", f"{point}__{op_name}").strip("_")
     tensors: dict[str, torch.Tensor] = {
@@ -78,11 +83,32 @@ def write_repro(
         "limit": limit,
         "runner": runner,
         "figures": figures,
+        "constants": constants or [],
     }
     save_file(tensors, str(out_dir / f"{stem}.safetensors"), metadata={"format": "pt"})
     path = out_dir / f"{stem}.py"
-    path.write_text(_TEMPLATE.replace("@META@", json.dumps(meta, indent=1, default=str)).replace("@STEM@", stem))
+    text = _TEMPLATE.replace("@CAUSE@", _cause(constants or [])).replace("@STEM@", stem)
+    path.write_text(text.replace("@META@", json.dumps(meta, indent=1, default=str)))
     return path
+
+
+def constants_said(constants: list[dict[str, Any]]) -> str:
+    """The repro's cause where it is constants that differ, in words ("" where it is none)."""
+    if not constants:
+        return ""
+    values = "; ".join(f"{c['where']} is {c['candidate']!r} in the candidate, {c['reference']!r} in the reference"
+                       for c in constants)  # fmt: skip
+    return f"a constant that differs, not a kernel bug: {values}"
+
+
+def _cause(constants: list[dict[str, Any]]) -> str:
+    """The repro's docstring paragraph on its cause."""
+    if not constants:
+        return "Attach it to a compiler or kernel bug report."
+    return (
+        f"Its cause is {constants_said(constants)}. A constant is a value made, not computed from the\n"
+        "inputs: fix the value the port gives the op (its config, its code); there is no kernel bug to report."
+    )
 
 
 _TEMPLATE = '''"""Repro written by pytest-moe-parity's drill: @STEM@.
@@ -92,6 +118,8 @@ more than the reference's own rounding allows (the limit below); the reference's
 in the candidate's dtype, stays within it. Needs torch and safetensors only:
 
     pytest @STEM@.py        # test_reference passes, test_candidate fails
+
+@CAUSE@
 """
 
 import importlib
@@ -180,9 +208,14 @@ def test_reference():
 
 def test_candidate():
     error = _rel_l2(_compiled(META["candidate"]), DATA["expected_candidate"])
+    given = "; ".join(
+        f"{c['where']} is {c['candidate']!r} in the candidate, {c['reference']!r} in the reference"
+        for c in META["constants"]
+    )
+    cause = f" (a constant that differs, not a kernel bug: {given})" if given else ""
     assert error <= META["limit"], (
-        f"{META['point']}::{META['op']}: the candidate's {META['candidate']['op']} gives rel_l2 {error:.4g} "
-        f"against the reference's float32 output; the reference's own op in the candidate's dtype stays "
-        f"within {META['limit']:.4g}"
+        f"{META['point']}::{META['op']}: the candidate's {META['candidate']['op']}{cause} gives rel_l2 "
+        f"{error:.4g} against the reference's float32 output; the reference's own op in the candidate's dtype "
+        f"stays within {META['limit']:.4g}"
     )
 '''

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..report.drill import Drill, OpRow
+from ..words import counted
 from .capture import OpGraph
 from .engine import BOOKKEEPING, Drilling, Execute, Reference
 from .explain import label
@@ -180,13 +181,13 @@ def _accumulation(d: Drilling, rows: list[OpRow], made: Made | None = None) -> s
     elif above:
         text = (
             f"no single op leaves its dtype's floor: the error accumulates over {len(above)} of the "
-            f"{len(compared)} ops compared, above the reference's own error (the largest ratios: {largest} of "
-            f"their floor)"
+            f"{counted(len(compared), 'op')} compared, above the reference's own error (the largest ratios: "
+            f"{largest} of their floor)"
         )
     else:
         text = (
-            f"no single op leaves its dtype's floor, and none of the {len(compared)} ops compared is above the "
-            f"reference's own error: the largest ratios are {largest} of their floor"
+            f"no single op leaves its dtype's floor, and none of the {counted(len(compared), 'op')} compared is "
+            f"above the reference's own error: the largest ratios are {largest} of their floor"
         )
     dtypes = d.other_dtypes()
     if made is not None and made.dtype:

@@ -154,6 +154,7 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
     except ValueError as exc:
         raise pytest.UsageError(f"--parity-threads / parity_threads: {exc}") from None
     quiet_transformers()
+    _refuse_a_dumped_golden(config, golden_dir)
     try:
         session = ParitySession(
             RunOptions(
@@ -182,6 +183,16 @@ def _make_session(config: pytest.Config, golden_dir: Path) -> ParitySession:
         session.close()  # not yet in the config's cleanups
         raise pytest.UsageError(refused)
     return session
+
+
+def _refuse_a_dumped_golden(config: pytest.Config, golden_dir: Path) -> None:
+    """`--hw dump --model GOLDEN`: the golden itself as the candidate's dump, a usage error
+    (`replay.vacuous.dump_refusal`), as `moe-parity compare GOLDEN GOLDEN` is."""
+    from ..replay.vacuous import dump_refusal, golden_itself, required
+
+    model = config.getoption("parity_model")
+    if config.getoption("parity_hw") == "dump" and golden_itself(golden_dir, model):
+        raise pytest.UsageError(dump_refusal(model, required(config.getoption("parity_require_candidate")), "--model"))
 
 
 def _vacuous_refusal(config: pytest.Config, session: ParitySession, reason: str | None) -> str | None:
@@ -274,6 +285,7 @@ class ParityPlugin:
         # what the session froze): cleanups run in reverse, and this one is among the first.
         config.add_cleanup(session.close)
         self.worker = hasattr(config, "workerinput")
+        self._node_collected = False  # an xdist controller: a worker's collection was read
         inputs = getattr(config, "workerinput", {})
         self.explicit_paths = (
             bool(inputs.get("parity_explicit_paths"))
@@ -317,14 +329,30 @@ class ParityPlugin:
         # fixtures), the config and weight items (they check its checkpoint); an xdist controller holds
         # no items of its own
         others = any(not isinstance(i, ParityItem) for i in session.items)
-        alone = self.session.options.workers == 1 and not others
-        if alone and not points and self.session.vacuous is None:  # -k, -m, --parity-layers kept none
-            from ..replay.vacuous import NO_POINT
-
-            self.session.vacuous = NO_POINT
-            if (refused := _vacuous_refusal(self.config, self.session, NO_POINT)) is not None:
-                raise pytest.UsageError(refused)
+        if self.session.options.workers == 1 and not others and not points:  # -k, -m, --parity-layers kept none
+            self._selected_nothing()
         self.session.plan(points)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        """An xdist controller collects nothing itself: its selection is what each worker collected (the
+        same on every worker, or xdist stops), here the first's. None (no point, no other item) is the
+        empty selection, as `pytest_collection_finish` finds it without xdist."""
+        if not self._node_collected:
+            self._node_collected = True
+            if not ids:
+                self._selected_nothing()
+
+    def _selected_nothing(self) -> None:
+        """A run whose selection holds no point and no other item: `replay.vacuous.NO_POINT`, said in the
+        summary, and a usage error where a candidate is required."""
+        from ..replay.vacuous import NO_POINT
+
+        if self.session.vacuous is not None:  # the golden against itself, said already
+            return
+        self.session.vacuous = NO_POINT
+        if (refused := _vacuous_refusal(self.config, self.session, NO_POINT)) is not None:
+            raise pytest.UsageError(refused)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):

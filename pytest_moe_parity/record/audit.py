@@ -36,6 +36,7 @@ from ..model.checkpoint import SIZES, Tensor, read_config, read_tensors
 from ..model.quant import ACT_SCALE, KV_SCALE, MX_GROUP, QUANTIZED_CODES, Dequantizer, Layout, layout
 from ..model.quant_check import tensor_problems
 from ..points import layer_group
+from ..words import counted
 
 NAMES = SAFETENSORS_FLOATS
 FLOATS = set(NAMES)
@@ -405,7 +406,10 @@ def text_lines(result: Audit, model_dir: Path) -> list[str]:
         lines.append(f"float32 by design: {row['name']} ({gib(row['bytes'])})")
     if result.findings:
         total = sum(r["bytes"] for r in result.findings)
-        lines.append(f"{len(result.findings)} tensors are not {NAMES.get(result.expected)} ({gib(total)}):")
+        n = len(result.findings)
+        lines.append(
+            f"{counted(n, 'tensor')} {'is' if n == 1 else 'are'} not {NAMES.get(result.expected)} ({gib(total)}):"
+        )
         lines += [f"  {r['name']}: {r['dtype']}, {gib(r['bytes'])} ({r['class']})" for r in result.findings]
     else:
         lines.append(f"every {'unquantized ' if result.quantization else ''}tensor is in the expected dtype")

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..host import gib
+from ..words import counted
 
 
 def device_name(device: Any) -> str:
@@ -48,8 +49,7 @@ def placement_line(placed: dict[str, dict[str, int]]) -> str:
         device, entry = next(iter(placed.items()))
         return f"placement: the whole model on {device}, {gib(entry['bytes'])}"
     parts = [
-        f"{device} {entry['modules']} module{'s' if entry['modules'] != 1 else ''} {gib(entry['bytes'])}"
-        for device, entry in placed.items()
+        f"{device} {counted(entry['modules'], 'module')} {gib(entry['bytes'])}" for device, entry in placed.items()
     ]
     return "placement: " + ", ".join(parts)
 

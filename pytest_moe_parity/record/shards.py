@@ -43,6 +43,7 @@ from typing import Any
 from ..errors import BadInput
 from ..host import gib
 from ..model.checkpoint import Tensor, read_config
+from ..words import counted
 from .audit import _LAYER, FLOATS, checkpoint_tensors, tensor_class
 
 MODEL = "model"  # --parity-layers' word for the model-level points (replay.setup.MODEL_POINTS)
@@ -515,7 +516,7 @@ def shard_lines(plan: dict[str, Any], hw: str, tokens: int) -> list[str]:
         extra.append(f"{plan['workers']} workers each")
     shards = plan["shards"]
     lines.append(
-        f"{len(shards)} shard{'s' * (len(shards) != 1)}, balanced by each unit's cost"
+        f"{counted(len(shards), 'shard')}, balanced by each unit's cost"
         + (f" ({', '.join(extra)})" if extra else "")
         + ":"
     )

@@ -25,6 +25,7 @@ from ..host import gib, malloc_trim
 from ..judge.result import PointResult
 from ..model.emulate import RESOLVES, QuantSpec, parse_spec, resolves
 from ..points import ROUTER
+from ..words import counted
 from .batch import Rows
 from .runner import ParityRunner
 
@@ -91,7 +92,8 @@ def record_noise(
     steered = ParityRunner(golden, backend, mode="chain", steer=not captured)
     free = ParityRunner(golden, backend, mode="chain", steer=False)  # the same model, a chain nobody steers
     started = time.perf_counter()
-    say(f"noise floor: the reference in {label}, isolated and chained (steered, free), at {len(golden.points)} points")
+    at = counted(len(golden.points), "point")
+    say(f"noise floor: the reference in {label}, isolated and chained (steered, free), at {at}")
     try:
         isolated.start(golden.points[0])  # the model on the meta device: what it will hold, before any forward
     except BackendFailure as exc:

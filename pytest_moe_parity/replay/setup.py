@@ -23,6 +23,7 @@ from ..model.quant import layout
 from ..model.quant_check import check_tensors
 from ..points import describe_layers, parse_layers
 from ..report.rows import Row
+from ..words import counted
 from .runner import MODES
 
 if TYPE_CHECKING:
@@ -229,7 +230,8 @@ def chained_hint(rows: list[Row], golden: GoldenStore, dtype: torch.dtype, flag:
     if within * 2 < len(failed):
         return None
     return (
-        f"{within} of the {len(failed)} failed points are within the reference's own chained error: if the "
+        f"{within} of the {counted(len(failed), 'failed point')} {'is' if within == 1 else 'are'} within the "
+        f"reference's own chained error: if the "
         f"dump is the candidate's own whole-model run (not fed the golden's inputs point by point), judge it "
         f"chained: {flag} chain"
     )

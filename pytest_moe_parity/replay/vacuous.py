@@ -74,6 +74,31 @@ def refusal(reason: str, by: str, dtype: str = "", hw: str = "") -> str:
     )
 
 
+def golden_itself(golden_dir: Path, candidate: Path | None) -> bool:
+    """Whether a dump directory given as the candidate (`moe-parity compare`, `--hw dump --model`) is
+    the golden itself: the golden's own directory, or a copy of it (a golden of the same fingerprint).
+    False where either cannot be read as a golden (the run then says why)."""
+    from ..golden import MANIFEST, GoldenError, GoldenStore
+
+    if candidate is None or not (Path(candidate) / MANIFEST).is_file():
+        return False
+    if Path(candidate).resolve() == Path(golden_dir).resolve():
+        return True
+    try:
+        return GoldenStore(candidate).fingerprint == GoldenStore(golden_dir).fingerprint
+    except GoldenError:
+        return False
+
+
+def dump_refusal(candidate: Path, by: str | None, flag: str) -> str:
+    """The one sentence of a run whose dump is the golden itself: a usage error always (it compares the
+    golden with itself, and its layout is no dump's), naming what requires a candidate where one does."""
+    said = f"{flag} {candidate} is the golden itself, {AGAINST_ITSELF}, which checks nothing about a port"
+    if by is not None:
+        said += f", and {by} requires a candidate"
+    return f"{said}: pass the port's dump as {flag}"
+
+
 def nothing_compared(rows: Sequence[Any], hw: str) -> str | None:
     """A run whose every point was skipped compared nothing: a mistake (a dump of other names,
     a selection of points the candidate lacks), never a success. Why, or None."""

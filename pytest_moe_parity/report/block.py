@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtypes import json_safe
-from .drill import Drill, culprit_said, differs
+from ..words import counted
+from .drill import Drill, culprit_said, differs, repro_line
 from .rows import PointRow, Row, WeightsRow
 from .summary import counts, first_divergence
 from .text import fmt
 
 DRILL = (
-    "point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro", "culprit_group",
+    "point", "culprit", "culprit_op", "evidence", "recovery", "structure", "repro", "repro_cause", "culprit_group",
     "group_recovery", "row_sets",
 )  # fmt: skip  # the block's drill
 CANDIDATE = ("candidate_model", "candidate_source", "hw", "hw_options", "dtype", "mode", "layers")
@@ -75,8 +76,8 @@ def bug_report_text(block: dict[str, Any]) -> list[str]:
         f"golden: {golden['golden_dir']} ({golden['model_type']}, fingerprint {golden['golden_fingerprint']})",
         f"candidate: {cand['candidate_model']} ({cand['candidate_source']}) on --hw {cand['hw']} in {cand['dtype']}, "
         f"{cand['mode']} mode; --hw-option: {options}" + (f"; layers {cand['layers']}" if cand.get("layers") else ""),
-        f"result: {n['total']} item{'s' * (n['total'] != 1)}: {n['passed']} passed, {n['failed']} failed, "
-        f"{n['error']} errors, {n['skipped']} skipped",
+        f"result: {counted(n['total'], 'item')}: {n['passed']} passed, {n['failed']} failed, "
+        f"{counted(n['error'], 'error')}, {n['skipped']} skipped",
     ]
     first = block["first_divergence"]
     if first is None:
@@ -104,6 +105,6 @@ def bug_report_text(block: dict[str, Any]) -> list[str]:
         elif drill["structure"]:
             lines.append(f"drill {drill['point']}: {drill['structure'][0]}")
         if drill["repro"]:
-            lines.append(f"  repro: {drill['repro']}")
+            lines.append(f"  {repro_line(drill['repro'], drill.get('repro_cause'))}")
     lines.append(END)
     return lines

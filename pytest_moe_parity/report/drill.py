@@ -59,6 +59,8 @@ class Drill:
     culprit_candidate: list[str] = field(default_factory=list)  # the candidate ops substituted
     recovery_introduced: float | None = None  # substituting every op that introduced error
     repro: str | None = None  # the repro file written for the culprit (--parity-repro)
+    # what the repro reproduces where it is no kernel's error: a constant that differs, with its values
+    repro_cause: str | None = None
     reference_error: float | None = None  # the reference's float32 rerun here against the golden's output
     structure: list[str] = field(default_factory=list)  # missing and extra ops, with the ops they feed
     # the culprit recovers under half: the other op whose substitution recovers most {"op", "recovery"}
@@ -120,7 +122,7 @@ class Drill:
             p = self.partial
             said.append(f"the next op that explains the error: {p.get('op')} (recovers {pct(p.get('recovery'))})")
         if self.repro:
-            said.append(f"repro: {self.repro}")
+            said.append(repro_line(self.repro, self.repro_cause))
         return said
 
     # -- JSON --------------------------------------------------------------------------------------
@@ -151,6 +153,11 @@ def _values(cls: type, data: dict[str, Any], required: dict[str, Any]) -> dict[s
     values = {k: v for k, v in data.items() if k in known}
     missing = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     return {**{k: required[k] for k in missing - values.keys() if k in required}, **values}
+
+
+def repro_line(path: str, cause: str | None) -> str:
+    """The drill's line naming its repro file, with its cause where it is no kernel's error."""
+    return f"repro: {path}" + (f" ({cause})" if cause else "")
 
 
 def pct(x: Any) -> str:

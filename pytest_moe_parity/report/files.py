@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
+from ..words import counted
 from .html import HTML_FILE, write_html
 from .plots import TOKENS_PREFIX, PlotsUnavailable, render_plots
 from .rows import Row
@@ -81,5 +82,5 @@ def plots_line(written: list[Path], directory: Path) -> str:
     if steps:
         named.append(f"the same for {steps[0]}" + (f" to {steps[-1]}" if len(steps) > 1 else ""))
     if tokens:
-        named.append(f"{tokens} per-token plot{'s' if tokens > 1 else ''} of failed points")
+        named.append(f"{counted(tokens, 'per-token plot')} of failed points")
     return f"plots in {directory}: {', '.join(named)}" if named else "plots: no point to draw"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..words import counted
 from .rows import Row
 from .summary import figure
 
@@ -70,7 +71,7 @@ class Diff:
     def lines(self, old_name: str, new_name: str, factor: float) -> list[str]:
         out = [
             f"moe-parity diff: {old_name} ({_run(self.old)}) -> {new_name} ({_run(self.new)}), "
-            f"{self.common} points in both"
+            f"{counted(self.common, 'point')} in both"
         ]
         out.append(f"worse beyond x{factor:g} or newly failing: {len(self.worse)}")
         out += [f"  {c.line()}" for c in self.worse]

@@ -25,6 +25,7 @@ from ..errors import BadInput
 from ..files import atomic_write_text
 from ..judge.tolerances import JUNIT_FIGURES
 from ..points import describe_layers
+from ..words import counted
 from .files import write_reports
 from .html import HTML_FILE
 from .rows import Row
@@ -298,13 +299,14 @@ def junit_xml(merged: Merged) -> str:
 
 def merge_lines(merged: Merged) -> list[str]:
     """What the merge prints before the run's own summary: each shard, then what the run lacks."""
-    lines = [f"moe-parity report --merge: {len(merged.shards)} shard{'s' * (len(merged.shards) != 1)}"]
+    lines = [f"moe-parity report --merge: {counted(len(merged.shards), 'shard')}"]
     for s in merged.shards:
         e = s.entry()
         first = f", first divergence {e['first_divergence']}" if e["first_divergence"] else ""
         state = "" if e["problem"] is None else " INCOMPLETE"
         lines.append(
-            f"  {s.name}: {e['points']} items, {e['passed']} passed, {e['failed']} failed, {e['error']} errors"
+            f"  {s.name}: {counted(e['points'], 'item')}, {e['passed']} passed, {e['failed']} failed, "
+            f"{counted(e['error'], 'error')}"
             f"{first}{state}"
         )
     return lines + problem_lines(merged)

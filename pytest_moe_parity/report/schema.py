@@ -65,6 +65,7 @@ def drills(rows: list[Row]) -> dict[str, Any]:
             "ops": len(d.rows),
             "failed_ops": sum(r.verdict != "ok" for r in d.rows),
             "repro": d.repro,
+            "repro_cause": d.repro_cause,
         }
     return out
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
+from ..words import counted
 from .drill import Drill, culprit_said
 from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .text import fmt
@@ -217,8 +218,8 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
     n = counts(rows)
     lines: list[tuple[str, str | None]] = [
         (
-            f"{len(rows)} point{'s' * (len(rows) != 1)}: "
-            f"{n['passed']} passed, {n['failed']} failed, {n['error']} errors"
+            f"{counted(len(rows), 'point')}: "
+            f"{n['passed']} passed, {n['failed']} failed, {counted(n['error'], 'error')}"
             + (f", {n['skipped']} skipped" if n["skipped"] else "")
             + (f"; reports in {report_dir}" if report_dir else ""),
             None,
@@ -246,8 +247,8 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
         ))  # fmt: skip
     for source, ids in inherited.items():
         lines.append((
-            f"inherited: {len(ids)} point{'s' * (len(ids) != 1)} fail only on their own inputs after {source} "
-            f"(folded under it: each passes on the golden's inputs)", None,
+            f"inherited: {counted(len(ids), 'point')} fail{'s' * (len(ids) == 1)} only on their own inputs after "
+            f"{source} (folded under it: each passes on the golden's inputs)", None,
         ))  # fmt: skip
     decode = decode_line(rows)
     if decode is not None:
@@ -259,8 +260,9 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
     if graphs is not None:
         lines.append(
             (
-                f"{graphs['graphs']} graphs for {graphs['points']} points ({graphs['layer_graphs']} for the "
-                f"decoder layers of {graphs['layers']} layers); compiled {graphs['compiled']} in "
+                f"{counted(graphs['graphs'], 'graph')} for {counted(graphs['points'], 'point')} "
+                f"({graphs['layer_graphs']} for the decoder layers of {counted(graphs['layers'], 'layer')}); "
+                f"compiled {graphs['compiled']} in "
                 f"{graphs['compile_seconds']:.1f} s, {graphs['from_cache']} from the cache",
                 None,
             )
@@ -319,16 +321,16 @@ def coloured_table(rows: list[Row], *, full_limit: int = 40, context: int = 1) -
         if i not in shown:
             continue
         if i != last + 1:
-            lines.append((f"{'...':<{width}}({i - last - 1} passing points)", None))
+            lines.append((f"{'...':<{width}}({counted(i - last - 1, 'passing point')})", None))
         cos, rel, mx = short_metrics(r)
         cells = "".join(f"{value(r):>{w}}" for _, w, value in extra)
         line = f"{r.id:<{width}}{r.status:<8}{cos:>12}{rel:>11}{cells}{mx:>11}  {row_note(r)}"
         lines.append((line, STATUS_COLOURS.get(r.status)))
         last = i
     if not shown:
-        lines.append((f"(all {len(ordered)} points passed)", None))
+        lines.append((f"({'all ' * (len(ordered) > 1)}{counted(len(ordered), 'point')} passed)", None))
     elif last != len(ordered) - 1:
-        lines.append((f"{'...':<{width}}({len(ordered) - 1 - last} passing points)", None))
+        lines.append((f"{'...':<{width}}({counted(len(ordered) - 1 - last, 'passing point')})", None))
     return lines + [(line, None) for line in legend(ordered, [name for name, _, _ in extra])]
 
 
@@ -338,11 +340,19 @@ LEGEND = {
     "chain rel": "chain rel, chain R: the same figures on the candidate's own inputs (the chained run)",
     "flips": "flips, ties: tokens whose top-k experts differ from the golden's, beyond / within the dtype's rounding "
     "of the router's scores (ties never fail; flip_share: the share of flipped tokens)",
-    "tok excluded": "tok excluded: tokens the candidate routed otherwise at an earlier layer, left out from there "
-    "on (judged at that router)",
+    "tok excluded": "tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's "
+    "own layer's router, left out of its verdict (they follow other experts; that router judges them)",
     "inherited": "inherited from P: right on the golden's inputs, wrong on its own after P failed on the golden's; "
     "introduced here: wrong on the golden's inputs",
 }
+
+
+# where a chained verdict past layer 0 leaves out tokens: those routed otherwise at an earlier layer too
+EXCLUDED_EARLIER = (
+    "tok excluded: tokens whose top-k experts the candidate chose unlike the golden at the point's own layer's "
+    "router or, chained, at an earlier layer's, left out of the verdict from there on (they follow other experts; "
+    "the router where they flipped judges them)"
+)
 
 
 def legend(rows: list[Row], columns: list[str]) -> list[str]:
@@ -351,14 +361,24 @@ def legend(rows: list[Row], columns: list[str]) -> list[str]:
     shown = [key for key in LEGEND if key in columns or key in notes]
     if "chain R" in columns and "chain rel" not in shown:
         shown.append("chain rel")
-    return [f"legend: {LEGEND[key]}" for key in LEGEND if key in shown]
+    said = dict(LEGEND)
+    if any(_excluded_earlier(r) for r in rows):
+        said["tok excluded"] = EXCLUDED_EARLIER
+    return [f"legend: {said[key]}" for key in LEGEND if key in shown]
+
+
+def _excluded_earlier(row: Row) -> bool:
+    """Whether a row's excluded tokens may have been routed otherwise at an earlier layer: a chained
+    verdict past the first layer (layer 0 has no earlier layer; its tokens flipped at its own router)."""
+    chained = row.mode == "chain" and (row.layer is None or row.layer > 0)
+    return chained and bool(getattr(row, "excluded_tokens", None))
 
 
 def drill_line(drill: Drill) -> tuple[str, str | None]:
     """A drilled point's closing line: its culprit and what substituting it recovers."""
     rows = drill.rows
     failed = sum(r.verdict != "ok" for r in rows)
-    head = f"drill {drill.point}: {len(rows)} ops, {failed} failed"
+    head = f"drill {drill.point}: {counted(len(rows), 'op')}, {failed} failed"
     if not drill.culprit:
         why = drill.unmatched and "matching failed"
         why = why or (drill.structure and f"structure: {drill.structure[0]}")

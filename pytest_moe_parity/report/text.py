@@ -10,7 +10,8 @@ from typing import Any
 from ..judge.logits import LogitsMetrics
 from ..judge.result import BatchRow, PointResult
 from ..judge.routing import RoutingMetrics
-from .drill import Drill, OpRow, pct
+from ..words import counted, noun
+from .drill import Drill, OpRow, pct, repro_line
 
 WIDTH = 100  # failure text: no line wider than this
 STRUCTURE_SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
@@ -136,7 +137,7 @@ def _row_lines(rows: list[BatchRow]) -> list[str]:
     for row in failed[:8]:
         prompt = f' prompt "{row.prompt}",' if row.prompt else ""
         lines.append(
-            f"    row {row.row}:{prompt} {row.tokens} tokens, rel_l2 {fmt(row.rel_l2, 3)}, "
+            f"    row {row.row}:{prompt} {counted(row.tokens, 'token')}, rel_l2 {fmt(row.rel_l2, 3)}, "
             f"worst token {fmt(row.max_token_rel_l2, 3)}"
         )
     if len(failed) > 8:
@@ -197,7 +198,7 @@ def _verdict_lines(r: PointResult) -> list[str]:
         lines.extend(_wrapped("  worst tokens (position, rel error): ", worst))
     if r.worst_experts:
         experts = ", ".join(
-            f"#{e} {100 * share:.0f}% (rel {fmt(err, 3)} over {n} token{'s' * (n != 1)})"
+            f"#{e} {100 * share:.0f}% (rel {fmt(err, 3)} over {counted(n, 'token')})"
             for e, n, err, share in r.worst_experts
         )
         lines.extend(
@@ -214,7 +215,7 @@ def _verdict_lines(r: PointResult) -> list[str]:
 
 def _routing_lines(rt: RoutingMetrics) -> list[str]:
     lines = [
-        f"  routing: {rt.num_tokens} tokens, top-{rt.top_k} of {rt.num_experts} experts, "
+        f"  routing: {counted(rt.num_tokens, 'token')}, top-{rt.top_k} of {rt.num_experts} experts, "
         f"set agreement {rt.set_agreement * 100:.1f}%, real flips {len(rt.flips)}, ties {len(rt.ties)}"
     ]
     shown = rt.flips[:8] or rt.ties[:4]
@@ -236,7 +237,7 @@ def _logits_lines(lg: LogitsMetrics) -> list[str]:
     top1 = lg.top1
     lines = _wrapped(
         "  next token: ",
-        f"top-1 agreement {lg.top1_agreement * 100:.1f}% of {lg.num_tokens} tokens "
+        f"top-1 agreement {lg.top1_agreement * 100:.1f}% of {counted(lg.num_tokens, 'token')} "
         f"(real flips {len(top1.flips)}, ties {len(top1.ties)}), top-{lg.top_k} overlap "
         f"{lg.top_k_overlap * 100:.1f}%, KL mean {fmt(lg.kl_mean, 3)} max {fmt(lg.kl_max, 3)} nats",
     )
@@ -263,7 +264,9 @@ def _op_line(op: OpRow) -> str:
 def drill_text(drill: Drill, limit: int = 40) -> str:
     """A drill's op table: the culprit, its recovery, then the ops in forward order (the healthy
     ones before the first failure folded into a count)."""
-    lines = [f"{drill.point}: drilled into {len(drill.rows)} ops ({drill.dtype}, noise factor {drill.factor:g})"]
+    lines = [
+        f"{drill.point}: drilled into {counted(len(drill.rows), 'op')} ({drill.dtype}, noise factor {drill.factor:g})"
+    ]
     if drill.foreign_reference:
         lines.append(
             f"  the reference's rerun here does not reproduce the golden at {drill.point} (rel_l2 "
@@ -285,16 +288,18 @@ def drill_text(drill: Drill, limit: int = 40) -> str:
     lines.extend(f"  structure: {sentence}" for sentence in drill.structure[:STRUCTURE_SHOWN])
     if len(drill.structure) > STRUCTURE_SHOWN:
         more = len(drill.structure) - STRUCTURE_SHOWN
-        lines.append(f"  structure: ... {more} more missing or extra ops in the table")
+        lines.append(f"  structure: ... {more} more missing or extra {noun(more, 'op')} in the table")
     if drill.repro:
-        lines.append(f"  repro: {drill.repro}")
+        lines.append(f"  {repro_line(drill.repro, drill.repro_cause)}")
     first = next((i for i, r in enumerate(drill.rows) if r.failed), len(drill.rows))
     if first:
-        lines.append(f"  ok         {first} ops before the first failing one")
+        lines.append(f"  ok         {counted(first, 'op')} before the first failing one")
     shown = drill.rows[first : first + limit]
     lines.extend(_op_line(r) for r in shown)
     if len(drill.rows) > first + limit:
-        lines.append(f"  ... {len(drill.rows) - first - limit} more ops in the report")
+        lines.append(
+            f"  ... {len(drill.rows) - first - limit} more {noun(len(drill.rows) - first - limit, 'op')} in the report"
+        )
     return "\n".join(lines)
 
 
@@ -323,7 +328,7 @@ def _culprit_lines(drill: Drill) -> list[str]:
         )
     if group and drill.group_recovery is not None:
         lines.append(
-            f"  substituting the reference's outputs of {group} ({len(drill.group_ops)} ops) recovers "
+            f"  substituting the reference's outputs of {group} ({counted(len(drill.group_ops), 'op')}) recovers "
             f"{pct(drill.group_recovery)} of {drill.point}'s error"
         )
     best = drill.group_recovery if group and drill.group_recovery is not None else drill.recovery
