@@ -304,6 +304,10 @@ class NxdiBackend(Backend):
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs, tp=degree, ep=experts)(*inputs))
+                if spec.scores:  # with its router's top-k affinities scattered over the experts, as Llama 4's
+                    _, affinities, ids = routing[:3]
+                    dense = torch.zeros_like(affinities).scatter(-1, ids.long(), affinities.gather(-1, ids.long()))
+                    output = (output.reshape(-1, output.shape[-1]), dense)
         return CandidateOutput(output, routing, info=info, cache=cache)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
@@ -431,12 +435,20 @@ class NxdiBackend(Backend):
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         return rank_kv_heads(tp or self.tp, heads, kv_heads)
 
-    def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int) -> dict[str, Any]:
+    def _forward_kwargs(self, spec: Component, layer: int | None, tp: int, ep: int) -> dict[str, Any]:
+        """The attention call's extra keywords: "$rope", whether the point's layer applies the rotary
+        embedding (NxDI's config's `no_rope_layers`: 0 for Llama 4's NoPE layers)."""
+        rope = list(getattr(self._config(tp, ep), "no_rope_layers", None) or [])
+        return {k: (bool(rope[layer]) if rope and layer is not None else True) if v == "$rope" else v
+                for k, v in spec.forward.items()}  # fmt: skip
+
+    def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int, layer: int | None = None) -> dict[str, Any]:
         """The factory's keywords; the config as NxDI gives its context-encoding model
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
         base = self._config(tp, ep)
         kwargs = {k: attribute(base, v) for k, v in spec.args.items()}
-        kwargs.update({k: self.dtype if v == "$dtype" else v for k, v in spec.literals.items()})
+        kwargs.update({k: {"$dtype": self.dtype, "$layer": layer}.get(v, v) if isinstance(v, str) else v
+                       for k, v in spec.literals.items()})  # fmt: skip
         if spec.config:
             config = copy.copy(base)
             config.neuron_config = copy.copy(base.neuron_config)
@@ -487,13 +499,15 @@ class NxdiBackend(Backend):
                 example_inputs=[tuple(inputs)],
                 module_init_kwargs={
                     "factory": spec.factory,
-                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp, ep=ep),
+                    "kwargs": self._kwargs(spec, prefill=point.step is None, tp=tp, ep=ep, layer=point.layer),
                     "call": spec.call,
                     "form": spec.inputs,
                     "routing": spec.routing,
                     "kv_heads": kv_heads,
                     "seq_len": 1 if point.step is not None else self.golden_seq_len(),
                     "forced": spec.forced,
+                    "submodule": spec.submodule,
+                    "forward": self._forward_kwargs(spec, point.layer, tp, ep),
                 },
                 tp_degree=tp,
                 compiler_args=self.hw_options["compiler_args"],

@@ -34,9 +34,14 @@ class NxdiPoint(nn.Module):
         kv_heads: list[list[int]] | None = None,
         seq_len: int = 0,
         forced: str = "",
+        submodule: str = "",
+        forward: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
+        if submodule:
+            self.inner = self.inner.get_submodule(submodule)
+        self.forward_kwargs = forward or {}
         config = kwargs.get("config")
         if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
             nxdi_cast(self.inner, config.neuron_config.torch_dtype)
@@ -79,6 +84,7 @@ class NxdiPoint(nn.Module):
                 attention_mask=mask,
                 position_ids=positions,
                 past_key_value=tuple(past) if past else None,
+                **self.forward_kwargs,
             )
             caught = tuple(self._caught[0]) if self._caught else ()
             return (out[0], out[1][0], out[1][1], *caught)
@@ -86,6 +92,8 @@ class NxdiPoint(nn.Module):
             affinities, index = rest
             out = self.inner.expert_mlps(first, affinities, index, self.seq_len)
             return reduce_experts(self.inner, out)
+        if self.call == "shared_experts":  # NxD's SharedExperts takes the sequence length (its TKG path)
+            return self.inner.shared_experts(first, self.seq_len)
         if self.call:
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)

@@ -38,6 +38,15 @@ class Component:
     # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
     # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
     outputs: int = 0
+    # the part of the built module the point is (Llama 4's MoE: `moe` of NxDI's NeuronMoEDecoderLayer; its
+    # attention: `self_attn` of the decoder layer, built at the point's layer for its NoPE/rotary choice)
+    submodule: str = ""
+    # keywords the attention's call takes beside NxDI's usual ones ("$rope": whether the point's layer
+    # applies the rotary embedding, from the config's `no_rope_layers`: Llama 4's polar-compatible rope)
+    forward: dict[str, Any] = field(default_factory=dict)
+    # the point gives its tokens' output [T, H] and its router's top-k scores scattered over the experts
+    # [T, E] (transformers' Llama4TextMoe returns both)
+    scores: bool = False
 
 
 @dataclass

@@ -63,7 +63,9 @@ def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], rank: int, tp
             dropped += ast.literal_eval(text[len(REDUNDANT) :].strip())
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    missing = sorted(wanted - set(state))
+    held = module.state_dict(keep_vars=True)  # a module shared under two names (NxD's MoEFusedTKG holds the
+    given = {id(held[k]) for k in held.keys() & state.keys()}  # MoE's router and experts): loaded under either
+    missing = sorted(k for k in wanted - set(state) if id(held[k]) not in given)
     if missing:
         raise RankFailure(
             f"the checkpoint has no tensor for {len(missing)} of the module's ({', '.join(missing[:6])}"
