@@ -101,6 +101,32 @@ def test_a_faulted_port_fails_first_where_the_fault_is(tmp_path: Path, golden_di
     assert all(rows[f"layer_{i}.output"]["status"] == "passed" for i in (0, 1))
 
 
+def test_a_deepseek_v3_capture_maps_its_dense_moe_and_shared_expert_points(
+    tmp_path: Path, golden_dir, tiny_model, capsys
+) -> None:
+    """The shipped DeepSeek-V3 map: a clean capture passes every point it names (the dense first layer's
+    MLP, the grouped sigmoid router's logits, the experts, the shared experts, the MoE block), rotary
+    and logits skipped with why; the experts' gate and up swapped in layer 2 fail first at its experts,
+    its shared experts (another module) passing."""
+    golden = golden_dir("deepseek_v3", decode=1)
+    capture = write_capture(golden, tiny_model("deepseek_v3"), tmp_path / "capture", arch="deepseek_v3")
+    code, out, err = cli(capsys, "compare", golden, capture, "--dtype", "bfloat16", "--report", tmp_path / "r")
+    assert code == 0, out + err
+    rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    skipped = {pid for pid, r in rows.items() if r["status"] == "skipped"}
+    assert skipped == {f"{s}{p}" for s in ("", "step_1.") for p in ("rotary", "logits")}
+    assert all(r["status"] == "passed" for pid, r in rows.items() if pid not in skipped)
+    assert {"layer_0.mlp", "layer_1.shared_experts", "layer_1.moe", "step_1.layer_3.router"} <= set(rows)
+    assert any("logits only" in n for n in rows["layer_1.router"]["notes"])
+
+    candidate = faults.edit_checkpoint(tiny_model("deepseek_v3"), tmp_path / "c", faults.swap_gate_up(2))
+    capture = write_capture(golden, candidate, tmp_path / "faulted", arch="deepseek_v3")
+    code, out, _ = cli(capsys, "compare", golden, capture, "--dtype", "bfloat16", "--report", tmp_path / "f")
+    assert code == 1 and "first divergence: layer_2.experts" in out
+    rows = {r["id"]: r for r in read_json(tmp_path / "f" / REPORT_FILE)["points"]}
+    assert rows["layer_2.shared_experts"]["status"] == "passed" and rows["layer_1.output"]["status"] == "passed"
+
+
 def test_the_capture_runs_under_pytest_too(pytester: pytest.Pytester, tmp_path: Path, golden_dir, tiny_model) -> None:
     golden = golden_dir("mixtral")
     capture = write_capture(golden, tiny_model("mixtral"), tmp_path / "capture", arch="mixtral")
@@ -179,7 +205,10 @@ def test_a_capture_names_its_problems_in_one_line(
 
     other = golden_dir("olmoe")  # no NxDI table for its architecture
     code, _, err = cli(capsys, "compare", other, capture)
-    assert code == 2 and "there is no NxDI module table for olmoe (tables: minimax_m2, mixtral, qwen3_moe)" in err
+    assert (
+        code == 2
+        and "there is no NxDI module table for olmoe (tables: deepseek_v3, minimax_m2, mixtral, qwen3_moe)" in err
+    )
 
 
 def _put(tensors: dict[str, torch.Tensor], name: str, output) -> None:

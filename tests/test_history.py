@@ -251,7 +251,9 @@ def test_decode_steps_are_drawn_apart_from_the_prefill(
 
     drawn: list[set] = []
     heatmap = plots.heatmap
-    monkeypatch.setattr(plots, "heatmap", lambda rows, new: drawn.append({r.step for r in rows}) or heatmap(rows, new))
+    monkeypatch.setattr(
+        plots, "heatmap", lambda rows, new, *a: drawn.append({r.step for r in rows}) or heatmap(rows, new, *a)
+    )
     golden = golden_dir("qwen3_moe", decode=2)
     broken = faults.edit_checkpoint(tiny_model("qwen3_moe"), tmp_path / "m", faults.zero_expert(2, 1))
     report = tmp_path / "report"

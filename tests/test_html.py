@@ -266,7 +266,11 @@ def test_every_kind_of_item_has_its_place_on_the_page() -> None:
               "complete": False, "points": points}  # fmt: skip
     root = parse(render_html(report))
     assert cell(root, "embedding").attrs["data-verdict"] == "skipped"
-    assert not root.find(class_="cell", data_point="layer_0.moe::routing")
+    # a differential is not its point's cell: it stands beside the grid, red where it failed
+    assert not root.one("div", class_="panels").find(data_point="layer_0.moe::routing")
+    routing = root.one(class_="cell", data_point="layer_0.moe::routing")
+    assert routing.attrs["data-verdict"] == "failed" and routing.text().endswith("✗ own 0.50")
+    assert "hsl(0 " in routing.attrs["style"]  # the verdict's hue, red
     table = root.one("table", id="all-points")
     assert [r.attrs["data-point"] for r in table.find("tr") if "data-point" in r.attrs] == [
         "embedding", "layer_0.moe::routing", "layer_0.moe::batch", "layer_0.moe::parallel"

@@ -339,3 +339,27 @@ def test_the_experts_gate_and_up_are_joined_in_one_copy_as_transformers_joins_th
     assert torch.equal(stack_concat(mixed, 1), torch.cat([torch.stack(gate), torch.stack([t.double() for t in up])], 1))
     with pytest.raises(RuntimeError):
         stack_concat([list(gate), [torch.randn(5, 4)] * 3], 2)
+
+
+def test_a_shard_missing_or_not_safetensors_is_one_sentence_naming_it(tmp_path: Path) -> None:
+    """Every reader of a checkpoint's shards (the lazy loader, the dequantizer, the quantized weight
+    items) opens them through `Shards`: each once, and a bad one is the caller's error naming it."""
+    from safetensors.torch import save_file
+
+    from pytest_moe_parity.errors import BadInput
+    from pytest_moe_parity.model.checkpoint import Shards
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    (tmp_path / "b.safetensors").write_bytes(b"not a safetensors file")
+    with Shards(tmp_path) as shards:
+        assert shards.handle("a.safetensors") is shards.handle("a.safetensors")
+        assert torch.equal(shards.handle("a.safetensors").get_tensor("w"), torch.ones(2))
+        assert shards.opened == {"a.safetensors"}
+        with pytest.raises(CheckpointError, match=r"c\.safetensors \(named by the checkpoint index\) is missing$"):
+            shards.handle("c.safetensors")
+    assert shards.opened == set()
+    with (
+        Shards(tmp_path, BadInput) as shards,
+        pytest.raises(BadInput, match=r"b\.safetensors cannot be read as safetensors \("),
+    ):
+        shards.handle("b.safetensors")

@@ -5,6 +5,7 @@ the documented layout, the input/output adapters against transformers' modules, 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import faults
@@ -83,6 +84,46 @@ def test_one_layer_converts_as_the_documented_layout(arch: str, nxdi_double, tin
         "expert_mlps.mlp_op.gate_up_proj.weight",
         "expert_mlps.mlp_op.down_proj.weight",
     }
+
+
+def test_deepseek_v3_s_table_lays_a_layer_out_for_nxd_and_back(tiny_model) -> None:
+    """NxDI ships no DeepSeek-V3 application: the table's own conversion renames the router's weight and
+    score-correction bias to NxD's GroupLimitedRouter, stacks the per-expert weights as ExpertMLPsV2 holds
+    them and leaves the rest (MLA, shared experts, the dense MLP) as transformers names them; its inverse
+    gives back transformers 5's own tensors of that layer, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("deepseek_v3")
+    table = nxdi.load_module_table("deepseek_v3")
+    assert table is not None and not table.application and set(table.unavailable) == {"rotary", "moe", "output"}
+    config = type("Config", (), {"num_hidden_layers": 4})()
+    convert = functools.partial(nxdi.table_conversion, rules=table.conversion)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for layer in (0, 2):  # the dense first layer, a MoE layer
+        got = nxdi.convert_unit(nxdi.unit_state(model_dir, layer), convert, config, 1)
+        mlp = {k.removeprefix("layers.0.mlp.") for k in got if k.startswith("layers.0.mlp.")}
+        if layer == 0:
+            assert mlp == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+        else:
+            parts = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+            assert mlp == {"router.linear_router.weight", "router.e_score_correction_bias"} | {
+                f"expert_mlps.mlp_op.{p}" for p in ("gate_up_proj.weight", "down_proj.weight")
+            } | {f"shared_experts.{p}" for p in parts}
+            assert got["layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (8, 64, 64)  # [E, H, 2I]
+        back = nxdi.back_to_reference(got, table.weights, layer)
+        mine = {k: v for k, v in reference.items() if k.startswith(f"model.layers.{layer}.")}
+        assert set(back) == set(mine)
+        assert all(torch.equal(back[k], mine[k]) for k in mine), [k for k in mine if not torch.equal(back[k], mine[k])]
+
+
+def test_the_rotary_k_of_transformers_deepseek_cache_is_laid_out_as_nxdi_rotates_it() -> None:
+    """transformers' interleaved rotary (`rope_interleave`) writes each pair's halves as [evens, odds];
+    NxDI's rotate_fn keeps the pairs interleaved: the same rotation, another layout, inverted exactly."""
+    from pytest_moe_parity.backends.nxdi.calls import deinterleaved, interleaved
+
+    x = torch.arange(16.0).reshape(2, 8)
+    assert interleaved(x)[0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(deinterleaved(interleaved(x)), x)
 
 
 def test_the_experts_adapter_feeds_nxd_what_transformers_routed(nxdi_double, tiny_model) -> None:

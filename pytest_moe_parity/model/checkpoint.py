@@ -5,6 +5,7 @@ command that was handed the directory says it as bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from dataclasses import dataclass
@@ -87,6 +88,43 @@ def weight_map(model_dir: Path | str) -> dict[str, str]:
         f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}; "
         "only safetensors checkpoints can be read one layer at a time"
     )
+
+
+class Shards:
+    """A checkpoint's safetensors shards, each opened on its first read and once, all closed on exit (none
+    stays open, nor mapped once the tensors read from it are freed). A shard that is missing or not
+    safetensors is `error`'s one sentence naming it."""
+
+    def __init__(self, model_dir: Path | str, error: type[Exception] = CheckpointError):
+        self.model_dir, self.error = Path(model_dir), error
+        self._handles: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Shards:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handles.clear()
+        self._stack.close()
+
+    @property
+    def opened(self) -> set[str]:
+        """The shard files opened so far."""
+        return set(self._handles)
+
+    def handle(self, file: str) -> Any:
+        """`file`'s safetensors handle (get_slice, get_tensor)."""
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._handles:
+            path = self.model_dir / file
+            if not path.is_file():
+                raise self.error(f"{path} (named by the checkpoint index) is missing")
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                raise self.error(f"{path} cannot be read as safetensors ({exc})") from None
+        return self._handles[file]
 
 
 def safetensors_files(model_dir: Path | str, need: str = "the audit reads safetensors checkpoints") -> list[str]:

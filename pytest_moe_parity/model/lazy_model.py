@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..host import HeldThreads, malloc_trim
 from ..points import layer_group
-from .checkpoint import SIZES, read_tensors, weight_map
+from .checkpoint import SIZES, Shards, read_tensors, weight_map
 from .conversion import fused, model_names
 from .quant import Dequantizer, layout
 from .quant_check import check_tensors
@@ -479,30 +479,18 @@ class LazyModel:
         out_emb.weight = in_emb.weight
 
     def _load_keys(self, keys: list[str]) -> None:
-        from safetensors import SafetensorError, safe_open
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.weight_map[key], []).append(key)
-        # No shard stays open (nor mapped, once the tensors read from it are freed).
-        with contextlib.ExitStack() as shards:
+        with Shards(self.model_dir) as shards:
             state: dict[str, Any] = {}
-            for file, file_keys in by_file.items():
-                path = self.model_dir / file
-                if not path.is_file():
-                    raise CheckpointError(f"{path} (named by the checkpoint index) is missing")
-                try:
-                    handle = shards.enter_context(safe_open(str(path), framework="pt"))
-                except (SafetensorError, OSError) as exc:
-                    raise CheckpointError(f"{path} cannot be read as safetensors ({exc})") from None
+            for key in keys:
+                file = self.weight_map[key]
+                sl = shards.handle(file).get_slice(key)
+                state[key] = sl
                 self.stats.files.add(file)
-                for key in file_keys:
-                    sl = handle.get_slice(key)
-                    state[key] = sl
-                    self.stats.keys.append(key)
-                    self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
+                self.stats.keys.append(key)
+                self.stats.bytes += _numel(sl.get_shape()) * SIZES.get(sl.get_dtype(), 1)
             if self.dequantizer is not None:  # this unit's weights alone, dequantized into the run's dtype
                 state = self.dequantizer.dequantize(state, self.dtype)
             config = LoadStateDictConfig(

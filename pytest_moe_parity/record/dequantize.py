@@ -16,7 +16,6 @@ beside `--out`, renamed to `--out` once complete: a failure leaves nothing behin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from typing import Any
 from ..dtypes import parse_dtype
 from ..errors import BadInput, CheckpointError
 from ..host import gib, malloc_trim, map_large_allocations
-from ..model.checkpoint import INDEX_FILE, read_config, weight_map
+from ..model.checkpoint import INDEX_FILE, Shards, read_config, weight_map
 from .audit import MODEL_UNIT, QuantView, checkpoint_tensors, conversion_unit, quantized_view
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -132,18 +131,12 @@ def _write_units(
 
 def _read_unit(model_dir: Path, files: dict[str, list[str]], view: QuantView, dtype: Any) -> tuple[dict, int]:
     """One unit's tensors, dequantized (the unquantized ones as stored); the bytes read."""
-    from safetensors import SafetensorError, safe_open
-
     raw: dict[str, Any] = {}
     handles: dict[str, Any] = {}
     read = 0
-    with contextlib.ExitStack() as stack:
+    with Shards(model_dir, BadInput) as shards:
         for file, keys in files.items():
-            path = model_dir / file
-            try:
-                handle = stack.enter_context(safe_open(str(path), framework="pt"))
-            except (SafetensorError, OSError) as exc:
-                raise BadInput(f"{path} cannot be read as safetensors ({exc})") from None
+            handle = shards.handle(file)
             for key in keys:
                 raw[key] = handle.get_slice(key)
                 handles[key] = handle

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
 from ..judge.quant_weights import SHOWN, QuantVerdict, Stored, judge_quantized, shared_finding, shared_scale
-from ..model.checkpoint import read_config, weight_map
+from ..model.checkpoint import Shards, read_config, weight_map
 from ..model.quant import Dequantizer, Layout, expand_scale, layout, mxfp4_dequantize
 
 # A per-expert tensor of the hub's layout: `...experts.3.gate_proj.weight`.
@@ -68,8 +67,7 @@ class Side:
                 continue
             plain = (self.dequantizer.companion(key) if self.dequantizer else None) or key
             self.parts.setdefault(plain, []).append(key)
-        self._handles: dict[str, Any] = {}
-        self._stack: contextlib.ExitStack | None = None
+        self._shards: Shards | None = None
 
     def quantized(self, plain: str) -> bool:
         """Whether the checkpoint stores `plain` quantized (with a scale, or MXFP4's blocks and scales)."""
@@ -78,24 +76,16 @@ class Side:
     @contextlib.contextmanager
     def open(self) -> Iterator[None]:
         """Shards open for the reads inside (each opened once, none left open)."""
-        with contextlib.ExitStack() as stack:
-            self._stack, self._handles = stack, {}
+        with Shards(self.path) as shards:
+            self._shards = shards
             try:
                 yield
             finally:
-                self._stack, self._handles = None, {}
+                self._shards = None
 
     def _handle(self, key: str) -> Any:
-        from safetensors import safe_open
-
-        file = self.files[key]
-        if file not in self._handles:
-            path = self.path / file
-            if not path.is_file():
-                raise CheckpointError(f"{path} (named by the checkpoint index) is missing")
-            assert self._stack is not None
-            self._handles[file] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        return self._handles[file]
+        assert self._shards is not None, "read inside open()"
+        return self._shards.handle(self.files[key])
 
     def _raw(self, key: str, index: int | None = None) -> torch.Tensor:
         """A tensor of the checkpoint, or (`index`) its slice along dim 0 where it has three dims or more

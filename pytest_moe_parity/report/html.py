@@ -27,9 +27,10 @@ from typing import Any
 from ..files import atomic_write_text
 from ..points import LAYER_COMPONENTS, MODEL_TAIL, WEIGHTS, describe_layers
 from .block import bug_report_text
+from .cells import face, grid_noise
 from .drill import Drill, finding, pct
 from .history import DIFF_FILE, load_diff, stale_diff
-from .markup import Safe, compact, el, join, legend, shade, sort_value, token_chart
+from .markup import Safe, el, join, legend, sort_value, token_chart
 from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, token_plot_name
 from .rows import (
     DIFFERENTIALS,
@@ -181,21 +182,24 @@ class _Page:
         n = {s: sum(1 for r in self.points if r.status == s) for s in STATUSES}
         first = self.summary.get("first_divergence")
         complete = self.report.get("complete", True)
+        planned, missing = self.missing()
+        stopped = self.stopped(missing)
         if first:
             state, said = "fail", el("span", "first divergence ", el("a", first, href=f"#p-{first}", class_="pid"))
         elif n["error"]:
             state, said = "warn", f"no divergence; {n['error']} point{'s' * (n['error'] != 1)} not judged (errors)"
         elif not self.points:
             state, said = "warn", "no point was judged"
+        elif missing:
+            state, said = "warn", f"no divergence in the {n['passed']} judged points; {stopped}"
         else:
             state, said = "pass", f"no divergence: all {n['passed']} judged points within their limits"
         if not complete:
             state = "fail" if first else "warn"
         total = len(self.points)
         chips = [el("span", f"{total} point{'s' * (total != 1)}", class_="chip")]
-        planned = self.report.get("planned_points")
-        if isinstance(planned, list) and len(planned) > len({r.id for r in self.points} & set(planned)):
-            ran = len({r.id for r in self.points} & set(planned))  # -x, -k, a crash: what the run never reached
+        if missing:  # -x, -k, a crash: what the run never reached
+            ran = len(planned) - len(missing)
             chips.append(el("span", f"{ran} of the {len(planned)} points planned", class_="chip"))
         chips += [
             el("span", f"{n[s]} {s}", class_=f"chip s-{s}") for s in STATUSES if n[s] or s in ("passed", "failed")
@@ -204,12 +208,14 @@ class _Page:
         if problems:  # a merged run that lacks part of itself
             chips.append(el("a", f"incomplete: {len(problems)} shard problem{'s' * (len(problems) != 1)}",
                             href="#divergence", class_="chip s-error"))  # fmt: skip
-        elif complete:
-            chips.append(el("span", "complete", class_="chip"))
-        else:
+        elif not complete:
             chips.append(
                 el("span", "interrupted: the run stopped before every point was judged", class_="chip s-error")
             )
+        elif missing:  # what `report --merge` calls a gap: never "complete"
+            chips.append(el("span", stopped, class_="chip s-error"))
+        else:
+            chips.append(el("span", "complete", class_="chip"))
         return el(
             "header",
             el("div", "moe-parity report", class_="kicker"),
@@ -218,6 +224,34 @@ class _Page:
             el("div", chips, class_="chips"),
             class_=f"banner {state}",
         )
+
+    def missing(self) -> tuple[list[str], list[str]]:
+        """The points the run planned (its selection), and those of them it has no row for."""
+        planned = self.report.get("planned_points")
+        if not isinstance(planned, list):
+            return [], []
+        ids = {r.id for r in self.points}
+        return planned, [pid for pid in planned if pid not in ids]
+
+    def stopped(self, missing: list[str]) -> str:
+        """How a run that lacks some of its planned points ended: at its first failure (-x: its last
+        item in forward order is its only failure), after several (--maxfail), or short of them."""
+        failed = [r for r in self.points if r.status == "failed"]
+        last = max(self.points, key=lambda r: r.order, default=None)
+        if failed and last is not None and last.status == "failed":
+            return "stopped at the first failure" if len(failed) == 1 else f"stopped after {len(failed)} failures"
+        return f"incomplete: {len(missing)} planned point{'s' * (len(missing) != 1)} not judged"
+
+    def completeness(self) -> str:
+        """The run's `complete` fact in words (as the badges say it)."""
+        if not self.report.get("complete", True):
+            return "no: interrupted"
+        planned, missing = self.missing()
+        if missing:
+            stopped = self.stopped(missing)
+            unjudged = f"{len(missing)} of the {len(planned)} points planned not judged"
+            return f"no: {stopped} ({unjudged})" if stopped.startswith("stopped") else f"no: {unjudged}"
+        return "yes"
 
     # -- the run's facts ---------------------------------------------------------------------------
     def facts(self) -> Safe:
@@ -237,7 +271,7 @@ class _Page:
             ("candidate", r.get("candidate_model")),
             ("candidate from", r.get("candidate_source")),
             ("noise figures in", ", ".join(r.get("noise_dtypes") or []) or "none"),
-            ("complete", "yes" if r.get("complete", True) else "no: interrupted"),
+            ("complete", self.completeness()),
         ]
         if isinstance(golden_layers, list):
             rows.append(("golden's layers", f"{len(golden_layers)} ({describe_layers(golden_layers)})"))
@@ -252,7 +286,8 @@ class _Page:
             rows.append(("candidate read", f"{len(reads.get('keys') or [])} tensors, {reads['bytes']} bytes"))
         if r.get("golden_files_read"):
             rows.append(("golden files read", len(r["golden_files_read"])))
-        rows += [(key, _plain(value)) for key, value in r.items() if key not in _FACTS_SHOWN]  # facts of newer runs
+        # the report's other facts (the run's options, its host; those of a newer run) in words, never JSON
+        rows += [(key.replace("_", " "), _plain(v, ("on", "off"))) for key, v in r.items() if key not in _FACTS_SHOWN]
         table = el("dl", [el("div", el("dt", k), el("dd", "-" if v is None else v)) for k, v in rows], class_="facts")
         parts: list[Any] = [table]
         if r.get("shards"):  # a merged run: its shards
@@ -372,7 +407,7 @@ class _Page:
         judged = [r for r in rows if isinstance(r, PointRow)]  # the other kinds read the same in every mode
         run_mode = "chain" if self.report.get("mode") == "chain" else "isolated"  # where no point was judged
         shown_modes = [m for m in ("isolated", "chain") if any(m in r.by_mode() for r in judged)] or [run_mode]
-        noise = any(figure(m, "noise_ratio") is not None for r in rows for m in r.by_mode().values())
+        noise = grid_noise(self.points)
         what = (
             "noise ratio: the point's error over the reference's own in the candidate's dtype (1 = the reference's "
             "own rounding)"
@@ -382,9 +417,11 @@ class _Page:
         parts: list[Any] = [
             el(
                 "p",
-                "Each cell is a point: its colour the verdict, darker the larger its figure; the figure is the ",
+                "Each cell is an item: its colour the verdict (failed: red, whatever its figure), darker the larger "
+                "its figure; the figure is the ",
                 what,
-                ". Click a cell for the point.",
+                ". A failed cell shows what failed it (a flip share, a config field, the tensors found wrong). "
+                "Click a cell for the item.",
                 class_="lead",
             ),
             legend(noise),
@@ -399,6 +436,10 @@ class _Page:
                 for mode in shown_modes
             ]
         parts.append(el("div", panels, class_="panels"))
+        again = [r for r in self.points if r.kind in DIFFERENTIALS]
+        if again:  # a differential runs a point again: its verdict beside the grid, not in the point's cell
+            cells = [self.cell(r, r.mode, noise, label=r.id, tag="a") for r in again]
+            parts += [el("h3", "Points run again (routing, batch, parallel plans)"), el("div", cells, class_="strip")]
         return join(parts)
 
     def grid(self, rows: list[Row], mode: str, noise: bool) -> Safe:
@@ -435,24 +476,11 @@ class _Page:
         return el("div", cells, class_="strip")
 
     def cell(self, row: Row, mode: str, noise: bool, *, label: str | None = None, tag: str = "td") -> Safe:
-        if isinstance(row, PointRow):
-            judged = row.by_mode().get(mode)
-            verdict = row.verdict(mode) if judged is not None else None
-        else:  # a weight or config item, an item not judged: one verdict whatever the mode
-            judged, verdict = row, row.status
-        if row.status in ("error", "skipped"):
-            verdict = row.status
-        verdict = verdict or "none"
-        value = figure(judged, "noise_ratio" if noise else "rel_l2") if judged is not None else None
-        if noise and value is None and judged is not None:  # a point without noise figures: its rel_l2
-            value, noise = figure(judged, "rel_l2"), False
-        colour, ink = shade(verdict, value, noise)
-        mark = {"failed": "✗ ", "error": "E ", "skipped": "s "}.get(verdict, "")
-        bare = "ok" if verdict == "passed" else "" if mark else "-"  # a weight item: a verdict, no figure
-        text = mark + (compact(value) if value is not None else bare)
-        tip = f"{row.id}: {verdict}" + (
-            f", {'noise ratio' if noise else 'rel_l2'} {fmt(value, 4)}" if value is not None else ""
-        )
+        """A point's cell: its colour its verdict's, its shade its figure's, a failed one's text what
+        failed it (:func:`~.cells.face`, as `heatmap.png` draws it)."""
+        said = face(row, mode, noise)
+        verdict, text, tip = said.verdict, said.text, said.tip
+        colour, ink = said.colours
         inner = [el("span", label, class_="lbl")] if label else []
         inner.append(el("span", text, class_="val"))
         attrs = {
@@ -722,7 +750,7 @@ def _img(data: bytes, alt: str) -> Safe:
     return el("img", src="data:image/png;base64," + base64.b64encode(data).decode("ascii"), alt=alt)
 
 
-# the report's keys the facts show in their own words (the others, of a newer run, as JSON)
+# the report's keys the facts show in their own words (the others as `_plain` text)
 _FACTS_SHOWN = {
     "points", "schema_version", "versions", "golden_files_read", "candidate_reads", "model_type", "hw", "hw_options",
     "dtype", "mode", "layers", "golden_dir", "golden_fingerprint", "candidate_model", "candidate_source",
@@ -730,13 +758,26 @@ _FACTS_SHOWN = {
 }  # fmt: skip
 
 
-def _plain(value: Any) -> str:
-    """A fact the page does not know, as text (a long list as its length)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and len(value) > 12:
-        return f"{len(value)} items"
-    return json.dumps(value, sort_keys=True, default=str)
+def _plain(value: Any, switches: tuple[str, str] = ("yes", "no")) -> str:
+    """A fact as text, never JSON: a switch as `switches` (on/off for the run's options), None as "not
+    set", a dict as `key: value, ...`, a list comma-joined (a long one as its length), nested ones in
+    parentheses."""
+    if isinstance(value, bool):
+        return switches[0] if value else switches[1]
+    if value is None:
+        return "not set"
+    if isinstance(value, float):
+        return fmt(value)
+    if isinstance(value, int | str):
+        return str(value) or "-"
+    inner = lambda v: f"({_plain(v, switches)})" if isinstance(v, dict | list | tuple) and v else _plain(v, switches)  # noqa: E731
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {inner(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, list | tuple):
+        if len(value) > 12:
+            return f"{len(value)} items"
+        return ", ".join(inner(v) for v in value) or "none"
+    return str(value)
 
 
 def _describe(report: dict[str, Any]) -> str:

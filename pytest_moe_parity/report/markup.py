@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from .cells import SCALES, shade
 from .rows import number
 from .text import fmt
 
@@ -56,24 +57,7 @@ def join(*parts: Any) -> Safe:
     return Safe("".join(_children(parts)))
 
 
-# -- figures in a few characters ------------------------------------------------------------------
-def compact(x: float | None) -> str:
-    """A figure in a grid cell: two significant digits (three from 100 to 999), no `+` in exponents."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    a = abs(x)
-    if a == 0:
-        return "0"
-    if a >= 999.5 or a < 0.01:
-        mantissa, _, exponent = f"{x:.1e}".partition("e")
-        return f"{mantissa}e{int(exponent)}"
-    if a < 0.995:
-        return f"{x:.2f}"
-    return f"{x:.2g}" if a < 9.95 else f"{x:.0f}"
-
-
+# -- figures ---------------------------------------------------------------------------------------
 def sort_value(x: float | None) -> str:
     """A cell's sort key for the script ('' sorts last)."""
     if x is None or math.isnan(x):
@@ -82,29 +66,6 @@ def sort_value(x: float | None) -> str:
 
 
 # -- colours -------------------------------------------------------------------------------------
-HUES = {"passed": (142, 52), "failed": (0, 72), "error": (38, 92), "skipped": (220, 8), "none": (220, 8)}
-
-
-def shade(verdict: str, value: float | None, noise: bool) -> tuple[str, str]:
-    """A cell's (background, ink): the hue says the verdict; darker, the larger the figure on a fixed
-    scale (a noise ratio from 1 to 1000, a rel_l2 from 1e-4 to 1), so one night's grid reads as the
-    next's."""
-    hue, sat = HUES.get(verdict, HUES["none"])
-    t = 0.0
-    if value is not None and not math.isnan(value):
-        if math.isinf(value) or value <= 0:
-            t = 1.0 if value > 0 else 0.0
-        else:
-            lo, hi = SCALES[noise]
-            t = min(1.0, max(0.0, (math.log10(value) - lo) / (hi - lo)))
-    light = round(90 - 42 * t) if verdict in ("passed", "failed", "error") else 90
-    return f"hsl({hue} {sat}% {light}%)", "#fff" if light < 58 else "#1b1f24"
-
-
-# the grid's scale: a noise ratio from 1 to 1000, a rel_l2 from 1e-4 to 1 (log10 of each end)
-SCALES = {True: (0.0, 3.0), False: (-4.0, 0.0)}
-
-
 def legend(noise: bool) -> Safe:
     """The swatches of the grid's colours on its scale (noise ratios, or rel_l2 where the golden has
     no noise figures)."""

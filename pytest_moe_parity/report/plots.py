@@ -1,9 +1,10 @@
 """The report's pictures, drawn from the JSON rows alone (so `moe-parity report DIR` redraws them):
 
-- `heatmap.png`: layer x component, colour = the noise ratio where the golden has noise figures in the
-  candidate's dtype, else rel_l2 (log scale); failed points crossed, errors and skips marked;
-- `layers.png`: per layer, the error of its `output` point isolated and chained, with the reference's
-  own error up to `noise_factor` times it as a band;
+- `heatmap.png`: layer x item kind (config and weight items included), each cell in report.html's grid
+  colour (the verdict's hue, shaded by the noise ratio where the golden has noise figures in the
+  candidate's dtype, else rel_l2, on one fixed log scale), with the figure that failed a failed item;
+- `layers.png`: per layer, the error of its `output` point isolated and chained, coloured by verdict,
+  with its limits drawn and the reference's own error up to `noise_factor` times it as a band;
 - with decode steps, `heatmap.step_K.png` and `layers.step_K.png` for step K beside the prefill's;
 - `tokens_<point>.png` per failed point: each token's own error against the token limit, tokens left
   out in grey.
@@ -20,7 +21,8 @@ from typing import Any
 
 from ..errors import ParityError
 from ..judge.tolerances import TOKEN_LIMIT
-from ..points import COMPONENTS, OUTPUT
+from ..points import COMPONENTS, CONFIG, OUTPUT, WEIGHTS
+from .cells import SCALES, face, grid_noise, rgb, tone
 from .rows import DIFFERENTIALS, PointRow, Row, number
 from .summary import figure
 
@@ -75,12 +77,15 @@ def render_plots(rows: list[Row], directory: Path) -> list[Path]:
         stale.unlink()
     written = []
     steps = sorted({r.step for r in rows}, key=lambda s: -1 if s is None else s)
+    noise = grid_noise(rows)  # the page's figure for the whole run: every step's picture on its scale
     for step in steps:  # the prefill, then each decode step apart: one step's colours never hide another's
         these = [r for r in rows if r.step == step]
         suffix = "" if step is None else f".step_{step}"
-        written.append(_save(heatmap(these, new), directory / HEATMAP.replace(".png", f"{suffix}.png")))
+        picture = heatmap(these, new, noise, step)
+        written.append(_save(picture, directory / HEATMAP.replace(".png", f"{suffix}.png")))
         if any(r.layer is not None for r in these):
-            written.append(_save(layer_errors(these, new), directory / LAYERS.replace(".png", f"{suffix}.png")))
+            picture = layer_errors(these, new, step)
+            written.append(_save(picture, directory / LAYERS.replace(".png", f"{suffix}.png")))
     failed = [
         (mode, r)
         for row in rows
@@ -98,57 +103,72 @@ def token_plot_name(point: str, mode: str) -> str:
     return f"{TOKENS_PREFIX}{_safe_name(point)}{suffix}.png"
 
 
-def heatmap(rows: list[Row], new) -> Any:
-    """Layer x component; one panel per mode."""
-    import numpy as np
-    from matplotlib.colors import LogNorm
+def step_name(step: int | None) -> str:
+    """A picture's step in its title: the prefill, or decode step N."""
+    return "prefill" if step is None else f"decode step {step}"
 
-    rows = [r for r in rows if r.component in COMPONENTS]  # weight items have no activation figures
-    modes = sorted({m for r in rows for m in r.by_mode()}, key=("isolated", "chain").index)
+
+def heatmap(rows: list[Row], new, noise: bool | None = None, step: int | None = None) -> Any:
+    """Layer x item kind, one panel per mode, each cell in the colour report.html's grid gives it
+    (:func:`~.cells.face`: its verdict's hue, shaded by its figure on the fixed scale of
+    :data:`~.cells.SCALES`, never rescaled to the run), config and weight items included; `noise`: the
+    grid's figure is the noise ratio (None: where some row has one), as the page decides it over
+    the whole run."""
+    import numpy as np
+
+    rows = [r for r in rows if r.component in (CONFIG, WEIGHTS, *COMPONENTS)]
+    noise = grid_noise(rows) if noise is None else noise
+    modes = sorted({m for r in rows for m in r.by_mode()}, key=("isolated", "chain").index) or ["isolated"]
     present = {r.component for r in rows}
-    columns = [c for c in COMPONENTS if c in present]
+    columns = [c for c in (CONFIG, WEIGHTS, *COMPONENTS) if c in present]
     layers = sorted({r.layer for r in rows if r.layer is not None})
-    labels = (
-        ["model", *(f"layer {i}" for i in layers)]
-        if any(r.layer is None for r in rows)
-        else [f"layer {i}" for i in layers]
-    )
+    labels = ["model"] * any(r.layer is None for r in rows) + [f"layer {i}" for i in layers]
     row_of = {None: 0, **{layer: labels.index(f"layer {layer}") for layer in layers}}
-    noise = any(figure(m, "noise_ratio") is not None for r in rows for m in r.by_mode().values())
-    shown = "noise_ratio" if noise else "rel_l2"
     label = "noise ratio" if noise else "rel_l2"
-    fig = new(1.6 + 0.75 * len(columns) * len(modes), 1.4 + 0.28 * len(labels))
+    written = len(labels) * len(columns) <= 400  # a small grid says each cell's figure, as the page does
+    fig = new(2.6 + (0.95 if written else 0.5) * len(columns) * len(modes), 1.6 + 0.3 * len(labels))
     axes = fig.subplots(1, len(modes), squeeze=False)[0]
     for ax, mode in zip(axes, modes, strict=True):
-        grid = np.full((len(labels), len(columns)), np.nan)
+        image = np.full((len(labels), len(columns), 3), EMPTY)
         for r in rows:
-            m = r.by_mode().get(mode)
-            if m is None:
+            if r.kind == "point" and mode not in r.by_mode():
                 continue
             y, x = row_of[r.layer], columns.index(r.component)
-            value = figure(m, shown)
-            verdict = r.verdict(mode)
-            status = r.status
-            if value is not None and math.isfinite(value):
-                grid[y, x] = max(value, 1e-9)
-            if status in ("error", "skipped"):
-                ax.text(x, y, "E" if status == "error" else "s", ha="center", va="center", fontsize=8)
-            elif verdict == "failed":
-                ax.plot(x, y, marker="x", color="black", markersize=9, markeredgewidth=2)
-        finite = grid[np.isfinite(grid)]
-        norm = LogNorm(vmin=max(finite.min(), 1e-9), vmax=max(finite.max(), finite.min() * 10)) if finite.size else None
-        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm)
+            cell = face(r, mode, noise)
+            image[y, x] = cell.rgb
+            text = cell.text if written else cell.text[:1] if cell.verdict in ("failed", "error", "skipped") else ""
+            light = tone(cell.verdict, cell.value, cell.noise)[2]
+            short = text if len(text) <= 16 else text.split(":")[0]  # a config field: its name
+            short = short if len(short) <= 16 else short[:15] + "…"
+            ax.text(x, y, short, ha="center", va="center", fontsize=6.5, color="white" if light < 58 else "#1b1f24")
+        ax.imshow(image, aspect="auto", interpolation="nearest")
         ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.set_title(f"{mode}: {label} (x failed)", fontsize=9)
-        if finite.size:
-            fig.colorbar(image, ax=ax, label=label)
+        ax.set_title(f"{step_name(step)}, {mode}: {label} (red: failed)", fontsize=9)
+    for verdict in ("failed", "passed"):  # the fixed scale, as the page's legend shows it
+        fig.colorbar(scale_bar(verdict, noise), ax=list(axes), label=f"{verdict}: {label}", fraction=0.04, pad=0.02)
     return fig
 
 
-def layer_errors(rows: list[Row], new) -> Any:
+EMPTY = (0.96, 0.96, 0.96)  # a layer without that item
+
+
+def scale_bar(verdict: str, noise: bool) -> Any:
+    """The colours of `verdict` on the grid's fixed scale, as a colour bar's mappable."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import ListedColormap, LogNorm
+
+    lo, hi = SCALES[noise]
+    colours = [rgb(verdict, 10 ** (lo + (hi - lo) * i / 63), noise) for i in range(64)]
+    return ScalarMappable(norm=LogNorm(vmin=10**lo, vmax=10**hi), cmap=ListedColormap(colours))
+
+
+def layer_errors(rows: list[Row], new, step: int | None = None) -> Any:
     """The error of each layer's `output` point (its last point where it has none), isolated and
-    chained, with the band of the reference's own error up to noise_factor times it."""
+    chained: each point coloured by its verdict (green passed, red failed), each kind of point's limit
+    drawn (its rel_l2 limit; with noise figures the reference's own error and that times noise_factor),
+    on a log axis that spans at least two decades around what it shows, so that a small spread does
+    not read as a cliff and a point just past its limit reads as past it."""
     last: dict[int, Row] = {}
     for r in sorted(rows, key=lambda r: r.order):
         if r.layer is None or r.status not in ("passed", "failed"):
@@ -158,43 +178,77 @@ def layer_errors(rows: list[Row], new) -> Any:
     layers = sorted(last)
     fig = new(7, 4)
     ax = fig.subplots()
-    styles = {"isolated": ("tab:blue", "o"), "chain": ("tab:red", "s")}
-    for mode, (colour, marker) in styles.items():
+    shown: list[float] = []
+    limits: dict[tuple[str, ...], list[tuple[int, float]]] = {}
+    for mode, (colour, style) in {"isolated": ("tab:blue", "-"), "chain": ("tab:purple", "--")}.items():
         points = [(i, last[i].by_mode().get(mode)) for i in layers]
         points = [(i, m) for i, m in points if m is not None and figure(m, "rel_l2") is not None]
         if not points:
             continue
-        xs = [i for i, _ in points]
-        ax.plot(xs, [max(figure(m, "rel_l2"), 1e-12) for _, m in points], color=colour, marker=marker, label=mode)
+        ys = [max(figure(m, "rel_l2"), 1e-12) for _, m in points]
+        shown += ys
+        ax.plot([i for i, _ in points], ys, color=colour, linestyle=style, linewidth=1, label=f"{mode}")
+        for verdict, (marker, dot) in VERDICT_MARKS.items():
+            at = [(i, y) for (i, _), y in zip(points, ys, strict=True) if last[i].verdict(mode) == verdict]
+            if at:
+                ax.plot(*zip(*at, strict=True), linestyle="none", marker=marker, color=dot, markersize=8,
+                        label=f"{mode}: {verdict}")  # fmt: skip
         band = [(i, m) for i, m in points if isinstance(m, PointRow) and (m.noise or {}).get("targets")]
-        if band:
+        if band:  # the reference's own error in the candidate's dtype, up to noise_factor times it
             ref = [_reference(m) for _, m in band]
             factor = [number(m.limits.get("noise_factor")) or 1.0 for _, m in band]
-            ax.fill_between(
-                [i for i, _ in band],
-                ref,
-                [a * b for a, b in zip(ref, factor, strict=True)],
-                color=colour,
-                alpha=0.15,
-                label=f"{mode}: the reference's own error .. x noise_factor",
-            )
-        failed = [(i, m) for i, m in points if last[i].verdict(mode) == "failed"]
-        if failed:
-            ax.plot(
-                [i for i, _ in failed],
-                [max(figure(m, "rel_l2"), 1e-12) for _, m in failed],
-                linestyle="none",
-                marker="x",
-                markersize=10,
-                color="black",
-            )
+            top = [a * b for a, b in zip(ref, factor, strict=True)]
+            ax.fill_between([i for i, _ in band], ref, top, color=colour, alpha=0.12, label=f"{mode}: noise band")
+            shown += ref
+        for i, m in points:
+            for key, value in _limits(m, last[i].component, mode):
+                limits.setdefault(key, []).append((i, value))
+    for (name, *_), series in sorted(limits.items()):
+        xs, ys = zip(*series, strict=True)
+        shown += ys
+        style = ":" if name.startswith("noise") else "--"
+        ax.plot(xs, ys, color="black", linestyle=style, linewidth=1.2, drawstyle="steps-mid", label=name)
     ax.set_yscale("log")
+    if shown:
+        ax.set_ylim(*y_range(shown))
     ax.set_xlabel("layer")
     ax.set_ylabel("rel_l2 of the layer's output")
     ax.set_xticks(layers)
+    ax.set_title(f"{step_name(step)}: each layer's error against its limits", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return fig
+
+
+VERDICT_MARKS = {"passed": ("o", "#2e7d32"), "failed": ("X", "#c62828")}
+MIN_DECADES = 2.0  # the y-axis spans at least this many decades
+
+
+def y_range(values: list[float]) -> tuple[float, float]:
+    """The log axis's range over `values` (the errors and limits shown): at least MIN_DECADES
+    decades, centred on them, with a margin."""
+    lo, hi = min(values), max(values)
+    span = math.log10(hi / lo)
+    if span < MIN_DECADES:
+        pad = (MIN_DECADES - span) / 2
+        lo, hi = lo / 10**pad, hi * 10**pad
+    return lo / 1.5, hi * 1.5
+
+
+def _limits(row: Row, component: str, mode: str) -> list[tuple[tuple[str, ...], float]]:
+    """The limits a point's rel_l2 is judged by, as (the line's name, value): its rel_l2 limit, and
+    with noise figures the reference's own error times noise_factor."""
+    out = []
+    if not isinstance(row, PointRow):
+        return out
+    main = row.shown or "out"
+    rel = next((c.limit for c in row.checks if c.name == "rel_l2" and c.target == main and c.limit), None)
+    if rel is not None:
+        out.append(((f"{component}: rel_l2 limit",), float(rel)))
+    factor = number(row.limits.get("noise_factor"))
+    if (row.noise or {}).get("targets") and factor:
+        out.append(((f"noise limit ({mode}): the reference's error x {factor:g}",), _reference(row) * factor))
+    return out
 
 
 def _reference(row: PointRow) -> float:

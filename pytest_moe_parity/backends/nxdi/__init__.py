@@ -25,6 +25,11 @@ heads of the golden cache itself (NxD's SPMDRank and an index_select, the rank-i
 uses), by NxD's GQA sharding (kv heads kept, or repeated up to the TP degree or to the attention
 heads, then split).
 
+Where NxDI ships a model's modules but no application (DeepSeek-V3: models/deepseek's MLA attention
+only), the table names NxD's modules for the rest (GroupLimitedRouter, ExpertMLPsV2, SharedExperts)
+and lays the checkpoint out for them itself (`conversion`: renames, the experts stacked); the MLA is
+called on its own cache form (one tensor, rotary K then latent KV, from transformers' latent cache).
+
 The package: `tables` (the per-architecture tables), `weights` (one unit's checkpoint through NxDI's
 conversion and back), `calls` (the module built per point, the golden's calls in NxDI's forms),
 `evidence` (what the ranks say at TP > 1), `imports` (NxDI's imports and config), `backend` (the
@@ -34,7 +39,7 @@ from .backend import BUILDS, NxdiBackend
 from .calls import NxdiPoint, attention_inputs, cache_of, experts_inputs, rank_kv_heads
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
 from .tables import TABLES, Component, ModuleTable, load_module_table, resolve, tables
-from .weights import back_to_reference, convert_unit, nxdi_cast, nxdi_cast_state, under, unit_state
+from .weights import back_to_reference, convert_unit, nxdi_cast, nxdi_cast_state, table_conversion, under, unit_state
 
 __all__ = [
     "BUILDS",
@@ -56,6 +61,7 @@ __all__ = [
     "nxdi_hf_config",
     "rank_kv_heads",
     "resolve",
+    "table_conversion",
     "tables",
     "under",
     "unit_state",

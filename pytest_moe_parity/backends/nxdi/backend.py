@@ -26,7 +26,9 @@ from .calls import (
     RankCapture,
     attention_inputs,
     cache_of,
+    deinterleaved,
     experts_inputs,
+    mla_inputs,
     rank_kv_heads,
     router_as_reference,
 )
@@ -40,6 +42,7 @@ from .weights import (
     nxdi_cast_state,
     quantized_state,
     stored_unit,
+    table_conversion,
     under,
     unit_state,
 )
@@ -152,10 +155,11 @@ class NxdiBackend(Backend):
                 f"--hw-option quantized={dtype}: {model_dir} is quantized already, and NxDI's per-channel "
                 "quantization quantizes a float checkpoint; pass the unquantized model, or drop quantized="
             )
-        application = resolve(self.table.application)
+        application = resolve(self.table.application) if self.table.application else None
         if not hasattr(application, "save_quantized_state_dict"):
             raise BackendError(
-                f"--hw-option quantized={dtype}: NxDI's {self.table.application} has no save_quantized_state_dict: "
+                f"--hw-option quantized={dtype}: NxDI's {self.table.application or 'tree'} has no "
+                f"{'save_quantized_state_dict' if application else f'application for {self.golden.model_type}'}: "
                 "NxDI cannot quantize this model"
             )
 
@@ -223,10 +227,14 @@ class NxdiBackend(Backend):
             if self.hw_options["block_size"]:
                 plan["blockwise_matmul_config"] = {"block_size": self.hw_options["block_size"]}
             with upstream_warnings():
+                hf_config = nxdi_hf_config(self.setup.model_dir)
+                for name, value in self.table.config_defaults.items():
+                    if getattr(hf_config, name, None) is None:
+                        setattr(hf_config, name, copy.deepcopy(value))
                 hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
                 neuron_config = resolve(self.table.neuron_config)(**plan)
                 self._configs[tp, ep] = resolve(self.table.config)(
-                    neuron_config, load_config=hf_adapter(hf_config=nxdi_hf_config(self.setup.model_dir))
+                    neuron_config, load_config=hf_adapter(hf_config=hf_config)
                 )
         return self._configs[tp, ep]
 
@@ -292,7 +300,16 @@ class NxdiBackend(Backend):
             if self.cpu and self.tp > 1 and tp is None:
                 merge(info, self._parallel_evidence(point, spec, inputs, module))
             routing = None
-            if spec.inputs == "attention":
+            if spec.inputs == "mla":
+                output, rotary, latent = output
+                past = cache_of(golden)
+                if past is not None:  # the latent cache, the same on every rank: this step's appended
+                    cache = CacheState(
+                        past.layer,
+                        torch.cat([past.keys, latent[:, None].to(past.keys.dtype)], dim=2),
+                        torch.cat([past.values, deinterleaved(rotary)[:, None].to(past.values.dtype)], dim=2),
+                    )
+            elif spec.inputs == "attention":
                 output, keys, values, *caught = output
                 routing = tuple(caught) or None
                 past = cache_of(golden)
@@ -322,7 +339,7 @@ class NxdiBackend(Backend):
         with upstream_warnings():
             module = self._module(point, point.component, spec, inputs)
         read_as = None
-        if point.component == "router":  # its affinities read as top-k weights, as the point's verdict reads them
+        if point.component == "router" and not spec.topk_weights:  # affinities read as the verdict reads them
             golden_w = [t for t in leaves(self.golden.load(point).output) if isinstance(t, torch.Tensor)][1]
             read_as = functools.partial(router_as_reference, golden_w=golden_w)
         return RankCapture(module, read_as), list(inputs), {}, False
@@ -372,6 +389,8 @@ class NxdiBackend(Backend):
                     "or compare an NxDI capture"
                 )
             return attention_inputs(golden)
+        if spec.inputs == "mla":
+            return mla_inputs(golden)
         values = [*golden.args, *golden.kwargs.values()]
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if spec.inputs == "experts":
@@ -386,12 +405,15 @@ class NxdiBackend(Backend):
         if key not in self._converted:
             if any(k[0] != layer for k in self._converted):  # one unit at a time
                 self._converted.clear()
-            application = resolve(self.table.application)
             layout = self.table.checkpoint
+            if self.table.application:
+                convert = resolve(self.table.application).convert_hf_to_neuron_state_dict
+            else:  # NxDI ships no application for this model: the table's own layout for NxD's modules
+                convert = functools.partial(table_conversion, rules=self.table.conversion or {})
             state = unit_state(self.setup.model_dir, layer, self.weights, layout)
             self._converted[key] = convert_unit(
                 state,
-                application.convert_hf_to_neuron_state_dict,
+                convert,
                 self._config(*key[1:]),
                 int(layer is not None),
                 layout.get("layer_count", "num_hidden_layers"),
@@ -453,6 +475,10 @@ class NxdiBackend(Backend):
             config = copy.copy(base)
             config.neuron_config = copy.copy(base.neuron_config)
             config.neuron_config.is_prefill_stage = prefill
+            for name, source in spec.config_set.items():
+                setattr(config, name, getattr(base, source))
+            for name, value in spec.neuron_set.items():
+                setattr(config.neuron_config, name, value)
             kwargs["config"] = config
         return kwargs
 
@@ -466,6 +492,10 @@ class NxdiBackend(Backend):
         ep: int | None = None,
     ) -> Any:
         tp, ep = (self.tp, self.ep) if tp is None else (tp, ep or 1)
+        if self.cpu and tp > 1 and spec.cpu_tp1_only:
+            raise PointUnavailable(
+                f"{point.id}: not built by --hw nxdi at tp_degree={tp} on the CPU: {spec.cpu_tp1_only}"
+            )
         key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp, ep)
         if key not in self._built:
             from safetensors.torch import load_file, save_file
@@ -481,13 +511,15 @@ class NxdiBackend(Backend):
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None
             unit = "model" if point.layer is None else layer_group(point.layer)
-            token_generation = spec.inputs == "attention" and len(inputs) == 5  # (hidden, mask, positions, K, V)
-            shape = "x".join(map(str, inputs[0].shape)) + (f".past{inputs[3].shape[2]}" if token_generation else "")
+            # (hidden, mask, positions, K, V), or MLA's (hidden, mask, positions, past [B, S, D])
+            token_generation = spec.inputs in ("attention", "mla") and len(inputs) > 3
+            past_len = inputs[3].shape[2 if spec.inputs == "attention" else 1] if token_generation else 0
+            shape = "x".join(map(str, inputs[0].shape)) + (f".past{past_len}" if token_generation else "")
             where = self._workdir / (f"{unit}.{name}.{shape}.tp{tp}" + (f".ep{ep}" if ep > 1 else ""))
             where.mkdir(parents=True, exist_ok=True)
             checkpoint = where / "checkpoint.safetensors"
             state = {f"inner.{k}": v.contiguous() for k, v in converted.items()}
-            kv_heads = self._rank_kv_heads(tp) if token_generation and tp > 1 else None
+            kv_heads = self._rank_kv_heads(tp) if token_generation and tp > 1 and spec.inputs == "attention" else None
             if kv_heads is not None:  # the wrapper's own: its SPMDRank and which kv heads each rank holds
                 state["rank_util.rank"] = torch.arange(tp, dtype=torch.int32)
                 state["kv_heads"] = torch.tensor(kv_heads, dtype=torch.int32)
@@ -508,6 +540,8 @@ class NxdiBackend(Backend):
                     "forced": spec.forced,
                     "submodule": spec.submodule,
                     "forward": self._forward_kwargs(spec, point.layer, tp, ep),
+                    "buffers": {k: int(getattr(self._config(tp, ep), v)) for k, v in spec.buffers.items()},
+                    "topk_weights": self._topk_weights(spec, tp, ep),
                 },
                 tp_degree=tp,
                 compiler_args=self.hw_options["compiler_args"],
@@ -516,6 +550,16 @@ class NxdiBackend(Backend):
                 checkpoint_loader_fn=load_file,
             )
         return self._built[key]
+
+    def _topk_weights(self, spec: Component, tp: int, ep: int) -> dict[str, Any]:
+        """How the model weighs a router's top-k affinities (the table's `topk_weights`, read off the config)."""
+        if not spec.topk_weights:
+            return {}
+        config = self._config(tp, ep)
+        return {
+            "normalize": bool(getattr(config, spec.topk_weights["normalize"])),
+            "scale": float(getattr(config, spec.topk_weights["scale"])),
+        }
 
     def golden_seq_len(self) -> int:
         """The prefill's tokens per sequence (NxD's experts pick the context-encoding path by it)."""

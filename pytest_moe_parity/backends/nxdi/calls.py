@@ -36,12 +36,18 @@ class NxdiPoint(nn.Module):
         forced: str = "",
         submodule: str = "",
         forward: dict[str, Any] | None = None,
+        buffers: dict[str, int] | None = None,
+        topk_weights: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.inner = resolve(factory)(**kwargs)
+        for name, size in (buffers or {}).items():  # read as attributes, set by the model that owns the module
+            owner, _, attr = name.rpartition(".")
+            self.inner.get_submodule(owner).register_buffer(attr, torch.zeros(size))
         if submodule:
             self.inner = self.inner.get_submodule(submodule)
         self.forward_kwargs = forward or {}
+        self.topk_weights = topk_weights or {}
         config = kwargs.get("config")
         if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
             nxdi_cast(self.inner, config.neuron_config.torch_dtype)
@@ -66,6 +72,20 @@ class NxdiPoint(nn.Module):
         return (out[0], affinities.to(out[1].dtype), index.to(out[2].dtype), *out[3:])
 
     def forward(self, first: torch.Tensor, *rest: torch.Tensor) -> Any:
+        if self.form == "mla":  # DeepSeek's MLA: its cache one tensor, (rotary K, latent KV), given and written
+            mask, positions, *past = rest
+            out = self.inner(
+                hidden_states=first,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_value=past[0] if past else None,
+            )
+            return (out[0], out[1][0], out[1][1])
+        if self.form == "partial":  # NxD's row-parallel down projection left unreduced (reduce_output=False)
+            mlp = self.inner.get_submodule(self.call)
+            return reduce_partial(mlp.tensor_parallel_group, mlp(first, self.seq_len))
+        if self.form == "router":
+            return self._read_topk(*(getattr(self.inner, self.call) if self.call else self.inner)(first)[:3])
         if self.form == "forced":  # the whole module, its router's affinities and top-k ids given
             self._forced = (rest[0], rest[1])
             try:
@@ -99,6 +119,16 @@ class NxdiPoint(nn.Module):
         out = self.inner(first, *rest)
         return out[0] if isinstance(out, tuple | list) else out
 
+    def _read_topk(self, logits: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor) -> tuple:
+        """The router's (logits, affinities [T, E], ids); with `topk_weights`, its top-k ids' affinities
+        weighed as the model weighs them after the router (renormalised, scaled): (logits, [T, k], ids)."""
+        if not self.topk_weights:
+            return logits, affinities, index
+        picked = affinities.gather(-1, index.long())
+        if self.topk_weights["normalize"]:
+            picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)
+        return logits, picked * self.topk_weights["scale"], index
+
 
 class RankCapture:
     """`drill_call`'s module on the CPU build: captured on its ranks (`capture_ops` gives each
@@ -128,6 +158,36 @@ def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
 
     group = parallel_state.get_world_group() if getattr(moe, "ep_enabled", False) else moe.tensor_parallel_group
     return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
+
+
+def reduce_partial(group: Any, partial: torch.Tensor) -> torch.Tensor:
+    """The all-reduce over `group` that NxD's MoE applies to its shared experts' partial sums."""
+    from neuronx_distributed.parallel_layers import mappings
+
+    return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
+
+
+def interleaved(rotary: torch.Tensor) -> torch.Tensor:
+    """transformers' DeepSeek rotary K (`rope_interleave`: each pair's rotated halves laid out as [evens,
+    odds]) in NxDI's layout (the pairs interleaved, as NxDI's `rotate_fn` rotates them)."""
+    half = rotary.shape[-1] // 2
+    return torch.stack((rotary[..., :half], rotary[..., half:]), dim=-1).flatten(-2)
+
+
+def deinterleaved(rotary: torch.Tensor) -> torch.Tensor:
+    """NxDI's rotary K back in transformers' layout (the inverse of `interleaved`)."""
+    return torch.cat((rotary[..., 0::2], rotary[..., 1::2]), dim=-1)
+
+
+def mla_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
+    """The golden call of DeepSeek's MLA attention in NxDI's form: as `attention_inputs`, the cache (the
+    latent KV [B, 1, S, kv_lora_rank] and the rotary K [B, 1, S, rope dim], as transformers caches them)
+    as NxDI's one past tensor [B, S, rope dim + kv_lora_rank] (rotary K first, in NxDI's layout)."""
+    inputs = attention_inputs(golden)
+    if len(inputs) == 3:
+        return inputs
+    hidden, mask, positions, latent, rotary = inputs
+    return hidden, mask, positions, torch.cat([interleaved(rotary[:, 0]), latent[:, 0]], dim=-1)
 
 
 def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:

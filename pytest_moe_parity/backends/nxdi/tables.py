@@ -35,6 +35,19 @@ class Component:
     # the submodule whose output the call replaces by its last two inputs (a MoE's router, its affinities
     # and top-k ids given: --parity-routing); "": none
     forced: str = ""
+    # tensors NxD's module reads as plain attributes that the model owning it sets (GroupLimitedRouter's
+    # `e_score_correction_bias`): registered as buffers, name -> the config attribute of their length, so
+    # the checkpoint fills them
+    buffers: dict[str, str] = field(default_factory=dict)
+    # a router whose affinities [T, E] the model weighs after it (DeepSeek-V3: the top k renormalised,
+    # then scaled): {"normalize": config attribute (bool), "scale": config attribute (float)}; {}: none
+    topk_weights: dict[str, str] = field(default_factory=dict)
+    # attributes of this component's config copy, each the value of another (NxDI's initialize_moe_module
+    # reads `num_local_experts`, `intermediate_size`), and literal settings of its neuron_config copy
+    config_set: dict[str, str] = field(default_factory=dict)
+    neuron_set: dict[str, Any] = field(default_factory=dict)
+    # why NxDI's module runs on the CPU build at TP 1 only ("": it runs at any degree)
+    cpu_tp1_only: str = ""
     # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
     # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
     outputs: int = 0
@@ -56,13 +69,18 @@ class ModuleTable:
     model_type: str
     config: str  # "module:Class" of the InferenceConfig
     neuron_config: str
-    application: str  # the NeuronXxxForCausalLM whose convert_hf_to_neuron_state_dict converts weights
+    application: str  # the NeuronXxxForCausalLM whose convert_hf_to_neuron_state_dict converts weights ("": none)
     components: dict[str, Component]
     unavailable: dict[str, str] = field(default_factory=dict)
     # The inverse of the application's conversion, for weight items: {"prefix", "top_level", "rules"}.
     weights: dict[str, Any] | None = None
     # Why NxDI's MoE of this architecture does not split its experts under moe_ep_degree ("": it does).
     no_expert_parallelism: str = ""
+    # Where NxDI ships no application (no convert_hf_to_neuron_state_dict): the table's own layout of the
+    # checkpoint for NxD's modules (`weights.table_conversion`: renames and the experts stacked).
+    conversion: dict[str, Any] | None = None
+    # Config attributes NxDI's modules read that the checkpoint's config leaves out (None or absent).
+    config_defaults: dict[str, Any] = field(default_factory=dict)
     # How the checkpoint is laid out for the conversion, where not as Llama's (`model.layers.N.`, the
     # conversion looping over `num_hidden_layers`): {"prefix", "layers", "layer_count", "model_level"}
     # (`weights.unit_state`).

@@ -66,6 +66,36 @@ def convert_unit(
     return {k: v for k, v in convert(dict(state), one).items() if v.numel() or not layers}
 
 
+def table_conversion(state: dict[str, torch.Tensor], config: Any, rules: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The table's own layout of one unit's tensors for NxD's modules, where NxDI ships no application
+    to convert them (`ModuleTable.conversion`): each layer's `rename` (layer-relative names), and the
+    per-expert `experts` ({"from": "mlp.experts.{expert}.", "to": "mlp.expert_mlps.mlp_op.", "gate",
+    "up", "down": their tensor names}) stacked as NxD's ExpertMLPsV2 holds them: gate_up [E, H, 2I] (each
+    expert's gate then up, transposed), down [E, I, H]. Any other tensor keeps its name."""
+    out = dict(state)
+    experts = rules.get("experts")
+    for layer in range(config.num_hidden_layers):
+        base = f"layers.{layer}."
+        for old, new in rules.get("rename", {}).items():
+            if base + old in out:
+                out[base + new] = out.pop(base + old)
+        if experts and base + experts["from"].format(expert=0) + experts["gate"] in out:  # else a dense layer
+            _stack_experts(out, base, experts)
+    return out
+
+
+def _stack_experts(out: dict[str, torch.Tensor], base: str, experts: dict[str, str]) -> None:
+    """One layer's per-expert weights (under `base`) stacked in place as NxD's ExpertMLPsV2 holds them."""
+    head = base + experts["from"].split("{expert}")[0]
+    count = sum(1 for k in out if k.startswith(head) and k.endswith("." + experts["gate"]))
+    parts = ("gate", "up", "down")
+    taken = [{p: out.pop(base + experts["from"].format(expert=e) + experts[p]).T for p in parts} for e in range(count)]
+    out[base + experts["to"] + "gate_up_proj.weight"] = torch.stack(
+        [torch.cat([t["gate"], t["up"]], dim=1) for t in taken]
+    ).contiguous()
+    out[base + experts["to"] + "down_proj.weight"] = torch.stack([t["down"] for t in taken]).contiguous()
+
+
 def back_to_reference(
     converted: dict[str, torch.Tensor], inverse: dict[str, Any], layer: int | None
 ) -> dict[str, torch.Tensor]:
