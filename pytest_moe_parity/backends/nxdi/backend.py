@@ -26,6 +26,8 @@ from .calls import (
     RankCapture,
     attention_inputs,
     cache_of,
+    chunk_size,
+    chunked_attention_inputs,
     deinterleaved,
     experts_inputs,
     mla_inputs,
@@ -314,9 +316,15 @@ class NxdiBackend(Backend):
                 routing = tuple(caught) or None
                 past = cache_of(golden)
                 if past is not None and degree == 1:  # at TP > 1 K, V are rank 0's heads
-                    # token generation: the cache after the call is the past and this step's K, V
+                    # token generation: the cache after the call is the past and this step's K, V (a
+                    # windowed layer's: its last window - 1 positions, as transformers keeps them)
+                    kept = (
+                        past.keys.shape[2] + 1 if past.window is None else min(past.keys.shape[2] + 1, past.window - 1)
+                    )
                     cache = CacheState(
-                        past.layer, torch.cat([inputs[3], keys], dim=2), torch.cat([inputs[4], values], dim=2)
+                        past.layer,
+                        torch.cat([past.keys, keys.to(past.keys.dtype)], dim=2)[:, :, -kept:],
+                        torch.cat([past.values, values.to(past.values.dtype)], dim=2)[:, :, -kept:],
                     )
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
@@ -376,6 +384,9 @@ class NxdiBackend(Backend):
     def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
         if spec.inputs == "attention":
             cache = cache_of(golden)
+            chunk = chunk_size(self.golden.config, point.layer)
+            if cache is not None and cache.window is not None and chunk:
+                return chunked_attention_inputs(golden, chunk)
             if cache is not None and cache.window is not None:
                 raise PointUnavailable(
                     f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "

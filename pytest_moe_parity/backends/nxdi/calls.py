@@ -81,9 +81,12 @@ class NxdiPoint(nn.Module):
                 past_key_value=past[0] if past else None,
             )
             return (out[0], out[1][0], out[1][1])
-        if self.form == "partial":  # NxD's row-parallel down projection left unreduced (reduce_output=False)
+        if self.form == "partial":  # NxD's SharedExperts: its row-parallel down projection left unreduced
             mlp = self.inner.get_submodule(self.call)
-            return reduce_partial(mlp.tensor_parallel_group, mlp(first, self.seq_len))
+            out = mlp(first, self.seq_len)
+            if mlp.sequence_parallel_enabled and self.seq_len > 1:  # its weights replicated: each rank the whole
+                return out
+            return reduce_partial(mlp.tensor_parallel_group, out)
         if self.form == "router":
             return self._read_topk(*(getattr(self.inner, self.call) if self.call else self.inner)(first)[:3])
         if self.form == "forced":  # the whole module, its router's affinities and top-k ids given
@@ -112,8 +115,6 @@ class NxdiPoint(nn.Module):
             affinities, index = rest
             out = self.inner.expert_mlps(first, affinities, index, self.seq_len)
             return reduce_experts(self.inner, out)
-        if self.call == "shared_experts":  # NxD's SharedExperts takes the sequence length (its TKG path)
-            return self.inner.shared_experts(first, self.seq_len)
         if self.call:
             return getattr(self.inner, self.call)(first, *rest)  # a router: (logits, affinities [T, E], ids)
         out = self.inner(first, *rest)
@@ -161,7 +162,9 @@ def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_partial(group: Any, partial: torch.Tensor) -> torch.Tensor:
-    """The all-reduce over `group` that NxD's MoE applies to its shared experts' partial sums."""
+    """The all-reduce over `group` that NxD's MoE applies to its shared experts' partial sums (the
+    MoE's delayed all-reduce; at token generation with sequence parallelism, each rank's slice of the
+    replicated weights, `SharedExperts._forward_token_gen_replicated_weights`)."""
     from neuronx_distributed.parallel_layers import mappings
 
     return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
@@ -215,6 +218,37 @@ def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
     if cache is None:
         return hidden, keep.contiguous(), positions
     return hidden, keep[..., :past].contiguous(), positions, cache.keys, cache.values
+
+
+def chunk_size(config: Any, layer: int | None) -> int:
+    """The attention chunk of a layer the golden's config makes chunked (Llama 4's `layer_types`
+    "chunked_attention"); 0 for any other layer."""
+    data = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
+    types = data.get("layer_types") or []
+    if layer is None or layer >= len(types) or types[layer] != "chunked_attention":
+        return 0
+    return int(data.get("attention_chunk_size") or 0)
+
+
+def chunked_attention_inputs(golden: GoldenRecord, chunk: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of a chunked attention layer in NxDI's form (`NeuronAttentionBase.chunked_attention_
+    forward` at token generation): its KV cache of `chunk` slots, position p in slot p % chunk, holding
+    the current chunk's past positions (taken from the golden's cache, whose last chunk - 1 positions
+    transformers keeps), the other slots zeros; the mask over the slots before p % chunk, as NxDI's
+    `_create_chunked_attn_mask_tkg` makes it; the position ids those the golden's cache has seen."""
+    hidden = attention_inputs(golden)[0]
+    cache = cache_of(golden)
+    assert cache is not None and cache.seen is not None
+    bsz, q_len = hidden.shape[:2]
+    position = int(cache.seen)
+    here = position % chunk  # the current chunk's positions before this one
+    keys, values = (torch.zeros(*t.shape[:2], chunk, t.shape[3], dtype=t.dtype) for t in (cache.keys, cache.values))
+    if here:
+        keys[:, :, :here] = cache.keys[:, :, -here:]
+        values[:, :, :here] = cache.values[:, :, -here:]
+    mask = (torch.arange(chunk) < here).expand(bsz, 1, q_len, chunk).contiguous()
+    positions = torch.full((bsz, q_len), position, dtype=torch.int32)
+    return hidden, mask, positions, keys, values
 
 
 def cache_of(golden: GoldenRecord) -> CacheState | None:
