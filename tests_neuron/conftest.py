@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity, read_json, ...)
 
-ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "dbrx", "gpt_oss")
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "dbrx", "gpt_oss", "llama4_text")
 GOLDENS = "MOE_PARITY_T5_GOLDENS"
 BATCH = "qwen3_moe-batch"  # three prompts of unequal length padded on the left (fixtures/prompts/padded.jsonl)
 BUCKET = "qwen3_moe-bucket"  # the same, left-padded to a bucket of 16 tokens (NxDI's application takes it so)

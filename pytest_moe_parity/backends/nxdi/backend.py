@@ -27,6 +27,8 @@ from .calls import (
     attention_inputs,
     cache_after,
     cache_of,
+    chunk_size,
+    chunked_attention_inputs,
     deinterleaved,
     experts_inputs,
     mla_inputs,
@@ -331,10 +333,17 @@ class NxdiBackend(Backend):
                 routing = tuple(caught) or None
                 past = cache_of(golden)
                 if past is not None and degree == 1:  # at TP > 1 K, V are rank 0's heads
-                    cache = cache_after(past, inputs[3], inputs[4], keys, values)
+                    # the past the call was given, but a chunked layer's (NxDI's chunk-sized slots): the golden's
+                    chunked = past.window is not None and chunk_size(self.golden.config, point.layer)
+                    held = (past.keys, past.values) if chunked else (inputs[3], inputs[4])
+                    cache = cache_after(past, *held, keys, values)
             elif point.routed_block and "router" in self.table.components:  # what the block's router chose
                 router = self.table.components["router"]
                 routing = tuple(self._module(point, "router", router, inputs, tp=degree, ep=experts)(*inputs))
+                if spec.scores:  # with its router's top-k affinities scattered over the experts, as Llama 4's
+                    _, affinities, ids = routing[:3]
+                    dense = torch.zeros_like(affinities).scatter(-1, ids.long(), affinities.gather(-1, ids.long()))
+                    output = (output.reshape(-1, output.shape[-1]), dense)
         return CandidateOutput(output, routing, info=info, cache=cache)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
@@ -386,6 +395,9 @@ class NxdiBackend(Backend):
     def _inputs(self, point: Point, spec: Component, golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
         if spec.inputs == "attention":
             cache = cache_of(golden)
+            chunk = chunk_size(self.golden.config, point.layer)
+            if cache is not None and cache.window is not None and chunk:
+                return chunked_attention_inputs(golden, chunk)
             if cache is not None and cache.window is not None and not self.table.window_cache:
                 raise PointUnavailable(
                     f"{point.id}: not built by --hw nxdi: a sliding-window layer's cache (NxDI's windowed "
@@ -466,6 +478,13 @@ class NxdiBackend(Backend):
     def _rank_kv_heads(self, tp: int | None = None) -> list[list[int]] | None:
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
         return rank_kv_heads(tp or self.tp, heads, kv_heads)
+
+    def _call_kwargs(self, spec: Component, layer: int | None, tp: int, ep: int) -> dict[str, Any]:
+        """The attention call's fixed keywords (`call_kwargs`), "$rope" read as whether the point's layer
+        applies the rotary embedding (NxDI's config's `no_rope_layers`: 0 for Llama 4's NoPE layers)."""
+        rope = list(getattr(self._config(tp, ep), "no_rope_layers", None) or [])
+        return {k: (bool(rope[layer]) if rope and layer is not None else True) if v == "$rope" else v
+                for k, v in spec.call_kwargs.items()}  # fmt: skip
 
     def _kwargs(self, spec: Component, prefill: bool, tp: int, ep: int, layer: int | None = None) -> dict[str, Any]:
         """The factory's keywords (`args`: config attributes, dotted for the neuron config's; `literals`:
@@ -556,9 +575,10 @@ class NxdiBackend(Backend):
                     "kv_heads": kv_heads,
                     "seq_len": 1 if point.step is not None else self.golden_seq_len(),
                     "forced": spec.forced,
+                    "submodule": spec.submodule,
                     "buffers": {k: int(getattr(self._config(tp, ep), v)) for k, v in spec.buffers.items()},
                     "topk_weights": self._topk_weights(spec, tp, ep),
-                    "call_kwargs": spec.call_kwargs,
+                    "call_kwargs": self._call_kwargs(spec, point.layer, tp, ep),
                     "before_call": spec.before_call,
                 },
                 tp_degree=tp,

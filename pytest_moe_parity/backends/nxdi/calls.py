@@ -35,6 +35,7 @@ class NxdiPoint(nn.Module):
         kv_heads: list[list[int]] | None = None,
         seq_len: int = 0,
         forced: str = "",
+        submodule: str = "",
         buffers: dict[str, int] | None = None,
         topk_weights: dict[str, Any] | None = None,
         call_kwargs: dict[str, Any] | None = None,
@@ -45,6 +46,8 @@ class NxdiPoint(nn.Module):
         for name, size in (buffers or {}).items():  # read as attributes, set by the model that owns the module
             owner, _, attr = name.rpartition(".")
             self.inner.get_submodule(owner).register_buffer(attr, torch.zeros(size))
+        if submodule:
+            self.inner = self.inner.get_submodule(submodule)
         self.topk_weights = topk_weights or {}
         config = kwargs.get("config")
         if config is not None and getattr(config.neuron_config, "cast_type", "config") == "config":
@@ -90,9 +93,12 @@ class NxdiPoint(nn.Module):
                 past_key_value=past[0] if past else None,
             )
             return (out[0], out[1][0], out[1][1])
-        if self.form == "partial":  # NxD's row-parallel down projection left unreduced (reduce_output=False)
+        if self.form == "partial":  # NxD's SharedExperts: its row-parallel down projection left unreduced
             mlp = self.inner.get_submodule(self.call)
-            return reduce_partial(mlp.tensor_parallel_group, mlp(first, self.seq_len))
+            out = mlp(first, self.seq_len)
+            if mlp.sequence_parallel_enabled and self.seq_len > 1:  # its weights replicated: each rank the whole
+                return out
+            return reduce_partial(mlp.tensor_parallel_group, out)
         if self.form == "router":
             return self._read_topk(*(getattr(self.owner, self._method) if self.call else self.inner)(first)[:3])
         if self.form == "forced":  # the whole module, its router's affinities and top-k ids given
@@ -168,7 +174,9 @@ def reduce_experts(moe: Any, partial: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_partial(group: Any, partial: torch.Tensor) -> torch.Tensor:
-    """The all-reduce over `group` that NxD's MoE applies to its shared experts' partial sums."""
+    """The all-reduce over `group` that NxD's MoE applies to its shared experts' partial sums (the
+    MoE's delayed all-reduce; at token generation with sequence parallelism, each rank's slice of the
+    replicated weights, `SharedExperts._forward_token_gen_replicated_weights`)."""
     from neuronx_distributed.parallel_layers import mappings
 
     return mappings.reduce_from_tensor_model_parallel_region(partial, process_group=group)
@@ -224,6 +232,37 @@ def attention_inputs(golden: GoldenRecord) -> tuple[torch.Tensor, ...]:
     return hidden, keep[..., :past].contiguous(), positions, cache.keys, cache.values
 
 
+def chunk_size(config: Any, layer: int | None) -> int:
+    """The attention chunk of a layer the golden's config makes chunked (Llama 4's `layer_types`
+    "chunked_attention"); 0 for any other layer."""
+    data = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else {}
+    types = data.get("layer_types") or []
+    if layer is None or layer >= len(types) or types[layer] != "chunked_attention":
+        return 0
+    return int(data.get("attention_chunk_size") or 0)
+
+
+def chunked_attention_inputs(golden: GoldenRecord, chunk: int) -> tuple[torch.Tensor, ...]:
+    """A decode step of a chunked attention layer in NxDI's form (`NeuronAttentionBase.chunked_attention_
+    forward` at token generation): its KV cache of `chunk` slots, position p in slot p % chunk, holding
+    the current chunk's past positions (taken from the golden's cache, whose last chunk - 1 positions
+    transformers keeps), the other slots zeros; the mask over the slots before p % chunk, as NxDI's
+    `_create_chunked_attn_mask_tkg` makes it; the position ids those the golden's cache has seen."""
+    hidden = attention_inputs(golden)[0]
+    cache = cache_of(golden)
+    assert cache is not None and cache.seen is not None
+    bsz, q_len = hidden.shape[:2]
+    position = int(cache.seen)
+    here = position % chunk  # the current chunk's positions before this one
+    keys, values = (torch.zeros(*t.shape[:2], chunk, t.shape[3], dtype=t.dtype) for t in (cache.keys, cache.values))
+    if here:
+        keys[:, :, :here] = cache.keys[:, :, -here:]
+        values[:, :, :here] = cache.values[:, :, -here:]
+    mask = (torch.arange(chunk) < here).expand(bsz, 1, q_len, chunk).contiguous()
+    positions = torch.full((bsz, q_len), position, dtype=torch.int32)
+    return hidden, mask, positions, keys, values
+
+
 def cache_of(golden: GoldenRecord) -> CacheState | None:
     """The KV cache a decode step's call carries (None: a prefill call)."""
     found = cache_states(golden.kwargs) + cache_states(golden.args)
@@ -235,7 +274,10 @@ def cache_after(
 ) -> CacheState:
     """A token-generation step's cache after the call: the past and this step's K, V; for a sliding-
     window layer the window - 1 latest positions (what NxDI's rolling buffer holds, in position order)."""
-    keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
+    keys, values = (
+        torch.cat([keys, new_keys.to(keys.dtype)], dim=2),
+        torch.cat([values, new_values.to(values.dtype)], dim=2),
+    )
     if past.window is None:
         return CacheState(past.layer, keys, values)
     kept = past.window - 1

@@ -51,11 +51,19 @@ class Component:
     # how many of the call's outputs the point judges (0: all): DBRX's router point records transformers'
     # router logits alone, so NxD's router's (logits, affinities, ids) is judged by its logits
     outputs: int = 0
-    # fixed keywords of an attention-form call (e.g. GPT-OSS's decoder layer pops cos_cache, sin_cache)
+    # fixed keywords of an attention-form call (GPT-OSS's decoder layer pops cos_cache, sin_cache; "$rope":
+    # whether the point's layer applies the rotary embedding, from the config's `no_rope_layers`: Llama 4's
+    # polar-compatible rope)
     call_kwargs: dict[str, Any] = field(default_factory=dict)
     # a method of the module called before each call: the per-forward state NxDI's model resets (GPT-OSS's
     # decoder layers share a rotary cache, cleared at the end of each decode forward); "": none
     before_call: str = ""
+    # the part of the built module the point is (Llama 4's MoE: `moe` of NxDI's NeuronMoEDecoderLayer; its
+    # attention: `self_attn` of the decoder layer, built at the point's layer for its NoPE/rotary choice)
+    submodule: str = ""
+    # the point gives its tokens' output [T, H] and its router's top-k scores scattered over the experts
+    # [T, E] (transformers' Llama4TextMoe returns both)
+    scores: bool = False
 
 
 @dataclass

@@ -28,7 +28,8 @@ def unit_state(
     `layers.0.mlp.gate.weight`, `model.norm.weight` -> `norm.weight`), as NxDI's get_state_dict
     hands them to its conversion: only these tensors are read. `layout` (the table's `checkpoint`):
     another base-model `prefix` and name of the `layers` (DBRX's `transformer.blocks.N.`), and the
-    `model_level` tensors the conversion reads for any unit, given to a layer's unit as empty stand-ins."""
+    `model_level` tensors the conversion reads for any unit, given to a layer's unit as empty stand-ins,
+    and the conversion's `names` of tensors it reads under another name."""
     from safetensors import safe_open
 
     layout = layout or {}
@@ -46,6 +47,8 @@ def unit_state(
         with safe_open(str(model_dir / file), framework="pt") as fh:
             for key in (k for k in renamed if weights[k] == file):
                 state[renamed[key]] = fh.get_tensor(key)
+    names = layout.get("names", {})  # the conversion's name of a tensor (Llama 4's `language_model.lm_head.weight`)
+    state = {names.get(k, k): v for k, v in state.items()}
     if layer is not None:
         state.update({name: torch.empty(0) for name in layout.get("model_level", ()) if name not in state})
     return state
