@@ -182,7 +182,7 @@ def test_unknown_config_model_type(tmp_path: Path, capsys) -> None:
 
 def test_unknown_arch(tmp_path: Path, capsys) -> None:
     code, _, err = run(capsys, "tiny-model", "--arch", "llama", "--out", str(tmp_path / "m"))
-    assert code == 2 and "unknown --arch 'llama'; available: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss" in err
+    assert code == 2 and "unknown --arch 'llama'; available: dbrx, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss" in err
     assert not (tmp_path / "m").exists()
 
 

@@ -15,7 +15,7 @@ from helpers import NO_CONFIG, NO_WEIGHTS, load_fp32, read_json, run_parity
 from pytest_moe_parity.backends.compiled import PointModule, flatten_call, graph_key
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.golden.spec import named_tensor
-from pytest_moe_parity.judge.routing import routing_view
+from pytest_moe_parity.judge.routing import routing_view, with_experts_call
 from pytest_moe_parity.record.tiny import available_archs
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
@@ -45,17 +45,31 @@ def test_wrapper_round_trip_and_routing(arch: str, golden_dir, tiny_model) -> No
         call = flatten_call(record.args, record.kwargs, lambda name: named_tensor(model, name))
         assert all(isinstance(t, torch.Tensor) for t in call.inputs)
         router = golden.router_of(point) if point.routed_block else None
+        experts = golden.experts_of(router) if router else None
+        inside = experts is not None and experts.module.startswith(point.module + ".")  # DBRX's: its top-k
         hooked: list = []
-        handle = None
+        called: list = []
+        handles = []
         if router is not None:
-            handle = model.get_submodule(router.module).register_forward_hook(
-                lambda m, a, o, seen=hooked: seen.append(o)
+            handles.append(
+                model.get_submodule(router.module).register_forward_hook(lambda m, a, o, seen=hooked: seen.append(o))
+            )
+        if inside:
+            handles.append(
+                model.get_submodule(experts.module).register_forward_pre_hook(
+                    lambda m, a, k, seen=called: seen.append((a, k)), with_kwargs=True
+                )
             )
         with torch.no_grad():
             expected = module(*call.rebuild(call.inputs)[0], **call.rebuild(call.inputs)[1])
-        if handle is not None:
+        for handle in handles:
             handle.remove()
-        wrapper = PointModule(module, call.spec, router.module.removeprefix(point.module + ".") if router else None)
+        wrapper = PointModule(
+            module,
+            call.spec,
+            router.module.removeprefix(point.module + ".") if router else None,
+            experts.module.removeprefix(point.module + ".") if inside else None,
+        )
         with torch.no_grad():
             flat = wrapper(*call.inputs)
         from pytest_moe_parity.backends.compiled import Graph
@@ -65,7 +79,9 @@ def test_wrapper_round_trip_and_routing(arch: str, golden_dir, tiny_model) -> No
         _assert_same(output, expected, point.id)
         _assert_same(record.output, output, point.id, omitted_ok=True)
         if router is not None:
-            routing, hooked_routing = routing_view(routing), routing_view(hooked[-1])  # Llama 4's pair as the triple
+            # Llama 4's pair as the triple; DBRX's logits with the top-k its experts were called with
+            hooked_routing = routing_view(with_experts_call(hooked[-1], called[-1] if called else None))
+            routing = routing_view(routing)
             assert routing is not None and len(routing) == 3
             for got, want in zip(routing, hooked_routing[:3], strict=True):
                 assert torch.equal(got, want), point.id

@@ -45,6 +45,7 @@ from ..files import atomic_write_text
 from ..golden import GoldenRecord
 from ..golden.spec import named_tensor, resolve_params
 from ..golden.store import sha256_file
+from ..judge.routing import with_experts_call
 from ..model.calls import cache_states, in_kept_dtype, with_cache_kwarg
 from ..points import Point
 from ..tree import flatten, unflatten
@@ -97,9 +98,10 @@ def flatten_call(args: list[Any], kwargs: dict[str, Any], resolve: Callable[[str
 class PointModule(nn.Module):
     """A point's module called with positional tensors only (what torch_neuronx.trace takes): it
     returns the module's output tensors, flat, then the router's outputs when `router` names the
-    point's router submodule. `out_spec` rebuilds the output structure."""
+    point's router submodule (a router that gives its logits alone, DBRX's, with the top-k weights and
+    ids its `experts` submodule is called with). `out_spec` rebuilds the output structure."""
 
-    def __init__(self, module: nn.Module, call_spec: Any, router: str | None = None):
+    def __init__(self, module: nn.Module, call_spec: Any, router: str | None = None, experts: str | None = None):
         super().__init__()
         self.mod = module
         self.call_spec = call_spec
@@ -107,21 +109,29 @@ class PointModule(nn.Module):
         self.out_spec: Any = None
         self.n_outputs = 0
         self._captured: list[Any] = []
+        self._experts_call: list[Any] = []
         if router is not None:
             module.get_submodule(router).register_forward_hook(self._capture)
+            if experts is not None:
+                module.get_submodule(experts).register_forward_pre_hook(self._called, with_kwargs=True)
 
     def _capture(self, module: nn.Module, args: Any, output: Any) -> None:
         self._captured.append(output)
 
+    def _called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._experts_call.append((args, kwargs))
+
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = unflatten(self.call_spec, flat)
         self._captured.clear()
+        self._experts_call.clear()
         out = self.mod(*args, **kwargs)
         leaves, self.out_spec = flatten(out)
         self.n_outputs = len(leaves)
         routing: list[torch.Tensor] = []
-        if self.router is not None and self._captured:
-            routing = flatten(self._captured[-1])[0][:3]  # as the router gives it: read after the graph runs
+        if self.router is not None and self._captured:  # as the router gives it: read after the graph runs
+            seen = with_experts_call(self._captured[-1], self._experts_call[-1] if self._experts_call else None)
+            routing = flatten(seen)[0][:3]
         return (*leaves, *routing)
 
 
@@ -430,6 +440,14 @@ class CompiledBackend(TorchBackend):
             return None  # no router inside (the experts take the routing as input)
         return router.module.removeprefix(point.module + ".")
 
+    def _experts_path(self, point: Point) -> str | None:
+        """The experts inside the point's module beside its router (their call: a logits-only router's top-k)."""
+        router = self.golden.router_of(point)
+        experts = self.golden.experts_of(router) if router is not None else None
+        if experts is None or not experts.module.startswith(point.module + "."):
+            return None
+        return experts.module.removeprefix(point.module + ".")
+
     def _graph(
         self, key: str, made_of: dict[str, Any], module: nn.Module, call: FlatCall, router: str | None, point: Point
     ) -> Graph:
@@ -440,7 +458,8 @@ class CompiledBackend(TorchBackend):
                 keys = self._state_keys(handle)
                 return Graph(key, handle, record["out_spec"], record["n_outputs"], "cache", 0.0, keys)
         # The graph owns a copy of the module: the lazy model evicts layers as the run moves on.
-        wrapper = PointModule(copy.deepcopy(module), call.spec, router).eval().requires_grad_(False)
+        experts = self._experts_path(point) if router is not None else None
+        wrapper = PointModule(copy.deepcopy(module), call.spec, router, experts).eval().requires_grad_(False)
         started = time.perf_counter()
         with torch.no_grad(), _strict_tracing(point):
             handle = self._compile(wrapper, call.inputs, key)

@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..golden import GoldenRecord
 from ..golden.spec import resolve_params
 from ..host import HeldThreads
+from ..judge.routing import with_experts_call
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
 from ..model.calls import cache_kwarg, cache_state, in_kept_dtype, next_inputs, with_cache_kwarg, with_live_caches
 from ..model.checkpoint import weight_map
@@ -194,7 +195,8 @@ class TorchBackend(Backend):
         args, kwargs, caches = with_live_caches(args, kwargs, lazy.model.config)  # decode steps
         args, kwargs = in_kept_dtype(module, args, kwargs)
         routing: list[Any] = []
-        handle = None
+        experts_call: list[Any] = []  # what a router giving its logits alone (DBRX's) had its experts called with
+        handles = []
         router = self.golden.router_of(point)
         if router is not None and point.routed_block:  # the router runs inside: see its routing (or replace it)
 
@@ -202,13 +204,19 @@ class TorchBackend(Backend):
                 routing.append(out if force is None else force(out))
                 return routing[-1]
 
-            handle = lazy.module(router.module).register_forward_hook(seen)
+            def called(module: nn.Module, args: Any, kwargs: Any) -> None:
+                experts_call.append((args, kwargs))
+
+            handles.append(lazy.module(router.module).register_forward_hook(seen))
+            experts = self.golden.experts_of(router)
+            if experts is not None and experts.module != point.module:
+                handles.append(lazy.module(experts.module).register_forward_pre_hook(called, with_kwargs=True))
         started = time.perf_counter()
         try:
             with torch.no_grad(), attention:
                 output = module(*args, **kwargs)
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -217,7 +225,9 @@ class TorchBackend(Backend):
         if caches and point.component == ATTENTION:  # a decode step: what the attention wrote
             state, live = caches[0]
             cache = cache_state(live, state.layer)
-        return CandidateOutput(output, tuple(routing[0]) if routing else None, seconds, cache=cache)
+        seen_routing = with_experts_call(routing[0], experts_call[0] if experts_call else None) if routing else None
+        readable = isinstance(seen_routing, tuple | list)  # a lone tensor is no routing a verdict can read
+        return CandidateOutput(output, tuple(seen_routing) if readable else None, seconds, cache=cache)
 
     def run_model(
         self,

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..dtypes import SAFETENSORS_DTYPES, dtype_name
 from ..errors import GoldenError
-from ..points import Point, describe_layers, describe_steps
+from ..points import EXPERTS, Point, describe_layers, describe_steps
 from ..tree import map_structure
 from .spec import Spec, build, select_tokens
 
@@ -414,6 +414,10 @@ class GoldenStore:
         layers and for points that follow no router."""
         rid = point.router_id
         return self._points.get(rid) if rid is not None else None
+
+    def experts_of(self, router: Point) -> Point | None:
+        """The experts point of a router's layer (None where the golden has none)."""
+        return self._points.get(f"{router.id.rpartition('.')[0]}.{EXPERTS}")
 
     def call_values(self, pid: str | Point) -> dict[int | str, str]:
         """The strings a point's recorded call passed at its top level, by position or keyword: what

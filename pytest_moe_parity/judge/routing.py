@@ -30,6 +30,7 @@ __all__ = [
     "topk_agreement",
     "topk_of_affinities",
     "weights_for",
+    "with_experts_call",
     "worst_experts",
 ]
 
@@ -294,6 +295,18 @@ def router_triple(out: Any) -> bool:
         and all(isinstance(t, torch.Tensor) for t in out[:3])
         and not out[2].is_floating_point()
     )
+
+
+def with_experts_call(out: Any, experts_call: Any) -> Any:
+    """A router that gives its logits alone (DBRX's: its block softmaxes them, takes the top k and
+    renormalises), read with the top-k weights and ids its layer's experts were called with (their call's
+    tensors: hidden, top-k ids, top-k weights): the triple the verdicts read. Any other output as it is."""
+    if not isinstance(out, torch.Tensor) or experts_call is None:
+        return out
+    tensors = [t for t in leaves(experts_call) if isinstance(t, torch.Tensor)]
+    if len(tensors) < 3 or tensors[1].is_floating_point() or not tensors[2].is_floating_point():
+        return out
+    return (out, tensors[2], tensors[1])
 
 
 def routing_view(out: Any) -> Any:

@@ -17,7 +17,7 @@ from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import CausalRows, ParamRef
 from ..host import freeze_long_lived
 from ..judge.result import PointResult
-from ..judge.routing import router_triple, routing_view
+from ..judge.routing import router_triple, routing_view, with_experts_call
 from ..judge.tolerances import Override, Tolerance, resolve
 from ..judge.verdict import Case, judge_point
 from ..points import EXPERTS, LOGITS, ROUTER, Point
@@ -194,18 +194,15 @@ class ParityRunner:
         the top-k weights and ids its layer's experts were called with: the triple the verdicts read
         (which tokens flipped), from the reference's own run."""
         out = self.router_record(router).output
-        experts = f"{router.id.rpartition('.')[0]}.{EXPERTS}"
-        if not isinstance(out, torch.Tensor) or experts not in self.golden.point_ids:
+        experts = self.golden.experts_of(router)
+        if not isinstance(out, torch.Tensor) or experts is None:
             return out
-        key = f"{experts}:routing"
+        key = f"{experts.id}:routing"
         if key not in self._router_cache:
-            record = self.golden.load(self.golden.point(experts))
+            record = self.golden.load(experts)
             self._router_cache[key] = record  # cleared with the router's (one layer at a time)
         record = self._router_cache[key]
-        tensors = [t for t in (*record.args, *record.kwargs.values()) if isinstance(t, torch.Tensor)]
-        if len(tensors) < 3 or tensors[1].is_floating_point() or not tensors[2].is_floating_point():
-            return out
-        return (out, tensors[2], tensors[1])
+        return with_experts_call(out, (*record.args, *record.kwargs.values()))
 
     def router_record(self, router: Point) -> GoldenRecord:
         if router.id not in self._router_cache:
