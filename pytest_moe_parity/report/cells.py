@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..judge.result import Check
+from ..words import counted
 from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
 from .summary import figure
 from .text import fmt
@@ -129,7 +130,7 @@ def failed_by(row: Row, noise: bool) -> tuple[str, str] | None:
         if not row.findings:
             return None
         n = len(row.findings)
-        return f"{n} tensor{'s' * (n != 1)}", f"{n} tensor{'s' * (n != 1)} differ: {row.findings[0]}"
+        return counted(n, "tensor"), f"{counted(n, 'tensor')} differ: {row.findings[0]}"
     if isinstance(row, RoutingRow | BatchInvarianceRow | ParallelRow):
         return _differential(row)
     if not isinstance(row, PointRow):

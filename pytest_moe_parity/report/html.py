@@ -26,6 +26,7 @@ from typing import Any
 
 from ..files import atomic_write_text
 from ..points import LAYER_COMPONENTS, MODEL_TAIL, WEIGHTS, describe_layers
+from ..words import counted
 from .block import bug_report_text
 from .cells import face, grid_noise
 from .drill import Drill, finding, pct
@@ -187,7 +188,7 @@ class _Page:
         if first:
             state, said = "fail", el("span", "first divergence ", el("a", first, href=f"#p-{first}", class_="pid"))
         elif n["error"]:
-            state, said = "warn", f"no divergence; {n['error']} point{'s' * (n['error'] != 1)} not judged (errors)"
+            state, said = "warn", f"no divergence; {counted(n['error'], 'point')} not judged (errors)"
         elif not self.points:
             state, said = "warn", "no point was judged"
         elif missing:
@@ -197,7 +198,7 @@ class _Page:
         if not complete:
             state = "fail" if first else "warn"
         total = len(self.points)
-        chips = [el("span", f"{total} point{'s' * (total != 1)}", class_="chip")]
+        chips = [el("span", counted(total, "point"), class_="chip")]
         if missing:  # -x, -k, a crash: what the run never reached
             ran = len(planned) - len(missing)
             chips.append(el("span", f"{ran} of the {len(planned)} points planned", class_="chip"))
@@ -206,7 +207,7 @@ class _Page:
         ]
         problems = self.report.get("shard_problems") or []
         if problems:  # a merged run that lacks part of itself
-            chips.append(el("a", f"incomplete: {len(problems)} shard problem{'s' * (len(problems) != 1)}",
+            chips.append(el("a", f"incomplete: {counted(len(problems), 'shard problem')}",
                             href="#divergence", class_="chip s-error"))  # fmt: skip
         elif not complete:
             chips.append(
@@ -240,7 +241,7 @@ class _Page:
         last = max(self.points, key=lambda r: r.order, default=None)
         if failed and last is not None and last.status == "failed":
             return "stopped at the first failure" if len(failed) == 1 else f"stopped after {len(failed)} failures"
-        return f"incomplete: {len(missing)} planned point{'s' * (len(missing) != 1)} not judged"
+        return f"incomplete: {counted(len(missing), 'planned point')} not judged"
 
     def completeness(self) -> str:
         """The run's `complete` fact in words (as the badges say it)."""
