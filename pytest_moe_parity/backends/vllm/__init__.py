@@ -1,0 +1,27 @@
+"""`--hw vllm`: replay on vLLM's own modules. The candidate checkpoint is built once as vLLM's model
+of its architecture (`Qwen3MoeForCausalLM`, `MixtralForCausalLM`): vLLM's `VllmConfig` over the
+checkpoint, its model class, its weight loader (`load_weights`, `process_weights_after_loading`), one
+rank (gloo on the CPU), and each point is called on vLLM's submodule for it under vLLM's forward
+context, on the golden's inputs: the embedding, the norms, the rotary table, the router (the gate and
+the MoE runner's expert selection), the experts (vLLM's fused MoE through its quant method, given the
+golden's routing), the MoE block (its selection seen, or replaced with --parity-routing), the final
+norm and the logits (the lm_head through vLLM's logits processor).
+
+Not run: the attention and the decoder layer, which need the paged KV cache and attention metadata
+vLLM's engine builds (`UNAVAILABLE` says why, in each such point's skip reason).
+
+The package: `imports` (vLLM's imports, its version range, the install line), `backend` (the backend)."""
+
+from .backend import MOE_BLOCKS, UNAVAILABLE, VllmBackend
+from .imports import INSTALL, SUPPORTED, check_version, import_vllm, vllm_version
+
+__all__ = [
+    "INSTALL",
+    "MOE_BLOCKS",
+    "SUPPORTED",
+    "UNAVAILABLE",
+    "VllmBackend",
+    "check_version",
+    "import_vllm",
+    "vllm_version",
+]

@@ -1,0 +1,262 @@
+"""`--hw vllm`'s backend: the candidate checkpoint built once as vLLM's own model (vLLM's config,
+model class and weight loader, on the CPU or the device the installed vLLM runs on, TP 1), and each
+point replayed on vLLM's submodule of it, on the golden's inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import BackendError, PointUnavailable
+from ...golden import GoldenRecord
+from ...points import Point
+from .. import Backend, BackendSetup, CandidateOutput
+from .imports import check_version, import_vllm, upstream_warnings, vllm_version
+
+# model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
+# its router, its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its
+# `routed_experts` run them)
+MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+# the points vLLM's modules cannot be called for outside its engine, and why
+UNAVAILABLE = {
+    "attention": (
+        "vLLM's attention layer reads its paged KV cache and attention metadata from the forward context its "
+        "engine's model runner builds (the attention backend's metadata builder over allocated KV blocks); "
+        "--hw vllm does not build them yet, and without them vLLM's attention returns no real output"
+    ),
+    "output": (
+        "the decoder layer calls vLLM's attention, which needs the engine's paged KV cache and attention metadata "
+        "(see the attention points)"
+    ),
+}
+
+
+class VllmBackend(Backend):
+    """`--hw vllm`: vLLM's own model of the golden's architecture, built from the candidate checkpoint by
+    vLLM's loader (`load_weights`, `process_weights_after_loading`) and called module by module: the
+    embedding, the norms, the rotary table, the router (its gate and vLLM's expert selection), the experts
+    (vLLM's fused MoE on the golden's routing), the MoE block, the final norm and the logits (the lm_head
+    through vLLM's logits processor)."""
+
+    name = "vllm"
+    forces_routing = True
+
+    def __init__(self, setup: BackendSetup) -> None:
+        super().__init__(setup)
+        self.version = vllm_version()
+        check_version(self.version)
+        if self.golden.model_type not in MOE_BLOCKS:
+            raise BackendError(
+                f"--hw vllm has no module map for {self.golden.model_type} (it replays {', '.join(MOE_BLOCKS)}); "
+                "compare a dump of vLLM's run with --hw dump"
+            )
+        if setup.model_dir is None:
+            raise BackendError("--hw vllm needs the Hugging Face checkpoint vLLM loads: pass --model DIR")
+        if self.dtype not in DTYPES:
+            raise BackendError(f"--hw vllm runs float32, bfloat16 or float16, not {self.dtype}")
+        import_vllm()
+        self.model: Any = None
+        self.config: Any = None
+        self.build_seconds = 0.0
+
+    def start(self) -> None:
+        """vLLM's model of the checkpoint, built once: vLLM's config, its model class, its loader."""
+        from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        started = time.perf_counter()
+        try:
+            with upstream_warnings():
+                model_config = ModelConfig(
+                    model=str(self.setup.model_dir), dtype=DTYPES[self.dtype], enforce_eager=True, seed=0
+                )
+                self.config = VllmConfig(model_config=model_config)
+        except Exception as exc:  # vLLM refuses the checkpoint (pydantic's ValidationError, ValueError, ...)
+            raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {str(exc).splitlines()[0]}") from None
+        self.device = torch.device(self.config.device_config.device or "cpu")
+        with set_current_vllm_config(self.config), upstream_warnings():
+            _model_parallel(self.device)
+            loader = get_model_loader(self.config.load_config)
+            # the loader's own `load_model` calls torch.accelerator.empty_cache(), which torch 2.13 refuses on
+            # a host without an accelerator: its steps are taken here one by one
+            with set_default_torch_dtype(model_config.dtype):
+                with self.device:
+                    model = loader.create_model(vllm_config=self.config, model_config=model_config)
+                loader.load_weights(model, model_config)
+                process_weights_after_loading(model, model_config, self.device)
+        self.model = model.eval()
+        self.build_seconds = time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+
+        with set_current_vllm_config(self.config), set_forward_context(None, self.config), torch.no_grad(), upstream_warnings():
+            yield
+
+    def _layer(self, point: Point) -> Any:
+        return self.model.model.layers[point.layer]
+
+    def _block(self, point: Point) -> Any:
+        return getattr(self._layer(point), MOE_BLOCKS[self.golden.model_type])
+
+    def module(self, path: str) -> torch.nn.Module:
+        """vLLM's module at a golden module path (`model.layers.0.mlp.gate`): vLLM's names, the MoE block's
+        attribute read as the architecture's."""
+        names = path.split(".")
+        if len(names) > 3 and names[:2] == ["model", "layers"] and names[3] == "mlp":
+            names[3] = MOE_BLOCKS[self.golden.model_type]
+        try:
+            return self.model.get_submodule(".".join(names))
+        except AttributeError:
+            raise BackendError(f"vLLM's {type(self.model).__name__} has no module {path}") from None
+
+    def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
+        return self._run(point, golden, None)
+
+    def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
+        return self._run(point, golden, force)
+
+    def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None) -> CandidateOutput:
+        why = UNAVAILABLE.get(point.component)
+        if why is not None:
+            raise PointUnavailable(f"{point.id}: not run by --hw vllm: {why}")
+        call = getattr(self, f"_{point.component}", None)
+        if call is None:
+            raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
+        started = time.perf_counter()
+        with self._context():
+            output, routing = call(point, golden, force)
+        info = {"notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}"]}
+        return CandidateOutput(output, routing, seconds=time.perf_counter() - started, info=info)
+
+    def _where(self, point: Point) -> str:
+        entry = self.golden.entry(point)
+        try:
+            return self.module(entry["module"]).__class__.__name__
+        except BackendError:
+            return "?"
+
+    # ---------------------------------------------------------------------------------- the calls
+    def _embedding(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        ids = golden.args[0]
+        return self.model.model.embed_tokens(ids.reshape(-1)).reshape(*ids.shape, -1), None
+
+    def _norm(self, module: Any, golden: GoldenRecord) -> torch.Tensor:
+        x = golden.args[0]
+        return module(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+    def _input_norm(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        return self._norm(getattr(self._layer(point), NORMS[point.component]), golden), None
+
+    _post_attn_norm = _input_norm
+
+    def _final_norm(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        return self._norm(self.model.model.norm, golden), None
+
+    def _logits(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        x = golden.args[0]
+        logits = self.model.logits_processor(self.model.lm_head, x.reshape(-1, x.shape[-1]))
+        return logits.reshape(*x.shape[:-1], -1), None
+
+    def _rotary(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        """The cos and sin vLLM's rotary embedding applies at the golden's positions, read from its table
+        (`cos_sin_cache`: cos then sin over half the rotary dimensions, repeated for the NeoX style)."""
+        rotary = self.model.model.layers[0].self_attn.rotary_emb
+        positions = golden.kwargs.get("position_ids")
+        if positions is None or not getattr(rotary, "is_neox_style", False):
+            raise PointUnavailable(f"{point.id}: --hw vllm reads vLLM's NeoX-style rotary table at given positions")
+        cos, sin = rotary.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
+        shape = (*positions.shape, -1)
+        return (torch.cat([cos, cos], -1).reshape(shape), torch.cat([sin, sin], -1).reshape(shape)), None
+
+    def _select(self, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM's routing of `x`: the gate's logits, then the MoE runner's own expert selection."""
+        logits, _ = block.gate(x)
+        weights, ids = block.experts.router.select_experts(hidden_states=x, router_logits=logits)
+        return logits, weights, ids
+
+    def _router(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        x = golden.args[0]
+        logits, weights, ids = self._select(self._block(point), x.reshape(-1, x.shape[-1]))
+        return (logits, weights.to(x.dtype), ids.long()), None
+
+    def _experts(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        """vLLM's routed experts (its fused MoE through the quant method's `apply`) on the golden's routing."""
+        x, ids, weights = golden.args[:3]
+        routed = self._block(point).experts.routed_experts
+        if routed.quant_method.is_monolithic:
+            raise PointUnavailable(
+                f"{point.id}: vLLM's {type(routed.quant_method).__name__} routes inside its kernel (monolithic): "
+                "its experts cannot be given the golden's routing"
+            )
+        flat = x.reshape(-1, x.shape[-1])
+        out = routed.forward_modular(
+            flat, topk_weights=weights.reshape(flat.shape[0], -1).float(), topk_ids=ids.reshape(flat.shape[0], -1).int()
+        )
+        return out.reshape(x.shape), None
+
+    def _moe(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
+        """vLLM's MoE block whole; its runner's expert selection seen (and, with `force`, replaced)."""
+        block = self._block(point)
+        router = block.experts.router
+        x = golden.args[0]
+        seen: list[tuple[torch.Tensor, ...]] = []
+        select = router.select_experts
+
+        def selecting(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            weights, ids = select(*args, **kwargs)
+            routing = (kwargs["router_logits"], weights, ids.long())
+            if force is not None:
+                routing = tuple(force(routing))
+            seen.append(routing)
+            return routing[1].to(weights.dtype), routing[2].to(ids.dtype)
+
+        router.select_experts = selecting
+        try:
+            out = block(x.reshape(-1, x.shape[-1]))
+        finally:
+            del router.select_experts
+        return out.reshape(x.shape), (seen[-1] if seen else None)
+
+    def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
+        if self.model is None:
+            return []
+        return [
+            f"--hw vllm: vLLM {self.version}'s {type(self.model).__name__} built by vLLM's loader on "
+            f"{self.device} in {self.build_seconds:.1f} s (TP 1)"
+        ]
+
+    def close(self) -> None:
+        self.model = None
+
+
+def _model_parallel(device: torch.device) -> None:
+    """vLLM's process groups, once per process: one rank (gloo on the CPU)."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
+    handle = tempfile.NamedTemporaryFile(prefix="moe-parity-vllm-", delete=False)  # noqa: SIM115 - a rendezvous file
+    handle.close()
+    Path(handle.name).unlink()
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"file://{handle.name}",
+        local_rank=0,
+        backend="gloo" if device.type == "cpu" else "nccl",
+    )
+    initialize_model_parallel(1, 1)
