@@ -102,7 +102,12 @@ class VllmBackend(Backend):
         from vllm.config import set_current_vllm_config
         from vllm.forward_context import set_forward_context
 
-        with set_current_vllm_config(self.config), set_forward_context(None, self.config), torch.no_grad(), upstream_warnings():
+        with (
+            set_current_vllm_config(self.config),
+            set_forward_context(None, self.config),
+            torch.no_grad(),
+            upstream_warnings(),
+        ):
             yield
 
     def _layer(self, point: Point) -> Any:

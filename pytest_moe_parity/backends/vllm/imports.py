@@ -40,9 +40,7 @@ def check_version(version: str) -> None:
         raise BackendError(f"--hw vllm: cannot read vLLM's version {version!r}: {INSTALL}") from None
     low, high = SUPPORTED
     if not low <= major_minor < high:
-        raise BackendError(
-            f"--hw vllm reads vLLM {low[0]}.{low[1]}'s modules and this is vLLM {version}: {INSTALL}"
-        )
+        raise BackendError(f"--hw vllm reads vLLM {low[0]}.{low[1]}'s modules and this is vLLM {version}: {INSTALL}")
 
 
 @contextlib.contextmanager

