@@ -17,6 +17,7 @@ from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
+from .attention import attention_context, check
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
@@ -25,18 +26,7 @@ from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
-# the points vLLM's modules cannot be called for outside its engine, and why
-UNAVAILABLE = {
-    "attention": (
-        "vLLM's attention layer reads its paged KV cache and attention metadata from the forward context its "
-        "engine's model runner builds (the attention backend's metadata builder over allocated KV blocks); "
-        "--hw vllm does not build them yet, and without them vLLM's attention returns no real output"
-    ),
-    "output": (
-        "the decoder layer calls vLLM's attention, which needs the engine's paged KV cache and attention metadata "
-        "(see the attention points)"
-    ),
-}
+UNAVAILABLE: dict[str, str] = {}  # component -> why vLLM's modules cannot be called for it (none now)
 
 
 class VllmBackend(Backend):
@@ -144,7 +134,10 @@ class VllmBackend(Backend):
         with self._context():
             output, routing = call(point, golden, force)
         info = {"notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}"]}
-        return CandidateOutput(output, routing, seconds=time.perf_counter() - started, info=info)
+        cache = None
+        if isinstance(output, CandidateOutput):  # an attention's: with its cache after the call
+            output, cache = output.output, output.cache
+        return CandidateOutput(output, routing, seconds=time.perf_counter() - started, info=info, cache=cache)
 
     def _where(self, point: Point) -> str:
         entry = self.golden.entry(point)
@@ -186,6 +179,30 @@ class VllmBackend(Backend):
         shape = (*positions.shape, -1)
         return (torch.cat([cos, cos], -1).reshape(shape), torch.cat([sin, sin], -1).reshape(shape)), None
 
+    def _attention(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
+        """vLLM's attention module (qkv projection, q/k norms, rotary, vLLM's attention backend, o projection)
+        on the golden's hidden states and positions, over a paged cache and metadata built for the call."""
+        attn = self._layer(point).self_attn
+        check(point, attn.attn, golden)
+        hidden, positions = golden.kwargs["hidden_states"], golden.kwargs["position_ids"]
+        with attention_context(self.config, attn.attn, golden, self.device) as state:
+            out = attn(positions=positions.reshape(-1), hidden_states=hidden.reshape(-1, hidden.shape[-1]))
+        output = (out.reshape(hidden.shape), None)
+        return CandidateOutput(output, cache=state.get("cache")), None
+
+    def _output(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
+        """vLLM's decoder layer (its norms fused with the residual adds, attention, MoE block): its output is
+        vLLM's (hidden, residual) summed, what the next layer's input norm adds."""
+        layer = self._layer(point)
+        check(point, layer.self_attn.attn, golden)
+        hidden, positions = golden.args[0], golden.kwargs["position_ids"]
+        with (
+            attention_context(self.config, layer.self_attn.attn, golden, self.device),
+            self._routing(self._block(point), force) as seen,
+        ):
+            out, residual = layer(positions.reshape(-1), hidden.reshape(-1, hidden.shape[-1]), None)
+        return (out + residual).reshape(hidden.shape), (seen[-1] if seen else None)
+
     def _select(self, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's routing of `x`: the gate's logits, then the MoE runner's own expert selection."""
         logits, _ = block.gate(x)
@@ -214,9 +231,16 @@ class VllmBackend(Backend):
 
     def _moe(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
         """vLLM's MoE block whole; its runner's expert selection seen (and, with `force`, replaced)."""
-        block = self._block(point)
-        router = block.experts.router
         x = golden.args[0]
+        block = self._block(point)
+        with self._routing(block, force) as seen:
+            out = block(x.reshape(-1, x.shape[-1]))
+        return out.reshape(x.shape), (seen[-1] if seen else None)
+
+    @contextlib.contextmanager
+    def _routing(self, block: Any, force: Any) -> Iterator[list]:
+        """The MoE runner's expert selection seen as (logits, weights, ids), and replaced by `force(it)`."""
+        router = block.experts.router
         seen: list[tuple[torch.Tensor, ...]] = []
         select = router.select_experts
 
@@ -230,10 +254,9 @@ class VllmBackend(Backend):
 
         router.select_experts = selecting
         try:
-            out = block(x.reshape(-1, x.shape[-1]))
+            yield seen
         finally:
             del router.select_experts
-        return out.reshape(x.shape), (seen[-1] if seen else None)
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         if self.model is None:
