@@ -53,3 +53,23 @@ def pytest_configure(config: pytest.Config) -> None:
 def t5() -> Path:
     """The directory of the first leg's checkpoints and goldens."""
     return Path(os.environ[GOLDENS])
+
+
+@pytest.fixture(scope="session")
+def head32(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE of head_dim 32 (the first leg's has 16, which vLLM's CPU attention kernels do not
+    take), made from the first leg's config with transformers here, and its golden recorded here:
+    `model/` and `golden/` in the returned directory."""
+    import subprocess
+
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("head32")
+    config = transformers.AutoConfig.from_pretrained(t5 / "qwen3_moe-model")
+    config.head_dim = 32
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
+    command = [sys.executable, "-m", "pytest_moe_parity.cli", "golden", "--model", str(root / "model")]
+    subprocess.run([*command, "--out", str(root / "golden"), "--decode-steps", "2"], check=True, capture_output=True)
+    return root

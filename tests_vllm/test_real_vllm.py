@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from helpers import read_json, run_parity, usage_error
 
-from pytest_moe_parity.backends.vllm import UNAVAILABLE
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 
@@ -42,16 +41,18 @@ def parity(pytester: pytest.Pytester, t5: Path, arch: str, report: Path, *args: 
 def test_a_clean_run_passes_every_point_vllm_s_modules_run(
     arch: str, dtype: str, t5: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    """Every point but the attention and the decoder layer (which need vLLM's engine-built KV cache and
-    metadata, said in their skip reason) is replayed on vLLM's own module and passes, prefill and decode."""
+    """Every point but the attention and the decoder layer is replayed on vLLM's own module and passes,
+    prefill and decode; those two are skipped with the reason: vLLM's CPU attention kernels do not take the
+    first leg's head_dim of 16."""
     result = parity(pytester, t5, arch, tmp_path / "r", "--dtype", dtype)
     ids = GoldenStore(t5 / f"{arch}-golden").point_ids
-    unavailable = [p for p in ids if p.rsplit(".", 1)[-1] in UNAVAILABLE]
+    unavailable = [p for p in ids if p.rsplit(".", 1)[-1] in ("attention", "output")]
     assert len(unavailable) == 24  # 4 layers x (attention, output) x (prefill + 2 decode steps)
     result.assert_outcomes(passed=len(ids) - len(unavailable), skipped=len(unavailable))
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
-    assert "paged KV cache and attention metadata" in rows["layer_0.attention"]["reason"]
-    assert "decoder layer calls vLLM's attention" in rows["step_2.layer_3.output"]["reason"]
+    for pid in ("layer_0.attention", "step_2.layer_3.output"):
+        assert "vLLM's CPU_ATTN attention takes head sizes 32, 64" in rows[pid]["reason"], rows[pid]["reason"]
+        assert "this model's head_dim is 16" in rows[pid]["reason"]
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
     result.stdout.fnmatch_lines([f"--hw vllm: vLLM 0.32*'s {CLASSES[arch][1]} built by vLLM's loader on cpu in *"])
 
@@ -115,3 +116,61 @@ def test_a_dtype_vllm_does_not_run_is_a_usage_error(t5: Path, pytester: pytest.P
     args = ("--hw", "vllm", "--dtype", "float64")
     result = run_parity(pytester, golden, *args, model=t5 / "qwen3_moe-model", subprocess=True)
     usage_error(result, "--hw vllm runs float32, bfloat16 or float16, not torch.float64")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_s_attention_and_decoder_layer_pass_prefill_and_decode(
+    dtype: str, head32: Path, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """At a head_dim vLLM's CPU attention takes, every point passes: the attention and the decoder layer on
+    vLLM's attention backend over a paged cache and metadata built per call, the decode steps' cache
+    writes read back from vLLM's paged cache and compared."""
+    result = run_parity(
+        pytester,
+        head32 / "golden",
+        "--hw",
+        "vllm",
+        "--dtype",
+        dtype,
+        "--parity-report",
+        str(tmp_path / "r"),
+        "-W",
+        "error",
+        model=head32 / "model",
+        subprocess=True,
+    )
+    result.assert_outcomes(passed=len(GoldenStore(head32 / "golden").point_ids))
+    rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    assert {"cache.keys", "cache.values"} <= set(rows["step_2.layer_3.attention"]["metrics"])
+
+
+def test_a_changed_rotary_base_fails_first_at_the_rotary_table(
+    head32: Path, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """vLLM's rotary embedding built at twice the checkpoint's base: its table is the first divergence, and
+    vLLM's attention on the golden's inputs fails with it."""
+    pytester.makeconftest(
+        """
+import warnings
+
+with warnings.catch_warnings():  # vLLM's own notices as it imports
+    warnings.simplefilter("ignore")
+    from vllm.model_executor.models import qwen3_moe
+
+get_rope = qwen3_moe.get_rope
+
+
+def doubled(*args, rope_parameters, **kwargs):
+    changed = {**rope_parameters, "rope_theta": 2 * rope_parameters["rope_theta"]}
+    return get_rope(*args, rope_parameters=changed, **kwargs)
+
+
+qwen3_moe.get_rope = doubled
+"""
+    )
+    report = tmp_path / "r"
+    args = ("--hw", "vllm", "--parity-report", str(report), "-W", "error")
+    run_parity(pytester, head32 / "golden", *args, model=head32 / "model", subprocess=True)
+    assert read_json(report / SUMMARY_FILE)["first_divergence"] == "rotary"
+    rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+    assert rows["layer_0.attention"]["status"] == "failed" and rows["layer_0.router"]["status"] == "passed"
