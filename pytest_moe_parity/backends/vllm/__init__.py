@@ -5,21 +5,20 @@ rank (gloo on the CPU), and each point is called on vLLM's submodule for it unde
 context, on the golden's inputs: the embedding, the norms, the rotary table, the router (the gate and
 the MoE runner's expert selection), the experts (vLLM's fused MoE through its quant method, given the
 golden's routing), the MoE block (its selection seen, or replaced with --parity-routing), the final
-norm and the logits (the lm_head through vLLM's logits processor).
+norm and the logits (the lm_head through vLLM's logits processor), the attention and the decoder
+layer (over a paged KV cache and attention metadata built per call by vLLM's own cache update and
+metadata builder: `attention`), prefill and decode.
 
-Not run: the attention and the decoder layer, which need the paged KV cache and attention metadata
-vLLM's engine builds (`UNAVAILABLE` says why, in each such point's skip reason).
+The package: `imports` (vLLM's imports, its version range, the install line), `attention` (vLLM's
+forward context for one attention call), `backend` (the backend)."""
 
-The package: `imports` (vLLM's imports, its version range, the install line), `backend` (the backend)."""
-
-from .backend import MOE_BLOCKS, UNAVAILABLE, VllmBackend
+from .backend import MOE_BLOCKS, VllmBackend
 from .imports import INSTALL, SUPPORTED, check_version, import_vllm, vllm_version
 
 __all__ = [
     "INSTALL",
     "MOE_BLOCKS",
     "SUPPORTED",
-    "UNAVAILABLE",
     "VllmBackend",
     "check_version",
     "import_vllm",

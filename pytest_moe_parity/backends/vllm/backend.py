@@ -26,7 +26,6 @@ from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
-UNAVAILABLE: dict[str, str] = {}  # component -> why vLLM's modules cannot be called for it (none now)
 
 
 class VllmBackend(Backend):
@@ -34,7 +33,7 @@ class VllmBackend(Backend):
     vLLM's loader (`load_weights`, `process_weights_after_loading`) and called module by module: the
     embedding, the norms, the rotary table, the router (its gate and vLLM's expert selection), the experts
     (vLLM's fused MoE on the golden's routing), the MoE block, the final norm and the logits (the lm_head
-    through vLLM's logits processor)."""
+    through vLLM's logits processor), the attention and the decoder layer (`attention`)."""
 
     name = "vllm"
     forces_routing = True
@@ -124,9 +123,6 @@ class VllmBackend(Backend):
         return self._run(point, golden, force)
 
     def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None) -> CandidateOutput:
-        why = UNAVAILABLE.get(point.component)
-        if why is not None:
-            raise PointUnavailable(f"{point.id}: not run by --hw vllm: {why}")
         call = getattr(self, f"_{point.component}", None)
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
