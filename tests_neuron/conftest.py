@@ -16,24 +16,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity, read_json, ...)
 
+from targeted import targeted  # noqa: E402
+
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "dbrx", "gpt_oss", "llama4_text")
 GOLDENS = "MOE_PARITY_T5_GOLDENS"
 BATCH = "qwen3_moe-batch"  # three prompts of unequal length padded on the left (fixtures/prompts/padded.jsonl)
 BUCKET = "qwen3_moe-bucket"  # the same, left-padded to a bucket of 16 tokens (NxDI's application takes it so)
 
 
-def _targeted(config: pytest.Config) -> bool:
-    """Whether the session runs this directory's tests (not a run that only passes by it)."""
-    here = Path(__file__).resolve().parent
-    for arg in config.args or [str(config.invocation_params.dir)]:
-        path = Path(str(arg).split("::", 1)[0]).resolve()
-        if path == here or here in path.parents:
-            return True
-    return False
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    if not _targeted(config):
+    if not targeted(config, Path(__file__).resolve().parent):
         return
     import transformers
 

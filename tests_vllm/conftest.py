@@ -14,22 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the main suite's helpers (run_parity, read_json, ...)
 
+from targeted import targeted  # noqa: E402
+
 ARCHS = ("qwen3_moe", "mixtral")
 GOLDENS = "MOE_PARITY_T5_GOLDENS"
 
 
-def _targeted(config: pytest.Config) -> bool:
-    """Whether the session runs this directory's tests (not a run that only passes by it)."""
-    here = Path(__file__).resolve().parent
-    for arg in config.args or [str(config.invocation_params.dir)]:
-        path = Path(str(arg).split("::", 1)[0]).resolve()
-        if path == here or here in path.parents:
-            return True
-    return False
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    if not _targeted(config):
+    if not targeted(config, Path(__file__).resolve().parent):
         return
     from pytest_moe_parity.backends.vllm import check_version, import_vllm, vllm_version
     from pytest_moe_parity.errors import BackendError
