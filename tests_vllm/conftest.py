@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ GOLDENS = "MOE_PARITY_T5_GOLDENS"
 def pytest_configure(config: pytest.Config) -> None:
     if not targeted(config, Path(__file__).resolve().parent):
         return
+    keep_vllm_imported()
     from pytest_moe_parity.backends.vllm import check_version, import_vllm, vllm_version
     from pytest_moe_parity.errors import BackendError
 
@@ -39,6 +41,24 @@ def pytest_configure(config: pytest.Config) -> None:
             f"{GOLDENS} must name a directory of checkpoints and goldens recorded by the first leg "
             f"({', '.join(missing)} missing{'' if root else ': the variable is not set'}); `bash .ci/run` records them"
         )
+
+
+def keep_vllm_imported() -> None:
+    """Inner sessions run in this process with vLLM's modules kept imported across them. pytester puts
+    `sys.modules` back as it was after each inner run, so each would import vLLM afresh, and vLLM registers
+    its torch ops once per process (a second import fails on a duplicate registration): its modules are
+    kept as pytester keeps zope's (a session of its own process costs vLLM's import, 7 to 10 s, each time).
+    A test that changes a vLLM module for one inner session puts it back in that session's
+    `pytest_unconfigure` (`faulty_loading`)."""
+    import _pytest.pytester
+
+    snapshot = _pytest.pytester.SysModulesSnapshot
+
+    class KeepingVllm(snapshot):
+        def __init__(self, preserve: Callable[[str], bool] | None = None) -> None:
+            super().__init__(preserve=lambda name: name.startswith("vllm") or bool(preserve and preserve(name)))
+
+    _pytest.pytester.SysModulesSnapshot = KeepingVllm  # type: ignore[misc]
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,6 @@ def parity(pytester: pytest.Pytester, t5: Path, arch: str, report: Path, *args: 
         "error",
         *args,
         model=t5 / f"{arch}-model",
-        subprocess=True,  # vLLM registers its torch ops once per process: each session a process of its own
     )
 
 
@@ -57,26 +56,46 @@ def test_a_clean_run_passes_every_point_vllm_s_modules_run(
     result.stdout.fnmatch_lines([f"--hw vllm: vLLM 0.32*'s {CLASSES[arch][1]} built by vLLM's loader on cpu in *"])
 
 
-def faulty_loading(pytester: pytest.Pytester, arch: str, change: str) -> None:
-    """The inner session's conftest: vLLM's model class of `arch` loads the checkpoint through `change`, a
-    function of (name, tensor) giving the pair loaded (a loader bug)."""
-    module, name, *_ = CLASSES[arch]
+def patched(pytester: pytest.Pytester, module: str, name: str, value: str, prelude: str = "") -> None:
+    """The inner session's conftest: `module`'s attribute `name` (dotted: a class's method) set to the
+    expression `value` for the session, and put back at its end (vLLM's modules stay imported across the
+    inner sessions of this process: conftest's `keep_vllm_imported`). `prelude` defines what `value` uses;
+    `original` is the attribute as it was."""
+    attr = name.rpartition(".")[2]
     pytester.makeconftest(
         f"""
+import importlib
+import operator
 import warnings
 
 import torch
 
 with warnings.catch_warnings():  # vLLM's own notices as it imports
     warnings.simplefilter("ignore")
-    from {module} import {name} as cls
+    target = importlib.import_module({module!r})
+for part in {name!r}.split(".")[:-1]:
+    target = getattr(target, part)
+original = getattr(target, {attr!r})
 
-{change}
+{prelude}
 
-load = cls.load_weights
-cls.load_weights = lambda self, weights: load(self, (change(k, t) for k, t in weights))
+
+def pytest_configure(config):
+    setattr(target, {attr!r}, {value})
+
+
+def pytest_unconfigure(config):
+    setattr(target, {attr!r}, original)
 """
     )
+
+
+def faulty_loading(pytester: pytest.Pytester, arch: str, change: str) -> None:
+    """The inner session's conftest: vLLM's model class of `arch` loads the checkpoint through `change`, a
+    function of (name, tensor) giving the pair loaded (a loader bug)."""
+    module, name, *_ = CLASSES[arch]
+    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
+    patched(pytester, module, f"{name}.load_weights", value, change)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -114,7 +133,7 @@ def test_a_dtype_vllm_does_not_run_is_a_usage_error(t5: Path, pytester: pytest.P
     """--dtype float64, which vLLM's models are not built in, stops before any test, in one line."""
     golden = t5 / "qwen3_moe-golden"
     args = ("--hw", "vllm", "--dtype", "float64")
-    result = run_parity(pytester, golden, *args, model=t5 / "qwen3_moe-model", subprocess=True)
+    result = run_parity(pytester, golden, *args, model=t5 / "qwen3_moe-model")
     usage_error(result, "--hw vllm runs float32, bfloat16 or float16, not torch.float64")
 
 
@@ -137,7 +156,6 @@ def test_vllm_s_attention_and_decoder_layer_pass_prefill_and_decode(
         "-W",
         "error",
         model=head32 / "model",
-        subprocess=True,
     )
     result.assert_outcomes(passed=len(GoldenStore(head32 / "golden").point_ids))
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
@@ -149,28 +167,13 @@ def test_a_changed_rotary_base_fails_first_at_the_rotary_table(
 ) -> None:
     """vLLM's rotary embedding built at twice the checkpoint's base: its table is the first divergence, and
     vLLM's attention on the golden's inputs fails with it."""
-    pytester.makeconftest(
-        """
-import warnings
-
-with warnings.catch_warnings():  # vLLM's own notices as it imports
-    warnings.simplefilter("ignore")
-    from vllm.model_executor.models import qwen3_moe
-
-get_rope = qwen3_moe.get_rope
-
-
-def doubled(*args, rope_parameters, **kwargs):
+    doubled = """def doubled(*args, rope_parameters, **kwargs):
     changed = {**rope_parameters, "rope_theta": 2 * rope_parameters["rope_theta"]}
-    return get_rope(*args, rope_parameters=changed, **kwargs)
-
-
-qwen3_moe.get_rope = doubled
-"""
-    )
+    return original(*args, rope_parameters=changed, **kwargs)"""
+    patched(pytester, "vllm.model_executor.models.qwen3_moe", "get_rope", "doubled", doubled)
     report = tmp_path / "r"
     args = ("--hw", "vllm", "--parity-report", str(report), "-W", "error")
-    run_parity(pytester, head32 / "golden", *args, model=head32 / "model", subprocess=True)
+    run_parity(pytester, head32 / "golden", *args, model=head32 / "model")
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "rotary"
     rows = {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
     assert rows["layer_0.attention"]["status"] == "failed" and rows["layer_0.router"]["status"] == "passed"
