@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,20 +69,46 @@ def t5() -> Path:
 
 
 @pytest.fixture(scope="session")
-def head32(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3-MoE of head_dim 32 (the first leg's has 16, which vLLM's CPU attention kernels do not
-    take), made from the first leg's config with transformers here, and its golden recorded here:
-    `model/` and `golden/` in the returned directory."""
+def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A maker of tiny checkpoints recorded here, once per session and arguments: `recorded(arch, **changes)`
+    is a directory with `model/` (the first leg's config of `arch`, or `moe-parity tiny-model`'s where the first
+    leg has none, with `changes` set on it, random weights from seed 0) and `golden/` (its golden, prefill and
+    2 decode steps). vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
     import subprocess
 
     import torch
     import transformers
 
-    root = tmp_path_factory.mktemp("head32")
-    config = transformers.AutoConfig.from_pretrained(t5 / "qwen3_moe-model")
-    config.head_dim = 32
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
-    command = [sys.executable, "-m", "pytest_moe_parity.cli", "golden", "--model", str(root / "model")]
-    subprocess.run([*command, "--out", str(root / "golden"), "--decode-steps", "2"], check=True, capture_output=True)
-    return root
+    made: dict[str, Path] = {}
+
+    def cli(*args: str) -> None:
+        command = [sys.executable, "-m", "pytest_moe_parity.cli", *args]
+        done = subprocess.run(command, capture_output=True, text=True)
+        assert done.returncode == 0, f"moe-parity {' '.join(args)}: {done.stderr}"
+
+    def make(arch: str, **changes: Any) -> Path:
+        key = arch + "".join(f"-{k}{v}" for k, v in sorted(changes.items()))
+        if key in made:
+            return made[key]
+        root = tmp_path_factory.mktemp(key)
+        source = t5 / f"{arch}-model"
+        if not (source / "config.json").is_file():
+            source = root / "tiny"
+            cli("tiny-model", "--arch", arch, "--out", str(source))
+        config = transformers.AutoConfig.from_pretrained(source)
+        for name, value in changes.items():
+            setattr(config, name, value)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
+        cli("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
+        made[key] = root
+        return root
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def head32(recorded: Callable[..., Path]) -> Path:
+    """A tiny Qwen3-MoE of head_dim 32 (the first leg's has 16, which vLLM's CPU attention kernels do not
+    take): `model/` and `golden/` in the returned directory."""
+    return recorded("qwen3_moe", head_dim=32)
