@@ -17,6 +17,7 @@ from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, Point
 from ..words import counted
 from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
+from .neuron_plugin import EXPECTED_HELP, PluginTerms, plugin_layout
 
 # the options naming other runs' dumps: what to say where one is not given, and what its directory holds
 OTHER_DUMPS = {
@@ -47,15 +48,19 @@ class DumpBackend(Backend):
             "with --parity-batch-invariance: a directory of each row's own dump alone (DIR/row_0, DIR/row_1, ...), "
             "named as the batch's dump is",
         ),
+        HwOption("expected", EXPECTED_HELP),
     )
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
         if setup.model_dir is None:
             raise BackendError("--hw dump needs the dump directory: pass --model DIR")
-        # indexes the dump (names and headers only) and reads the map file
-        self.dump = DumpDir(setup.model_dir, self.hw_options["map"], self.golden.model_type)
         self.batch = _batch(self.golden)
+        # indexes the dump (names and headers only) and reads the map file; a vLLM Neuron plugin capture
+        # is read in the golden's layout
+        self.layout = plugin_layout(self.golden, self.batch)
+        self.dump = DumpDir(setup.model_dir, self.hw_options["map"], self.golden.model_type, self.layout)
+        self.terms = PluginTerms(self, self.hw_options["expected"], self.layout)
         self.seq = int(self.golden.manifest["inputs"]["seq_len"])
         # prompts padded on the left: a bucket's padding is at the start too (NxDI's padding_side="left")
         self.left = self.golden.manifest["inputs"].get("padding_side") == "left"
@@ -76,7 +81,7 @@ class DumpBackend(Backend):
             where = Path(root).expanduser() / name
             if not where.is_dir():
                 raise DumpError(f"{where} does not exist: put {OTHER_DUMPS[option][1].format(name=name)} there")
-            self._others[option, name] = DumpDir(where, self.hw_options["map"], self.golden.model_type)
+            self._others[option, name] = DumpDir(where, self.hw_options["map"], self.golden.model_type, self.layout)
         return self._others[option, name]
 
     def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
@@ -159,7 +164,10 @@ class DumpBackend(Backend):
         )
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
-        return self._read(self.dump, point)
+        self.terms.check(point)
+        out = self._read(self.dump, point)
+        self.terms.add(point, out)
+        return out
 
     def check_plan(self, plan: dict[str, int]) -> None:
         self.other_dump("plans", plan_name(plan))
@@ -244,7 +252,7 @@ class DumpBackend(Backend):
         missing = [r["id"] for r in rows if r["status"] == "skipped"]
         if missing:
             line += f"; not in the dump: {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
-        return [line]
+        return [line, *self.terms.closing_lines(rows)]
 
 
 def _cache(dump: DumpDir, point: Point, name: str) -> CacheState | None:

@@ -52,6 +52,14 @@ def _compare_arguments(sub: Any) -> None:
         help="batch invariance: each row's own dump alone (DIR/row_0, DIR/row_1, ...), compared point by point with "
         "the dump of the batch (the golden of that batch)",
     )
+    compare.add_argument(
+        "--expected",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with a vLLM Neuron plugin capture: the plugin's capture of the HF reference run in the candidate's "
+        "dtype, for the plugin's own acceptance terms beside the verdict (docs/vllm.md)",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -77,6 +85,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     }
     hw_options = [f"map={args.map.resolve()}"] if args.map else []
     hw_options += [f"rows={args.rows.resolve()}"] if args.rows else []
+    hw_options += [f"expected={args.expected.resolve()}"] if args.expected else []
     options = RunOptions(
         golden_dir=args.golden,
         hw="dump",

@@ -34,6 +34,7 @@ from ..dtypes import SAFETENSORS_FLOATS, dtype_name
 from ..errors import BackendError, PointUnavailable
 from ..points import TEMPLATE_EXAMPLES, Point, is_point_template, step_prefix
 from ..tree import leaves
+from .neuron_plugin import Layout, PluginCapture, is_plugin_capture, module_of
 from .nxdi_capture import PLACEHOLDER, Capture, available_tables, is_capture_dir, load_table, read_capture
 
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -121,7 +122,13 @@ def _base(point: Point) -> tuple[str, str]:
 class DumpDir:
     """Name -> tensor index over a dump directory (or an NxDI capture); tensors are read on demand."""
 
-    def __init__(self, root: Path | str, map_file: Path | str | None = None, model_type: str | None = None):
+    def __init__(
+        self,
+        root: Path | str,
+        map_file: Path | str | None = None,
+        model_type: str | None = None,
+        layout: Layout | None = None,
+    ):
         self.root = Path(root)
         if not self.root.is_dir():
             raise DumpError(f"dump directory {self.root} does not exist")
@@ -132,8 +139,14 @@ class DumpDir:
         self._index: dict[str, dict[int | None, tuple[Path, str | None]]] = {}
         self.dtypes: dict[str, str] = {}  # name -> dtype, where headers or metadata say it
         self._pt_last: tuple[Path, Any] | None = None  # the last .pt file read (one held at a time)
+        self.plugin: PluginCapture | None = None  # a vLLM Neuron plugin capture (`neuron_plugin`)
         if is_capture_dir(self.root):
             self._index_capture(model_type)
+        elif layout is not None and is_plugin_capture(self.root):
+            self.plugin = PluginCapture(self.root, layout)
+            self._index = {name: {None: (self.root, name)} for name in self.plugin.names}
+            held = self.plugin.dtypes
+            self.dtypes = {n: held[m] for n in self.plugin.names if (m := module_of(n)) in held}
         else:
             self._index_files()
         if not self._index:
@@ -141,7 +154,7 @@ class DumpDir:
         self._pt_dtypes: dict[Path, str | None] = {}  # .pt file -> its first tensor's floating dtype
         for pieces in self._index.values():  # every .pt file opens as tensors, or the run does not start
             for path, key in pieces.values():
-                if key is None:
+                if key is None and self.plugin is None:
                     first = next((t for t in leaves(load_pt(path, mmap=True)) if isinstance(t, torch.Tensor)), None)
                     floating = first is not None and first.is_floating_point()
                     self._pt_dtypes[path] = dtype_name(first.dtype) if floating else None
@@ -205,6 +218,8 @@ class DumpDir:
 
     # -- reading ------------------------------------------------------------------------------
     def _read(self, name: str, rank: int | None = None) -> Any:
+        if self.plugin is not None:
+            return self.plugin.tensor(name)
         f, key = self._index[name][rank]
         if key is not None:
             from safetensors import safe_open

@@ -32,6 +32,7 @@ from .cells import face, grid_noise
 from .drill import Drill, finding, pct
 from .history import DIFF_FILE, load_diff, stale_diff
 from .markup import Safe, el, join, legend, sort_value, token_chart
+from .neuron_terms import section as neuron_section
 from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, token_plot_name
 from .rows import (
     DIFFERENTIALS,
@@ -149,6 +150,7 @@ class _Page:
             ("run", "Run", self.facts()),
             ("points", "All points", self.table()),
             ("drills", "Drills", self.drill_section()),
+            ("neuron", "vLLM Neuron plugin's terms", neuron_section(self.summary, self.points)),
             ("details", "Each point", self.details()),
             ("pictures", "Pictures", self.pictures()),
         ]

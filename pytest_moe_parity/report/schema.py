@@ -10,6 +10,8 @@ from typing import Any
 
 from ..errors import BadInput
 from .block import bug_report
+from .neuron_terms import KEY as NEURON_KEY
+from .neuron_terms import summarize as neuron_terms
 from .rows import Row
 from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
@@ -38,6 +40,7 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "graphs": graph_summary(rows),
         "complete": not interrupted,
         "drills": drills(ops + rows),
+        **({NEURON_KEY: said} if (said := neuron_terms(rows)) else {}),  # the vLLM Neuron plugin's own terms
         **meta,
         "bug_report": bug_report(ops + rows, meta),
     }
