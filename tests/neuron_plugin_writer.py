@@ -83,14 +83,19 @@ class Writer:
 
 
 def write_capture(
-    golden: Path, model: Path, out: Path, *, tp: int = 1, dtype: str = "bfloat16", hf: bool = False, bucket: int = 0
+    golden: Path,
+    outputs: dict[tuple[int | None, str], torch.Tensor],
+    out: Path,
+    *,
+    tp: int = 1,
+    hf: bool = False,
+    bucket: int = 0,
 ) -> Path:
-    """A capture of `model` on the golden's prompts: requests "0", "1", ... (prompt order); with `hf`, as the
-    plugin captures the HF reference run, else as a Neuron run with TP `tp` and a prefill bucket of at least
-    `bucket` tokens."""
+    """A capture of `outputs` (`point_outputs`) on the golden's prompts: requests "0", "1", ... (prompt
+    order); with `hf`, as the plugin captures the HF reference run, else as a Neuron run with TP `tp` and a
+    prefill bucket of at least `bucket` tokens."""
     store = GoldenStore(golden)
     batch, seq = store.sequences, store.prefill_tokens
-    outputs = point_outputs(golden, model, dtype)
     writer = Writer(out, tp=tp)
     reqs = [str(b) for b in range(batch)]
     for step in [None, *store.recorded_steps]:

@@ -205,14 +205,15 @@ class PluginCapture:
         known = set(layout.shapes)
         captured = {m for p in self.passes for m in p.files}
         self.modules = sorted(captured & known, key=_natural)
-        if not self.modules:
-            theirs = ", ".join(sorted(captured, key=_natural)[:3]) or "none"
+        self.ignored = sorted(captured - known, key=_natural)
+        if not self.modules or (self.ignored and len(self.modules) * 2 < len(known)):
+            theirs = ", ".join(self.ignored[:3]) + (" ..." if len(self.ignored) > 3 else "")
             ours = ", ".join(sorted(known, key=_natural)[:3])
             raise PluginCaptureError(
-                f"the vLLM Neuron plugin capture {root} holds no module of the golden's model "
-                f"(it holds {theirs}; the golden's are {ours} ...): a capture of another model?"
+                f"the vLLM Neuron plugin capture {root} holds {len(self.modules)} of the golden's {len(known)} modules "
+                f"and {len(self.ignored)} that are no module of the golden's model ({theirs}; the golden's are {ours} "
+                "...): a capture of another model?"
             )
-        self.ignored = sorted(captured - known, key=_natural)
         self.requests = self._requests()
         self._joins: dict[tuple[int, str, str], tuple[str, int]] = {}
         self.dtypes: dict[str, str] = {}
