@@ -6,7 +6,7 @@ where the plugin's capture of the HF reference run in the candidate's dtype is g
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,10 +19,7 @@ from ..judge import neuron_terms
 from ..points import LOGITS, ROUTER, Point
 from ..report.neuron_terms import KEY, closing_line
 from ..tree import leaves
-
-if TYPE_CHECKING:
-    from . import CandidateOutput
-    from .dump import DumpBackend
+from . import CandidateOutput
 
 EXPECTED_HELP = (
     "a vLLM Neuron plugin capture: its capture of the HF reference run in the candidate's dtype (the plugin's "
@@ -60,7 +57,7 @@ class PluginTerms:
     """The plugin's terms at each point: baseline the golden's output, expected the `expected` capture's,
     actual the candidate's, each as the golden's layout."""
 
-    def __init__(self, backend: DumpBackend, root: str | None, layout: Layout):
+    def __init__(self, backend: Any, root: str | None, layout: Layout):  # backend: a DumpBackend
         self.backend = backend
         self.expected: DumpDir | None = None
         self.batch = layout.batch

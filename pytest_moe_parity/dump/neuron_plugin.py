@@ -143,9 +143,16 @@ def _natural(text: str) -> list[object]:
 
 
 def _load(path: Path) -> torch.Tensor:
-    from .reader import load_pt
+    """A rank's tensor, memory-mapped and read with `weights_only=True` (as the dump's `.pt` files are)."""
+    import pickle
 
-    value = load_pt(path, mmap=True)
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        raise PluginCaptureError(
+            f"{path} cannot be read as a tensor with torch.load(weights_only=True) ({type(exc).__name__}): the "
+            f"{WRITER} saves each rank's tensor with torch.save"
+        ) from None
     if not isinstance(value, torch.Tensor):
         raise PluginCaptureError(f"{path} holds a {type(value).__name__}: the plugin saves one tensor per rank")
     return value
