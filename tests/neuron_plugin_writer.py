@@ -90,14 +90,15 @@ def write_capture(
     tp: int = 1,
     hf: bool = False,
     bucket: int = 0,
+    req_ids: list[str] | None = None,
 ) -> Path:
-    """A capture of `outputs` (`point_outputs`) on the golden's prompts: requests "0", "1", ... (prompt
-    order); with `hf`, as the plugin captures the HF reference run, else as a Neuron run with TP `tp` and a
-    prefill bucket of at least `bucket` tokens."""
+    """A capture of `outputs` (`point_outputs`) on the golden's prompts: requests `req_ids` (default "0",
+    "1", ...) in prompt order, scheduled together; with `hf`, as the plugin captures the HF reference run,
+    else as a Neuron run with TP `tp` and a prefill bucket of at least `bucket` tokens."""
     store = GoldenStore(golden)
     batch, seq = store.sequences, store.prefill_tokens
     writer = Writer(out, tp=tp)
-    reqs = [str(b) for b in range(batch)]
+    reqs = req_ids or [str(b) for b in range(batch)]
     for step in [None, *store.recorded_steps]:
         n = seq if step is None else 1
         rows = {m: _per_request(t, batch, n) for (s, m), t in outputs.items() if s == step}

@@ -70,6 +70,28 @@ def test_a_clean_capture_passes(tp: str, pytester: pytest.Pytester, captures, tm
     assert terms["logit_validation"]["passed"] and terms["logit_validation"]["agg_bc"] == "PASS"
 
 
+def test_requests_are_the_golden_s_prompts(pytester: pytest.Pytester, tiny_model, tmp_path: Path) -> None:
+    """Two prompts scheduled together (one prefill pass of both, one decode pass of both): request "9" is the
+    first prompt and "10" the second (their ids' natural order; as strings "10" sorts first)."""
+    from pytest_moe_parity.record.run import record_golden
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"ids": ids}) + "\n" for ids in ([5, 17, 23, 42, 8, 99], [11, 12, 13, 14, 15, 16]))
+    )
+    golden = tmp_path / "golden"
+    record_golden(tiny_model(ARCH, 1), golden, prompts=prompts, decode_steps=1)
+    outputs = point_outputs(golden, tiny_model(ARCH, 1), "bfloat16")
+    cap = write_capture(golden, outputs, tmp_path / "cap", req_ids=["9", "10"])
+    expected = write_capture(golden, outputs, tmp_path / "expected", hf=True, req_ids=["9", "10"])
+    meta = json.loads((cap / "dp0" / "prefill_s13_0" / "prefill_s13_0_meta.json").read_text())
+    assert meta["req_ids"] == ["9", "10"] and meta["positions"] == [*range(6), *range(6), 0]
+    n = len(GoldenStore(golden).point_ids)
+    result = run_parity(pytester, golden, "--hw", "dump", "--hw-option", f"expected={expected}", model=cap)
+    result.assert_outcomes(passed=n - 2, skipped=2)
+    result.stdout.fnmatch_lines(["vLLM Neuron plugin capture: 2 requests as the golden's prompts, 1 prefill and 1 *"])
+
+
 def test_tp2_ranks_make_the_tp1_tensors(captures) -> None:
     """Sequence-parallel norms, the vocabulary-parallel lm_head and all-reduced outputs, each joined back."""
     from pytest_moe_parity.backends.neuron_plugin import plugin_layout
