@@ -121,8 +121,8 @@ class PluginTerms:
         lines = [self.backend.dump.plugin.describe()] if self.backend.dump.plugin is not None else []
         if self.backend.dump.plugin is not None and self.expected is None:
             lines.append(
-                "the vLLM Neuron plugin's acceptance terms: not computed; pass --hw-option expected=DIR (moe-parity compare: --expected DIR), the plugin's "
-                "capture of the HF reference run in the candidate's dtype"
+                "the vLLM Neuron plugin's acceptance terms: not computed; pass --hw-option expected=DIR (moe-parity "
+                "compare: --expected DIR), the plugin's capture of the HF reference run in the candidate's dtype"
             )
         said = closing_line(rows)
         return lines + ([said] if said else [])
