@@ -99,14 +99,16 @@ def write_capture(
     batch, seq = store.sequences, store.prefill_tokens
     writer = Writer(out, tp=tp)
     reqs = req_ids or [str(b) for b in range(batch)]
+    history: dict[str, torch.Tensor] = {}  # an HF run recomputes the whole sequence at each decode step
     for step in [None, *store.recorded_steps]:
         n = seq if step is None else 1
         rows = {m: _per_request(t, batch, n) for (s, m), t in outputs.items() if s == step}
         first = 0 if step is None else seq + step - 1  # the pass's first position of each request
-        if hf:  # one request a pass, [1, tokens, ...]
+        if hf:  # one request a pass, [1, tokens so far, ...], the positions of its whole sequence
+            history = {m: torch.cat([history[m], t], dim=1) if m in history else t for m, t in rows.items()}
             for b in range(batch):
-                positions = list(range(first, first + n))
-                writer.write({m: t[b : b + 1] for m, t in rows.items()}, [reqs[b]], positions, step is None)
+                whole = {m: history[m][b : b + 1] for m in rows}
+                writer.write(whole, [reqs[b]], list(range(first + n)), step is None)
             continue
         positions = [p for _ in range(batch) for p in range(first, first + n)]
         size = max(bucket, len(positions) + 1)

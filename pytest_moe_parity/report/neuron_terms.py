@@ -27,6 +27,12 @@ RULE = (
     f"generated token's BC >= {BC_THRESHOLD}"
 )
 
+SOURCE = (
+    "vllm_neuron/accuracy of the vLLM Neuron plugin, as read in jinhuang12/vllm-neuron: testing.py "
+    "(16045ea5d04a14e57d4178205a9485c0e89720dc), logit_validation.py (10c6804db2035ce7de5a19474a00b78223d9ebb4), "
+    "tensor_compare.py (as testing.py imports it)"
+)
+
 
 def _figures(row: Any) -> tuple[str, str, dict[str, Any]] | None:
     """(id, status, the plugin's figures) of a row (a report row's JSON or a Row), or None."""
@@ -51,6 +57,7 @@ def summarize(rows: list[Any]) -> dict[str, Any] | None:
     both = sum(1 for _, status, said in found if said["module"]["passed"] == (status == "passed"))
     out: dict[str, Any] = {
         "rule": RULE,
+        "source": SOURCE,
         "points": len(found),
         "passed": len(found) - len(failing),
         "first_failing": failing[0] if failing else None,
