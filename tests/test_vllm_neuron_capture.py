@@ -13,9 +13,10 @@ import faults
 import pytest
 import torch
 from helpers import cli, read_json, run_parity, usage_error
-from neuron_plugin_writer import point_outputs, write_capture
+from neuron_plugin_writer import Writer, point_outputs, write_capture
 
-from pytest_moe_parity.dump.neuron_plugin import PluginCapture
+from pytest_moe_parity.dump.neuron_plugin import Layout, PluginCapture
+from pytest_moe_parity.errors import PointUnavailable
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.judge import neuron_terms
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
@@ -108,6 +109,25 @@ def test_tp2_ranks_make_the_tp1_tensors(captures) -> None:
         assert torch.equal(one.tensor(name), two.tensor(name)), name
     shape = store.entry("logits")["tensors"]["logits/out"]["shape"]
     assert list(two.tensor("lm_head").shape) == shape
+
+
+def test_a_chunked_prefill_and_what_cannot_be_compared(tmp_path: Path) -> None:
+    """A prefill in two chunks is joined back; a prefill lm_head of each request's last position only, and
+    ranks that hold the whole shape with other values (partial sums), are not comparable, each said so."""
+    layout = Layout(1, 6, (), {"model.norm": (1, 6, 4), "lm_head": (1, 6, 10), "model.layers.0.mlp": (1, 6, 4)})
+    h, partial = torch.randn(6, 4), torch.randn(2, 8, 4)
+    writer = Writer(tmp_path / "cap", tp=1)
+    for chunk, positions in ((h[:4], [0, 1, 2, 3]), (torch.cat([h[4:], torch.zeros(2, 4)]), [4, 5, 0, 0])):
+        writer.write({"model.norm": chunk, "lm_head": torch.randn(1, 10)}, ["r"], positions, True)
+    capture = PluginCapture(tmp_path / "cap", layout)
+    assert torch.equal(capture.tensor("model.norm"), h[None])
+    with pytest.raises(PointUnavailable, match="holds one row per request"):
+        capture.tensor("lm_head")
+    other = Writer(tmp_path / "sums", tp=1)  # layer 0's MoE output before its all-reduce, on each of 2 ranks
+    other.write({"model.layers.0.mlp": partial[0]}, ["r"], [*range(6), 0, 0], True)
+    torch.save(partial[1], tmp_path / "sums" / "dp0" / "prefill_s8_0" / "model.layers.0.mlp" / "rank1.pt")
+    with pytest.raises(PointUnavailable, match="TP rank 1 holds other values than rank 0 in the whole shape"):
+        PluginCapture(tmp_path / "sums", layout).tensor("model.layers.0.mlp")
 
 
 def test_a_fault_fails_first_at_its_layer(pytester: pytest.Pytester, captures, tmp_path: Path) -> None:
