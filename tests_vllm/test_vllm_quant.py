@@ -136,10 +136,12 @@ def test_a_clean_fp8_checkpoint_passes_against_the_quantization_floor(
 ) -> None:
     """vLLM's FP8 MoE (its quant method's kernel, on the golden's routing) and FP8 linear layers on the hub's
     FP8 checkpoint of the golden's model: every point passes against the floor of FP8 128x128 blocks, which the
-    header names."""
+    header names (and the weight items, each value within e4m3's rounding at its block's scale)."""
     inner_conftest(pytester, hide_amx=False)
     result = parity(pytester, wide_golden, checkpoints(FP8, wide=True), tmp_path / "r")
-    result.assert_outcomes(passed=len(GoldenStore(wide_golden).point_ids))
+    assert set(result.parseoutcomes()) == {"passed"}  # the points, and the config and weight items beside them
+    rows = {r["id"]: r["status"] for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    assert {rows.get(p) for p in GoldenStore(wide_golden).point_ids} == {"passed"}
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
     result.stdout.fnmatch_lines(["*noise floor: the reference's own error under fp8-block:128*", "*its experts Fp8*"])
 
@@ -148,8 +150,9 @@ def test_a_clean_fp8_checkpoint_passes_against_the_quantization_floor(
 def test_every_expert_reading_expert_0_s_weight_scale_fails_first_at_the_experts(
     checkpoints: Callable, wide_golden: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    """vLLM's Qwen3-MoE loading every expert's `weight_scale_inv` from expert 0 (the FP8 MoE bug): the router,
-    unquantized, passes; the experts, on the golden's routing, are the first divergence."""
+    """vLLM's Qwen3-MoE loading every expert's `weight_scale_inv` from expert 0 (the FP8 MoE bug): the checkpoint
+    on disk is sound (its weight items pass) and so is the router, unquantized; the experts, on the golden's
+    routing, are the first divergence."""
     model = checkpoints(FP8, wide=True)
     change = f"""
 import re
@@ -169,4 +172,5 @@ def change(k, t):
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] == "layer_0.experts"
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     assert rows["layer_0.router"]["status"] == "passed" and rows["layer_0.attention"]["status"] == "passed"
+    assert rows["layer_0.weights"]["status"] == "passed"
     result.stdout.fnmatch_lines(["first divergence: layer_0.experts*"])
