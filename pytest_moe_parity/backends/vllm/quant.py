@@ -113,7 +113,7 @@ def build_quantized(backend: Any) -> None:
         backend.start()
     except BackendError as exc:  # vLLM's config refused it: vLLM's exception is the context
         raise refusal(backend, exc.__cause__ or exc.__context__ or exc) from None
-    except (ValueError, NotImplementedError, RuntimeError, TypeError) as exc:
+    except (ValueError, NotImplementedError, RuntimeError) as exc:  # vLLM refusing the layers it builds
         raise refusal(backend, exc) from None
     finally:
         quiet.setLevel(level)
