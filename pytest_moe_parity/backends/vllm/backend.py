@@ -19,6 +19,7 @@ from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
 from .attention import attention_context, check
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
+from .quant import build_quantized, experts_words, vllm_reason
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
 # its router, its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its
@@ -55,9 +56,12 @@ class VllmBackend(Backend):
         self.model: Any = None
         self.config: Any = None
         self.build_seconds = 0.0
+        build_quantized(self)  # a quantized checkpoint: built now, so that a scheme vLLM refuses is a usage error
 
     def start(self) -> None:
         """vLLM's model of the checkpoint, built once: vLLM's config, its model class, its loader."""
+        if self.model is not None:  # built while the run was set up (a quantized checkpoint)
+            return
         from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -71,7 +75,7 @@ class VllmBackend(Backend):
                 )
                 self.config = VllmConfig(model_config=model_config)
         except Exception as exc:  # vLLM refuses the checkpoint (pydantic's ValidationError, ValueError, ...)
-            raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {str(exc).splitlines()[0]}") from None
+            raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {vllm_reason(exc)}") from None
         self.device = torch.device(self.config.device_config.device or "cpu")
         with set_current_vllm_config(self.config), upstream_warnings():
             _model_parallel(self.device)
@@ -257,9 +261,10 @@ class VllmBackend(Backend):
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         if self.model is None:
             return []
+        quantized = experts_words(self.model, MOE_BLOCKS, self.golden.model_type)
         return [
             f"--hw vllm: vLLM {self.version}'s {type(self.model).__name__} built by vLLM's loader on "
-            f"{self.device} in {self.build_seconds:.1f} s (TP 1)"
+            f"{self.device} in {self.build_seconds:.1f} s (TP 1)" + (f", its experts {quantized}" if quantized else "")
         ]
 
     def close(self) -> None:
