@@ -65,6 +65,17 @@ class DeepseekCalls:
         """The factor vLLM's MoE runner multiplies its routed experts' output by."""
         return float(block.experts.routed_scaling_factor)
 
+    def _positions(self, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        """The golden's positions as vLLM's model runner passes them: the first entries of a buffer of the
+        scheduler's max_num_batched_tokens (zeros after them; at least heads x tokens long). vLLM's CPU rotary
+        kernel reads past the tokens it is given when MLA hands it a 3-D query (it counts heads as tokens): in
+        the engine, and here, those reads land in that buffer, not in whatever memory follows a small tensor."""
+        flat = positions.reshape(-1)
+        size = max(self.backend.config.scheduler_config.max_num_batched_tokens, attn.num_local_heads * flat.numel())
+        buffer = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        buffer[: flat.numel()] = flat
+        return buffer[: flat.numel()]
+
     def _fp16(self, point: Point) -> None:
         if self.backend.dtype == torch.float16:
             raise PointUnavailable(
@@ -95,7 +106,7 @@ class DeepseekCalls:
         check_mla(point, layer, golden)
         hidden, positions = golden.kwargs["hidden_states"], golden.kwargs["position_ids"]
         with mla_context(self.backend.config, layer, golden, self.backend.device, self._interleaved) as state:
-            out = attn(positions.reshape(-1), hidden.reshape(-1, hidden.shape[-1]), None)
+            out = attn(self._positions(positions, attn), hidden.reshape(-1, hidden.shape[-1]), None)
         return CandidateOutput((out.reshape(hidden.shape), None), cache=state.get("cache")), None
 
     def _mlp(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
@@ -152,7 +163,8 @@ class DeepseekCalls:
         hidden, positions = golden.args[0], golden.kwargs["position_ids"]
         routing = self._routing(layer.mlp, force) if hasattr(layer.mlp, "experts") else contextlib.nullcontext([])
         with mla_context(self.backend.config, mla, golden, self.backend.device, self._interleaved), routing as seen:
-            out, residual = layer(positions.reshape(-1), hidden.reshape(-1, hidden.shape[-1]), None)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out, residual = layer(self._positions(positions, layer.self_attn), flat, None)
         return (out + residual).reshape(hidden.shape), (seen[-1] if seen else None)
 
     @contextlib.contextmanager
