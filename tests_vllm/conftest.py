@@ -75,6 +75,7 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     leg has none, with `changes` set on it, random weights from seed 0, the constant ones made random as
     `moe-parity tiny-model` makes them) and `golden/` (its golden, prefill and
     2 decode steps). vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
+    import re
     import subprocess
 
     import torch
@@ -93,7 +94,7 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         key = arch + "".join(f"-{k}{v}" for k, v in sorted(changes.items()))
         if key in made:
             return made[key]
-        root = tmp_path_factory.mktemp(key)
+        root = tmp_path_factory.mktemp(re.sub(r"[^\w.-]", "", key)[:80])  # a name the filesystem takes
         source = t5 / f"{arch}-model"
         if not (source / "config.json").is_file():
             source = root / "tiny"

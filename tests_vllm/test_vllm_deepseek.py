@@ -4,8 +4,9 @@ bias, grouped top-k, routed experts on the golden's routing, shared experts), pr
 
 vLLM's CPU MLA decode kernel takes a latent row of 576 only (kv_lora_rank 512 + qk_rope_head_dim 64), so the
 checkpoint is recorded here at those dims; its config carries DeepSeek's `topk_method` and `scoring_func`,
-which vLLM's DeepseekV2MoE routes by (transformers does not write them). Cost on 2 cores: the recording about
-30 s, then 3 to 7 s an inner session."""
+which vLLM's DeepseekV2MoE routes by (transformers does not write them). With DeepSeek-V3's own YaRN rotary
+every point passes; with the plain rotary vLLM's CPU rotary kernel is a divergence of its own. Cost on 2
+cores: two recordings of about 20 s, then 3 to 7 s an inner session."""
 
 from __future__ import annotations
 
@@ -22,12 +23,25 @@ from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 # the dims vLLM's CPU MLA kernels take, and the routing keys of DeepSeek's own config
 MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_head_dim": 80}
 ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# DeepSeek-V3's own rotary scaling (YaRN; vLLM's DeepseekScalingRotaryEmbedding), at the tiny model's lengths
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
 MODEL = "vllm.model_executor.models.deepseek_v2"  # DeepseekV3ForCausalLM takes DeepseekV2ForCausalLM's loader
 
 
 @pytest.fixture(scope="session")
 def deepseek(recorded: Callable[..., Path]) -> Path:
-    """A tiny DeepSeek-V3 (the first leg's config, 4 layers, the first dense) at the dims vLLM's CPU MLA takes."""
+    """A tiny DeepSeek-V3 (the first leg's config, 4 layers, the first dense) at the dims vLLM's CPU MLA takes,
+    with DeepSeek-V3's YaRN rotary."""
+    return recorded("deepseek_v3", **MLA, **ROUTING, rope_parameters=YARN)
+
+
+@pytest.fixture(scope="session")
+def deepseek_default_rope(recorded: Callable[..., Path]) -> Path:
+    """The same with the first leg's plain rotary (`rope_type: default`: vLLM's RotaryEmbedding, whose CPU
+    forward is its C++ kernel)."""
     return recorded("deepseek_v3", **MLA, **ROUTING)
 
 
@@ -52,14 +66,15 @@ def flat_rotary(pytester: pytest.Pytester) -> None:
     patched(pytester, "vllm._custom_ops", "rotary_embedding", "flat", flat)
 
 
-def test_vllm_s_deepseek_passes_every_point_in_bfloat16(
-    deepseek: Path, pytester: pytest.Pytester, tmp_path: Path
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_s_deepseek_passes_every_point(
+    dtype: str, deepseek: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """Every point of the golden runs on vLLM's module for it and passes, prefill and decode: the MLA attention
     (a decode step's latent cache compared after the call), the dense MLP, the router, experts, shared experts
     and MoE block of the sparse layers, the decoder layers."""
     report = tmp_path / "r"
-    result = parity(pytester, deepseek, report, "--dtype", "bfloat16")
+    result = parity(pytester, deepseek, report, "--dtype", dtype)
     ids = GoldenStore(deepseek / "golden").point_ids
     assert {"layer_0.mlp", "layer_1.shared_experts", "step_2.layer_3.router"} <= set(ids)
     result.assert_outcomes(passed=len(ids))
@@ -68,24 +83,24 @@ def test_vllm_s_deepseek_passes_every_point_in_bfloat16(
     result.stdout.fnmatch_lines(["--hw vllm: vLLM 0.32*'s DeepseekV3ForCausalLM built by vLLM's loader on cpu in *"])
 
 
-def test_vllm_s_cpu_rotary_kernel_is_its_deepseek_attention_s_divergence_in_float32(
-    deepseek: Path, pytester: pytest.Pytester, tmp_path: Path
+def test_vllm_s_cpu_rotary_kernel_is_its_mla_attention_s_divergence_in_float32(
+    deepseek_default_rope: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
-    """In float32 vLLM's MLA attention leaves the golden at every layer, prefill and decode, and nothing else
-    does: its CPU rotary kernel takes the [tokens, heads, rope_dim] query and [tokens, 1, rope_dim] key views
-    MLA gives it as 2-D [tokens, heads x dim] tensors (heads counted as tokens, each with the position of its
-    row index; the key stepped by its head stride). With the same kernel given them as 2-D tensors (an inner
-    session of its own), every point passes."""
-    ids = GoldenStore(deepseek / "golden").point_ids
+    """With the plain rotary (`rope_type: default`), in float32, vLLM's MLA attention leaves the golden at every
+    layer, prefill and decode, and nothing else does: its CPU rotary kernel takes the [tokens, heads, rope_dim]
+    query and [tokens, 1, rope_dim] key views MLA gives it as 2-D [tokens, heads x dim] tensors (heads counted
+    as tokens, each with the position of its row index; the key stepped by its head stride). With the same
+    kernel given them as 2-D tensors (an inner session of its own), every point passes."""
+    ids = GoldenStore(deepseek_default_rope / "golden").point_ids
     mixing = [p for p in ids if p.rsplit(".", 1)[-1] in ("attention", "output")]
     report = tmp_path / "kernel"
-    parity(pytester, deepseek, report).assert_outcomes(passed=len(ids) - len(mixing), failed=len(mixing))
+    parity(pytester, deepseek_default_rope, report).assert_outcomes(passed=len(ids) - len(mixing), failed=len(mixing))
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_0.attention"
     rows = rows_of(report)
     assert rows["step_1.layer_0.attention"]["metrics"]["cache.keys"]["rel_l2"] < 1e-6  # the latent: not roped
     flat_rotary(pytester)
     report = tmp_path / "flat"
-    parity(pytester, deepseek, report).assert_outcomes(passed=len(ids))
+    parity(pytester, deepseek_default_rope, report).assert_outcomes(passed=len(ids))
     assert rows_of(report)["step_2.layer_3.attention"]["metrics"]["out"]["rel_l2"] < 1e-5
 
 
@@ -93,14 +108,13 @@ def test_a_dropped_routing_bias_fails_first_at_that_layer_s_router(
     deepseek: Path, pytester: pytest.Pytester, tmp_path: Path
 ) -> None:
     """Layer 2's `e_score_correction_bias` loaded as zeros: vLLM's grouped top-k of that layer picks other
-    experts; its router is the first divergence (bfloat16, where the clean run passes every point), the
-    routers before it pass."""
+    experts; its router is the first divergence, the routers before it pass."""
     key = "model.layers.2.mlp.gate.e_score_correction_bias"
     change = f"def change(k, t):\n    return k, (torch.zeros_like(t) if k == {key!r} else t)"
     value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
     patched(pytester, MODEL, "DeepseekV2ForCausalLM.load_weights", value, change)
     report = tmp_path / "r"
-    result = parity(pytester, deepseek, report, "--dtype", "bfloat16")
+    result = parity(pytester, deepseek, report)
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_2.router"
     rows = rows_of(report)
     assert rows["layer_1.router"]["status"] == "passed" and rows["layer_2.experts"]["status"] == "passed"
