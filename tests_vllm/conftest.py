@@ -72,12 +72,16 @@ def t5() -> Path:
 def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """A maker of tiny checkpoints recorded here, once per session and arguments: `recorded(arch, **changes)`
     is a directory with `model/` (the first leg's config of `arch`, or `moe-parity tiny-model`'s where the first
-    leg has none, with `changes` set on it, random weights from seed 0) and `golden/` (its golden, prefill and
+    leg has none, with `changes` set on it, random weights from seed 0, the constant ones made random as
+    `moe-parity tiny-model` makes them) and `golden/` (its golden, prefill and
     2 decode steps). vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
+    import re
     import subprocess
 
     import torch
     import transformers
+
+    from pytest_moe_parity.record.tiny import _perturb_trivial
 
     made: dict[str, Path] = {}
 
@@ -90,7 +94,7 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         key = arch + "".join(f"-{k}{v}" for k, v in sorted(changes.items()))
         if key in made:
             return made[key]
-        root = tmp_path_factory.mktemp(key)
+        root = tmp_path_factory.mktemp(re.sub(r"[^\w.-]", "", key)[:80])  # a name the filesystem takes
         source = t5 / f"{arch}-model"
         if not (source / "config.json").is_file():
             source = root / "tiny"
@@ -99,7 +103,9 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         for name, value in changes.items():
             setattr(config, name, value)
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _perturb_trivial(model, 0)  # as `moe-parity tiny-model` does: no norm at 1, no bias at 0 (a dropped one shows)
+        model.save_pretrained(root / "model")
         cli("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
         made[key] = root
         return root

@@ -18,13 +18,16 @@ from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
 from .attention import attention_context, check
+from .deepseek import DeepseekCalls
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 from .quant import build_quantized, experts_words, vllm_reason
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
 # its router, its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its
 # `routed_experts` run them)
-MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp"}
+# model_type -> the calls of its points that differ from the ones here (DeepSeek-V3's MLA, dense MLP, MoE)
+ARCH_CALLS = {"deepseek_v3": DeepseekCalls}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
 
@@ -52,6 +55,7 @@ class VllmBackend(Backend):
             raise BackendError("--hw vllm needs the Hugging Face checkpoint vLLM loads: pass --model DIR")
         if self.dtype not in DTYPES:
             raise BackendError(f"--hw vllm runs float32, bfloat16 or float16, not {self.dtype}")
+        self.arch_calls = ARCH_CALLS[self.golden.model_type](self) if self.golden.model_type in ARCH_CALLS else None
         import_vllm()
         self.model: Any = None
         self.config: Any = None
@@ -127,7 +131,7 @@ class VllmBackend(Backend):
         return self._run(point, golden, force)
 
     def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None) -> CandidateOutput:
-        call = getattr(self, f"_{point.component}", None)
+        call = getattr(self.arch_calls, f"_{point.component}", None) or getattr(self, f"_{point.component}", None)
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
         started = time.perf_counter()
