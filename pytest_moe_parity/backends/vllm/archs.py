@@ -70,6 +70,20 @@ ARCHS = {
 }
 
 
+def reason(exc: BaseException) -> str:
+    """vLLM's own reason for refusing, in one line: a pydantic validation error's message (its first line
+    is only a count of errors), else the exception's first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            return "; ".join(str(e["msg"]) for e in errors())
+    lines = str(exc).splitlines()
+    said = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    if "MXFP4" in said and "backend: CPU, reason: kernel does not support current device cpu" in said:
+        said += " (vLLM's CPU MXFP4 MoE kernel, CPUExpertsMxfp4, runs on x86 CPUs with AMX tiles only: this one has none)"
+    return said
+
+
 @contextlib.contextmanager
 def cpu_routing(point: Point, block: Any) -> Iterator[None]:
     """vLLM's CPU router (`CPURouter._compute_routing`) computes softmax top-k, grouped top-k and

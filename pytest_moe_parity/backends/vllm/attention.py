@@ -15,6 +15,7 @@ from ...golden import GoldenRecord
 from ...model.calls import cache_states
 from ...points import Point
 from ...tree import CacheState
+from .window import as_golden, first_held
 
 
 def past_of(golden: GoldenRecord) -> CacheState | None:
@@ -54,7 +55,7 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
     spec = layer.get_kv_cache_spec(config)
     past = past_of(golden)
     held = 0 if past is None else past.keys.shape[2]
-    first = 0 if past is None or past.window is None else past.seen - held  # the first position held
+    first = first_held(past)
     new = golden.kwargs["position_ids"].shape[-1]
     total = first + held + new
     blocks = -(-total // spec.block_size)
@@ -89,17 +90,9 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
             yield state
         if past is not None:
             cache = read_cache(past.layer, kv_cache, total, slot_order(layer, spec, device))
-            state["cache"] = cache if past.window is None else windowed(cache, past, new)
+            state["cache"] = as_golden(cache, past, new)
     finally:
         layer.kv_cache = saved
-
-
-def windowed(cache: CacheState, past: CacheState, new: int) -> CacheState:
-    """A sliding-window layer's cache after the call as transformers keeps it: its window - 1 latest
-    positions (vLLM's paged cache keeps them all; its attention reads only the window)."""
-    kept = past.window - 1
-    keys, values = cache.keys[:, :, -kept:], cache.values[:, :, -kept:]
-    return CacheState(cache.layer, keys, values, past.window, past.seen + new)
 
 
 def slot_order(layer: Any, spec: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

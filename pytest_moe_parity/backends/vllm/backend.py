@@ -17,7 +17,7 @@ from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
-from .archs import ARCHS, cpu_routing
+from .archs import ARCHS, cpu_routing, reason
 from .attention import attention_context, check
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
@@ -73,7 +73,7 @@ class VllmBackend(Backend):
                 )
                 self.config = VllmConfig(model_config=model_config)
         except Exception as exc:  # vLLM refuses the checkpoint (pydantic's ValidationError, ValueError, ...)
-            raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {str(exc).splitlines()[0]}") from None
+            raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {reason(exc)}") from None
         self.arch.check_config(self.golden.model_type, model_config.hf_config, self.setup.model_dir)
         self.device = torch.device(self.config.device_config.device or "cpu")
         with set_current_vllm_config(self.config), upstream_warnings(), refused(self.setup.model_dir):
@@ -280,8 +280,7 @@ def refused(model_dir: Any) -> Iterator[None]:
     try:
         yield
     except (NotImplementedError, AttributeError, ValueError, KeyError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else ""
-        raise BackendError(f"--hw vllm: vLLM refuses {model_dir}: {type(exc).__name__}: {reason}") from None
+        raise BackendError(f"--hw vllm: vLLM refuses {model_dir}: {reason(exc)}") from None
 
 
 def _model_parallel(device: torch.device) -> None:
