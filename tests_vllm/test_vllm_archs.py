@@ -118,9 +118,8 @@ def test_vllm_s_refusal_of_the_mxfp4_gpt_oss_checkpoint_is_said_in_its_words(
     model, golden = t5 / "gpt_oss-model", t5 / "gpt_oss-golden"
     result = parity(pytester, t5, tmp_path / "r", "--dtype", dtype, model=model, golden=golden)
     if dtype == "float32":
-        said = (
-            "torch.float32 is not supported for quantization method gpt_oss_mxfp4. Supported dtypes: [[]torch.bfloat16[]]"
-        )
+        said = "torch.float32 is not supported for quantization method gpt_oss_mxfp4. Supported dtypes: "
+        said += "[[]torch.bfloat16[]]"  # fnmatch's [ and ]
     elif not torch.cpu._is_amx_tile_supported():
         said = "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration.*backend: CPU, reason:"
         said += " kernel does not support current device cpu* (vLLM's CPU MXFP4 MoE kernel, CPUExpertsMxfp4, runs on"

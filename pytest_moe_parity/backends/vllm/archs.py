@@ -70,6 +70,17 @@ ARCHS = {
 }
 
 
+def fresh_ropes() -> None:
+    """vLLM keeps its rotary embeddings in a process-wide cache (`get_rope`'s `_ROPE_DICT`, keyed by their
+    parameters and the dtype asked for: GPT-OSS asks float32 in every run) and a rotary embedding's forward
+    casts its table to the query's dtype in place: a model built after another in the same process would
+    reuse the other's table, bfloat16-rounded after a bfloat16 run. A build starts as an engine's process
+    does, with none."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+
+
 def reason(exc: BaseException) -> str:
     """vLLM's own reason for refusing, in one line: a pydantic validation error's message (its first line
     is only a count of errors), else the exception's first line."""
@@ -80,7 +91,9 @@ def reason(exc: BaseException) -> str:
     lines = str(exc).splitlines()
     said = f"{type(exc).__name__}: {lines[0] if lines else ''}"
     if "MXFP4" in said and "backend: CPU, reason: kernel does not support current device cpu" in said:
-        said += " (vLLM's CPU MXFP4 MoE kernel, CPUExpertsMxfp4, runs on x86 CPUs with AMX tiles only: this one has none)"
+        said += (
+            " (vLLM's CPU MXFP4 MoE kernel, CPUExpertsMxfp4, runs on x86 CPUs with AMX tiles only: this one has none)"
+        )
     return said
 
 

@@ -17,7 +17,7 @@ from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
-from .archs import ARCHS, cpu_routing, reason
+from .archs import ARCHS, cpu_routing, fresh_ropes, reason
 from .attention import attention_context, check
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
@@ -78,6 +78,7 @@ class VllmBackend(Backend):
         self.device = torch.device(self.config.device_config.device or "cpu")
         with set_current_vllm_config(self.config), upstream_warnings(), refused(self.setup.model_dir):
             _model_parallel(self.device)
+            fresh_ropes()
             loader = get_model_loader(self.config.load_config)
             # the loader's own `load_model` calls torch.accelerator.empty_cache(), which torch 2.13 refuses on
             # a host without an accelerator: its steps are taken here one by one
