@@ -90,6 +90,30 @@ def test_gpt_oss_s_sinks_dropped_fail_first_at_the_attention(
     assert all(rows[p]["status"] == "passed" for p in ("rotary", "layer_0.input_norm", "layer_0.experts"))
 
 
+def test_gpt_oss_s_interleaved_gate_and_up_swapped_for_one_expert_fail_first_at_the_experts(
+    made: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """GPT-OSS keeps each expert's gate and up projections interleaved in one tensor (`gate_up_proj`
+    [experts, hidden, 2 x intermediate]: gate in the even columns, up in the odd); layer 2's most chosen
+    expert loaded with them exchanged: vLLM's experts on the golden's routing are the first divergence."""
+    root = made("gpt_oss")
+    expert = int(GoldenStore(root / "golden").load("layer_2.router").output[2].flatten().bincount().argmax())
+    key = "model.layers.2.mlp.experts.gate_up_proj"
+    change = f"""def change(k, t):
+    if k != {key!r}:
+        return k, t
+    t = t.clone()
+    t[{expert}] = t[{expert}].view(t.shape[1], -1, 2).flip(-1).reshape(t.shape[1], -1)
+    return k, t"""
+    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
+    patched(pytester, "vllm.model_executor.models.gpt_oss", "GptOssForCausalLM.load_weights", value, change)
+    report = tmp_path / "r"
+    parity(pytester, root, report)
+    assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_2.experts"
+    rows = rows_of(report)
+    assert rows["layer_2.router"]["status"] == "passed" and rows["layer_1.experts"]["status"] == "passed"
+
+
 def test_minimax_m2_s_swapped_gate_and_up_projection_fails_first_at_the_experts(
     made: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path
 ) -> None:

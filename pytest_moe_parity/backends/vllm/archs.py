@@ -65,8 +65,9 @@ ARCHS = {
     # router with a bias; experts with biases and the clamped SwiGLU (vLLM's `swigluoai` activation)
     "gpt_oss": VllmArch("gpt_oss", "mlp", gate="router", attention="attn", embedding="embedding", rotary_half=True),
     # MiniMax-M2: q/k RMSNorm over all heads, partial rotary (`rotary_dim`), sigmoid routing with
-    # `e_score_correction_bias` (vLLM keeps it only where config.json says `use_routing_bias: true`)
-    "minimax_m2": VllmArch("minimax_m2", "block_sparse_moe", needs=("rotary_dim", "scoring_func")),
+    # `e_score_correction_bias` (vLLM has the parameter only where config.json says `use_routing_bias: true`,
+    # and refuses to load the checkpoint's otherwise)
+    "minimax_m2": VllmArch("minimax_m2", "block_sparse_moe", needs=("rotary_dim", "scoring_func", "use_routing_bias")),
 }
 
 
