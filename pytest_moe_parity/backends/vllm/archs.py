@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,17 @@ def fresh_ropes() -> None:
     rotary_embedding._ROPE_DICT.clear()
 
 
+@contextlib.contextmanager
+def refused(model_dir: Any) -> Iterator[None]:
+    """vLLM's refusal to build its model of a checkpoint (a quantization with no kernel on this device, a
+    config field its model file reads, a weight it has no parameter for) in one sentence with vLLM's own
+    reason: the backend fails to start and the run stops before its first point."""
+    try:
+        yield
+    except (NotImplementedError, AttributeError, ValueError, KeyError) as exc:
+        raise BackendError(f"--hw vllm: vLLM refuses {model_dir}: {reason(exc)}") from None
+
+
 def reason(exc: BaseException) -> str:
     """vLLM's own reason for refusing, in one line: a pydantic validation error's message (its first line
     is only a count of errors), else the exception's first line."""
@@ -99,7 +110,7 @@ def reason(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def cpu_routing(point: Point, block: Any) -> Iterator[None]:
+def cpu_routing(point: Point, block: Callable[[], Any]) -> Iterator[None]:
     """vLLM's CPU router (`CPURouter._compute_routing`) computes softmax top-k, grouped top-k and
     sqrtsoftplus routing only, and asserts so on any other (MiniMax-M2's sigmoid top-k with its score
     correction bias): a point whose call routes on it is PointUnavailable, with vLLM's own assertion."""
@@ -111,7 +122,7 @@ def cpu_routing(point: Point, block: Any) -> Iterator[None]:
         if last is None or not last.filename.endswith("cpu_router.py"):
             raise
         source = linecache.getline(last.filename, last.lineno).strip()
-        router = block.experts.router
+        router = block().experts.router
         raise PointUnavailable(
             f"{point.id}: vLLM's {type(router).__name__} cannot route this model on the CPU: "
             f"`{source}` fails in {last.name} (vllm/model_executor/layers/fused_moe/router/cpu_router.py:"

@@ -17,7 +17,7 @@ from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
-from .archs import ARCHS, cpu_routing, fresh_ropes, reason
+from .archs import ARCHS, cpu_routing, fresh_ropes, reason, refused
 from .attention import attention_context, check
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
@@ -131,7 +131,7 @@ class VllmBackend(Backend):
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
         started = time.perf_counter()
-        with self._context(), cpu_routing(point, self._block(point) if point.layer is not None else None):
+        with self._context(), cpu_routing(point, lambda: self._block(point)):
             output, routing = call(point, golden, force)
         info = {"notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}"]}
         cache = None
@@ -272,16 +272,6 @@ class VllmBackend(Backend):
 
     def close(self) -> None:
         self.model = None
-
-
-@contextlib.contextmanager
-def refused(model_dir: Any) -> Iterator[None]:
-    """vLLM's refusal to build its model of a checkpoint (a quantization with no kernel on this device, a
-    config field its model file needs) as a usage error in one sentence, with vLLM's own reason."""
-    try:
-        yield
-    except (NotImplementedError, AttributeError, ValueError, KeyError) as exc:
-        raise BackendError(f"--hw vllm: vLLM refuses {model_dir}: {reason(exc)}") from None
 
 
 def _model_parallel(device: torch.device) -> None:
