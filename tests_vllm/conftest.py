@@ -70,11 +70,12 @@ def t5() -> Path:
 
 @pytest.fixture(scope="session")
 def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """A maker of tiny checkpoints recorded here, once per session and arguments: `recorded(arch, **changes)`
+    """A maker of tiny checkpoints recorded here, once per session and arguments: `recorded(arch, fill, **changes)`
     is a directory with `model/` (the first leg's config of `arch`, or `moe-parity tiny-model`'s where the first
-    leg has none, with `changes` set on it, random weights from seed 0, the constant ones made random as
-    `moe-parity tiny-model` makes them) and `golden/` (its golden, prefill and
-    2 decode steps). vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
+    leg has none, with `changes` set on it (None: the field removed), random weights from seed 0 (the constant
+    ones made random as `moe-parity tiny-model` makes them), those whose names end with a key of `fill` drawn
+    with that standard deviation: GPT-OSS's sinks) and `golden/` (its golden, prefill and 2 decode steps).
+    vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
     import re
     import subprocess
 
@@ -90,8 +91,8 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, f"moe-parity {' '.join(args)}: {done.stderr}"
 
-    def make(arch: str, **changes: Any) -> Path:
-        key = arch + "".join(f"-{k}{v}" for k, v in sorted(changes.items()))
+    def make(arch: str, fill: dict[str, float] | None = None, **changes: Any) -> Path:
+        key = arch + "".join(f"-{k}{v}" for k, v in sorted({**changes, **(fill or {})}.items()))
         if key in made:
             return made[key]
         root = tmp_path_factory.mktemp(re.sub(r"[^\w.-]", "", key)[:80])  # a name the filesystem takes
@@ -101,10 +102,17 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
             cli("tiny-model", "--arch", arch, "--out", str(source))
         config = transformers.AutoConfig.from_pretrained(source)
         for name, value in changes.items():
-            setattr(config, name, value)
+            if value is None:  # a field removed (quantization_config=None: an unquantized checkpoint)
+                delattr(config, name)
+            else:
+                setattr(config, name, value)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _perturb_trivial(model, 0)  # as `moe-parity tiny-model` does: no norm at 1, no bias at 0 (a dropped one shows)
+        for name, tensor in model.state_dict().items():  # `fill`: weights whose names end so, drawn N(0, std)
+            std = next((s for end, s in (fill or {}).items() if name.endswith(end)), None)
+            if std is not None:
+                tensor.normal_(0.0, std)
         model.save_pretrained(root / "model")
         cli("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
         made[key] = root

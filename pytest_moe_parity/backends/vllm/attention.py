@@ -15,6 +15,7 @@ from ...golden import GoldenRecord
 from ...model.calls import cache_states
 from ...points import Point
 from ...tree import CacheState
+from .window import as_golden, first_held
 
 
 def past_of(golden: GoldenRecord) -> CacheState | None:
@@ -33,8 +34,8 @@ def check(point: Point, layer: Any, golden: GoldenRecord) -> None:
             f"{', '.join(map(str, sizes))} and this model's head_dim is {head}"
         )
     past = past_of(golden)
-    if past is not None and past.window is not None:
-        raise PointUnavailable(f"{point.id}: --hw vllm does not fill a sliding-window layer's paged cache yet")
+    if past is not None and past.window is not None and past.seen is None:
+        raise PointUnavailable(f"{point.id}: the golden's sliding-window cache does not say how many positions it saw")
     positions = golden.kwargs.get("position_ids")
     if positions is None or positions.shape[0] != 1:
         raise PointUnavailable(f"{point.id}: --hw vllm builds vLLM's attention metadata for one sequence, not a batch")
@@ -43,17 +44,20 @@ def check(point: Point, layer: Any, golden: GoldenRecord) -> None:
 @contextlib.contextmanager
 def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: torch.device) -> Iterator[dict]:
     """vLLM's forward context for `layer`'s call on the golden's tokens: a paged cache of its own (the
-    golden's past written in first, at slots 0..past-1), the metadata of one request whose new tokens take
-    the next slots. Yields a dict that holds, after the call, `cache`: the layer's cache then, as a
-    CacheState (past and new K, V)."""
+    golden's past written in first, at the slots of its positions: a sliding-window layer's cache holds
+    only its latest positions, the slots before them are left empty, outside vLLM's window), the metadata
+    of one request whose new tokens take the next slots (vLLM's builder over this layer alone: the layer's
+    own sliding window, where it has one). Yields a dict that holds, after the call, `cache`: the layer's
+    cache then, as a CacheState (what the golden's cache holds: a sliding-window layer's latest positions)."""
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     spec = layer.get_kv_cache_spec(config)
     past = past_of(golden)
     held = 0 if past is None else past.keys.shape[2]
+    first = first_held(past)
     new = golden.kwargs["position_ids"].shape[-1]
-    total = held + new
+    total = first + held + new
     blocks = -(-total // spec.block_size)
     dtype = spec.dtype
     kv_cache = torch.zeros(blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size, dtype=dtype, device=device)
@@ -62,11 +66,11 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
     layer.kv_cache = kv_cache
     if past is not None:  # the golden's past, written by the backend's own cache update ([tokens, heads, dim])
         keys, values = (t[0].transpose(0, 1).contiguous().to(dtype) for t in (past.keys, past.values))
-        slots = torch.arange(held, dtype=torch.int64, device=device)
+        slots = torch.arange(first, first + held, dtype=torch.int64, device=device)
         layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
     int32 = {"dtype": torch.int32, "device": device}
     starts, lengths = torch.tensor([0, new], **int32), torch.tensor([total], **int32)
-    slots = torch.arange(held, total, dtype=torch.int64, device=device)
+    slots = torch.arange(first + held, total, dtype=torch.int64, device=device)
     common = CommonAttentionMetadata(
         query_start_loc=starts,
         query_start_loc_cpu=starts.cpu(),
@@ -85,7 +89,8 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
         with set_forward_context({layer.layer_name: metadata}, config, slot_mapping={layer.layer_name: slots}):
             yield state
         if past is not None:
-            state["cache"] = read_cache(past.layer, kv_cache, total, slot_order(layer, spec, device))
+            cache = read_cache(past.layer, kv_cache, total, slot_order(layer, spec, device))
+            state["cache"] = as_golden(cache, past, new)
     finally:
         layer.kv_cache = saved
 

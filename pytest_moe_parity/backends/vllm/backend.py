@@ -17,15 +17,16 @@ from ...errors import BackendError, PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
+from .archs import ARCHS, cpu_routing, fresh_ropes, refused
 from .attention import attention_context, check
 from .deepseek import DeepseekCalls
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
-from .quant import build_quantized, experts_words, vllm_reason
+from .quant import build_quantized, experts_words, refusal, scheme_of, vllm_reason
 
-# model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
-# its router, its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its
-# `routed_experts` run them)
-MOE_BLOCKS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp"}
+# model_type -> the attribute of vLLM's decoder layer that holds its MoE block (its gate is its router,
+# its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its `routed_experts` run
+# them); the other differences between vLLM's model files: `archs.ARCHS`
+MOE_BLOCKS = {model_type: arch.block for model_type, arch in ARCHS.items()}
 # model_type -> the calls of its points that differ from the ones here (DeepSeek-V3's MLA, dense MLP, MoE)
 ARCH_CALLS = {"deepseek_v3": DeepseekCalls}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -57,32 +58,45 @@ class VllmBackend(Backend):
             raise BackendError(f"--hw vllm runs float32, bfloat16 or float16, not {self.dtype}")
         self.arch_calls = ARCH_CALLS[self.golden.model_type](self) if self.golden.model_type in ARCH_CALLS else None
         import_vllm()
+        self.arch = ARCHS[self.golden.model_type]
         self.model: Any = None
-        self.config: Any = None
         self.build_seconds = 0.0
+        self.config = self._vllm_config()  # vLLM's reading of the checkpoint: a refusal is a usage error
+        self.device = torch.device(self.config.device_config.device or "cpu")
         build_quantized(self)  # a quantized checkpoint: built now, so that a scheme vLLM refuses is a usage error
 
-    def start(self) -> None:
-        """vLLM's model of the checkpoint, built once: vLLM's config, its model class, its loader."""
-        if self.model is not None:  # built while the run was set up (a quantized checkpoint)
-            return
-        from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-        from vllm.model_executor.model_loader import get_model_loader
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        from vllm.utils.torch_utils import set_default_torch_dtype
+    def _vllm_config(self) -> Any:
+        """vLLM's config over the checkpoint (`enforce_eager`); BackendError with vLLM's reason where it refuses
+        the checkpoint, or the config lacks a field vLLM's model file reads."""
+        from vllm.config import ModelConfig, VllmConfig
 
-        started = time.perf_counter()
         try:
             with upstream_warnings():
                 model_config = ModelConfig(
                     model=str(self.setup.model_dir), dtype=DTYPES[self.dtype], enforce_eager=True, seed=0
                 )
-                self.config = VllmConfig(model_config=model_config)
+                config = VllmConfig(model_config=model_config)
         except Exception as exc:  # vLLM refuses the checkpoint (pydantic's ValidationError, ValueError, ...)
+            if scheme_of(self.setup.model_dir) is not None:  # a quantization it does not take in this dtype
+                raise refusal(self, exc) from None
             raise BackendError(f"--hw vllm: vLLM refuses {self.setup.model_dir}: {vllm_reason(exc)}") from None
-        self.device = torch.device(self.config.device_config.device or "cpu")
-        with set_current_vllm_config(self.config), upstream_warnings():
+        self.arch.check_config(self.golden.model_type, model_config.hf_config, self.setup.model_dir)
+        return config
+
+    def start(self) -> None:
+        """vLLM's model of the checkpoint, built once by vLLM's loader."""
+        if self.model is not None:  # built while the run was set up (a quantized checkpoint)
+            return
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        started = time.perf_counter()
+        model_config = self.config.model_config
+        with set_current_vllm_config(self.config), upstream_warnings(), refused(self.setup.model_dir):
             _model_parallel(self.device)
+            fresh_ropes()
             loader = get_model_loader(self.config.load_config)
             # the loader's own `load_model` calls torch.accelerator.empty_cache(), which torch 2.13 refuses on
             # a host without an accelerator: its steps are taken here one by one
@@ -111,16 +125,16 @@ class VllmBackend(Backend):
         return self.model.model.layers[point.layer]
 
     def _block(self, point: Point) -> Any:
-        return getattr(self._layer(point), MOE_BLOCKS[self.golden.model_type])
+        return getattr(self._layer(point), self.arch.block)
+
+    def _attn(self, point: Point) -> Any:
+        return getattr(self._layer(point), self.arch.attention)
 
     def module(self, path: str) -> torch.nn.Module:
-        """vLLM's module at a golden module path (`model.layers.0.mlp.gate`): vLLM's names, the MoE block's
-        attribute read as the architecture's."""
-        names = path.split(".")
-        if len(names) > 3 and names[:2] == ["model", "layers"] and names[3] == "mlp":
-            names[3] = MOE_BLOCKS[self.golden.model_type]
+        """vLLM's module at a golden module path (`model.layers.0.mlp.gate`): vLLM's names for the
+        architecture's MoE block, attention and embedding (`archs`)."""
         try:
-            return self.model.get_submodule(".".join(names))
+            return self.model.get_submodule(self.arch.path(path))
         except AttributeError:
             raise BackendError(f"vLLM's {type(self.model).__name__} has no module {path}") from None
 
@@ -135,7 +149,7 @@ class VllmBackend(Backend):
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
         started = time.perf_counter()
-        with self._context():
+        with self._context(), cpu_routing(point, lambda: self._block(point)):
             output, routing = call(point, golden, force)
         info = {"notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}"]}
         cache = None
@@ -153,7 +167,7 @@ class VllmBackend(Backend):
     # ---------------------------------------------------------------------------------- the calls
     def _embedding(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
         ids = golden.args[0]
-        return self.model.model.embed_tokens(ids.reshape(-1)).reshape(*ids.shape, -1), None
+        return getattr(self.model.model, self.arch.embedding)(ids.reshape(-1)).reshape(*ids.shape, -1), None
 
     def _norm(self, module: Any, golden: GoldenRecord) -> torch.Tensor:
         x = golden.args[0]
@@ -175,18 +189,20 @@ class VllmBackend(Backend):
     def _rotary(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
         """The cos and sin vLLM's rotary embedding applies at the golden's positions, read from its table
         (`cos_sin_cache`: cos then sin over half the rotary dimensions, repeated for the NeoX style)."""
-        rotary = self.model.model.layers[0].self_attn.rotary_emb
-        positions = golden.kwargs.get("position_ids")
+        rotary = getattr(self.model.model.layers[0], self.arch.attention).rotary_emb
+        positions = golden.kwargs.get("position_ids", golden.args[1] if len(golden.args) > 1 else None)
         if positions is None or not getattr(rotary, "is_neox_style", False):
             raise PointUnavailable(f"{point.id}: --hw vllm reads vLLM's NeoX-style rotary table at given positions")
         cos, sin = rotary.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
         shape = (*positions.shape, -1)
+        if self.arch.rotary_half:  # the golden's layout: each rotated pair's cos and sin once
+            return (cos.reshape(shape), sin.reshape(shape)), None
         return (torch.cat([cos, cos], -1).reshape(shape), torch.cat([sin, sin], -1).reshape(shape)), None
 
     def _attention(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
         """vLLM's attention module (qkv projection, q/k norms, rotary, vLLM's attention backend, o projection)
         on the golden's hidden states and positions, over a paged cache and metadata built for the call."""
-        attn = self._layer(point).self_attn
+        attn = self._attn(point)
         check(point, attn.attn, golden)
         hidden, positions = golden.kwargs["hidden_states"], golden.kwargs["position_ids"]
         with attention_context(self.config, attn.attn, golden, self.device) as state:
@@ -198,18 +214,20 @@ class VllmBackend(Backend):
         """vLLM's decoder layer (its norms fused with the residual adds, attention, MoE block): its output is
         vLLM's (hidden, residual) summed, what the next layer's input norm adds."""
         layer = self._layer(point)
-        check(point, layer.self_attn.attn, golden)
+        attn = self._attn(point).attn
+        check(point, attn, golden)
         hidden, positions = golden.args[0], golden.kwargs["position_ids"]
         with (
-            attention_context(self.config, layer.self_attn.attn, golden, self.device),
+            attention_context(self.config, attn, golden, self.device),
             self._routing(self._block(point), force) as seen,
         ):
-            out, residual = layer(positions.reshape(-1), hidden.reshape(-1, hidden.shape[-1]), None)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out, residual = layer(positions=positions.reshape(-1), hidden_states=flat, residual=None)
         return (out + residual).reshape(hidden.shape), (seen[-1] if seen else None)
 
     def _select(self, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's routing of `x`: the gate's logits, then the MoE runner's own expert selection."""
-        logits, _ = block.gate(x)
+        logits = self.arch.router_logits(block, x)
         weights, ids = block.experts.router.select_experts(hidden_states=x, router_logits=logits)
         return logits, weights, ids
 

@@ -93,7 +93,7 @@ def refusal(backend: Any, exc: BaseException) -> BackendError:
         host = (
             "; vLLM's CPU kernels for quantized weights (block FP8 linear layers, every quantized MoE) need AMX "
             "(Sapphire Rapids or newer), which this CPU lacks"
-            if backend.device.type == "cpu" and not amx()
+            if getattr(backend, "device", torch.device("cpu")).type == "cpu" and not amx()
             else ""
         )
         reason += host
