@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
+from .reader import DumpError
 
 ENGINE_FILE = "engine.json"
 # the config fields that say which model a run was of (a dump of another size fails every point)
@@ -30,17 +30,17 @@ def mismatch(ran: dict[str, Any], golden: dict[str, Any]) -> str | None:
 
 
 def check_dump(root: Path, golden_config: dict[str, Any], model_type: str) -> None:
-    """BadInput where the dump in `root` says it is a run of another model than the golden's."""
+    """DumpError (a usage error) where the dump in `root` says it is a run of another model than the golden's."""
     path = Path(root) / ENGINE_FILE
     if not path.is_file():
         return
     try:
         ran = json.loads(path.read_text())["model"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BadInput(f"{path} cannot be read ({exc}); write the dump again") from None
+        raise DumpError(f"{path} cannot be read ({exc}); write the dump again") from None
     differ = mismatch(ran, {"model_type": model_type, **identity(golden_config)})
     if differ is not None:
-        raise BadInput(
+        raise DumpError(
             f"the dump {root} is a run of another model than the golden's: its {differ}; "
             "compare it with a golden of the model it ran, or dump a run of the golden's model"
         )

@@ -306,8 +306,11 @@ class Tap:
 def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None) -> EngineRun:
     """vLLM's engine on the golden's prompts, hooked; the dump and the routed-experts trace written to
     `out_dir` (whole, or nothing: BadInput or BackendError before a file is written)."""
-    version = vllm_version()
-    check_version(version)
+    try:
+        version = vllm_version()
+        check_version(version)
+    except BackendError as exc:  # said as this command's, not --hw vllm's
+        raise BackendError(str(exc).replace("--hw vllm", "moe-parity vllm-dump")) from None
     golden = GoldenStore(golden_dir)
     check_checkpoint(model_dir, golden)
     torch_dtype = parse_dtype(dtype or golden.dtype)
