@@ -333,6 +333,10 @@ def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | No
             try:
                 params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)
                 outputs = llm.generate([{"prompt_token_ids": r.tokens} for r in rows], params, use_tqdm=False)
+            except Exception as exc:  # vLLM's own error in its run (a kernel that refuses the model, ...)
+                raise BackendError(
+                    f"vLLM's engine failed on {model_dir}: {type(exc).__name__}: {first_line(exc)}"
+                ) from None
             finally:
                 tap.close()
             model_class, device = type(runner.model).__name__, str(runner.device)
