@@ -57,6 +57,9 @@ def test_a_clean_engine_run_passes_every_point(
     result = judged(pytester, head32 / "golden", dump, tmp_path / "r")
     result.assert_outcomes(passed=len(GoldenStore(head32 / "golden").point_ids))
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
+    rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
+    assert {"cache.keys", "cache.values"} <= set(rows["step_2.layer_3.attention"]["metrics"])  # the engine's cache
+    assert "KV cache: read back from the engine's paged cache after 8 decode-step attentions" in said
 
 
 def test_routes_reads_the_engine_s_routed_experts_as_they_come(

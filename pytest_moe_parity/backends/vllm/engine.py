@@ -77,6 +77,7 @@ class EngineRun:
     routes_note: str | None
     token_notes: list[str]
     not_dumped: list[str]
+    caches: int = 0  # decode-step attentions whose KV cache the dump holds
 
 
 def prompts_of(golden: GoldenStore) -> list[Row]:
@@ -199,8 +200,10 @@ def close_llm(llm: Any) -> None:
 class Tap:
     """Forward hooks on vLLM's model in the engine: each point's rows, per request and position."""
 
-    def __init__(self, runner: Any, model_type: str):
+    def __init__(self, runner: Any, model_type: str, cache: bool = True):
         self.runner = runner
+        self.cache = cache  # read each decode step's KV cache back from the engine's paged cache
+        self._orders: dict[int, Any] = {}
         self.model = runner.model
         self.block = MOE_BLOCKS[model_type]
         # request -> point name -> [(positions, parts)], each part with a row per token
@@ -241,6 +244,8 @@ class Tap:
             name = f"layer_{index}."
             self._hook(layer.input_layernorm, name + "input_norm", first)
             self._hook(layer.self_attn, name + "attention", lambda out: (out,))
+            if self.cache:
+                self._undo.append(layer.self_attn.register_forward_hook(self._cache_hook(index, layer.self_attn.attn)))
             self._hook(layer.post_attention_layernorm, name + "post_attn_norm", first)
             block = getattr(layer, self.block)
             self._hook(block, name + "moe", lambda out: (out,))
@@ -248,6 +253,34 @@ class Tap:
             self._wrap(block.experts.router, "select_experts", name + "router", self._selected)
             self._wrap(block.experts.routed_experts, "forward_modular", name + "experts", lambda a, k, out: (out,))
         self._undo.append(inner.norm.register_forward_hook(self._final))
+
+    def _cache_hook(self, index: int, attn: Any) -> Any:
+        """After the layer's attention: for each request fed one token (a decode step), the layer's cache of
+        that request read back from the engine's paged cache through its block table, [kv_heads, positions,
+        head_dim] keys and values (vLLM's CPU layout found as `--hw vllm` finds it: `attention.slot_order`)."""
+        from .attention import read_cache, slot_order
+
+        def seen(module: Any, args: Any, out: Any) -> None:
+            batch, kv_cache = self.runner.input_batch, attn.kv_cache
+            table = batch.block_table[0]
+            if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[2] != table.block_size:
+                return
+            if index not in self._orders:
+                spec = attn.get_kv_cache_spec(self.runner.vllm_config)
+                self._orders[index] = slot_order(attn, spec, kv_cache.device)
+            for request, start, end in self.batch:
+                if end - start != 1:
+                    continue
+                row = batch.req_id_to_index[request]
+                blocks = table.block_table.cpu[row, : table.num_blocks_per_row[row]].long()
+                held = int(self.positions[start]) + 1
+                state = read_cache(index, kv_cache[blocks.to(kv_cache.device)], held, self._orders[index])
+                name = f"layer_{index}.attention.cache"
+                self.kept.setdefault(request, {}).setdefault(name, []).append(
+                    (self.positions[start:end], ([(state.keys[0].cpu(), state.values[0].cpu())],))
+                )
+
+        return seen
 
     def _final(self, module: Any, args: Any, out: Any) -> None:
         """The final norm, and the logits of every row (the engine computes its sampled rows' only): vLLM's
@@ -359,7 +392,8 @@ def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | No
         version=version, model_class=model_class, device=device, dtype=DTYPES[torch_dtype], seconds=seconds,
         rows=rows, forwards=tap.forwards, points=dumped,
         tensors=sum(len(s) for s in dump.values()), routes=source, routes_note=refused,
-        token_notes=token_notes(golden, rows), not_dumped=not_dumped,
+        token_notes=token_notes(golden, rows),
+        caches=sum(k.endswith(".cache.keys") for tensors in dump.values() for k in tensors), not_dumped=not_dumped,
     )  # fmt: skip
 
 
@@ -407,9 +441,25 @@ def assemble(tap: Tap, golden: GoldenStore, rows: list[Row]) -> tuple[dict[int |
             parts = in_shapes(parts, golden, pid)
             tensors = {pid: parts[0]} if len(parts) == 1 else {f"{pid}.{i}": t for i, t in enumerate(parts)}
             dump.setdefault(step, {}).update(tensors)
+    if tap.cache and len(rows) == 1:
+        add_caches(dump, tap, golden, rows[0])
     kept = {step_prefix(s) + n for s in [None, *golden.recorded_steps] for n in names}
     missing = [p for p in golden.point_ids if p not in kept]  # (the rotary's table: said by its note)
     return dump, missing
+
+
+def add_caches(dump: dict[int | None, dict[str, Any]], tap: Tap, golden: GoldenStore, row: Row) -> None:
+    """Each decode step's KV cache of each layer as the engine left it after that step's attention (its
+    prompt's and steps' positions), where the golden holds it: `step_k.layer_L.attention.cache.keys`,
+    `.values` ([1, kv_heads, positions, head_dim]), judged as the golden's cache write."""
+    wanted = set(golden.point_ids)
+    for step in golden.recorded_steps:
+        for layer in golden.layers:
+            pid = f"{step_prefix(step)}layer_{layer}.attention"
+            found = tap.rows_of(row.request, f"layer_{layer}.attention.cache").get(len(row.tokens) + step - 1)
+            if pid in wanted and found is not None:
+                keys, values = found[0]
+                dump.setdefault(step, {}).update({f"{pid}.cache.keys": keys[None], f"{pid}.cache.values": values[None]})
 
 
 def in_shapes(parts: list[torch.Tensor], golden: GoldenStore, pid: str) -> list[torch.Tensor]:
@@ -511,6 +561,15 @@ def report_lines(run: EngineRun, out_dir: Path, golden_dir: Path) -> list[str]:
         )
     else:
         lines.append(f"  routed experts: vLLM's own (CompletionOutput.routed_experts): {run.routes}")
+    if run.caches:
+        lines.append(
+            f"  KV cache: read back from the engine's paged cache after {counted(run.caches, 'decode-step attention')}"
+        )
+    elif len(run.rows) > 1:
+        lines.append(
+            "  KV cache: not dumped for a batch golden (the golden's holds its padding's keys and values, which the "
+            "engine never computes): its decode steps' attention is judged on its output"
+        )
     if run.not_dumped:
         lines.append(f"  not dumped: {', '.join(run.not_dumped[:4])}" + (" ..." if len(run.not_dumped) > 4 else ""))
     lines.append(
