@@ -21,10 +21,10 @@ from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def vllm_dump(capsys: pytest.CaptureFixture, model: Path, golden: Path, out: Path) -> tuple[int, str, str]:
+def vllm_dump(capsys: pytest.CaptureFixture, model: Path, golden: Path, out: Path, *args: str) -> tuple[int, str, str]:
     """`moe-parity vllm-dump` in this process (vLLM imported once): exit code, stdout, stderr."""
     capsys.readouterr()
-    code = main(["vllm-dump", "--model", str(model), "--golden", str(golden), "--out", str(out)])
+    code = main(["vllm-dump", "--model", str(model), "--golden", str(golden), "--out", str(out), *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -116,17 +116,20 @@ def test_a_fault_in_vllm_s_loading_fails_first_at_its_point(
 def test_a_padded_batch_runs_through_the_engine_s_batch(
     head32: Path, pytester: pytest.Pytester, capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
-    """A golden of three prompts of unequal length, left-padded, with two decode steps: the engine takes
-    them as three requests in one batch (their prefills in one forward of 17 tokens, then a token each),
-    the hooks take each request's rows back out of the flattened batch into its golden row, and every
-    point passes (the padding is not judged); routes reads the requests' traces, prompt after prompt."""
+    """A golden of three prompts of unequal length (8, 3, 6 tokens), left-padded, with two decode steps, run
+    as three requests of the engine's own batch under a budget of 8 tokens a forward: the engine chunks the
+    third prompt's prefill and runs its chunks beside the others' prefill and decode steps (continuous
+    batching); the hooks take each request's rows back out of the flattened batch into its golden row, and
+    every point passes (the padding is not judged); routes reads the requests' traces, prompt after prompt."""
     golden = tmp_path / "padded"
     args = ["golden", "--model", str(head32 / "model"), "--out", str(golden), "--decode-steps", "2",
             "--prompts", str(ROOT / "fixtures" / "prompts" / "padded.jsonl"), "--padding-side", "left"]  # fmt: skip
     assert main(args) == 0  # recorded in this process: transformers is imported already
-    code, out, err = vllm_dump(capsys, head32 / "model", golden, tmp_path / "dump")
+    code, out, err = vllm_dump(capsys, head32 / "model", golden, tmp_path / "dump", "--max-batched-tokens", "8")
     assert code == 0, err
-    assert "3 prompts (8, 3, 6 tokens), greedy: 3 forwards of the model (3 requests, 17 tokens; 3 requests, 3 " in out
+    # request 0's prefill; its first decode step, request 1's prefill and 4 of request 2's 6; then the rest
+    forwards = "5 forwards of the model (1 request, 8 tokens; 3 requests, 8 tokens; 3 requests, 4 tokens; "
+    assert f"3 prompts (8, 3, 6 tokens), greedy: {forwards}" in out
     result = judged(pytester, golden, tmp_path / "dump", tmp_path / "r")
     result.assert_outcomes(passed=len(GoldenStore(golden).point_ids))
     assert np.load(tmp_path / "dump" / "routed_experts.npy").shape == (17, 4, 2)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .common import EXIT_OK, Command
+from .common import EXIT_OK, Command, positive_int_arg
 
 
 def _arguments(sub: Any) -> None:
@@ -19,12 +19,19 @@ def _arguments(sub: Any) -> None:
     parser.add_argument("--golden", type=Path, required=True, help="the golden whose prompts and decode steps it runs")
     parser.add_argument("--out", type=Path, required=True, help="a new directory for the dump")
     parser.add_argument("--dtype", default=None, help="the engine's dtype (default: the golden's)")
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=positive_int_arg,
+        default=None,
+        help="the engine's tokens per forward (vLLM's max_num_batched_tokens): below the prompts' total, it chunks "
+        "prefills and runs them beside other requests' decode steps (default: every prefill in one forward)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..backends.vllm.engine import report_lines, run_engine
 
-    run = run_engine(args.model, args.golden, args.out, args.dtype)
+    run = run_engine(args.model, args.golden, args.out, args.dtype, args.max_batched_tokens)
     for line in report_lines(run, args.out, args.golden):
         print(line)
     return EXIT_OK

@@ -131,9 +131,12 @@ def in_process() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def build_llm(model_dir: Path, dtype: torch.dtype, rows: list[Row], steps: int) -> tuple[Any, str | None]:
-    """vLLM's `LLM` over the checkpoint, eager, its engine core in process, sized for these prompts;
-    with vLLM's routed experts where it gives them, else without (and vLLM's reason)."""
+def build_llm(
+    model_dir: Path, dtype: torch.dtype, rows: list[Row], steps: int, budget: int | None = None
+) -> tuple[Any, str | None]:
+    """vLLM's `LLM` over the checkpoint, eager, its engine core in process, sized for these prompts (every
+    prefill in one forward, or `budget` tokens a forward: the engine chunks prefills and mixes them with
+    decode steps); with vLLM's routed experts where it gives them, else without (and vLLM's reason)."""
     from vllm import LLM
 
     longest = max(len(r.tokens) for r in rows) + steps + 1
@@ -145,7 +148,7 @@ def build_llm(model_dir: Path, dtype: torch.dtype, rows: list[Row], steps: int) 
         "seed": 0,
         "max_model_len": -(-longest // 16) * 16,
         "max_num_seqs": len(rows),
-        "max_num_batched_tokens": max(2048, sum(len(r.tokens) for r in rows)),
+        "max_num_batched_tokens": budget or max(2048, sum(len(r.tokens) for r in rows)),
         # on the CPU this is the share of the host's memory vLLM reserves; the cache is sized below
         "gpu_memory_utilization": 0.05,
         "kv_cache_memory_bytes": 64 << 20,
@@ -340,7 +343,9 @@ class Tap:
 # -- the run ---------------------------------------------------------------------------------------------
 
 
-def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None) -> EngineRun:
+def run_engine(
+    model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None, budget: int | None = None
+) -> EngineRun:
     """vLLM's engine on the golden's prompts, hooked; the dump and the routed-experts trace written to
     `out_dir` (whole, or nothing: BadInput or BackendError before a file is written)."""
     try:
@@ -365,7 +370,7 @@ def run_engine(model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | No
     with in_process():
         from vllm import SamplingParams
 
-        llm, refused = build_llm(Path(model_dir), torch_dtype, rows, steps)
+        llm, refused = build_llm(Path(model_dir), torch_dtype, rows, steps, budget)
         try:
             runner = runner_of(llm)
             tap = Tap(runner, golden.model_type)
