@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, parse_dtype
+from ..dump.identity import check_dump
 from ..dump.reader import DumpDir, DumpError, PointNotDumped, Source, fit
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
@@ -55,6 +56,7 @@ class DumpBackend(Backend):
         super().__init__(setup)
         if setup.model_dir is None:
             raise BackendError("--hw dump needs the dump directory: pass --model DIR")
+        check_dump(setup.model_dir, self.golden.config, self.golden.model_type)  # a run of another model: one line
         self.batch = _batch(self.golden)
         # indexes the dump (names and headers only) and reads the map file; a vLLM Neuron plugin capture
         # is read in the golden's layout

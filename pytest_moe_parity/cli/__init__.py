@@ -3,9 +3,9 @@ comparison of dumps, and reports redrawn and compared run to run.
 Exit codes: 0 success, 1 a comparison failed, 2 bad input.
 
 A package by family of commands: `record` (tiny-model, golden), `runs` (compare, demo, sweep),
-`reports` (report, diff), `checkpoint` (audit, estimate, dequantize), `inspect` (show, drill-ops, routes, scan);
-`common` what they share. Each command raises a `ParityError` for what the user must fix, and `main`
-says it once: one line on stderr, exit 2."""
+`reports` (report, diff), `checkpoint` (audit, estimate, dequantize), `inspect` (show, drill-ops, routes, scan),
+`engine` (vllm-dump); `common` what they share. Each command raises a `ParityError` for what the user must
+fix, and `main` says it once: one line on stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from .. import compat
 from ..errors import ParityError
-from . import checkpoint, inspect, record, reports, runs
+from . import checkpoint, engine, inspect, record, reports, runs
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, Command
 
 __all__ = ["COMMANDS", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "Command", "build_parser", "main"]
@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
         inspect.SHOW,
         inspect.DRILL_OPS,
         inspect.ROUTES,
+        engine.VLLM_DUMP,
         runs.SWEEP,
         reports.REPORT,
         reports.DIFF,
