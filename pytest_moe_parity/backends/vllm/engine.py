@@ -41,12 +41,11 @@ from ...golden import GoldenStore
 from ...points import step_prefix
 from ...words import counted
 from .backend import DTYPES, MOE_BLOCKS
+from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
 # the architectures whose vLLM model the engine's hooks read (standard attention, the block's `gate`; the
 # others `--hw vllm` replays name their modules otherwise: `archs.ARCHS`)
 ENGINE_ARCHS = ("qwen3_moe", "mixtral")
-from .imports import check_version, import_vllm, upstream_warnings, vllm_version
-
 TRACE_FILE = "routed_experts.npy"
 # the points a hook keeps, by the golden's name without its layer; the rest of the golden's are said
 COMPONENTS = ("embedding", "rotary", "input_norm", "attention", "post_attn_norm", "router", "experts", "moe",
@@ -105,7 +104,8 @@ def check_checkpoint(model_dir: Path, golden: GoldenStore) -> None:
         raise BadInput(f"--model {model_dir} is not a Hugging Face checkpoint (no config.json)")
     config = json.loads(config_file.read_text())
     if golden.model_type not in ENGINE_ARCHS:
-        raise BadInput(f"moe-parity vllm-dump maps vLLM's modules of {', '.join(ENGINE_ARCHS)}, not {golden.model_type}")
+        mapped = ", ".join(ENGINE_ARCHS)
+        raise BadInput(f"moe-parity vllm-dump maps vLLM's modules of {mapped}, not {golden.model_type}")
     differ = mismatch(identity(config), {"model_type": golden.model_type, **identity(golden.config)})
     if differ is not None:
         raise BadInput(
