@@ -92,7 +92,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "alone too and fails where a row's output in the batch differs from its own alone, naming the rows"),
     ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
      "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
-     "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi: tp)"),
+     "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi, vllm: tp, ep)"),
     ("--parity-require-candidate", "parity_require_candidate", {"action": "store_true", "default": False},
      "refuse a run that checks nothing about a port: the golden against itself (its own model, dtype and "
      "backend) or a selection with no point (a usage error; CI=true in the environment does the same)"),

@@ -67,7 +67,8 @@ class ParallelItems(Checker):
     options = (
         Option("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
                "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and "
-               "plan B (e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi: tp)"),
+               "plan B (e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism "
+               "(--hw nxdi, vllm: tp, ep)"),
     )  # fmt: skip
 
     @classmethod
@@ -154,7 +155,7 @@ def parallel_items(
     if not backend.parallel_keys:
         raise SetupError(
             f"{flag} {text}: the {hw} backend runs the candidate in one process, under one plan; the parallel "
-            "differential builds it under two (--hw nxdi: tp, ep), or compare the ranks of a sharded dump with "
+            "differential builds it under two (--hw nxdi, vllm: tp, ep), or compare the ranks of a sharded dump with "
             "--hw dump and a map's concat_dim and ranks"
         )
     keys = sorted({k for plan in plans for k in plan})

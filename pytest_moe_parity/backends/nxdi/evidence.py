@@ -21,13 +21,15 @@ def merge(info: dict[str, Any], more: dict[str, Any]) -> None:
 
 
 def ranks_differing(firsts: list[torch.Tensor]) -> list[int]:
-    """The ranks whose output is not rank 0's (NxD replicates a module's output on every rank)."""
+    """The ranks whose output is not rank 0's (NxD, and vLLM, replicate a module's output on every rank)."""
     return [r for r in range(1, len(firsts)) if not torch.equal(firsts[r], firsts[0])]
 
 
-def rank_evidence(firsts: list[torch.Tensor], differ: list[int], expected: torch.Tensor) -> dict[str, Any]:
+def rank_evidence(
+    firsts: list[torch.Tensor], differ: list[int], expected: torch.Tensor, stack: str = "NxD"
+) -> dict[str, Any]:
     """Ranks that output other values than rank 0: a note, and the hint of the point if it fails
-    (their sum the expected output: a missing all-reduce)."""
+    (their sum the expected output: a missing all-reduce). `stack`: whose sharding it is."""
     tp = len(firsts)
     summed = rel_l2_flat(sum(f.double() for f in firsts), expected) < 0.1 * rel_l2_flat(firsts[0], expected)
     ranks = ", ".join(map(str, differ))
@@ -37,8 +39,8 @@ def rank_evidence(firsts: list[torch.Tensor], differ: list[int], expected: torch
             f"tensor parallelism (tp_degree={tp}): the ranks hold partial sums whose total is the expected output: "
             "a missing all-reduce"
             if summed
-            else f"tensor parallelism (tp_degree={tp}): the ranks' outputs differ where NxD replicates them: a missing "
-            "collective, or ranks computing on other shards than NxD's sharding gives them"
+            else f"tensor parallelism (tp_degree={tp}): the ranks' outputs differ where {stack} replicates them: a "
+            f"missing collective, or ranks computing on other shards than {stack}'s sharding gives them"
         ),
     }
 

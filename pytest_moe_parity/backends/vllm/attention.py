@@ -15,6 +15,7 @@ from ...golden import GoldenRecord
 from ...model.calls import cache_states
 from ...points import Point
 from ...tree import CacheState
+from .parallel import held_kv_heads
 from .window import as_golden, first_held
 
 
@@ -65,7 +66,8 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
     saved = layer.kv_cache
     layer.kv_cache = kv_cache
     if past is not None:  # the golden's past, written by the backend's own cache update ([tokens, heads, dim])
-        keys, values = (t[0].transpose(0, 1).contiguous().to(dtype) for t in (past.keys, past.values))
+        heads = held_kv_heads(past.keys.shape[1])  # this rank's kv heads of the golden's (all at TP 1)
+        keys, values = (t[0][heads].transpose(0, 1).contiguous().to(dtype) for t in (past.keys, past.values))
         slots = torch.arange(first, first + held, dtype=torch.int64, device=device)
         layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
     int32 = {"dtype": torch.int32, "device": device}

@@ -21,6 +21,7 @@ from .archs import ARCHS, cpu_routing, fresh_ropes, refused
 from .attention import attention_context, check
 from .deepseek import DeepseekCalls
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
+from .parallel import OPTIONS, Plan, Ranks, check_plan, parallel_config, rank_groups
 from .quant import build_quantized, experts_words, refusal, scheme_of, vllm_reason
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (its gate is its router,
@@ -42,6 +43,8 @@ class VllmBackend(Backend):
 
     name = "vllm"
     forces_routing = True
+    options = OPTIONS  # tp_degree, ep_degree: `parallel`
+    parallel_keys = ("tp", "ep")
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
@@ -57,10 +60,13 @@ class VllmBackend(Backend):
         if self.dtype not in DTYPES:
             raise BackendError(f"--hw vllm runs float32, bfloat16 or float16, not {self.dtype}")
         self.arch_calls = ARCH_CALLS[self.golden.model_type](self) if self.golden.model_type in ARCH_CALLS else None
+        self.parallel = Plan(self.hw_options["tp_degree"], self.hw_options["ep_degree"])
+        check_plan(self.golden.config, self.parallel, "--hw-option tp_degree", "--hw-option ep_degree")
         import_vllm()
         self.arch = ARCHS[self.golden.model_type]
         self.model: Any = None
         self.build_seconds = 0.0
+        self.ranks = Ranks(self)  # the rank processes of a plan built on ranks (`parallel`)
         self.config = self._vllm_config()  # vLLM's reading of the checkpoint: a refusal is a usage error
         self.device = torch.device(self.config.device_config.device or "cpu")
         build_quantized(self)  # a quantized checkpoint: built now, so that a scheme vLLM refuses is a usage error
@@ -75,7 +81,7 @@ class VllmBackend(Backend):
                 model_config = ModelConfig(
                     model=str(self.setup.model_dir), dtype=DTYPES[self.dtype], enforce_eager=True, seed=0
                 )
-                config = VllmConfig(model_config=model_config)
+                config = VllmConfig(model_config=model_config, parallel_config=parallel_config(self.parallel))
         except Exception as exc:  # vLLM refuses the checkpoint (pydantic's ValidationError, ValueError, ...)
             if scheme_of(self.setup.model_dir) is not None:  # a quantization it does not take in this dtype
                 raise refusal(self, exc) from None
@@ -87,6 +93,9 @@ class VllmBackend(Backend):
         """vLLM's model of the checkpoint, built once by vLLM's loader."""
         if self.model is not None:  # built while the run was set up (a quantized checkpoint)
             return
+        if self.parallel.ranked:  # its ranks build it, one process each
+            self.build_seconds = max(f["seconds"] for f in self.ranks.start(self.parallel))
+            return
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader import get_model_loader
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -95,7 +104,7 @@ class VllmBackend(Backend):
         started = time.perf_counter()
         model_config = self.config.model_config
         with set_current_vllm_config(self.config), upstream_warnings(), refused(self.setup.model_dir):
-            _model_parallel(self.device)
+            _model_parallel(self.device) if self.parallel.rank is None else rank_groups(self.device, self.parallel)
             fresh_ropes()
             loader = get_model_loader(self.config.load_config)
             # the loader's own `load_model` calls torch.accelerator.empty_cache(), which torch 2.13 refuses on
@@ -133,6 +142,11 @@ class VllmBackend(Backend):
     def module(self, path: str) -> torch.nn.Module:
         """vLLM's module at a golden module path (`model.layers.0.mlp.gate`): vLLM's names for the
         architecture's MoE block, attention and embedding (`archs`)."""
+        if self.parallel.ranked:
+            raise BackendError(
+                f"--hw vllm at {self.parallel.words}: vLLM's modules live in the rank processes; call the point "
+                "(candidate.call(record)), or take a module at tp_degree=1"
+            )
         try:
             return self.model.get_submodule(self.arch.path(path))
         except AttributeError:
@@ -144,7 +158,21 @@ class VllmBackend(Backend):
     def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
         return self._run(point, golden, force)
 
+    def check_plan(self, plan: dict[str, int]) -> None:
+        check_plan(self.golden.config, Plan.of(plan), "tp", "ep")
+
+    def run_plan(self, point: Point, golden: GoldenRecord, plan: dict[str, int]) -> CandidateOutput:
+        wanted = Plan.of(plan)
+        if wanted.key == self.parallel.key:  # the run's own plan
+            return self._run(point, golden, None)
+        return self.ranks.run(wanted, point, golden, None)
+
+    def explain(self, point: Point, golden: GoldenRecord) -> dict[str, Any]:
+        return self.ranks.explain(point, golden)
+
     def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None) -> CandidateOutput:
+        if self.parallel.ranked:
+            return self.ranks.run(self.parallel, point, golden, force)
         call = getattr(self.arch_calls, f"_{point.component}", None) or getattr(self, f"_{point.component}", None)
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
@@ -249,6 +277,7 @@ class VllmBackend(Backend):
         out = routed.forward_modular(
             flat, topk_weights=weights.reshape(flat.shape[0], -1).float(), topk_ids=ids.reshape(flat.shape[0], -1).int()
         )
+        out = self._block(point).experts._maybe_reduce_final_output(out, None)  # vLLM's all-reduce at TP/EP > 1
         return out.reshape(x.shape), None
 
     def _moe(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
@@ -281,15 +310,17 @@ class VllmBackend(Backend):
             del router.select_experts
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
-        if self.model is None:
+        name = type(self.model).__name__ if self.model is not None else self.ranks.model_name
+        if name is None:
             return []
-        quantized = experts_words(self.model, MOE_BLOCKS, self.golden.model_type)
-        return [
-            f"--hw vllm: vLLM {self.version}'s {type(self.model).__name__} built by vLLM's loader on "
-            f"{self.device} in {self.build_seconds:.1f} s (TP 1)" + (f", its experts {quantized}" if quantized else "")
-        ]
+        quantized = experts_words(self.model, MOE_BLOCKS, self.golden.model_type) if self.model is not None else None
+        ranks = f": {self.parallel.tp} ranks, one process each" if self.parallel.ranked else ""
+        words = f" ({self.parallel.words}{ranks})" + (f", its experts {quantized}" if quantized else "")
+        built = f"built by vLLM's loader on {self.device} in {self.build_seconds:.1f} s"
+        return [f"--hw vllm: vLLM {self.version}'s {name} {built}{words}"]
 
     def close(self) -> None:
+        self.ranks.close()
         self.model = None
 
 

@@ -188,10 +188,16 @@ def _describe(exc: BaseException, rank: int) -> str:
 
 # -- the parent's side ----------------------------------------------------------------------------
 class RankPool:
-    """`tp_degree` processes, each a rank of one gloo group, holding one built module at a time."""
+    """`tp_degree` processes, each a rank of one gloo group, holding one built module at a time. `serve`
+    is what each rank runs, `serve(rank, tp_degree, store, conn, threads)` (NxD's by default; `--hw
+    vllm`'s ranks run vLLM's), answering each message with ("ok", payload) or ("error", text);
+    `prepare` runs here before the ranks start (NxD's: the Neuron packages' stand-ins)."""
 
-    def __init__(self, tp_degree: int, start: str = "fork"):
-        standins.install()
+    def __init__(
+        self, tp_degree: int, start: str = "fork", serve: Callable = _serve, prepare: Callable | None = standins.install
+    ):
+        if prepare is not None:
+            prepare()
         self.tp_degree = tp_degree
         self._dir = tempfile.TemporaryDirectory(prefix="moe-parity-ranks-")
         if start not in multiprocessing.get_all_start_methods():
@@ -206,7 +212,7 @@ class RankPool:
         for rank in range(tp_degree):
             parent, child = context.Pipe()
             store = os.path.join(self._dir.name, "store")
-            proc = context.Process(target=_serve, args=(rank, tp_degree, store, child, threads), daemon=True)
+            proc = context.Process(target=serve, args=(rank, tp_degree, store, child, threads), daemon=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: a fork beside threads
                 proc.start()
@@ -232,6 +238,12 @@ class RankPool:
     def _broadcast(self, *message: Any) -> None:
         for conn in self._conns:
             conn.send(message)
+
+    def ask(self, what: str, *message: Any) -> list[Any]:
+        """Every rank's answer to `message` (RankFailure naming the ranks that raised); `what` names it
+        where a rank's process ends."""
+        self._broadcast(*message)
+        return self._gather(what)
 
     def build(self, module_cls: type, kwargs: dict[str, Any], checkpoint: str, loader: Callable) -> RankedModule:
         self._handles += 1
