@@ -182,9 +182,9 @@ class VllmBackend(Backend):
         check(point, attn.attn, golden)
         hidden, positions = golden.kwargs["hidden_states"], golden.kwargs["position_ids"]
         with attention_context(self.config, attn.attn, golden, self.device) as state:
-            out = attn(positions=positions.reshape(-1), hidden_states=hidden.reshape(-1, hidden.shape[-1]))
-        output = (out.reshape(hidden.shape), None)
-        return CandidateOutput(output, cache=state.get("cache")), None
+            rows = state["requests"]  # the batch's real tokens, as vLLM's flat token axis
+            out = attn(positions=rows.flat(positions), hidden_states=rows.flat(hidden))
+        return CandidateOutput((rows.unflat(out), None), cache=state.get("cache")), None
 
     def _output(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
         """vLLM's decoder layer (its norms fused with the residual adds, attention, MoE block): its output is
@@ -193,11 +193,13 @@ class VllmBackend(Backend):
         check(point, layer.self_attn.attn, golden)
         hidden, positions = golden.args[0], golden.kwargs["position_ids"]
         with (
-            attention_context(self.config, layer.self_attn.attn, golden, self.device),
+            attention_context(self.config, layer.self_attn.attn, golden, self.device) as state,
             self._routing(self._block(point), force) as seen,
         ):
-            out, residual = layer(positions.reshape(-1), hidden.reshape(-1, hidden.shape[-1]), None)
-        return (out + residual).reshape(hidden.shape), (seen[-1] if seen else None)
+            rows = state["requests"]  # the batch's real tokens, as vLLM's flat token axis
+            out, residual = layer(rows.flat(positions), rows.flat(hidden), None)
+        routing = tuple(rows.unflat(t).flatten(0, 1) for t in seen[-1]) if seen else None
+        return rows.unflat(out + residual), routing
 
     def _select(self, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's routing of `x`: the gate's logits, then the MoE runner's own expert selection."""
