@@ -48,22 +48,46 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
     call's flat token axis), and after the call `cache`: the layer's cache then in the golden's layout, as a
     CacheState (past and new K, V)."""
     from vllm.forward_context import set_forward_context
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     spec = layer.get_kv_cache_spec(config)
     past = past_of(golden)
-    requests = Requests.of(golden, past, spec.block_size)
-    shape = (sum(requests.blocks), spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
-    kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+    with unseen():
+        requests = Requests.of(golden, past, spec.block_size)
+        shape = (sum(requests.blocks), spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], config, device)  # sets layer.isa
     saved = layer.kv_cache
     layer.kv_cache = kv_cache
-    if past is not None and requests.past_slots().numel():  # the golden's past, by the backend's own cache update
-        keys, values = (requests.flat_past(t).to(spec.dtype).to(device) for t in (past.keys, past.values))
-        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, requests.past_slots().to(device))
-    slots = requests.new_slots().to(device)
-    starts, lengths = requests.query_start_loc(), requests.seq_lens()
-    common = CommonAttentionMetadata(
+    with unseen():
+        held = requests.past_slots().to(device)
+    if past is not None and held.numel():  # the golden's past, written by the attention backend's own cache update
+        with unseen():
+            keys, values = (requests.flat_past(t).to(spec.dtype).to(device) for t in (past.keys, past.values))
+        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, held)
+    with unseen():
+        slots = requests.new_slots().to(device)
+        starts, lengths = requests.query_start_loc(), requests.seq_lens()
+        metadata = builder.build(0, _common(requests, starts, lengths, slots, device))
+    state: dict[str, Any] = {"requests": requests}
+    try:
+        with set_forward_context({layer.layer_name: metadata}, config, slot_mapping={layer.layer_name: slots}):
+            yield state
+        if past is not None:
+            with unseen():
+                order = slot_order(layer, spec, device)
+                read = [
+                    read_slots(kv_cache, requests.slots(r, 0, requests.total(r)), order) for r in range(requests.count)
+                ]
+                state["cache"] = requests.cache_as_golden(read, past)
+    finally:
+        layer.kv_cache = saved
+
+
+def _common(requests: Requests, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, device: torch.device):
+    """vLLM's CommonAttentionMetadata of the requests (what its model runner hands the metadata builder)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
         query_start_loc=starts.to(device),
         query_start_loc_cpu=starts,
         seq_lens=lengths.to(device),
@@ -75,17 +99,14 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
         slot_mapping=slots,
         causal=True,
     )
-    metadata = builder.build(0, common)
-    state: dict[str, Any] = {"requests": requests}
-    try:
-        with set_forward_context({layer.layer_name: metadata}, config, slot_mapping={layer.layer_name: slots}):
-            yield state
-        if past is not None:
-            order = slot_order(layer, spec, device)
-            read = [read_slots(kv_cache, requests.slots(r, 0, requests.total(r)), order) for r in range(requests.count)]
-            state["cache"] = requests.cache_as_golden(read, past)
-    finally:
-        layer.kv_cache = saved
+
+
+def unseen() -> contextlib.AbstractContextManager:
+    """The backend's own bookkeeping (which tokens are real, the requests' slots and metadata, the cache read
+    back) kept out of a drill's capture of the call: it is not vLLM's code under test."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def slot_order(layer: Any, spec: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from ...golden import GoldenRecord
 from ...points import Point
 from .. import Backend, BackendSetup, CandidateOutput
 from .attention import attention_context, check
+from .drill import drill_call
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (the block's `gate` is
@@ -255,6 +256,9 @@ class VllmBackend(Backend):
             yield seen
         finally:
             del router.select_experts
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
+        return drill_call(self, point, golden)  # vLLM's module of the point, called as `run` calls it
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         if self.model is None:

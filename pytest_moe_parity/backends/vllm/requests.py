@@ -83,12 +83,21 @@ class Requests:
     def new_slots(self) -> torch.Tensor:
         return torch.cat([self.slots(r, self.held(r), self.total(r)) for r in range(self.count)])
 
+    @property
+    def whole(self) -> bool:
+        """Every token of every row runs (no padding): the flat token axis is the batch's, reshaped."""
+        return self.count == self.batch and all(int(t.numel()) == self.length for t in self.tokens)
+
     def flat(self, t: torch.Tensor) -> torch.Tensor:
         """[batch, tokens, ...] -> the requests' new tokens in order, [N, ...] (vLLM's flat token axis)."""
+        if self.whole:
+            return t.reshape(-1, *t.shape[2:])
         return torch.cat([t[row, index] for row, index in zip(self.rows, self.tokens, strict=True)])
 
     def unflat(self, flat: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [batch, tokens, ...], zeros at the tokens no request ran (padding, left out of the verdict)."""
+        if self.whole:
+            return flat.reshape(self.batch, self.length, *flat.shape[1:])
         out = flat.new_zeros(self.batch, self.length, *flat.shape[1:])
         at = 0
         for row, index in zip(self.rows, self.tokens, strict=True):
