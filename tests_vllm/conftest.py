@@ -73,7 +73,8 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     """A maker of tiny checkpoints recorded here, once per session and arguments: `recorded(arch, **changes)`
     is a directory with `model/` (the first leg's config of `arch`, or `moe-parity tiny-model`'s where the first
     leg has none, with `changes` set on it, random weights from seed 0) and `golden/` (its golden, prefill and
-    2 decode steps). vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
+    2 decode steps; `golden_args`: more `moe-parity golden` arguments, e.g. a padded batch's `--prompts`).
+    vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
     import subprocess
 
     import torch
@@ -86,8 +87,9 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, f"moe-parity {' '.join(args)}: {done.stderr}"
 
-    def make(arch: str, **changes: Any) -> Path:
+    def make(arch: str, golden_args: tuple[str, ...] = (), **changes: Any) -> Path:
         key = arch + "".join(f"-{k}{v}" for k, v in sorted(changes.items()))
+        key += "".join(f"-{a.rpartition('/')[2].strip('-').replace('.', '')}" for a in golden_args)
         if key in made:
             return made[key]
         root = tmp_path_factory.mktemp(key)
@@ -100,7 +102,8 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
             setattr(config, name, value)
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / "model")
-        cli("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
+        golden = ("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
+        cli(*golden, *golden_args)
         made[key] = root
         return root
 

@@ -12,6 +12,8 @@ from torch import nn
 from ...golden import GoldenRecord
 from ...points import Point
 from .. import CandidateOutput
+from .attention import past_of
+from .requests import Requests
 from .visible import visible_attention
 
 if TYPE_CHECKING:
@@ -43,6 +45,11 @@ def drill_call(backend: VllmBackend, point: Point, golden: GoldenRecord) -> tupl
     reference's ops by value), on the golden call's inputs."""
     if getattr(backend, f"_{point.component}", None) is None:
         raise NotImplementedError(f"{point.id}: --hw vllm has no call for a {point.component} point to drill")
+    if point.component in ("attention", "output") and not Requests.of(golden, past_of(golden), 1).whole:
+        raise NotImplementedError(
+            f"{point.id}: --hw vllm runs a padded batch's attention on its real tokens only and the reference on "
+            "every token: their ops cannot be paired one by one; drill a golden recorded without padding"
+        )
     if point.component == "rotary":  # vLLM's rotary embedding is its attention's own
         target = backend.model.model.layers[0].self_attn.rotary_emb
     else:
