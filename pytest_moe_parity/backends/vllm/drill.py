@@ -5,7 +5,7 @@ the paged cache update and attention: `visible`), matched to the reference's by 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -16,9 +16,6 @@ from .attention import past_of
 from .requests import Requests
 from .visible import visible_attention
 
-if TYPE_CHECKING:
-    from .backend import VllmBackend
-
 
 class VllmCall(nn.Module):
     """The backend's call of one point as a module: vLLM's module for the point (`target`) with its
@@ -26,7 +23,7 @@ class VllmCall(nn.Module):
     drill's rows say where in vLLM each op ran. Called with the golden call's args and kwargs (the
     drill's inputs), it returns what the backend's run of the point returns."""
 
-    def __init__(self, backend: VllmBackend, point: Point, target: nn.Module):
+    def __init__(self, backend: Any, point: Point, target: nn.Module):
         super().__init__()
         for name, child in target.named_children():
             self.add_module(name, child)
@@ -40,7 +37,7 @@ class VllmCall(nn.Module):
         return output.output if isinstance(output, CandidateOutput) else output
 
 
-def drill_call(backend: VllmBackend, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
+def drill_call(backend: Any, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
     """`Backend.drill_call` for `--hw vllm`: vLLM's module of the point (a port's own code: matched to the
     reference's ops by value), on the golden call's inputs."""
     if getattr(backend, f"_{point.component}", None) is None:

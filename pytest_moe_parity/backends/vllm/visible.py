@@ -35,14 +35,14 @@ def _register() -> None:
     if getattr(namespace, "_registered", False):
         return
 
-    @torch.library.custom_op(f"{NAMESPACE}::do_kv_cache_update", mutates_args=("kv_cache",), device_types="cpu")
+    @torch.library.custom_op(f"{NAMESPACE}::do_kv_cache_update", mutates_args=("kv_cache",))
     def do_kv_cache_update(
         key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: str
     ) -> None:
         attn = _state()["layer"][layer]
         type(attn.impl).do_kv_cache_update(attn.impl, attn, key, value, kv_cache, slot_mapping)
 
-    @torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=("output",), device_types="cpu")
+    @torch.library.custom_op(f"{NAMESPACE}::attention_forward", mutates_args=("output",))
     def attention_forward(
         query: torch.Tensor,
         key: torch.Tensor | None,
