@@ -74,8 +74,9 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     is a directory with `model/` (the first leg's config of `arch`, or `moe-parity tiny-model`'s where the first
     leg has none, with `changes` set on it (None: the field removed), random weights from seed 0 (the constant
     ones made random as `moe-parity tiny-model` makes them), those whose names end with a key of `fill` drawn
-    with that standard deviation: GPT-OSS's sinks) and `golden/` (its golden, prefill and 2 decode steps).
-    vLLM's CPU attention kernels take head sizes of 32 and up; the first leg's are 16."""
+    with that standard deviation: GPT-OSS's sinks) and `golden/` (its golden, prefill and 2 decode steps;
+    `golden_args`: more `moe-parity golden` arguments, e.g. a padded batch's `--prompts`). vLLM's CPU
+    attention kernels take head sizes of 32 and up; the first leg's are 16."""
     import re
     import subprocess
 
@@ -91,8 +92,9 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, f"moe-parity {' '.join(args)}: {done.stderr}"
 
-    def make(arch: str, fill: dict[str, float] | None = None, **changes: Any) -> Path:
+    def make(arch: str, fill: dict[str, float] | None = None, golden_args: tuple[str, ...] = (), **changes: Any) -> Path:
         key = arch + "".join(f"-{k}{v}" for k, v in sorted({**changes, **(fill or {})}.items()))
+        key += "".join(f"-{a.rpartition('/')[2].strip('-').replace('.', '')}" for a in golden_args)
         if key in made:
             return made[key]
         root = tmp_path_factory.mktemp(re.sub(r"[^\w.-]", "", key)[:80])  # a name the filesystem takes
@@ -114,7 +116,8 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
             if std is not None:
                 tensor.normal_(0.0, std)
         model.save_pretrained(root / "model")
-        cli("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
+        golden = ("golden", "--model", str(root / "model"), "--out", str(root / "golden"), "--decode-steps", "2")
+        cli(*golden, *golden_args)
         made[key] = root
         return root
 

@@ -141,6 +141,9 @@ class OpNode:
     # from positions the module makes): a row, as nothing the call was given leads to what it returns
     made: bool = False
     partial: str = ""  # ranks joined: a rank's share of what this collective (its name) reduces
+    # returns nothing: its output is the argument it writes at `mutates[void]` (one node per written argument)
+    void: int | None = None
+    part: int | None = None  # one of a fused kernel's results: its `part`-th (one node per result)
     _leaves: list[Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -298,6 +301,10 @@ class OpGraph:
                 args[pos] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args[pos])
             out = execute(node, list(args), dict(kwargs))
             flat = leaves(out)
+            if node.void is not None and node.mutates[node.void] < len(args):
+                flat = [args[node.mutates[node.void]]]
+            elif node.part is not None:
+                flat = [flat[node.part]]
             for i, t in enumerate(flat):
                 values.setdefault(Ref("op", node.index, i), t)
 
@@ -423,31 +430,47 @@ class _OpRecorder(TorchDispatchMode):
         if expert is None and param is None:
             expert = self.expert.get(scope)
         flat_out = leaves(out)
-        index = len(self.nodes)
-        values = []
+        where = self._where()
+        # a library's fused kernel (not ATen's) computes several results: a node per result, each matched and
+        # judged on its own (vLLM's `fused_add_rms_norm` returns the norm and the residual's sum); one that
+        # returns nothing writes them into its arguments (vLLM's CPU `rotary_embedding` rotates the query and
+        # the key in place): a node per tensor it writes, that tensor its output
+        outs: list[tuple[int | None, int | None, list]] = [(None, None, flat_out)]
+        tensors = sum(isinstance(t, torch.Tensor) for t in flat_out)
+        if mutates and not tensors:
+            outs = [(i, None, [t]) for i, t in enumerate(written) if isinstance(t, torch.Tensor)]
+        elif tensors > 1 and tensors == len(flat_out) and func.namespace != "aten":
+            outs = [(None, i, [t]) for i, t in enumerate(flat_out)]
+        for void, part, flat in outs:
+            node = OpNode(len(self.nodes), func, kind, node_args, node_kwargs, [], scope, where, expert, param, mutates)
+            node.void, node.part, node._leaves = void, part, as_refs
+            self._add(node, flat, args)
+        return out
+
+    def _add(self, node: OpNode, flat_out: list, args: Any) -> None:
+        """`node` appended with its outputs `flat_out`: the tensors it returns (or writes) now come from it."""
+        index = node.index
         for i, t in enumerate(flat_out):
             if isinstance(t, torch.Tensor):
                 self.refs[id(t)] = Ref("op", index, i)
                 self.keep.append(t)
-                values.append(t.detach())
-                self.watch(values, i)
+                node.outputs.append(t.detach())
+                self.watch(node.outputs, i)
             else:
-                values.append(t)
-        for pos in mutates:  # the written tensor now holds this op's output
-            if pos < len(args) and isinstance(args[pos], torch.Tensor):
-                self.refs[id(args[pos])] = Ref("op", index, 0)
-        node = OpNode(index, func, kind, node_args, node_kwargs, values, scope, self._where(), expert, param, mutates)
-        node._leaves = as_refs
+                node.outputs.append(t)
+        if node.void is None:
+            for pos in node.mutates:  # the written tensor now holds this op's output
+                if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                    self.refs[id(args[pos])] = Ref("op", index, 0)
         # from constants alone (factories included): the same whatever the inputs
         node.constant = all(r.kind == "const" or (r.kind == "op" and self.nodes[r.at].constant) for r in node.inputs())
         self.nodes.append(node)
         if node.constant:  # a constant written through a view (`mask[:, i] = False`): its base as written
-            for pos in mutates:
+            for pos in node.mutates:
                 base = getattr(args[pos], "_base", None) if pos < len(args) else None
                 if isinstance(base, torch.Tensor) and id(base) in self.refs:
                     del self.refs[id(base)]
                     self.ref_of(base)
-        return out
 
 
 def capture_ops(

@@ -38,6 +38,7 @@ import torch
 from ..judge.distance import MASKED, mask_figures, rel_l2
 from .cache import CACHE_WRITE, CacheWrites, Slots, cache_slots, take
 from .capture import OpGraph, OpNode
+from .fused import fused_siblings, shape_perm
 from .rows import VALUE_TOL, RowIdentity, row_frames
 
 NORM_MARGIN = 2**-7  # what `_Norms.close` allows a norm for its rounding to a 16-bit dtype
@@ -65,6 +66,7 @@ class Match:
     # (its rows in the reference's order, its dims permuted): the drill's chained error where the
     # candidate's values are its capture's own
     error: float | None = None
+    split: tuple[int, ...] | None = None  # one to one: the shape the candidate's dims are split into before `perm`
     as_set: bool = False  # its rows paired with the reference's as a set (`_rows_as_sets`): no index traced them
 
     def to_reference(self, cand_values: list[torch.Tensor], ref_shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -76,7 +78,7 @@ class Match:
         if len(self.ref) <= 1 and len(self.cand) == 1:  # one to one (or to an input of the call)
             value = cand_values[0]
             if self.perm is not None:
-                value = value.permute(self.perm)
+                value = (value.reshape(self.split) if self.split is not None else value).permute(self.perm)
             return [value.reshape(ref_shapes[0])]
         if len(self.cand) == 1:  # fused: the candidate's output holds several of the reference's
             sizes = [_size_along(s, self.dim) for s in ref_shapes]
@@ -114,7 +116,7 @@ class Match:
                 inverse = [0] * len(self.perm)
                 for i, p in enumerate(self.perm):
                     inverse[p] = i
-                shape = [cand_shapes[0][i] for i in self.perm]
+                shape = [(self.split or cand_shapes[0])[i] for i in self.perm]
                 return [value.reshape(shape).permute(inverse).reshape(cand_shapes[0])]
             return [value.reshape(cand_shapes[0])]
         if len(self.cand) == 1:
@@ -131,7 +133,7 @@ def _size_along(shape: torch.Size, dim: int | None) -> int:
 
 
 # op kinds that compute the same thing in other forms: one kind for matching
-SAME_KIND = {"bmm": "mm", "addmm": "mm", "baddbmm": "mm", "matmul": "mm", "_softmax": "softmax",
+SAME_KIND = {"bmm": "mm", "addmm": "mm", "baddbmm": "mm", "matmul": "mm", "onednn_mm": "mm", "_softmax": "softmax",
              "_safe_softmax": "softmax", "masked_fill": "where"}  # fmt: skip
 
 
@@ -194,8 +196,9 @@ class _Norms:
         return abs(nc - nr) <= VALUE_TOL * nr + NORM_MARGIN * (nc + nr)
 
 
-def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[int, ...] | None, float] | None:
-    """How candidate output `c` equals reference output `r` (and its relative L2 error so), or None."""
+def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple | None:
+    """How candidate output `c` equals reference output `r`: (how, a permutation, its relative L2 error so,
+    and where its dims are split first: `_split_permuted`), or None."""
     if c is None or r is None or c.numel() != r.numel() or c.numel() == 0:
         return None
     if c.is_floating_point() != r.is_floating_point():
@@ -209,7 +212,37 @@ def _same(c: torch.Tensor | None, r: torch.Tensor | None) -> tuple[str, tuple[in
                 return "value (dims permuted)", perm, error
     if c.shape != r.shape and (error := rel_l2(c.reshape(r.shape), r)) <= VALUE_TOL:
         return "value (reshaped)", None, error
+    return _split_permuted(c, r)
+
+
+def _split_permuted(c: torch.Tensor, r: torch.Tensor) -> tuple[str, tuple[int, ...], float, tuple[int, ...]] | None:
+    """`c` with its dims split into the reference's, then permuted (a port's flat [tokens, heads x dim] query
+    against the reference's [batch, heads, tokens, dim]): how, the permutation, the error and the split shape."""
+    if c.dim() == r.dim() or not 1 < r.dim() <= 5:
+        return None
+    for perm in itertools.permutations(range(r.dim())):
+        split = [0] * r.dim()
+        for i, p in enumerate(perm):
+            split[p] = r.shape[i]
+        if perm == tuple(range(r.dim())) or not _splits(c.shape, split):
+            continue
+        if (error := rel_l2(c.reshape(split).permute(perm), r)) <= VALUE_TOL:
+            return "value (dims split and permuted)", perm, error, tuple(split)
     return None
+
+
+def _splits(shape: torch.Size, split: list[int]) -> bool:
+    """Whether each dim of `shape` is the product of consecutive dims of `split` (dims of 1 aside)."""
+    dims, parts = [d for d in shape if d != 1], [d for d in split if d != 1]
+    at = 0
+    for d in dims:
+        product = 1
+        while product < d and at < len(parts):
+            product *= parts[at]
+            at += 1
+        if product != d:
+            return False
+    return at == len(parts)
 
 
 def _equal(c: torch.Tensor | None, r: torch.Tensor | None) -> bool:
@@ -387,6 +420,7 @@ class _Matching:
         for c in [] if self.same_code else self.free_c():  # the same code fuses and splits nothing
             fused = functools.partial(lambda group, c: _joined([r.value for r in group], self.val(c), self.norms), c=c)
             hit = self.free_runs("ref").of((2, 3, 4), self.val(c), fused)
+            hit = hit or fused_siblings(self.reference, self.candidate, c, self.free_r(), fused)  # apart, one input
             if hit:
                 self.add(
                     Match(
@@ -410,7 +444,8 @@ class _Matching:
                     continue
                 found = _same(self.val(c), r.value)
                 if found is not None:
-                    self.add(Match((r.index,), (c.index,), found[0], perm=found[1], error=found[2]))
+                    split = found[3] if len(found) > 3 else None
+                    self.add(Match((r.index,), (c.index,), found[0], perm=found[1], error=found[2], split=split))
                     break
 
     def dense_rows(self) -> None:
@@ -440,7 +475,10 @@ class _Matching:
             for i, t in inputs:
                 found = _same(c.value, t)
                 if found is not None:
-                    self.add(Match((), (c.index,), f"value (the reference's input {i})", perm=found[1], input=i))
+                    split = found[3] if len(found) > 3 else None
+                    self.add(
+                        Match((), (c.index,), f"value (the reference's input {i})", perm=found[1], input=i, split=split)
+                    )
                     break
         toward = _leading_to(
             self.candidate, {c for m in self.matches if m.input is not None for c in m.cand}, self.matched_cand
@@ -660,7 +698,7 @@ def _by_place(pair: _Pair, matches: list[Match], add, drop, free_r, free_c, gath
                 None,
             )  # fmt: skip
             if c is not None:
-                add(Match((r.index,), (c.index,), ORDER))
+                add(Match((r.index,), (c.index,), ORDER, perm=shape_perm(c, r)))
                 flow.add(matches[-1])
         while True:
             taken_r: set[int] = set()
@@ -671,7 +709,7 @@ def _by_place(pair: _Pair, matches: list[Match], add, drop, free_r, free_c, gath
                         continue
                     taken_r.add(r.index)
                     taken_c.add(c.index)
-                    add(Match((r.index,), (c.index,), PLACE))
+                    add(Match((r.index,), (c.index,), PLACE, perm=shape_perm(c, r)))
                     flow.add(matches[-1])
                     break
             if not taken_r:

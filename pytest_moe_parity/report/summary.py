@@ -392,4 +392,7 @@ def drill_line(drill: Drill) -> tuple[str, str | None]:
     both = drill.recovery_introduced
     if both is not None and both != shown:
         said += f" ({100 * both:.0f}% with every op that introduced error)"
+    row = drill.row(drill.culprit)
+    if row is not None and row.candidate and drill.culprit not in row.candidate:  # a port's own op in its place
+        said += f"; the candidate's op: {', '.join(row.candidate[:3])}"
     return f"{head}; culprit {said}", "red"

@@ -1,10 +1,12 @@
 """vLLM's attention called outside its engine: the paged KV cache and the attention metadata its model
-runner would build, built here for one sequence from the golden's call (its positions, and on a decode
-step its past K and V written into the paged cache first by the attention backend's own cache update)."""
+runner would build, built here from the golden's call: each row of the batch one request of its real
+tokens (`requests`), on a decode step its past K and V written into the paged cache first by the attention
+backend's own cache update."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,7 @@ from ...model.calls import cache_states
 from ...points import Point
 from ...tree import CacheState
 from .parallel import held_kv_heads
+from .requests import Requests
 from .window import as_golden, first_held
 
 
@@ -37,64 +40,83 @@ def check(point: Point, layer: Any, golden: GoldenRecord) -> None:
     past = past_of(golden)
     if past is not None and past.window is not None and past.seen is None:
         raise PointUnavailable(f"{point.id}: the golden's sliding-window cache does not say how many positions it saw")
-    positions = golden.kwargs.get("position_ids")
-    if positions is None or positions.shape[0] != 1:
-        raise PointUnavailable(f"{point.id}: --hw vllm builds vLLM's attention metadata for one sequence, not a batch")
 
 
 @contextlib.contextmanager
 def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: torch.device) -> Iterator[dict]:
-    """vLLM's forward context for `layer`'s call on the golden's tokens: a paged cache of its own (the
-    golden's past written in first, at the slots of its positions: a sliding-window layer's cache holds
-    only its latest positions, the slots before them are left empty, outside vLLM's window), the metadata
-    of one request whose new tokens take the next slots (vLLM's builder over this layer alone: the layer's
-    own sliding window, where it has one). Yields a dict that holds, after the call, `cache`: the layer's
-    cache then, as a CacheState (what the golden's cache holds: a sliding-window layer's latest positions)."""
+    """vLLM's forward context for `layer`'s call on the golden's tokens: each row of the batch one request
+    of its real tokens only (`requests.Requests`), in a paged cache of its own, its real past written in
+    first by the attention backend's own cache update, then the attention backend's own metadata builder
+    over the requests (their new tokens take the next slots; the layer's own sliding window, where it has
+    one: its past, the latest positions only, goes in at the slots of its own positions, the slots before
+    them left empty, outside vLLM's window; at TP > 1 this rank's kv heads). Yields a dict that holds `requests` (for the
+    call's flat token axis), and after the call `cache`: the layer's cache then in the golden's layout, as a
+    CacheState (past and new K, V; this rank's kv heads; a sliding-window layer's latest positions)."""
     from vllm.forward_context import set_forward_context
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     spec = layer.get_kv_cache_spec(config)
     past = past_of(golden)
-    held = 0 if past is None else past.keys.shape[2]
-    first = first_held(past)
-    new = golden.kwargs["position_ids"].shape[-1]
-    total = first + held + new
-    blocks = -(-total // spec.block_size)
-    dtype = spec.dtype
-    kv_cache = torch.zeros(blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size, dtype=dtype, device=device)
+    if past is not None:  # this rank's kv heads of the golden's (all of them at TP 1)
+        heads = held_kv_heads(past.keys.shape[1])
+        past = dataclasses.replace(past, keys=past.keys[:, heads], values=past.values[:, heads])
+    with unseen():
+        requests = Requests.of(golden, past, spec.block_size, offset=first_held(past))
+        shape = (sum(requests.blocks), spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        kv_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], config, device)  # sets layer.isa
     saved = layer.kv_cache
     layer.kv_cache = kv_cache
-    if past is not None:  # the golden's past, written by the backend's own cache update ([tokens, heads, dim])
-        heads = held_kv_heads(past.keys.shape[1])  # this rank's kv heads of the golden's (all at TP 1)
-        keys, values = (t[0][heads].transpose(0, 1).contiguous().to(dtype) for t in (past.keys, past.values))
-        slots = torch.arange(first, first + held, dtype=torch.int64, device=device)
-        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
-    int32 = {"dtype": torch.int32, "device": device}
-    starts, lengths = torch.tensor([0, new], **int32), torch.tensor([total], **int32)
-    slots = torch.arange(first + held, total, dtype=torch.int64, device=device)
-    common = CommonAttentionMetadata(
-        query_start_loc=starts,
-        query_start_loc_cpu=starts.cpu(),
-        seq_lens=lengths,
-        num_reqs=1,
-        num_actual_tokens=new,
-        max_query_len=new,
-        max_seq_len=total,
-        block_table_tensor=torch.arange(blocks, **int32)[None],
-        slot_mapping=slots,
-        causal=True,
-    )
-    metadata = builder.build(0, common)
-    state: dict[str, Any] = {}
+    with unseen():
+        held = requests.past_slots().to(device)
+    if past is not None and held.numel():  # the golden's past, written by the attention backend's own cache update
+        with unseen():
+            keys, values = (requests.flat_past(t).to(spec.dtype).to(device) for t in (past.keys, past.values))
+        layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, held)
+    with unseen():
+        slots = requests.new_slots().to(device)
+        starts, lengths = requests.query_start_loc(), requests.seq_lens()
+        metadata = builder.build(0, _common(requests, starts, lengths, slots, device))
+    state: dict[str, Any] = {"requests": requests}
     try:
         with set_forward_context({layer.layer_name: metadata}, config, slot_mapping={layer.layer_name: slots}):
             yield state
         if past is not None:
-            cache = read_cache(past.layer, kv_cache, total, slot_order(layer, spec, device))
-            state["cache"] = as_golden(cache, past, new)
+            with unseen():
+                order = slot_order(layer, spec, device)
+                first = requests.offset
+                read = [
+                    read_slots(kv_cache, requests.slots(r, first, requests.total(r)), order)
+                    for r in range(requests.count)
+                ]
+                state["cache"] = as_golden(requests.cache_as_golden(read, past), past, requests.length)
     finally:
         layer.kv_cache = saved
+
+
+def _common(requests: Requests, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, device: torch.device):
+    """vLLM's CommonAttentionMetadata of the requests (what its model runner hands the metadata builder)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata(
+        query_start_loc=starts.to(device),
+        query_start_loc_cpu=starts,
+        seq_lens=lengths.to(device),
+        num_reqs=requests.count,
+        num_actual_tokens=int(starts[-1]),
+        max_query_len=max(int(t.numel()) for t in requests.tokens),
+        max_seq_len=int(lengths.max()),
+        block_table_tensor=requests.block_table().to(device),
+        slot_mapping=slots,
+        causal=True,
+    )
+
+
+def unseen() -> contextlib.AbstractContextManager:
+    """The backend's own bookkeeping (which tokens are real, the requests' slots and metadata, the cache read
+    back) kept out of a drill's capture of the call: it is not vLLM's code under test."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def slot_order(layer: Any, spec: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,15 +144,25 @@ def slot_order(layer: Any, spec: Any, device: torch.device) -> tuple[torch.Tenso
     return orders[0], orders[1]
 
 
-def read_cache(index: int, kv_cache: torch.Tensor, tokens: int, order: tuple[torch.Tensor, torch.Tensor]) -> CacheState:
-    """The first `tokens` slots of a paged cache in vLLM's CPU attention's layout ([blocks, kv_heads,
-    block_size, 2 x head_dim]: a block's keys, then its values, each in `order`), as [1, kv_heads, tokens,
-    head_dim] keys and values."""
+def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor]):
+    """The keys and values at `slots` of a paged cache in vLLM's CPU attention's layout ([blocks, kv_heads,
+    block_size, 2 x head_dim]: a block's keys, then its values, each in `order`), each [kv_heads, slots,
+    head_dim]."""
     blocks, heads, size, _ = kv_cache.shape
     head = order[0].shape[1]
     halves = kv_cache.view(blocks, heads, 2 * size, head).chunk(2, dim=2)
-    flat = []
+    block, at = (slots // size).to(kv_cache.device), (slots % size).to(kv_cache.device)
+    read = []
     for half, where in zip(halves, order, strict=True):
-        read = half.reshape(blocks, heads, size * head)[..., where.reshape(-1)].view(blocks, heads, size, head)
-        flat.append(read.transpose(0, 1).reshape(heads, blocks * size, head)[None, :, :tokens])
-    return CacheState(index, flat[0], flat[1])
+        flat = half.reshape(blocks, heads, size * head)[block]  # [slots, heads, size * head]
+        index = where[at].unsqueeze(1).expand(-1, heads, -1)  # [slots, heads, head]
+        read.append(flat.gather(2, index).transpose(0, 1))
+    return read[0], read[1]
+
+
+def read_cache(index: int, kv_cache: torch.Tensor, tokens: int, order: tuple[torch.Tensor, torch.Tensor]) -> CacheState:
+    """The first `tokens` slots of a paged cache in vLLM's CPU attention's layout as layer `index`'s cache,
+    [1, kv_heads, tokens, head_dim] keys and values."""
+    slots = torch.arange(tokens, device=kv_cache.device)
+    keys, values = read_slots(kv_cache, slots, order)
+    return CacheState(index, keys[None], values[None])

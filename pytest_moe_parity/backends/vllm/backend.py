@@ -20,6 +20,7 @@ from .. import Backend, BackendSetup, CandidateOutput
 from .archs import ARCHS, cpu_routing, fresh_ropes, refused
 from .attention import attention_context, check
 from .deepseek import DeepseekCalls
+from .drill import drill_call
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 from .parallel import OPTIONS, Plan, Ranks, check_plan, parallel_config, rank_groups
 from .quant import build_quantized, experts_words, refusal, scheme_of, vllm_reason
@@ -234,9 +235,9 @@ class VllmBackend(Backend):
         check(point, attn.attn, golden)
         hidden, positions = golden.kwargs["hidden_states"], golden.kwargs["position_ids"]
         with attention_context(self.config, attn.attn, golden, self.device) as state:
-            out = attn(positions=positions.reshape(-1), hidden_states=hidden.reshape(-1, hidden.shape[-1]))
-        output = (out.reshape(hidden.shape), None)
-        return CandidateOutput(output, cache=state.get("cache")), None
+            rows = state["requests"]  # the batch's real tokens, as vLLM's flat token axis
+            out = attn(positions=rows.flat(positions), hidden_states=rows.flat(hidden))
+        return CandidateOutput((rows.unflat(out), None), cache=state.get("cache")), None
 
     def _output(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
         """vLLM's decoder layer (its norms fused with the residual adds, attention, MoE block): its output is
@@ -246,12 +247,13 @@ class VllmBackend(Backend):
         check(point, attn, golden)
         hidden, positions = golden.args[0], golden.kwargs["position_ids"]
         with (
-            attention_context(self.config, attn, golden, self.device),
+            attention_context(self.config, attn, golden, self.device) as state,
             self._routing(self._block(point), force) as seen,
         ):
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            out, residual = layer(positions=positions.reshape(-1), hidden_states=flat, residual=None)
-        return (out + residual).reshape(hidden.shape), (seen[-1] if seen else None)
+            rows = state["requests"]  # the batch's real tokens, as vLLM's flat token axis
+            out, residual = layer(positions=rows.flat(positions), hidden_states=rows.flat(hidden), residual=None)
+        routing = tuple(rows.unflat(t).flatten(0, 1) for t in seen[-1]) if seen else None
+        return rows.unflat(out + residual), routing
 
     def _select(self, block: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vLLM's routing of `x`: the gate's logits, then the MoE runner's own expert selection."""
@@ -308,6 +310,9 @@ class VllmBackend(Backend):
             yield seen
         finally:
             del router.select_experts
+
+    def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
+        return drill_call(self, point, golden)  # vLLM's module of the point, called as `run` calls it
 
     def closing_lines(self, rows: list[dict[str, Any]]) -> list[str]:
         name = type(self.model).__name__ if self.model is not None else self.ranks.model_name
