@@ -92,7 +92,9 @@ def recorded(t5: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, f"moe-parity {' '.join(args)}: {done.stderr}"
 
-    def make(arch: str, fill: dict[str, float] | None = None, golden_args: tuple[str, ...] = (), **changes: Any) -> Path:
+    def make(
+        arch: str, fill: dict[str, float] | None = None, golden_args: tuple[str, ...] = (), **changes: Any
+    ) -> Path:
         key = arch + "".join(f"-{k}{v}" for k, v in sorted({**changes, **(fill or {})}.items()))
         key += "".join(f"-{a.rpartition('/')[2].strip('-').replace('.', '')}" for a in golden_args)
         if key in made:

@@ -49,9 +49,10 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
     first by the attention backend's own cache update, then the attention backend's own metadata builder
     over the requests (their new tokens take the next slots; the layer's own sliding window, where it has
     one: its past, the latest positions only, goes in at the slots of its own positions, the slots before
-    them left empty, outside vLLM's window; at TP > 1 this rank's kv heads). Yields a dict that holds `requests` (for the
-    call's flat token axis), and after the call `cache`: the layer's cache then in the golden's layout, as a
-    CacheState (past and new K, V; this rank's kv heads; a sliding-window layer's latest positions)."""
+    them left empty, outside vLLM's window; at TP > 1 this rank's kv heads). Yields a dict that holds
+    `requests` (for the call's flat token axis), and after the call `cache`: the layer's cache then in the
+    golden's layout, as a CacheState (past and new K, V; this rank's kv heads; a sliding-window layer's
+    latest positions)."""
     from vllm.forward_context import set_forward_context
 
     spec = layer.get_kv_cache_spec(config)
