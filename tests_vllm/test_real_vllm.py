@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import read_json, run_parity, usage_error
+from vllm_helpers import loading_through, patched, vllm_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
@@ -21,18 +22,7 @@ CLASSES = {
 
 
 def parity(pytester: pytest.Pytester, t5: Path, arch: str, report: Path, *args: str) -> pytest.RunResult:
-    return run_parity(
-        pytester,
-        t5 / f"{arch}-golden",
-        "--hw",
-        "vllm",
-        "--parity-report",
-        str(report),
-        "-W",
-        "error",
-        *args,
-        model=t5 / f"{arch}-model",
-    )
+    return vllm_parity(pytester, t5, report, *args, golden=t5 / f"{arch}-golden", model=t5 / f"{arch}-model")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -56,46 +46,10 @@ def test_a_clean_run_passes_every_point_vllm_s_modules_run(
     result.stdout.fnmatch_lines([f"--hw vllm: vLLM 0.32*'s {CLASSES[arch][1]} built by vLLM's loader on cpu in *"])
 
 
-def patched(pytester: pytest.Pytester, module: str, name: str, value: str, prelude: str = "") -> None:
-    """The inner session's conftest: `module`'s attribute `name` (dotted: a class's method) set to the
-    expression `value` for the session, and put back at its end (vLLM's modules stay imported across the
-    inner sessions of this process: conftest's `keep_vllm_imported`). `prelude` defines what `value` uses;
-    `original` is the attribute as it was."""
-    attr = name.rpartition(".")[2]
-    pytester.makeconftest(
-        f"""
-import importlib
-import operator
-import warnings
-
-import torch
-
-with warnings.catch_warnings():  # vLLM's own notices as it imports
-    warnings.simplefilter("ignore")
-    target = importlib.import_module({module!r})
-for part in {name!r}.split(".")[:-1]:
-    target = getattr(target, part)
-original = getattr(target, {attr!r})
-
-{prelude}
-
-
-def pytest_configure(config):
-    setattr(target, {attr!r}, {value})
-
-
-def pytest_unconfigure(config):
-    setattr(target, {attr!r}, original)
-"""
-    )
-
-
 def faulty_loading(pytester: pytest.Pytester, arch: str, change: str) -> None:
-    """The inner session's conftest: vLLM's model class of `arch` loads the checkpoint through `change`, a
-    function of (name, tensor) giving the pair loaded (a loader bug)."""
+    """The inner session's conftest: vLLM's model class of `arch` loads the checkpoint through `change`."""
     module, name, *_ = CLASSES[arch]
-    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
-    patched(pytester, module, f"{name}.load_weights", value, change)
+    loading_through(pytester, module, name, change)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_json, run_parity, usage_error
-from test_real_vllm import patched
+from helpers import read_json, usage_error
+from vllm_helpers import loading_through, patched, rows_of
+from vllm_helpers import vllm_parity as parity
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.files import SUMMARY_FILE
 
 # what each checkpoint is recorded with: head_dim 32 (vLLM's CPU attention takes 32 and up); GPT-OSS
 # unquantized (the first leg's config is MXFP4) with sinks of a trained model's size (they are near 0 at
@@ -38,15 +39,6 @@ CPU_ROUTER = (
 @pytest.fixture(scope="module")
 def made(recorded: Callable[..., Path]) -> Callable[[str], Path]:
     return lambda arch: recorded(arch, **RECORDED[arch])
-
-
-def parity(pytester: pytest.Pytester, root: Path, report: Path, *args: str, model: Path | None = None, golden=None):
-    argv = ("--hw", "vllm", "--parity-report", str(report), "-W", "error", *args)
-    return run_parity(pytester, golden or root / "golden", *argv, model=model or root / "model")
-
-
-def rows_of(report: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -105,8 +97,7 @@ def test_gpt_oss_s_interleaved_gate_and_up_swapped_for_one_expert_fail_first_at_
     t = t.clone()
     t[{expert}] = t[{expert}].view(t.shape[1], -1, 2).flip(-1).reshape(t.shape[1], -1)
     return k, t"""
-    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
-    patched(pytester, "vllm.model_executor.models.gpt_oss", "GptOssForCausalLM.load_weights", value, change)
+    loading_through(pytester, "vllm.model_executor.models.gpt_oss", "GptOssForCausalLM", change)
     report = tmp_path / "r"
     parity(pytester, root, report)
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_2.experts"
@@ -124,8 +115,7 @@ def test_minimax_m2_s_swapped_gate_and_up_projection_fails_first_at_the_experts(
     prefix = f"model.layers.1.block_sparse_moe.experts.{expert}"
     swap = {f"{prefix}.w1.weight": f"{prefix}.w3.weight", f"{prefix}.w3.weight": f"{prefix}.w1.weight"}
     change = f"def change(k, t):\n    return {swap!r}.get(k, k), t"
-    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
-    patched(pytester, "vllm.model_executor.models.minimax_m2", "MiniMaxM2ForCausalLM.load_weights", value, change)
+    loading_through(pytester, "vllm.model_executor.models.minimax_m2", "MiniMaxM2ForCausalLM", change)
     report = tmp_path / "r"
     parity(pytester, root, report)
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_1.experts"

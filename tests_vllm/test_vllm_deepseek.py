@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 from helpers import read_json, run_parity, usage_error
-from test_real_vllm import patched
+from vllm_helpers import loading_through, patched, rows_of
+from vllm_helpers import vllm_parity as parity
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.files import SUMMARY_FILE
 
 # the dims vLLM's CPU MLA kernels take, and the routing keys of DeepSeek's own config
 MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_head_dim": 80}
@@ -43,15 +44,6 @@ def deepseek_default_rope(recorded: Callable[..., Path]) -> Path:
     """The same with the first leg's plain rotary (`rope_type: default`: vLLM's RotaryEmbedding, whose CPU
     forward is its C++ kernel)."""
     return recorded("deepseek_v3", **MLA, **ROUTING)
-
-
-def parity(pytester: pytest.Pytester, root: Path, report: Path, *args: str) -> pytest.RunResult:
-    args = ("--hw", "vllm", "--parity-report", str(report), "-W", "error", *args)
-    return run_parity(pytester, root / "golden", *args, model=root / "model")
-
-
-def rows_of(report: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
 
 
 def flat_rotary(pytester: pytest.Pytester) -> None:
@@ -111,8 +103,7 @@ def test_a_dropped_routing_bias_fails_first_at_that_layer_s_router(
     experts; its router is the first divergence, the routers before it pass."""
     key = "model.layers.2.mlp.gate.e_score_correction_bias"
     change = f"def change(k, t):\n    return k, (torch.zeros_like(t) if k == {key!r} else t)"
-    value = "lambda self, weights: original(self, (change(k, t) for k, t in weights))"
-    patched(pytester, MODEL, "DeepseekV2ForCausalLM.load_weights", value, change)
+    loading_through(pytester, MODEL, "DeepseekV2ForCausalLM", change)
     report = tmp_path / "r"
     result = parity(pytester, deepseek, report)
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_2.router"

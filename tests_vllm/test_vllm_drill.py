@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from helpers import read_json, run_parity
-from test_real_vllm import patched
+from vllm_helpers import patched, rows_of
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
+from pytest_moe_parity.report.files import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 PADDED = ("--prompts", str(ROOT / "fixtures" / "prompts" / "padded.jsonl"), "--padding-side", "left")
@@ -30,10 +30,6 @@ def vllm(pytester: pytest.Pytester, where: Path, report: Path, *args: str) -> py
     """An inner `--hw vllm` run on `where`'s golden and model, its reports in `report`."""
     more = ("--hw", "vllm", "--parity-report", str(report), "-W", "error", *args)
     return run_parity(pytester, where / "golden", *more, model=where / "model")
-
-
-def rows_of(report: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -10,28 +10,11 @@ from pathlib import Path
 import pytest
 from helpers import read_json, run_parity, usage_error
 from test_real_vllm import faulty_loading
+from vllm_helpers import rows_of
+from vllm_helpers import vllm_parity as parity
 
 from pytest_moe_parity.golden import GoldenStore
-from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
-
-
-def parity(pytester: pytest.Pytester, head32: Path, report: Path, *args: str) -> pytest.RunResult:
-    return run_parity(
-        pytester,
-        head32 / "golden",
-        "--hw",
-        "vllm",
-        "--parity-report",
-        str(report),
-        "-W",
-        "error",
-        *args,
-        model=head32 / "model",
-    )
-
-
-def rows_of(report: Path) -> dict[str, dict]:
-    return {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
+from pytest_moe_parity.report.files import SUMMARY_FILE
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

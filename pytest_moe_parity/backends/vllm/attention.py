@@ -96,19 +96,29 @@ def attention_context(config: Any, layer: Any, golden: GoldenRecord, device: tor
 
 def _common(requests: Requests, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, device: torch.device):
     """vLLM's CommonAttentionMetadata of the requests (what its model runner hands the metadata builder)."""
+    return common_metadata(starts, lengths, requests.block_table(), slots, device)
+
+
+def common_metadata(
+    starts: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, device: Any, **more: Any
+) -> Any:
+    """vLLM's CommonAttentionMetadata of requests whose new tokens start at `starts` (int32, on the CPU, one
+    more than the requests) and whose sequences are `lengths` long, in the blocks of `table` ([requests,
+    blocks]), the new tokens at `slots`; `more`: the fields a backend's builder reads besides (MLA's)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     return CommonAttentionMetadata(
         query_start_loc=starts.to(device),
         query_start_loc_cpu=starts,
         seq_lens=lengths.to(device),
-        num_reqs=requests.count,
+        num_reqs=int(lengths.numel()),
         num_actual_tokens=int(starts[-1]),
-        max_query_len=max(int(t.numel()) for t in requests.tokens),
+        max_query_len=int((starts[1:] - starts[:-1]).max()),
         max_seq_len=int(lengths.max()),
-        block_table_tensor=requests.block_table().to(device),
+        block_table_tensor=table.to(device),
         slot_mapping=slots,
         causal=True,
+        **more,
     )
 
 

@@ -20,7 +20,7 @@ from ...errors import PointUnavailable
 from ...golden import GoldenRecord
 from ...points import Point
 from ...tree import CacheState
-from .attention import past_of
+from .attention import common_metadata, past_of
 
 
 def mla_layer(attn: Any) -> Any:
@@ -107,24 +107,11 @@ def mla_context(
 
 def _one_request(new: int, total: int, blocks: int, slots: torch.Tensor, device: torch.device) -> Any:
     """vLLM's CommonAttentionMetadata of one request of `total` tokens whose last `new` are computed now."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    int32 = {"dtype": torch.int32, "device": device}
-    starts, lengths = torch.tensor([0, new], **int32), torch.tensor([total], **int32)
-    return CommonAttentionMetadata(
-        query_start_loc=starts,
-        query_start_loc_cpu=starts.cpu(),
-        seq_lens=lengths,
-        num_reqs=1,
-        num_actual_tokens=new,
-        max_query_len=new,
-        max_seq_len=total,
-        block_table_tensor=torch.arange(blocks, **int32)[None],
-        slot_mapping=slots,
-        causal=True,
-        seq_lens_cpu_upper_bound=lengths.cpu(),
-        is_prefilling=torch.tensor([new == total], device=device),
-    )
+    starts, lengths = torch.tensor([0, new], dtype=torch.int32), torch.tensor([total], dtype=torch.int32)
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    prefilling = torch.tensor([new == total], device=device)
+    more = {"seq_lens_cpu_upper_bound": lengths, "is_prefilling": prefilling}
+    return common_metadata(starts, lengths, table, slots, device, **more)
 
 
 def read_latent(index: int, kv_cache: torch.Tensor, tokens: int, rank: int, interleaved: bool) -> CacheState:

@@ -37,7 +37,7 @@ class Requests:
         positions = golden.kwargs["position_ids"]
         batch, length = positions.shape[0], positions.shape[-1]
         held = 0 if past is None else past.keys.shape[2]
-        visible = _visible(golden.kwargs.get("attention_mask"), batch, held + length)
+        visible = _visible(golden.kwargs.get("attention_mask"), batch, held + length, prefill=not held)
         rows, tokens, pasts = [], [], []
         for row in range(batch):
             seen = visible[row]
@@ -138,12 +138,20 @@ class Requests:
         return CacheState(past.layer, out[0], out[1], past.window)
 
 
-def _visible(mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor:
-    """[batch, keys] bool: the keys each row's last query sees (a 4-D mask: additive floats or booleans)."""
+def _visible(mask: torch.Tensor | None, batch: int, keys: int, prefill: bool = False) -> torch.Tensor:
+    """[batch, keys] bool: each row's real keys. A 2-D mask: a padding mask, 1 where a token is real. A 4-D
+    mask (additive floats or booleans): on a decode step, the keys its last query sees; on a prefill, the
+    tokens whose own query sees itself and no later key (a sliding window's last query does not see the
+    first tokens, which are real; a padding token's query sees nothing, or everything where the reference's
+    attention unmasks fully masked rows)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
         return torch.ones(batch, keys, dtype=torch.bool)
     if mask.dim() == 2:  # a padding mask, 1 where a token is real
         return mask[:, -keys:].bool().cpu()
-    last = mask[:, 0, -1, -keys:]
-    seen = last if last.dtype == torch.bool else last == 0
-    return seen.cpu()
+    sees = mask[:, 0, :, -keys:]
+    sees = sees if sees.dtype == torch.bool else sees == 0
+    if prefill and sees.shape[1] == keys:
+        itself = sees.diagonal(dim1=1, dim2=2)
+        later = torch.triu(sees, diagonal=1).any(-1)
+        return (itself & ~later).cpu()
+    return sees[:, -1].cpu()
