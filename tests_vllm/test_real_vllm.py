@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import read_json, run_parity, usage_error
-from vllm_helpers import loading_through, patched, vllm_parity
+from vllm_helpers import busiest_expert, loading_through, patched, vllm_parity
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
@@ -60,7 +60,7 @@ def test_a_swapped_gate_and_up_projection_fails_first_at_the_experts(
     exchanged: the router of that layer is untouched and passes; the experts (on the golden's routing) are
     the first divergence."""
     _, _, block, gate, up = CLASSES[arch]
-    expert = int(GoldenStore(t5 / f"{arch}-golden").load("layer_1.router").output[2].flatten().bincount().argmax())
+    expert = busiest_expert(t5 / f"{arch}-golden", 1)
     prefix = f"model.layers.1.{block}.experts.{expert}"
     swap = {f"{prefix}.{gate}.weight": f"{prefix}.{up}.weight", f"{prefix}.{up}.weight": f"{prefix}.{gate}.weight"}
     faulty_loading(pytester, arch, f"def change(k, t):\n    return {swap!r}.get(k, k), t")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import read_json, usage_error
-from vllm_helpers import loading_through, patched, rows_of
+from vllm_helpers import busiest_expert, loading_through, patched, rows_of
 from vllm_helpers import vllm_parity as parity
 
 from pytest_moe_parity.golden import GoldenStore
@@ -89,7 +89,7 @@ def test_gpt_oss_s_interleaved_gate_and_up_swapped_for_one_expert_fail_first_at_
     [experts, hidden, 2 x intermediate]: gate in the even columns, up in the odd); layer 2's most chosen
     expert loaded with them exchanged: vLLM's experts on the golden's routing are the first divergence."""
     root = made("gpt_oss")
-    expert = int(GoldenStore(root / "golden").load("layer_2.router").output[2].flatten().bincount().argmax())
+    expert = busiest_expert(root / "golden", 2)
     key = "model.layers.2.mlp.experts.gate_up_proj"
     change = f"""def change(k, t):
     if k != {key!r}:
@@ -111,7 +111,7 @@ def test_minimax_m2_s_swapped_gate_and_up_projection_fails_first_at_the_experts(
     """Layer 1's most chosen expert (in the golden's routing) loaded with its w1 (gate) and w3 (up)
     exchanged: vLLM's experts on the golden's routing are the first divergence, at layer 1."""
     root = made("minimax_m2")
-    expert = int(GoldenStore(root / "golden").load("layer_1.router").output[2].flatten().bincount().argmax())
+    expert = busiest_expert(root / "golden", 1)
     prefix = f"model.layers.1.block_sparse_moe.experts.{expert}"
     swap = {f"{prefix}.w1.weight": f"{prefix}.w3.weight", f"{prefix}.w3.weight": f"{prefix}.w1.weight"}
     change = f"def change(k, t):\n    return {swap!r}.get(k, k), t"

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import read_json, run_parity, usage_error
+from vllm_helpers import busiest_expert
 
 from pytest_moe_parity.cli import main
 from pytest_moe_parity.golden import GoldenStore
@@ -97,7 +98,7 @@ def test_a_fault_in_vllm_s_loading_fails_first_at_its_point(
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
     golden = head32 / "golden"
-    expert = int(GoldenStore(golden).load("layer_1.router").output[2].flatten().bincount().argmax())
+    expert = busiest_expert(golden, 1)
     prefix = f"model.layers.1.mlp.experts.{expert}"
     swap = {f"{prefix}.gate_proj.weight": f"{prefix}.up_proj.weight",
             f"{prefix}.up_proj.weight": f"{prefix}.gate_proj.weight"}  # fmt: skip

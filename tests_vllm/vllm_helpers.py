@@ -25,6 +25,13 @@ def vllm_parity(
     return run_parity(pytester, golden or root / "golden", *argv, model=model or root / "model")
 
 
+def busiest_expert(golden: Path, layer: int) -> int:
+    """The expert the golden's router at `layer` chose most often (a fault there is seen by many tokens)."""
+    from pytest_moe_parity.golden import GoldenStore
+
+    return int(GoldenStore(golden).load(f"layer_{layer}.router").output[2].flatten().bincount().argmax())
+
+
 def rows_of(report: Path) -> dict[str, dict]:
     """The report's rows by point id."""
     return {r["id"]: r for r in read_json(report / REPORT_FILE)["points"]}
