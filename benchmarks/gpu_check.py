@@ -9,8 +9,12 @@ and `--hw cuda --hw-option quant=SPEC` judged against the golden's floor of SPEC
 
 Run it from the repository root. On a bare GPU machine where the package cannot be installed (no
 build backend, no index), `--register DIR` writes the package's entry points (the plugin and the
-backends) as a dist-info into DIR, which the checks then find on PYTHONPATH. Exit 1 when a check
-fails.
+backends) as a dist-info into DIR, which the checks then find on PYTHONPATH. transformers' native fp8
+and mxfp4 kernels come from the Hugging Face hub through the `kernels` package; on a machine that
+cannot reach the hub, `--local-kernels DIR` (with `--register`) puts a stand-in `kernels` package in
+DIR that imports a kernels-community kernel's sources from `DIR/<name>/torch-ext/<package>` (a checkout
+of github.com/huggingface/kernels-community). The checks run `--jobs` at a time (each its own
+processes on the one GPU). Exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FROM_PRETRAINED = """
@@ -48,6 +53,93 @@ def register(site: Path) -> None:
     text = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items()) + "\n" for g, items in groups.items())
     (info / "entry_points.txt").write_text(text)
     SITE.append(str(site))
+
+
+LOCAL_KERNELS = '''"""A stand-in for the `kernels` package where the Hugging Face hub cannot be reached (written by
+benchmarks/gpu_check.py --local-kernels): `get_kernel` imports a kernels-community kernel's Python sources
+from MOE_PARITY_LOCAL_KERNELS; the layer mappings transformers registers are kept and never applied."""
+import contextlib
+import enum
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+
+class _Spec:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+CUDAProperties = ROCMProperties = Device = LayerRepository = LocalLayerRepository = _Spec
+
+
+class Mode(enum.Flag):
+    INFERENCE = 1
+    TRAINING = 2
+    TORCH_COMPILE = 4
+
+
+class KernelizeFallback(enum.Enum):
+    ALL = "all"
+    NONE = "none"
+
+
+def register_kernel_mapping(*args, **kwargs):
+    pass
+
+
+def replace_kernel_forward_from_hub(*args, **kwargs):
+    pass
+
+
+@contextlib.contextmanager
+def use_kernel_mapping(*args, **kwargs):
+    yield
+
+
+def use_kernel_forward_from_hub(*args, **kwargs):
+    return lambda cls: cls
+
+
+def use_kernelized_func(*args, **kwargs):
+    return lambda cls: cls
+
+
+def kernelize(model, *args, **kwargs):
+    raise RuntimeError("kernelize needs the hub: this is a local stand-in for the kernels package")
+
+
+def get_kernel(repo_id, revision=None, version=None, **kwargs):
+    name = repo_id.split("/")[-1]
+    src = Path(os.environ["MOE_PARITY_LOCAL_KERNELS"]) / name / "torch-ext"
+    if not src.is_dir():
+        raise FileNotFoundError(f"{repo_id}: no local sources at {src}")
+    package = name.replace("-", "_")
+    # the `_ops` module the kernel builder generates: the kernel's torch.library namespace
+    ops = types.ModuleType(f"{package}._ops")
+    ops.ops = getattr(torch.ops, f"_{package}_local")
+    ops.add_op_namespace_prefix = lambda op: f"_{package}_local::{op}"
+    sys.modules[ops.__name__] = ops
+    sys.path.insert(0, str(src))
+    return importlib.import_module(package)
+'''
+
+
+def local_kernels(site: Path, sources: Path) -> None:
+    """The stand-in `kernels` package (at the version transformers asks for) under `site`."""
+    from transformers.utils import import_utils
+
+    (site / "kernels").mkdir(parents=True, exist_ok=True)
+    (site / "kernels" / "__init__.py").write_text(LOCAL_KERNELS)
+    info = site / f"kernels-{import_utils.KERNELS_MIN_VERSION}.dist-info"
+    info.mkdir(exist_ok=True)
+    version = import_utils.KERNELS_MIN_VERSION
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kernels\nVersion: {version}\n")
+    os.environ["MOE_PARITY_LOCAL_KERNELS"] = str(sources.resolve())
 
 
 def sh(*argv: str, code: str | None = None) -> tuple[int, str]:
@@ -124,12 +216,14 @@ def check(arch: str, root: Path) -> dict:
     caps = ("--device-map", "auto", "--max-memory", "0:1MB,cpu:500KB")  # of 1.8 MB: GPU, host and disk
     placed, pretrained = root / f"g-placed-{arch}", root / f"g-fp-{arch}"
     started = time.perf_counter()
-    code, text = cli("golden", "--model", str(model), "--out", str(placed), *caps, "--offload-folder", str(root / "o1"))
+    argv = ("golden", "--model", str(model), "--out", str(placed), *caps, "--offload-folder", str(root / f"o1-{arch}"))
+    code, text = cli(*argv)
     progress(arch, "golden placed by unit", code, started)
     out["placed_by_unit"] = {"exit": code, "placement": line(text, "placement:"), "memory": line(text, "memory:")}
     if code:
         out["placed_by_unit"]["tail"] = text[-1500:]
-    argv = ("golden", "--model", str(model), "--out", str(pretrained), *caps, "--offload-folder", str(root / "o2"))
+    offload = str(root / f"o2-{arch}")
+    argv = ("golden", "--model", str(model), "--out", str(pretrained), *caps, "--offload-folder", offload)
     code, text = sh(*argv, code=FROM_PRETRAINED)
     out["placed_by_from_pretrained"] = {"exit": code, "placement": line(text, "placement:")}
     if not code and not out["placed_by_unit"]["exit"]:
@@ -157,6 +251,11 @@ def quant_check(arch: str, scheme: str, root: Path) -> dict:
     for name, extra in {"dequant": (), "native": ("--reference-quant", "native")}.items():
         golden = root / f"qg-{name}-{arch}"
         code, text = cli("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
+        if code and name == "native":  # the maker's kernels take bfloat16 activations (mxfp4's must)
+            out["golden_cuda_native"] = {"exit": code, "tail": text[-600:]}
+            argv = ("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
+            code, text = cli(*argv, "--dtype", "bfloat16")
+            name = "native_bf16"
         out[f"golden_cuda_{name}"] = {"exit": code, "tail": text[-600:] if code else line(text, "golden written")}
         if not code:  # the CPU's dequantized checkpoint judged against this golden
             code, text = parity(golden, model, "--hw", "cpu")
@@ -174,22 +273,27 @@ def quant_check(arch: str, scheme: str, root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--archs", default="qwen3_moe,mixtral,minimax_m2")
+    ap.add_argument("--archs", default="qwen3_moe,mixtral,minimax_m2", help="'none': the quantized checks alone")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--register", type=Path, default=None, help="write the entry points here (no install)")
     ap.add_argument("--quant", action="store_true", help="also the quantized checks (FP8, MXFP4)")
+    ap.add_argument("--local-kernels", type=Path, default=None, help="kernels-community sources (no hub here)")
+    ap.add_argument("--jobs", type=int, default=4, help="checks run at a time")
     args = ap.parse_args()
     if args.register:
         register(args.register)
+        if args.local_kernels:
+            local_kernels(args.register, args.local_kernels)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: these checks need one")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [check(arch, Path(tmp)) for arch in args.archs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(check, arch, Path(tmp)) for arch in args.archs.split(",") if arch != "none"]
         if args.quant:
             quant = [("qwen3_moe", "fp8-block:32"), ("deepseek_v3", "fp8-block:8"), ("gpt_oss", "mxfp4")]
-            results += [quant_check(arch, scheme, Path(tmp)) for arch, scheme in quant]
+            runs += [pool.submit(quant_check, arch, scheme, Path(tmp)) for arch, scheme in quant]
+        results = [run.result() for run in runs]
     text = json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": results}, indent=1)
     print(text)
     if args.out:

@@ -960,3 +960,17 @@ def test_compare_tensors_runs_on_the_cores_left_free(monkeypatch: pytest.MonkeyP
         assert_metrics_close(busy, quiet, rel=SUM_REL)  # one thread's sums vs two threads' (another order)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_quantization_floor_widens_next_token_ties_per_token() -> None:
+    """Under a quantization floor, a next-token flip whose golden gap is within what the scheme's own error
+    moves at that token (`tie_floor`) is a tie; a wider one stays a real flip; without the floor both flip."""
+    golden = torch.zeros(3, 8)
+    golden[:, 0], golden[:, 1] = 1.0, 0.97  # a gap of 0.03 at every token
+    golden[2, 1] = 0.5  # token 2: a gap of 0.5
+    candidate = golden.clone()
+    candidate[:, 1] = 1.2  # every token's argmax moves to 1
+    plain = compare_logits(golden, candidate, torch.float32)
+    assert len(plain.top1.flips) == 3 and not plain.top1.ties
+    floored = compare_logits(golden, candidate, torch.float32, tie_floor=torch.tensor([0.05, 0.01, 0.05]))
+    assert [f.token for f in floored.top1.ties] == [0] and [f.token for f in floored.top1.flips] == [1, 2]

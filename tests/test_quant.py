@@ -317,6 +317,49 @@ def test_reference_quant_says_what_the_reference_ran_and_refuses_what_cannot_run
     assert manifest["record"]["loading"] != "from_pretrained"
 
 
+@pytest.mark.parametrize(
+    "arch, quant, args, kernels, said",
+    [
+        ("qwen3_moe", "fp8-block:32", [], False, "come from the Hugging Face hub through the `kernels` package"),
+        ("gpt_oss", "mxfp4", ["--dtype", "bfloat16"], False, "transformers' mxfp4 kernels come from the Hugging Face"),
+        ("deepseek_v3", "fp8-block:8", [], True, "take blocks of at least 32, and this checkpoint's are 8x8"),
+        ("gpt_oss", "mxfp4", [], True, "take bfloat16 activations, not torch.float32: add --dtype bfloat16"),
+    ],
+)
+def test_native_on_a_gpu_refuses_what_transformers_kernels_cannot_run(
+    quantized, capsys, monkeypatch, tmp_path: Path, arch: str, quant: str, args: list, kernels: bool, said: str
+) -> None:
+    """On a GPU (an H200, as seen there): transformers' fp8/mxfp4 kernels are fetched from the hub by the
+    `kernels` package, the fp8 kernel's Triton dot needs blocks of 32 or more, the mxfp4 one bfloat16
+    activations; each is one sentence before anything loads, nothing written."""
+    from pytest_moe_parity.record import reference
+
+    monkeypatch.setattr(reference.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(reference.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(reference, "hub_kernels_installed", lambda: kernels)
+    argv = ["golden", "--model", quantized(arch, quant), "--out", tmp_path / "n", "--device", "cuda:0", *args]
+    code, _, err = cli(capsys, *argv, "--reference-quant", "native")
+    assert code == 2 and said in err and "Traceback" not in err, err
+    assert not (tmp_path / "n").exists()
+
+
+def test_native_refuses_a_model_transformers_dequantized_instead() -> None:
+    """transformers' mxfp4 quantizer falls back to dequantizing (a warning) where its kernels do not load: a
+    golden labelled native must not hold that; the fp8 and compressed-tensors configs that ran pass."""
+    from types import SimpleNamespace
+
+    from transformers import Mxfp4Config
+
+    from pytest_moe_parity.errors import BadInput
+    from pytest_moe_parity.record.reference import native_ran
+
+    fell_back = SimpleNamespace(config=SimpleNamespace(quantization_config=Mxfp4Config(dequantize=True)))
+    with pytest.raises(BadInput, match="transformers dequantized the mxfp4 weights instead of running its kernels"):
+        native_ran(fell_back)
+    native_ran(SimpleNamespace(config=SimpleNamespace(quantization_config=Mxfp4Config())))
+    native_ran(SimpleNamespace(config=SimpleNamespace(quantization_config={"quant_method": "fp8"})))
+
+
 @pytest.mark.slow
 def test_native_compressed_tensors_is_transformers_w8a8_and_differs_from_dequant(
     quantized, capsys, tmp_path: Path

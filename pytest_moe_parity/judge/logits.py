@@ -51,10 +51,17 @@ class LogitsMetrics:
 
 
 def compare_logits(
-    golden: torch.Tensor, candidate: torch.Tensor, dtype: torch.dtype, *, tie_factor: float = 8.0, top_k: int = 5
+    golden: torch.Tensor,
+    candidate: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    tie_factor: float = 8.0,
+    top_k: int = 5,
+    tie_floor: torch.Tensor | None = None,
 ) -> LogitsMetrics:
     """Top-1 agreement (a disagreement is a tie when the golden's gap between its top-1 and the
-    candidate's choice is within :func:`tie_tolerance` of ``dtype``), top-k overlap and the KL divergence
+    candidate's choice is within :func:`tie_tolerance` of ``dtype``, or within ``tie_floor``, a gap per
+    token that a quantization's own error moves, where given), top-k overlap and the KL divergence
     of the candidate's next-token distribution from the golden's, per token. ``[..., V]``; leading dims
     are tokens. Computed in float64, in blocks of tokens."""
     g_all = as_token_matrix(check_tensor(golden, "golden"), "golden")
@@ -78,7 +85,10 @@ def compare_logits(
         kl[start:stop] = _kl_rows(g, c, g_best.values[:, :1], c_best.values[:, :1]).cpu()
     kl = torch.where(torch.isnan(kl), INF, kl)
     scores = g_all  # the golden logits are the selection scores of the argmax
-    top1 = compare_routing(scores, g_top1, c_top1, tolerance=tie_tolerance(scores, dtype, tie_factor))
+    tolerance = tie_tolerance(scores, dtype, tie_factor)
+    if tie_floor is not None:
+        tolerance = torch.maximum(tolerance, tie_floor.to(tolerance.device, F64).reshape(-1))
+    top1 = compare_routing(scores, g_top1, c_top1, tolerance=tolerance)
     return LogitsMetrics(
         num_tokens=num_tokens,
         top1_agreement=float((g_top1 == c_top1).to(F64).mean()) if num_tokens else 1.0,

@@ -92,6 +92,9 @@ PER_EXPERT = frozenset({EXPERTS, "moe"})  # points whose error is broken down pe
 # A token is measured against at least this share of the median token's norm: a token whose golden
 # row is nearly zero (sin at position 0, a padding row) would otherwise turn rounding into a failure.
 TOKEN_FLOOR = 0.5
+# Under a quantization floor, a next-token flip is a tie where the golden's gap is within this many
+# standard deviations of what the reference's own quantization error moves it (`_quant_ties`).
+QUANT_TIE_SIGMAS = 3.0
 
 
 def _tensor_leaves(obj: Any) -> list[torch.Tensor | None]:
@@ -443,12 +446,25 @@ class Judge:
             return
         keep = self._kept.get("out")  # the tokens the tensor checks judged
         g, c = _token_rows(_kept_rows(g, keep)), _token_rows(_kept_rows(c.detach().to("cpu"), keep))
-        lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor)
+        lm = compare_logits(g, c, self.dtype, tie_factor=self.tol.tie_factor, tie_floor=self._quant_ties(keep, g))
         self.result.logits = lm
         for key in LOGITS_LIMITS:
             value, limit = getattr(lm.top1, key.figure), self._flip_limit(key, "top1", lm.top1.num_tokens)
             passed = key.passes(value, limit)
             self.result.checks.append(Check(key.check_name, "top1", value, limit, key.op, passed, key.name))
+
+    def _quant_ties(self, keep: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor | None:
+        """Under a quantization floor, the next-token gap per token that the reference's own error under
+        the scheme moves: `QUANT_TIE_SIGMAS` standard deviations of the difference of two of its logits'
+        errors (sqrt(2) times their RMS over the vocabulary at that token). A flip within it is a tie, as
+        one within the dtype's rounding is: the quantized reference itself flips such tokens."""
+        record = self.noise_tokens.get("out") if self.floor and not self.fixed else None
+        if record is None:
+            return None
+        d2 = (record if keep is None else record[keep]).to(torch.float64)
+        if d2.numel() != g.shape[0] or bool(torch.isnan(d2).any()):
+            return None
+        return QUANT_TIE_SIGMAS * math.sqrt(2.0) * torch.sqrt(d2 / max(g.shape[-1], 1))
 
     def judge_generic(self, golden_out: Any, cand_out: Any) -> None:
         gl = [t for t in _tensor_leaves(golden_out) if t is not None]

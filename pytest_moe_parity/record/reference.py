@@ -172,9 +172,14 @@ def reader(model_dir: Path, config: Any, device_map: str | None, stream: bool, n
 
 
 REFERENCE_QUANT = ("dequant", "native")
+# the finegrained-fp8 kernel's dot over a block of the input dimension: Triton's fp8 `tl.dot` needs K >= 32
+# (seen on an H200: "Input shapes should have M >= 1, N >= 1 and K >= 32" for blocks of 8)
+NATIVE_FP8_MIN_BLOCK = 32
 
 
-def reference_quant(model_dir: Path, config: Any, choice: str | None, device: str | None) -> dict[str, Any] | None:
+def reference_quant(
+    model_dir: Path, config: Any, choice: str | None, device: str | None, dtype: torch.dtype | None = None
+) -> dict[str, Any] | None:
     """How a quantized reference's matmuls run, for its manifest and header (None: not quantized):
     `dequant` (the default: weights dequantized into the recording's dtype as each unit is read, what
     transformers does on a CPU), or `native`, the maker's path where transformers runs one here
@@ -189,7 +194,7 @@ def reference_quant(model_dir: Path, config: Any, choice: str | None, device: st
     if choice not in REFERENCE_QUANT:
         raise BadInput(f"--reference-quant {choice!r} is not one of {', '.join(REFERENCE_QUANT)}")
     if choice == "native":
-        why = native_unavailable(quant, device)
+        why = native_unavailable(quant, device, dtype)
         if why:
             raise BadInput(f"--reference-quant native: {why}; record with --reference-quant dequant (the default)")
     return {
@@ -203,8 +208,8 @@ def reference_quant(model_dir: Path, config: Any, choice: str | None, device: st
     }
 
 
-def native_unavailable(quant: Layout, device: str | None) -> str | None:
-    """Why transformers runs no quantized kernel of `quant` on `device` (None: it runs one)."""
+def native_unavailable(quant: Layout, device: str | None, dtype: torch.dtype | None = None) -> str | None:
+    """Why transformers runs no quantized kernel of `quant` on `device` in `dtype` (None: it runs one)."""
     on_gpu = (device or "cpu").startswith("cuda") and torch.cuda.is_available()
     if quant.method == "compressed-tensors":
         return None if quant.bits == "fp8" else f"transformers runs no {quant.bits} kernel of compressed-tensors"
@@ -212,7 +217,46 @@ def native_unavailable(quant: Layout, device: str | None) -> str | None:
         return f"transformers dequantizes {quant.method} weights on a CPU (its kernels need a GPU)"
     if quant.method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         return "transformers' fp8 kernels need a GPU of compute capability 8.9 or more"
+    if quant.method == "fp8" and quant.block and min(quant.block) < NATIVE_FP8_MIN_BLOCK:
+        return (
+            f"transformers' fp8 kernels (Triton) take blocks of at least {NATIVE_FP8_MIN_BLOCK}, and this "
+            f"checkpoint's are {quant.block[0]}x{quant.block[1]}"
+        )
+    if quant.method == "mxfp4" and dtype not in (None, torch.bfloat16):
+        return (
+            f"transformers' mxfp4 kernels (Triton's matmul_ogs) take bfloat16 activations, not {dtype}: "
+            "add --dtype bfloat16"
+        )
+    if not hub_kernels_installed():
+        return (
+            f"transformers' {quant.method} kernels come from the Hugging Face hub through the `kernels` package "
+            "(pip install kernels, at the version transformers names), which is not installed here"
+        )
     return None
+
+
+def hub_kernels_installed() -> bool:
+    """Whether transformers can fetch its hub kernels (the `kernels` package, at a version it takes)."""
+    from transformers.utils import import_utils
+
+    available = getattr(import_utils, "is_kernels_available", None)
+    return bool(available and available())
+
+
+def native_ran(model: Any) -> None:
+    """BadInput where transformers' quantizer fell back to dequantizing the weights (its kernels did not
+    load): a golden labelled `native` must have run the maker's kernels."""
+    qconfig = getattr(model.config, "quantization_config", None)
+    if isinstance(qconfig, dict):
+        dequantized, method = qconfig.get("dequantize"), qconfig.get("quant_method")
+    else:
+        dequantized, method = getattr(qconfig, "dequantize", None), getattr(qconfig, "quant_method", None)
+    if dequantized:
+        method = getattr(method, "value", method)
+        raise BadInput(
+            f"--reference-quant native: transformers dequantized the {method} weights instead of running "
+            "its kernels (see its warning above); record with --reference-quant dequant (the default)"
+        )
 
 
 def input_device(model) -> torch.device:

@@ -41,6 +41,7 @@ from .reference import (
     has_tokenizer,
     load_checked_config,
     load_model,
+    native_ran,
     reader,
     reference_quant,
     tokenizer_of,
@@ -145,9 +146,10 @@ def load_reference(
     how = reader(model_dir, config, device_map, stream, native=native)
     placing = dict(dtype=dtype, device_map=device_map, max_memory=max_memory, offload_folder=offload_folder)
     if how == "from_pretrained":
-        return LoadedReference(
-            load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing), how
-        )
+        model = load_model(model_dir, device=device, trust_remote_code=trust_remote_code, **placing)
+        if native:
+            native_ran(model)
+        return LoadedReference(model, how)
     try:
         if how == "placed":
             return LoadedReference(
@@ -386,7 +388,7 @@ class GoldenRequest:
             )
         if self.stream and has_bin and not any(model_dir.glob("*.safetensors")):
             raise BadInput(f"--stream reads safetensors checkpoints, and {model_dir} holds pytorch_model*.bin files")
-        quant = reference_quant(model_dir, config, self.reference_quant, self.device)
+        quant = reference_quant(model_dir, config, self.reference_quant, self.device, torch_dtype)
         if quant is not None and quant["reference"] == "native" and (self.stream or self.device_map):
             raise BadInput(
                 "--reference-quant native loads the model through transformers' quantizer, whole, on one --device; "
