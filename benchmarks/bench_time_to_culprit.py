@@ -29,43 +29,31 @@ dropped from their environment). The ratio is pytest's time to the culprit's lin
 estimates the same at Qwen3-30B-A3B's shapes from `bench_real_shapes.py`'s figures at 2 and 4 layers.
 
 The CPU seconds of both (every thread, pytest's to the failing point's end, the drill included) are
-printed beside the walls: on a shared host the walls move with the others' load (a load of 2-7 on 2 cores
-while these were taken), the CPU seconds far less. Measured on this project's shared host (OMP_NUM_THREADS=1,
-hidden 256, 48 layers, fault at 40, fp32 golden, bf16 candidate; before: the parent commit, after: this
-change; the floor measured beside each):
+printed beside the walls: on a shared host the walls move with the others' load, the CPU seconds far
+less. `--pytest-arg=--no-parity-layer-first` times the run of every item. Measured on this project's
+2-core host, quiet (OMP_NUM_THREADS=1, hidden 256, 48 layers, fault at 40, fp32 golden, bf16 candidate;
+best of 3 at 256 tokens, of 2 at 2048; the floor measured beside each):
 
-                        pytest to the culprit  the floor  wall ratio (after imports)  CPU s: pytest / floor
-    256 tokens, before  12.8 s                 6.4 s      x2.00 (x2.72)               10.5 / 6.3   x1.66
-    256 tokens, after   10.4 s                 5.2 s      x1.99 (x2.16)                9.0 / 5.0   x1.79
-      (at a load of 5-7: before 17.8 s / 8.3 s x2.16, CPU x2.11; after 16.8 s / 9.6 s x1.76, CPU x1.73)
-    2048 tokens, before 30.8 s                 17.6 s     x1.75 (x1.78)               30.2 / 17.6  x1.72
-    2048 tokens, after  32.1 s                 24.2 s     x1.33 (x1.40)               29.9 / 16.0  x1.87
+                          pytest to the culprit  the floor  wall ratio (after imports)  CPU ratio
+    256 tokens, layer-first     7.10 s           4.95 s     x1.43 (x1.67)               x1.49
+    256 tokens, every item      8.20 s           4.87 s     x1.68 (x2.06)               x1.73
+    2048 tokens, layer-first   19.13 s          16.58 s     x1.15 (x1.22)               x1.23
+    2048 tokens, every item    30.05 s          17.39 s     x1.73 (x1.88)               x1.78
 
-(256 tokens best of 3, 2048 one run each, at a load of ~2.5 unless said.) pytest's own time to the culprit
-fell by a sixth at 256 tokens (CPU 10.5 -> 9.0 s); at 2048 its CPU is the same (the sha256s are computed
-as before, beside the forwards instead of before them) and the walls move with the floor's own noise
-(its forward took 13.2-17.7 s in consecutive runs).
-
-Where the time goes (256 tokens, after, at a load of ~2.5): 0.2 s python and pytest, 3.1 s torch's and
-transformers' imports, 0.4 s the session, 6.3 s the 283 items before layer 40 (the first, `embedding`, 2.6 s:
-the backend's start, transformers' modeling_utils imported (~2 s, which the floor pays in its read too) and the
-skeleton built; then ~92 ms a layer: input_norm 16 ms with the layer's read beside it, attention 14,
-post_attn_norm 5, router 6, experts 17, moe 15, output 20), 0.01 s the failing point, 0.12 s the drill. A
-trivial item (a norm) costs ~5 ms: its golden record read, its verdict (~2.5 ms), pytest's phases (its logging
-plugin ~1.5 ms). At 2048 tokens the attention is the run: attention 7.7 s and output (which runs it again)
-9.5 s of 27.3 s of items, against the floor's one forward of 13-18 s.
-
-So the goal (x1.5) is not met at these tiny widths, for a reason the run's design holds: an isolated run
-judges every component on the golden's inputs, so each layer runs its attention twice (`attention`,
-`output`) and its experts three times (`experts`, `moe`, `output`), and judges seven points, where the floor
-runs the layer once. What this change took away is waste beside that: each golden file's sha256 is now
-computed ahead in a background thread (`GoldenStore.plan`, 18 ms a layer file at 2048 tokens, 2 ms at 256),
-and a decoder layer's read no longer walks the whole model's skeleton for transformers' loader (its state
-dict at every call: ~7 ms a read at 48 layers; `lazy_model._UnitView`). The drill itself is 0.1-0.3 s.
+Layer-first (the default under -x: `plugin/layer_first.py`) runs each layer before the fault once and
+judges its output and components as that run made them, where every item replays its own module (the
+attention twice, the experts three times) and is judged: at 256 tokens ~50 ms a layer against ~140, at
+2048 ~0.34 s against ~0.7. Where the rest goes at 256 tokens: ~0.2 s python and pytest, ~2 s torch's
+and transformers' imports, 0.3 s the session, ~2 s the first item (`embedding`: the backend's start,
+transformers' modeling code imported and the skeleton built, which the floor pays in its read too), the
+drill 0.1 s. (Earlier figures, every item, at a load of ~2.5: 10.4 s against 5.2 s, x1.99.) Each golden
+file's sha256 is computed ahead in a background thread (`GoldenStore.plan`), and a decoder layer's read
+does not walk the whole model's skeleton (`lazy_model._UnitView`).
 
 At Qwen3-30B-A3B's real shapes the reads dominate and the run overlaps them with the forwards: from
-`bench_real_shapes.py`'s figures (2 and 4 layers: replay 8.7 s + 1.05 s a layer, read + forward 3.7 s +
-1.85 s a layer) pytest reaches the culprit at layer 40 in ~52 s against a floor of ~80 s (x0.65).
+`bench_real_shapes.py`'s figures for every item (2 and 4 layers: replay 8.7 s + 1.05 s a layer, read +
+forward 3.7 s + 1.85 s a layer) pytest reaches the culprit at layer 40 in ~52 s against a floor of ~80 s
+(x0.65); layer-first does less.
 """
 
 from __future__ import annotations
@@ -218,14 +206,14 @@ def build(work: Path, hidden: int, layers: int, tokens: int, fault_layer: int) -
     return model, golden, candidate
 
 
-def pytest_run(work: Path, golden: Path, candidate: Path, failing: str) -> dict:
-    """`pytest -x --parity-drill auto` in a fresh process: when the culprit line came, when it exited,
-    and the timing plugin's stamps."""
+def pytest_run(work: Path, golden: Path, candidate: Path, failing: str, extra: list[str]) -> dict:
+    """`pytest -x --parity-drill auto` (and `extra`) in a fresh process: when the culprit line came, when it
+    exited, and the timing plugin's stamps."""
     (work / "ttc_timing.py").write_text(TIMING_PLUGIN)
     out = work / "ttc_timing.json"
     argv = [sys.executable, "-m", "pytest", "--golden-dir", str(golden), "--model", str(candidate), "--hw", "cpu",
             "--dtype", "bfloat16", "--no-parity-weights", "-x", "--parity-drill", "auto", "-p", "no:cacheprovider",
-            "-p", "ttc_timing", "--rootdir", str(work)]  # fmt: skip
+            "-p", "ttc_timing", "--rootdir", str(work), *extra]  # fmt: skip
     env = {**_env(work), "TTC_OUT": str(out), "TTC_FAILING": failing}
     start = int(env["TTC_START_NS"]) / 1e9
     cpu = _children_cpu()
@@ -316,6 +304,8 @@ def main() -> None:
     ap.add_argument("--fault-layer", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--keep", type=Path, help="build (or reuse) the checkpoint and goldens here")
+    ap.add_argument("--pytest-arg", action="append", default=[], help="added to pytest's line (repeatable), "
+                    "e.g. --pytest-arg=--no-parity-layer-first")  # fmt: skip
     args = ap.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-ttc-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -324,7 +314,7 @@ def main() -> None:
         model, golden, candidate = build(work, args.hidden, args.layers, args.tokens, args.fault_layer)
         runs, floors = [], []
         for _ in range(args.repeat):
-            runs.append(pytest_run(work, golden, candidate, failing))
+            runs.append(pytest_run(work, golden, candidate, failing, args.pytest_arg))
             floors.append(floor_run(work, model, golden, args.fault_layer))
         run = min(runs, key=lambda r: r["culprit_s"])
         floor = min(floors, key=lambda r: r["wall_s"])
@@ -333,8 +323,8 @@ def main() -> None:
         ratio = run["culprit_s"] / floor["wall_s"]
         # the same without torch's and transformers' imports on either side
         after = (run["culprit_s"] - run["stamps"]["torch imported"]) / (floor["wall_s"] - floor["imports_s"])
-        print(f"  pytest -x --parity-drill auto: culprit {run['culprit']} at {run['culprit_s']:.2f} s "
-              f"(exit at {run['wall_s']:.2f} s)")  # fmt: skip
+        line = " ".join(["pytest -x --parity-drill auto", *args.pytest_arg])
+        print(f"  {line}: culprit {run['culprit']} at {run['culprit_s']:.2f} s (exit at {run['wall_s']:.2f} s)")
         print(f"  floor: {floor['wall_s']:.2f} s (imports {floor['imports_s']:.2f} s, read of layers "
               f"0-{args.fault_layer} {floor['read_s']:.2f} s, forward {floor['forward_s']:.2f} s)")  # fmt: skip
         cpu = run["stamps"]["cpu at the failing point"]

@@ -66,6 +66,18 @@ def run_parity(
     return pytester.runpytest_subprocess(*argv) if subprocess else pytester.runpytest(*argv)
 
 
+def assert_stops_at(result: pytest.RunResult, golden: Path, expected: str) -> None:
+    """A `-x` run that stopped at `expected`, the one failure, every point before it passed, or skipped by
+    layer-first (its layer passed on one run of it: `plugin.layer_first`)."""
+    from pytest_moe_parity.golden import GoldenStore
+
+    outcomes = result.parseoutcomes()
+    before = GoldenStore(golden).point_ids.index(expected)
+    assert outcomes.get("failed") == 1 and not outcomes.get("errors"), outcomes
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == before, (outcomes, before)
+    result.stdout.fnmatch_lines([f"first divergence: {expected}*"])
+
+
 def usage_error(result: pytest.RunResult, message: str) -> None:
     """Exit 4 with `message` on stderr, and no traceback anywhere."""
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()

@@ -10,7 +10,7 @@ from pathlib import Path
 import faults
 import pytest
 import torch
-from helpers import NO_CONFIG, NO_WEIGHTS, read_json, rounding_bound, run_parity, usage_error
+from helpers import NO_CONFIG, NO_WEIGHTS, assert_stops_at, read_json, rounding_bound, run_parity, usage_error
 
 from pytest_moe_parity.golden import GoldenStore
 from pytest_moe_parity.model.archs import ARCH_TABLE
@@ -124,8 +124,7 @@ def test_fault_is_caught_at_its_own_point(fault: str, pytester: pytest.Pytester,
     report = pytester.path / "report"
     args = ("--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, "--parity-report", str(report))
     result = run_parity(pytester, golden, *args, model=candidate)
-    order = GoldenStore(golden).point_ids
-    result.assert_outcomes(failed=1, passed=order.index(expected))
+    assert_stops_at(result, golden, expected)
     result.stdout.fnmatch_lines([f"first divergence: {expected}*", f"FAILED *parity::{expected} - *"])
     summary = read_json(report / SUMMARY_FILE)
     assert summary["first_divergence"] == expected and summary["failed"] == 1
@@ -193,7 +192,7 @@ def test_nan_in_candidate_says_where(pytester: pytest.Pytester, tiny_model, gold
     golden = golden_dir("qwen3_moe")
     candidate = faults.edit_checkpoint(tiny_model("qwen3_moe"), pytester.path / "c", faults.poison("o_proj", 1))
     result = run_parity(pytester, golden, "--dtype", "bfloat16", "-x", NO_WEIGHTS, NO_CONFIG, model=candidate)
-    result.assert_outcomes(failed=1, passed=GoldenStore(golden).point_ids.index("layer_1.attention"))
+    assert_stops_at(result, golden, "layer_1.attention")
     result.stdout.fnmatch_lines(["*out*finite*FAIL*", "*candidate has * NaN and 0 Inf*first at index (0, *), token *"])
     assert "cosine         nan" not in result.stdout.str()
 

@@ -145,6 +145,10 @@ class Backend(ABC):
     row_masks: ClassVar[bool] = False
     # `run_routed` replaces a router's output inside the block that calls it (--parity-routing)
     forces_routing: ClassVar[bool] = False
+    # `run_parts` gives, with a point's output, those of the modules it runs inside it, from the same call
+    # (layer-first's probe: `plugin.layer_first`). A subclass that defines its own `run` has it off
+    # unless it sets it again.
+    captures_parts: ClassVar[bool] = False
     # the parallel settings `run_plan` takes (--parity-parallel), e.g. ("tp",); none: one process
     parallel_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -159,6 +163,8 @@ class Backend(ABC):
             cls.chain_kind = cls.__dict__["chain"]
         if "run" in cls.__dict__ and "row_masks" not in cls.__dict__:  # a `run` of its own takes tensors
             cls.row_masks = False  # unless it says otherwise (a subclass of `cpu` that compiles, ...)
+        if "run" in cls.__dict__ and "captures_parts" not in cls.__dict__:  # its `run` is not `run_parts`'
+            cls.captures_parts = False
 
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup
@@ -206,6 +212,13 @@ class Backend(ABC):
     @abstractmethod
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
         """The candidate's output for `point` on the golden inputs in `golden`."""
+
+    def run_parts(
+        self, point: Point, golden: GoldenRecord, parts: list[Point]
+    ) -> tuple[CandidateOutput, dict[str, Any]]:
+        """Backends with `captures_parts`: `run`, and the outputs of `parts` (points whose modules run
+        inside `point`'s, such as a decoder layer's components) as that call produced them, by point id."""
+        raise BackendError(f"the {self.name} backend cannot show the outputs of the modules a point runs inside")
 
     def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
         """Backends with `forces_routing`: `run` of a point that contains a router (a MoE block), the

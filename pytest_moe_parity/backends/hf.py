@@ -17,7 +17,15 @@ from ..golden.spec import resolve_params
 from ..host import HeldThreads
 from ..judge.routing import with_experts_call
 from ..model.attention import DEFAULT_BUDGET_MIB, attention_within
-from ..model.calls import cache_kwarg, cache_state, in_kept_dtype, next_inputs, with_cache_kwarg, with_live_caches
+from ..model.calls import (
+    OutputCapture,
+    cache_kwarg,
+    cache_state,
+    in_kept_dtype,
+    next_inputs,
+    with_cache_kwarg,
+    with_live_caches,
+)
 from ..model.checkpoint import weight_map
 from ..model.emulate import Emulation, QuantSpec, parse_spec
 from ..model.lazy_model import LazyModel
@@ -36,6 +44,7 @@ class TorchBackend(Backend):
     chains_decode = True
     streams_chain = True
     forces_routing = True
+    captures_parts = True
     row_masks = True  # `run` makes a causal mask a block of query rows at a time where attention runs in blocks
     options = (
         HwOption("device", "torch device to run on, e.g. cuda:1 (default: cpu; cuda for --hw cuda)"),
@@ -183,7 +192,19 @@ class TorchBackend(Backend):
     def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:
         return self._run(point, golden, force)
 
-    def _run(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any] | None = None) -> CandidateOutput:
+    def run_parts(
+        self, point: Point, golden: GoldenRecord, parts: list[Point]
+    ) -> tuple[CandidateOutput, dict[str, Any]]:
+        seen: dict[str, Any] = {}
+        return self._run(point, golden, parts=(parts, seen)), seen
+
+    def _run(
+        self,
+        point: Point,
+        golden: GoldenRecord,
+        force: Callable[[Any], Any] | None = None,
+        parts: tuple[list[Point], dict[str, Any]] | None = None,
+    ) -> CandidateOutput:
         lazy = self._model()
         module = lazy.module(point.module)
         attention, block = self._attention(self.golden.sequences, self.golden.prefill_tokens)
@@ -211,13 +232,18 @@ class TorchBackend(Backend):
             experts = self.golden.experts_of(router)
             if experts is not None and experts.module != point.module:
                 handles.append(lazy.module(experts.module).register_forward_pre_hook(called, with_kwargs=True))
+        capture = contextlib.nullcontext()
+        if parts is not None:  # the parts' outputs, as this call makes them
+            capture = OutputCapture(lazy.model, parts[0], calls={p.id: self.golden.call_values(p) for p in parts[0]})
         started = time.perf_counter()
         try:
-            with torch.no_grad(), attention:
+            with torch.no_grad(), attention, capture:
                 output = module(*args, **kwargs)
         finally:
             for handle in handles:
                 handle.remove()
+        if parts is not None:
+            parts[1].update(capture.outputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started

@@ -15,6 +15,7 @@ import pytest
 from ..points import COMPONENTS, positive_int
 from .fixtures import candidate, golden, parity  # noqa: F401 (pytest finds a plugin's fixtures on it)
 from .items import SESSION_KEY, ParityCollector, ParityItem, _CheckItem, _message
+from .layer_first import LAYER_FIRST_KEY, LayerFirst, active, wanted
 
 if TYPE_CHECKING:
     from ..session import ParitySession
@@ -93,6 +94,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
      "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
      "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi, vllm: tp, ep)"),
+    ("--parity-layer-first", "parity_layer_first", {"action": "store_true", "default": None},
+     "run each decoder layer once and judge its output and components as that run made them; run the component "
+     "items only where one fails (default: under -x, in an isolated run on cpu or cuda)"),
+    ("--no-parity-layer-first", "parity_layer_first", {"action": "store_false", "default": None},
+     "run every component item, also under -x"),
     ("--parity-require-candidate", "parity_require_candidate", {"action": "store_true", "default": False},
      "refuse a run that checks nothing about a port: the golden against itself (its own model, dtype and "
      "backend) or a selection with no point (a usage error; CI=true in the environment does the same)"),
@@ -292,13 +298,19 @@ class ParityPlugin:
             if self.worker
             else config.args_source == pytest.Config.ArgsSource.ARGS
         )
+        if wanted(config, session):
+            config.stash[LAYER_FIRST_KEY] = LayerFirst(session)
         if inputs.get("parity_loadgroup"):
             # workers re-parse the command line, so they never saw pytest_cmdline_main's --dist
             # loadgroup: without this, xdist does not group a layer's items on one worker
             config.option.loadgroup = True
 
     def pytest_report_header(self) -> list[str]:
-        return self.session.header_lines()
+        return self._header()
+
+    def _header(self) -> list[str]:
+        lf = active(self.config)
+        return [*self.session.header_lines(), *([lf.header()] if lf else [])]
 
     def pytest_ignore_collect(self) -> bool | None:
         """`pytest --golden-dir G` with no path runs the parity items only."""
@@ -320,6 +332,8 @@ class ParityPlugin:
         if len(kept) < len(parity_items):
             self.config.hook.pytest_deselected(items=[i for i in parity_items if i not in kept])
         items[:0] = kept
+        if (lf := active(self.config)) is not None:
+            lf.collected(kept)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         if self.worker:  # a worker runs the items it is sent, not those it collected
@@ -389,10 +403,12 @@ class ParityPlugin:
             return
         terminalreporter.write_sep("=", "moe-parity")
         if not terminalreporter.showheader or terminalreporter.no_header:  # -q, --no-header: say it here
-            for line in self.session.header_lines():
+            for line in self._header():
                 terminalreporter.write_line(line)
         for line, colour in self.session.closing_lines():
             terminalreporter.write_line(line, **({colour: True, "bold": True} if colour else {}))
+        if (lf := active(self.config)) is not None and (said := lf.closing()):
+            terminalreporter.write_line(said)
         from ..replay.setup import missing_steps
 
         missing = missing_steps(self.session.golden, self.config.option.keyword)
@@ -401,4 +417,6 @@ class ParityPlugin:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         del config.stash[SESSION_KEY]
+        if LAYER_FIRST_KEY in config.stash:
+            del config.stash[LAYER_FIRST_KEY]
         config.pluginmanager.unregister(self)

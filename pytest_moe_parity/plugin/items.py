@@ -166,11 +166,15 @@ class ParityItem(pytest.Item):
 
     def setup(self) -> None:
         from ..errors import BackendFailure, BackendStartFailure, GoldenError, PointUnavailable
+        from .layer_first import active
 
         session = _session(self.config)
         assert session is not None
+        lf = active(self.config)
+        if lf is not None and (reason := lf.skip_reason(self.point)):
+            raise pytest.skip.Exception(reason, _use_item_location=True)
         try:
-            self.prepared = session.prepare(self.point)
+            self.prepared = (lf.prepared(self.point) if lf else None) or session.prepare(self.point)
             return
         except PointUnavailable as exc:
             raise pytest.skip.Exception(str(exc), _use_item_location=True) from None
