@@ -50,7 +50,6 @@ class LayerFirst:
         self.session = session
         self.items: dict[str, pytest.Item] = {}  # the point items, by point id (their markers)
         self.probed: dict[tuple[int | None, int], tuple[Prepared | None, bool]] = {}
-        self.skipped: set[tuple[int | None, int]] = set()  # layers whose components were not run
 
     def collected(self, items: list[pytest.Item]) -> None:
         """The run's point items (after selection): a layer is probed where its output is selected, and its
@@ -66,7 +65,6 @@ class LayerFirst:
             self.probed[key] = self._probe(point_id(OUTPUT, point.layer, point.step))
         if not self.probed[key][1]:
             return None
-        self.skipped.add(key)
         output = point_id(OUTPUT, point.layer, point.step)
         return f"layer-first: {output} and its components pass on one run of the layer ({OFF} runs each)"
 
@@ -103,9 +101,16 @@ class LayerFirst:
         )
 
     def closing(self) -> str | None:
-        if not self.skipped:
+        """How many layers were judged on one run of theirs, from the run's rows (an xdist controller's
+        come from its workers' reports)."""
+        layers = {
+            (row.step, row.layer)
+            for row in self.session.rows.values()
+            if row.status == "skipped" and (row.reason or "").startswith("layer-first:")
+        }
+        if not layers:
             return None
-        n = len(self.skipped)
+        n = len(layers)
         return (
             f"layer-first: the components of {n} layer{'s' if n != 1 else ''} that passed on one run of the layer "
             f"were not run again ({OFF} runs them)"
