@@ -133,11 +133,11 @@ def local_kernels(site: Path, sources: Path) -> None:
     """The stand-in `kernels` package (at the version transformers asks for) under `site`."""
     from transformers.utils import import_utils
 
+    version = import_utils.KERNELS_MIN_VERSION
     (site / "kernels").mkdir(parents=True, exist_ok=True)
     (site / "kernels" / "__init__.py").write_text(LOCAL_KERNELS)
-    info = site / f"kernels-{import_utils.KERNELS_MIN_VERSION}.dist-info"
+    info = site / f"kernels-{version}.dist-info"
     info.mkdir(exist_ok=True)
-    version = import_utils.KERNELS_MIN_VERSION
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kernels\nVersion: {version}\n")
     os.environ["MOE_PARITY_LOCAL_KERNELS"] = str(sources.resolve())
 
@@ -250,10 +250,10 @@ def quant_check(arch: str, scheme: str, root: Path) -> dict:
     out["golden_cpu"] = code == 0 or text[-500:]
     for name, extra in {"dequant": (), "native": ("--reference-quant", "native")}.items():
         golden = root / f"qg-{name}-{arch}"
-        code, text = cli("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
+        argv = ("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
+        code, text = cli(*argv)
         if code and name == "native":  # the maker's kernels take bfloat16 activations (mxfp4's must)
             out["golden_cuda_native"] = {"exit": code, "tail": text[-600:]}
-            argv = ("golden", "--model", str(model), "--out", str(golden), "--device", "cuda", *extra, "-q")
             code, text = cli(*argv, "--dtype", "bfloat16")
             name = "native_bf16"
         out[f"golden_cuda_{name}"] = {"exit": code, "tail": text[-600:] if code else line(text, "golden written")}

@@ -214,10 +214,11 @@ class Backend(ABC):
         """The candidate's output for `point` on the golden inputs in `golden`."""
 
     def run_parts(
-        self, point: Point, golden: GoldenRecord, parts: list[Point]
-    ) -> tuple[CandidateOutput, dict[str, Any]]:
-        """Backends with `captures_parts`: `run`, and the outputs of `parts` (points whose modules run
-        inside `point`'s, such as a decoder layer's components) as that call produced them, by point id."""
+        self, point: Point, golden: GoldenRecord, parts: list[Point], seen: dict[str, Any]
+    ) -> CandidateOutput:
+        """Backends with `captures_parts`: `run`, the outputs of `parts` (points whose modules run inside
+        `point`'s, such as a decoder layer's components) as that call produced them put in `seen`, by
+        point id."""
         raise BackendError(f"the {self.name} backend cannot show the outputs of the modules a point runs inside")
 
     def run_routed(self, point: Point, golden: GoldenRecord, force: Callable[[Any], Any]) -> CandidateOutput:

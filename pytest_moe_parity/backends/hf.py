@@ -193,10 +193,9 @@ class TorchBackend(Backend):
         return self._run(point, golden, force)
 
     def run_parts(
-        self, point: Point, golden: GoldenRecord, parts: list[Point]
-    ) -> tuple[CandidateOutput, dict[str, Any]]:
-        seen: dict[str, Any] = {}
-        return self._run(point, golden, parts=(parts, seen)), seen
+        self, point: Point, golden: GoldenRecord, parts: list[Point], seen: dict[str, Any]
+    ) -> CandidateOutput:
+        return self._run(point, golden, parts=(parts, seen))
 
     def _run(
         self,

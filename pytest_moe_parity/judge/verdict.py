@@ -103,6 +103,15 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor | None]:
     return [x for x in leaves(obj) if x is None or isinstance(x, torch.Tensor)]
 
 
+def _record_rows(record: torch.Tensor | None, keep: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """The reference's own squared error per token (`Case.noise_tokens`) at the `rows` tokens `keep`
+    keeps, in float64; None where there is none, its count differs, or a kept token has none (NaN)."""
+    if record is None:
+        return None
+    d2 = (record if keep is None else record[keep]).to(torch.float64)
+    return None if d2.numel() != rows or bool(torch.isnan(d2).any()) else d2
+
+
 def _kept_rows(t: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The token rows of `t` that `keep` keeps (`_token_rows`), or `t` itself where it keeps them all."""
     return t if keep is None or bool(keep.all()) else _token_rows(t)[keep]
@@ -458,11 +467,8 @@ class Judge:
         the scheme moves: `QUANT_TIE_SIGMAS` standard deviations of the difference of two of its logits'
         errors (sqrt(2) times their RMS over the vocabulary at that token). A flip within it is a tie, as
         one within the dtype's rounding is: the quantized reference itself flips such tokens."""
-        record = self.noise_tokens.get("out") if self.floor and not self.fixed else None
-        if record is None:
-            return None
-        d2 = (record if keep is None else record[keep]).to(torch.float64)
-        if d2.numel() != g.shape[0] or bool(torch.isnan(d2).any()):
+        d2 = _record_rows(self.noise_tokens.get("out"), keep, g.shape[0]) if self.floor and not self.fixed else None
+        if d2 is None:
             return None
         return QUANT_TIE_SIGMAS * math.sqrt(2.0) * torch.sqrt(d2 / max(g.shape[-1], 1))
 
@@ -560,8 +566,8 @@ class Judge:
         if ref is None or record is None or target not in self.row_sums:
             return ref
         sums, keep = self.row_sums[target]
-        d2 = (record if keep is None else record[keep]).to(torch.float64)
-        if d2.numel() != sums.g2.numel() or bool(torch.isnan(d2).any()):
+        d2 = _record_rows(record, keep, sums.g2.numel())
+        if d2 is None:
             return ref
         g2 = sums.g2
         rel = float(torch.sqrt(d2.sum() / g2.sum())) if float(g2.sum()) > 0 else 0.0

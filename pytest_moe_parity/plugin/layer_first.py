@@ -20,7 +20,7 @@ both run every item (the prefill's layers alone are probed)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..session import ParitySession
 
 LAYER_FIRST_KEY = pytest.StashKey["LayerFirst"]()
-FLAG, OFF = "--parity-layer-first", "--no-parity-layer-first"
+OFF = "--no-parity-layer-first"
 
 
 def wanted(config: pytest.Config, session: ParitySession) -> bool:
@@ -60,12 +60,11 @@ class LayerFirst:
         """Why `point`'s item does not run (its layer's probe passed), or None: it runs."""
         if point.layer is None or point.component == OUTPUT or point.step is not None:  # decode: every item
             return None
-        key = (point.step, point.layer)
+        key, output = (point.step, point.layer), point_id(OUTPUT, point.layer, point.step)
         if key not in self.probed:
-            self.probed[key] = self._probe(point_id(OUTPUT, point.layer, point.step))
+            self.probed[key] = self._probe(output)
         if not self.probed[key][1]:
             return None
-        output = point_id(OUTPUT, point.layer, point.step)
         return f"layer-first: {output} and its components pass on one run of the layer ({OFF} runs each)"
 
     def _probe(self, output: str) -> tuple[Prepared | None, bool]:
@@ -134,20 +133,11 @@ def probe_layer(
     block with the routing the layer's router gave them, as a chained verdict takes it). (The output's
     run, for its item; whether every verdict passed.) Stops at the first that fails."""
     from ..backends import CandidateOutput
-    from ..errors import BackendFailure, PointUnavailable
-    from ..replay.runner import Prepared, candidate_inputs
+    from ..replay.runner import Prepared
 
     record = runner.golden.load(point, row_masks=runner.backend.row_masks)
-    runner.start(point)
-    try:
-        candidate, seen = runner.backend.run_parts(
-            point, candidate_inputs(record, runner.dtype, runner.backend.device), parts
-        )
-    except PointUnavailable:
-        raise
-    except Exception as exc:
-        raise BackendFailure(point.id, exc) from exc
-    prepared = Prepared(point, record, candidate, None)
+    seen: dict[str, Any] = {}
+    prepared = Prepared(point, record, runner.call(point, record, parts=(parts, seen)), None)
     if not runner.judge(prepared, markers.get(point.id)).passed:
         return prepared, False
     for part in parts:

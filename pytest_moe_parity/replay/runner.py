@@ -143,15 +143,19 @@ class ParityRunner:
         force: Callable[[Any], Any] | None = None,
         row: int | None = None,
         plan: dict[str, int] | None = None,
+        parts: tuple[list[Point], dict[str, Any]] | None = None,
     ) -> CandidateOutput:
         """The backend's output for a golden record (with `force`, its router's output replaced:
         `Backend.run_routed`; with `row`, the record is that row of the batch alone: `Backend.run_row`;
-        with `plan`, the candidate built under that parallel plan: `Backend.run_plan`);
+        with `plan`, the candidate built under that parallel plan: `Backend.run_plan`; with `parts`, the
+        outputs of those points' modules as the call made them put in its dict: `Backend.run_parts`);
         anything it raises but `PointUnavailable` is a `BackendFailure` (an error of the backend, not a
         divergence)."""
         self.start(point)
         inputs = candidate_inputs(record, self.dtype, self.backend.device)
         try:
+            if parts is not None:
+                return self.backend.run_parts(point, inputs, *parts)
             if force is not None:
                 return self.backend.run_routed(point, inputs, force)
             if row is not None:
