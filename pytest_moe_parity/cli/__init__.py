@@ -4,8 +4,8 @@ Exit codes: 0 success, 1 a comparison failed, 2 bad input.
 
 A package by family of commands: `record` (tiny-model, golden), `runs` (compare, demo, sweep),
 `reports` (report, diff), `checkpoint` (audit, estimate, dequantize), `inspect` (show, drill-ops, routes, scan),
-`engine` (vllm-dump); `common` what they share. Each command raises a `ParityError` for what the user must
-fix, and `main` says it once: one line on stderr, exit 2."""
+`engine` (vllm-dump), `prompts` (prompts --from-lm-eval); `common` what they share. Each command raises a
+`ParityError` for what the user must fix, and `main` says it once: one line on stderr, exit 2."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from .. import compat
 from ..errors import ParityError
-from . import checkpoint, engine, inspect, record, reports, runs
+from . import checkpoint, engine, inspect, prompts, record, reports, runs
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, Command
 
 __all__ = ["COMMANDS", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "Command", "build_parser", "main"]
@@ -28,6 +28,7 @@ COMMANDS: dict[str, Command] = {
     for command in (
         record.TINY_MODEL,
         record.GOLDEN,
+        prompts.PROMPTS,
         inspect.SCAN,
         runs.COMPARE,
         runs.DEMO,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,24 +19,38 @@ PADDING_SIDES = ("left", "right")
 
 @dataclass(frozen=True)
 class Prompt:
-    """One line of a prompts file: a text to tokenize, or token ids."""
+    """One line of a prompts file: a text to tokenize, or token ids; `source` the line's other keys,
+    carried into the golden's manifest (`moe-parity prompts --from-lm-eval` writes a document's task,
+    doc id and both runs' answers there)."""
 
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    source: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def label(self) -> str | None:
+        """Where the prompt came from, where its line says (`arc_easy doc 17`)."""
+        source = self.source or {}
+        if "task" in source and "doc_id" in source:
+            return f"{source['task']} doc {source['doc_id']}"
+        return None
 
     def preview(self, width: int = 40) -> str:
-        """The prompt in a few words, for the reports (`"The capital of Fra…"`, `ids 5, 17, 3, …`)."""
+        """The prompt in a few words, for the reports (`"The capital of Fra…"`, `ids 5, 17, 3, …`), after
+        its label where it has one (`arc_easy doc 17: Which of…`)."""
+        label = f"{self.label}: " if self.label else ""
         if self.text is not None:
             flat = " ".join(self.text.split())
-            return flat if len(flat) <= width else flat[: width - 1] + "…"
+            return label + (flat if len(flat) <= width else flat[: width - 1] + "…")
         ids = list(self.ids or ())
         shown = ", ".join(map(str, ids[:6]))
-        return f"ids {shown}{', …' if len(ids) > 6 else ''}"
+        return f"{label}ids {shown}{', …' if len(ids) > 6 else ''}"
 
 
 def read_prompts(path: Path | str) -> list[Prompt]:
-    """One prompt per line: plain text, or a JSON object with a `text` or an `ids` key (JSONL). Blank
-    lines are skipped. BadInput for a file that is missing, empty, or has a line neither form reads."""
+    """One prompt per line: plain text, or a JSON object with a `text` or an `ids` key (JSONL; its other
+    keys kept as the prompt's `source`). Blank lines are skipped. BadInput for a file that is missing,
+    empty, or has a line neither form reads."""
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"--prompts {path} is not a file; give one prompt per line (text, or JSONL with text or ids)")
@@ -51,10 +66,11 @@ def read_prompts(path: Path | str) -> list[Prompt]:
         except json.JSONDecodeError as exc:
             raise BadInput(f"--prompts {path}, line {number}: not valid JSON ({exc.msg})") from None
         text, ids = entry.get("text"), entry.get("ids")
+        source = {k: v for k, v in entry.items() if k not in ("text", "ids")} or None
         if isinstance(text, str) and ids is None:
-            prompts.append(Prompt(text=text))
+            prompts.append(Prompt(text=text, source=source))
         elif isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            prompts.append(Prompt(ids=tuple(ids)))
+            prompts.append(Prompt(ids=tuple(ids), source=source))
         else:
             raise BadInput(
                 f'--prompts {path}, line {number}: a JSON line needs a "text" string or an "ids" list of token ids'
@@ -75,6 +91,7 @@ class Batch:
     padding_side: str
     pad_id: int
     previews: list[str]  # per prompt row
+    sources: list[dict[str, Any] | None] = field(default_factory=list)  # per prompt row: its line's other keys
 
     @property
     def rows(self) -> int:
@@ -101,7 +118,7 @@ class Batch:
         }
 
     def manifest(self) -> dict:
-        return {
+        manifest = {
             "input_ids": self.input_ids,
             "attention_mask": self.attention_mask,
             "position_ids": self.position_ids,
@@ -109,6 +126,9 @@ class Batch:
             "pad_token_id": self.pad_id,
             "prompts": self.previews,
         }
+        if any(self.sources):
+            manifest["prompt_sources"] = self.sources
+        return manifest
 
 
 def prompt_ids(prompt: Prompt, n: int, tokenize: Callable[[str], list[int]] | None) -> list[int]:
@@ -178,4 +198,6 @@ def make_batch(
         ones, zeros = [1] * len(row), [0] * len(pad)
         mask.append(zeros + ones if padding_side == "left" else ones + zeros)
     positions = positions_of(torch.tensor(mask)).tolist()
-    return Batch(ids, mask, positions, padding_side, pad_id, [p.preview() for p in prompts])
+    return Batch(
+        ids, mask, positions, padding_side, pad_id, [p.preview() for p in prompts], [p.source for p in prompts]
+    )
