@@ -3,7 +3,8 @@ hub): what tests/test_lm_eval.py runs lm-eval on, and what wrote fixtures/lm_eva
 
 `write_all(DIR)` writes DIR/ref (a tiny Qwen3-MoE with a word-level tokenizer of the task's words),
 DIR/cand (the same checkpoint with layer 1's o_proj scaled x4: its first divergence is
-layer_1.attention), DIR/tiny_mc.yaml and DIR/tiny_mc.jsonl (16 four-way multiple-choice documents)."""
+layer_1.attention), DIR/tiny_mc.yaml and DIR/tiny_mc.jsonl (16 four-way multiple-choice documents), and
+DIR/tiny_gen.yaml (the same documents as a generation task scored by exact_match)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ def write_task(out: Path, docs: int = 16) -> Path:
         'doc_to_text: "Q: {{question}} A:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
+    # the same documents as a generation task (the right choice's word, greedy, two tokens at most)
+    gen = (
+        yaml.read_text()
+        .replace(f"task: {TASK}", "task: tiny_gen")
+        .replace("output_type: multiple_choice", "output_type: generate_until")
+    )
+    gen = gen.replace('doc_to_choice: "{{choices}}"\ndoc_to_target: answer', 'doc_to_target: "{{choices[answer]}}"')
+    gen = gen.replace("metric: acc", "metric: exact_match") + (
+        'generation_kwargs:\n  until: ["[EOS]"]\n  max_gen_toks: 2\n  do_sample: false\n'
+    )
+    (out / "tiny_gen.yaml").write_text(gen)
     return yaml
 
 

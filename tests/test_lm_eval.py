@@ -93,6 +93,20 @@ def test_one_run_alone_gives_the_documents_it_failed_most_confidently_wrong_firs
     assert f"{TASK}: {len(failed)} of 16 documents failed" in stdout
 
 
+def test_a_generation_task_s_prompt_is_its_context(tmp_path: Path, capsys) -> None:
+    """generate_until samples (lm-eval's text responses, scored by exact_match): the context alone is the
+    prompt, the text generated the run's answer; no log-likelihood, so the documents keep their order."""
+    gen = by_doc(FIXTURE / "gen")
+    records, _ = written(capsys, tmp_path, FIXTURE / "gen")
+    failed = [d for d, e in sorted(gen.items()) if e["exact_match"] < 1]
+    assert failed and [r["doc_id"] for r in records] == failed
+    for r in records:
+        entry = gen[r["doc_id"]]
+        assert r["task"] == "tiny_gen" and r["metric"] == "exact_match" and r["margin"] is None
+        assert r["text"] == entry["arguments"]["gen_args_0"]["arg_0"] and r["target"] == entry["target"]
+        assert r["run"] == {"answer": entry["filtered_resps"][0], "exact_match": entry["exact_match"]}
+
+
 def test_lm_eval_s_older_layout_reads_the_same(tmp_path: Path, capsys) -> None:
     """lm-eval before 0.4.3 wrote the arguments as lists and the responses as numbers."""
     old = {}
@@ -216,7 +230,6 @@ def lm_eval_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model) -> dict[s
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 @pytest.mark.usefixtures("_import_everything_once")
 def test_lm_eval_s_failures_record_a_golden_that_stops_at_the_fault(
     pytester: pytest.Pytester, tmp_path: Path, capsys, lm_eval_runs
