@@ -145,6 +145,10 @@ def _line(entry: Any, where: str) -> dict[str, Any]:
     return entry
 
 
+_NOT_METRICS = {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
+                "doc_hash", "prompt_hash", "target_hash"}  # fmt: skip
+
+
 def _metric(entry: dict[str, Any], where: str) -> str:
     """The task's metric: the first lm-eval lists for it whose per-document score is a number."""
     named = entry.get("metrics") or [k for k in entry if k not in _NOT_METRICS]
@@ -156,10 +160,6 @@ def _metric(entry: dict[str, Any], where: str) -> str:
         "a task scored over the whole corpus (perplexity, BLEU) cannot rank documents; give a task scored per "
         "document (acc, exact_match)"
     )
-
-
-_NOT_METRICS = {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
-                "doc_hash", "prompt_hash", "target_hash"}  # fmt: skip
 
 
 def read_samples(path: Path, task: str | None = None, results: dict[str, Any] | None = None) -> Samples:
@@ -184,7 +184,8 @@ def read_samples(path: Path, task: str | None = None, results: dict[str, Any] | 
         if entry.get("filter") != chosen:
             continue
         metric = metric or _metric(entry, where)
-        docs[int(entry["doc_id"])] = _doc(entry, metric, where)
+        doc = _doc(entry, metric, where)
+        docs[doc.doc_id] = doc
     if not docs or metric is None:
         raise BadInput(f"{path} holds no samples; {HINT}")
     results = results or {}
