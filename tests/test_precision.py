@@ -93,6 +93,18 @@ def test_transformers_own_bf16_router_passes_the_same_tolerance(pytester: pytest
     result.assert_outcomes(passed=2, skipped=2)
 
 
+def test_a_search_whose_point_did_not_run_here_runs_it(pytester: pytest.Pytester, golden_dir) -> None:
+    """`-k precision`: the point's own item is deselected; the search's run with nothing raised says it passes."""
+    pytester.makeconftest(SCORE_IN_BF16)
+    result = run_parity(
+        pytester, golden_dir("qwen3_moe", LAYERS), "--dtype", "bfloat16", *STRICT, NO_WEIGHTS, NO_CONFIG,
+        "--parity-precision-search", "layer_*.router", "-k", "precision", "-rs",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*layer_0.router passes on the golden's call: nothing to search*"])
+    result.stdout.fnmatch_lines(["*layer_1.router passes with its score op in float32; nothing else needs it"])
+
+
 def test_a_weight_fault_fails_with_everything_raised(
     pytester: pytest.Pytester, golden_dir, tiny_model, tmp_path: Path
 ) -> None:
