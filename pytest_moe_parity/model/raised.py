@@ -85,12 +85,15 @@ class Raised(TorchDispatchMode):
     its float32 value (seeded with the inputs' and parameters'). `seen` collects every unit that ran,
     in forward order (the census)."""
 
-    def __init__(self, paths: dict[int, str], raised: set[Unit], wide: dict[int, torch.Tensor]):
+    def __init__(self, paths: dict[int, str], raised: set[Unit], pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
-        self.paths, self.raised, self.wide = paths, raised, wide
+        self.paths, self.raised = paths, raised
+        self.wide: dict[int, torch.Tensor] = {}
+        self._natural: dict[int, torch.Tensor] = {}  # the natural tensors the lane is keyed by, alive while it runs
+        for natural, wide in pairs:
+            self._remember(natural, wide)
         self.stack: list[str] = []
         self.seen: list[Unit] = []
-        self._keep: list[Any] = []  # the natural tensors the lane is keyed by, alive while it runs
 
     def _where(self) -> str:
         return self.stack[-1] if self.stack else ""
@@ -117,18 +120,27 @@ class Raised(TorchDispatchMode):
         copy = func._schema.is_mutable  # an op that writes its input: never into the natural tensor
         wide_out = func(*self._widen(args, copy), **self._widen(kwargs, copy))
         out = func(*args, **kwargs)  # the natural lane: its shapes and dtypes, its values replaced
+        if copy:
+            self._forget_written(func, args, kwargs)  # and the tensors that share its storage
         self._round_into(out, wide_out)
         return out
 
     def _forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
-        """An op that wrote into a tensor in the candidate's precision: its wide value is stale."""
+        """An op that wrote into a tensor: the wide values of it and of every tensor sharing its
+        storage (a view's base, the base's other views) are stale."""
         if not func._schema.is_mutable:
             return
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 if isinstance(value, torch.Tensor):
-                    self.wide.pop(id(value), None)
+                    self._forget_storage(value)
+
+    def _forget_storage(self, written: torch.Tensor) -> None:
+        ptr = _storage(written)
+        for key in [k for k, t in self._natural.items() if t is written or _storage(t) == ptr]:
+            self.wide.pop(key, None)
+            self._natural.pop(key, None)
 
     def _widen(self, obj: Any, copy: bool = False) -> Any:
         def widen(x: Any) -> Any:
@@ -169,16 +181,25 @@ class Raised(TorchDispatchMode):
                 self._remember(n, w)
 
     def _remember(self, natural: torch.Tensor, wide: torch.Tensor) -> None:
-        self._keep.append(natural)
+        self._natural[id(natural)] = natural
         self.wide[id(natural)] = wide.float() if wide.dtype != torch.float32 else wide
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage: none shared
+        return None
+
+
 @contextmanager
-def raised_ops(module: nn.Module, raised: set[Unit], wide: dict[int, torch.Tensor]) -> Iterator[Raised]:
-    """Inside: `module`'s ops of the `raised` units run in float32 (`Raised`); the mode's `seen` says
-    which units ran."""
+def raised_ops(
+    module: nn.Module, raised: set[Unit], pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[Raised]:
+    """Inside: `module`'s ops of the `raised` units run in float32 (`Raised`), the wide lane seeded
+    with `pairs` (a natural tensor, its float32 value); the mode's `seen` says which units ran."""
     paths = {id(m): path for path, m in module.named_modules()}
-    mode = Raised(paths, set(raised), wide)
+    mode = Raised(paths, set(raised), pairs)
 
     def enter(m: nn.Module, *_: Any) -> None:
         if id(m) in paths:

@@ -125,20 +125,17 @@ class Searcher:
         result = runner.judge_output(point, record, CandidateOutput(output, readable), "isolated", None)
         return result, list(mode.seen)
 
-    def _wide_lane(self, module: torch.nn.Module, point: Point, call: tuple, wide_call: tuple) -> dict[int, Any]:
+    def _wide_lane(self, module: torch.nn.Module, point: Point, call: tuple, wide_call: tuple) -> list[tuple]:
         """The float32 values beside the natural ones: the golden's inputs, the module's weights."""
-        wide: dict[int, Any] = {}
-        for n, w in zip(leaves(call), leaves(wide_call), strict=False):
-            if _pair(n, w):
-                wide[id(n)] = w.float()
+        pairs = [(n, w) for n, w in zip(leaves(call), leaves(wide_call), strict=False) if _pair(n, w)]
         own = self._wide_module(point.module)
         mine = dict(module.named_parameters())
         mine.update(dict(module.named_buffers()))
         for name, w in [*own.named_parameters(), *own.named_buffers()]:
             n = mine.get(name)
             if _pair(n, w):
-                wide[id(n)] = w.float()
-        return wide
+                pairs.append((n, w))
+        return pairs
 
     def _router_hook(self, point: Point, routing: list[Any]) -> Any:
         router = self.golden.router_of(point)
