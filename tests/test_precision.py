@@ -160,3 +160,25 @@ def test_op_groups_and_the_bisection() -> None:
     assert len(asked) <= 4 + 5  # log2(16) bisection steps, then the five earlier units of the prefix
     asked.clear()
     assert search(needs({units[2], units[11]}), units) == [units[2], units[11]]
+
+
+def test_a_write_into_a_view_leaves_no_stale_wide_value() -> None:
+    """A tensor written through a view (a base filled slice by slice) is read by a raised op as written."""
+    from torch import nn
+
+    from pytest_moe_parity.model.raised import raised_ops
+
+    class Fill(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            base = torch.zeros_like(x)
+            base[:, :4] = x[:, :4] * 2
+            return base * 3
+
+    wide = torch.randn(2, 8)
+    x = wide.to(torch.bfloat16)
+    fill = Fill()
+    with torch.no_grad(), raised_ops(fill, {("", "elementwise")}, [(x, wide)]) as mode:
+        out = fill(x)
+    assert mode.seen == [("", "elementwise")]
+    torch.testing.assert_close(out[:, :4].float(), wide[:, :4] * 6, rtol=1e-2, atol=1e-2)
+    assert not out[:, 4:].any()
