@@ -30,6 +30,7 @@ from .replay.checks import Checker, CheckerSetup, Entry
 from .replay.config import ConfigItems
 from .replay.floors import pick_floor
 from .replay.parallel import ParallelItems
+from .replay.precision import PrecisionItems
 from .replay.routing import RoutingItems
 from .replay.runner import ParityRunner, Prepared
 from .replay.setup import (
@@ -59,7 +60,7 @@ def quiet_transformers() -> None:
 
 # The kinds of items beside the points, each a checker in its own wing (`replay.checks`), in the order
 # of their items around a point: their options, markers, items and rows all follow this tuple.
-CHECKERS: tuple[type[Checker], ...] = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems)
+CHECKERS = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems, PrecisionItems)
 
 
 @dataclass

@@ -94,6 +94,10 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
      "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
      "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi, vllm: tp, ep)"),
+    ("--parity-precision-search", "parity_precision", {"action": "append", "default": [], "metavar": "POINTS"},
+     "after each of these points (ids or globs, comma-separated, repeatable, e.g. 'layer_*.router'), an item "
+     "(POINT::precision) that, where the point fails, bisects for the fewest op groups of its submodules that must "
+     "run in float32 for it to pass, and names them (--hw cpu, cuda, trace, compile)"),
     ("--parity-layer-first", "parity_layer_first", {"action": "store_true", "default": None},
      "run each decoder layer once and judge its output and components as that run made them; run the component "
      "items only where one fails (default: under -x, in an isolated run on cpu or cuda)"),

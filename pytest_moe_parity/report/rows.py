@@ -42,6 +42,7 @@ __all__ = [
     "DrillRow",
     "ParallelRow",
     "PointRow",
+    "PrecisionRow",
     "RoutingRow",
     "Row",
     "UnjudgedRow",
@@ -54,10 +55,10 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch", "parallel"]
+Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch", "parallel", "precision"]
 # the kinds that run a point again under a condition (a differential): rows of their own, not the
 # pictures' points
-DIFFERENTIALS = ("routing", "batch", "parallel")
+DIFFERENTIALS = ("routing", "batch", "parallel", "precision")
 JsonDict = dict[str, Any]
 
 
@@ -144,6 +145,8 @@ class Row:
         cls: type[Row] = (
             RoutingRow
             if "levels" in data
+            else PrecisionRow
+            if "precision_verdict" in data
             else BatchInvarianceRow
             if "batch_rows" in data
             else ParallelRow
@@ -406,6 +409,34 @@ class ParallelRow(RunAgainRow):
 
     def _own_json(self) -> JsonDict:
         return {"plans": self.plans, "figures": self.figures}
+
+
+@dataclass
+class PrecisionRow(RunAgainRow):
+    """A failing point's precision search (``POINT::precision``, ``--parity-precision-search``):
+    `precision_verdict` ("precision": `raised` are the fewest units whose float32 makes it pass;
+    "defect": it fails with every unit raised; "not_precision": it passes with none raised), `units`
+    (every op group that ran, in forward order), `runs` (each run of the search: its units raised,
+    status and rel_l2), `search_seconds`; `metrics`: nothing raised (`none`), the units found
+    (`raised`), or every unit (`all`)."""
+
+    kind: ClassVar[Kind] = "precision"
+
+    precision_verdict: str | None = None
+    raised: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    runs: list[JsonDict] = field(default_factory=list)
+    search_seconds: float | None = None
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        return self.metrics.get("raised") or self.metrics.get("none")
+
+    def _own_json(self) -> JsonDict:
+        return {
+            "precision_verdict": self.precision_verdict, "raised": self.raised, "units": self.units,
+            "runs": self.runs, "search_seconds": self.search_seconds,
+        }  # fmt: skip
 
 
 _JUDGED_KEYS = ("metrics", "checks", "routing", "logits", "noise", "limits", "candidate_dtype")

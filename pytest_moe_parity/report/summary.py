@@ -12,7 +12,17 @@ from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT
 from ..words import counted
 from .drill import Drill, culprit_said
-from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
+from .rows import (
+    BatchInvarianceRow,
+    ConfigRow,
+    ParallelRow,
+    PointRow,
+    PrecisionRow,
+    RoutingRow,
+    Row,
+    WeightsRow,
+    number,
+)
 from .text import fmt
 
 STATUSES = ("passed", "failed", "error", "skipped")
@@ -47,6 +57,8 @@ def row_note(row: Row) -> str:
     if isinstance(row, BatchInvarianceRow) and row.batch_rows:
         changed = ", ".join(map(str, row.changed_rows))
         parts.append(f"rows {changed} change in the batch ({row.condition})" if changed else "every row as alone")
+    if isinstance(row, PrecisionRow) and row.precision_verdict:
+        parts.append(f"float32: {', '.join(row.raised)}" if row.raised else row.precision_verdict.replace("_", " "))
     if isinstance(row, WeightsRow) and row.status == "passed" and row.notes:  # a conversion, not a finding
         parts.append(row.notes[0][:60])
     if row.status != "passed":
