@@ -41,6 +41,7 @@ from .replay.setup import (
     run_mode,
     select_units,
 )
+from .replay.state import StateItems
 from .replay.weights import WeightItems
 from .report.drill import Drill
 from .report.files import write_reports
@@ -57,9 +58,9 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-# The kinds of items beside the points, each a checker in its own wing (`replay.checks`), in the order
-# of their items around a point: their options, markers, items and rows all follow this tuple.
-CHECKERS: tuple[type[Checker], ...] = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems)
+CHECKERS: tuple[type[Checker], ...] = (  # the kinds of items beside the points (`replay.checks`), in their order
+    ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems, StateItems
+)  # fmt: skip
 
 
 @dataclass

@@ -94,6 +94,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("--parity-parallel", "parity_parallel", {"metavar": "A:B"},
      "after each point, an item (POINT::parallel) that runs it with the candidate built under plan A and plan B "
      "(e.g. tp=1:tp=2) and fails where B leaves A's limits, naming the parallelism (--hw nxdi, vllm: tp, ep)"),
+    ("--parity-state", "parity_state", {"metavar": "reused|prefix|DIR"},
+     "after each point, an item (POINT::state) that runs it in another serving state of the candidate against the "
+     "prompt's clean run: after other requests in the same cache slots (reused), on a prefix-cache hit another "
+     "request wrote (prefix), or a dump of the prompt taken under another state (DIR, with --hw dump --model "
+     "CLEAN_DUMP); it fails where the state alone changes the output"),
     ("--parity-layer-first", "parity_layer_first", {"action": "store_true", "default": None},
      "run each decoder layer once and judge its output and components as that run made them; run the component "
      "items only where one fails (default: under -x, in an isolated run on cpu or cuda)"),

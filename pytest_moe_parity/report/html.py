@@ -41,6 +41,7 @@ from .rows import (
     PointRow,
     RoutingRow,
     Row,
+    StateRow,
     WeightsRow,
     number,
     result_of,
@@ -442,7 +443,10 @@ class _Page:
         again = [r for r in self.points if r.kind in DIFFERENTIALS]
         if again:  # a differential runs a point again: its verdict beside the grid, not in the point's cell
             cells = [self.cell(r, r.mode, noise, label=r.id, tag="a") for r in again]
-            parts += [el("h3", "Points run again (routing, batch, parallel plans)"), el("div", cells, class_="strip")]
+            parts += [
+                el("h3", "Points run again (routing, batch, parallel plans, serving state)"),
+                el("div", cells, class_="strip"),
+            ]
         return join(parts)
 
     def grid(self, rows: list[Row], mode: str, noise: bool) -> Safe:
@@ -612,8 +616,8 @@ class _Page:
             body.append(_dict_table(r.batch_rows))
             if r.condition:
                 body.append(el("p", f"condition: {r.condition}; rows that change: {r.changed_rows or 'none'}"))
-        elif isinstance(r, ParallelRow):
-            body.append(el("p", " vs ".join(r.plans)))
+        elif isinstance(r, ParallelRow | StateRow):
+            body.append(el("p", " vs ".join(r.plans) if isinstance(r, ParallelRow) else r.said or r.serving_state))
             body.append(_dict_table([{"figure": k, "value": v} for k, v in r.figures.items()]))
         if r.error:
             body.append(el("pre", r.error, class_="error"))
