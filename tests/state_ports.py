@@ -79,7 +79,8 @@ class Engine:
         self.lengths[layer, self.slot] = keys.shape[-2]
         self.read[layer] = (keys, values)
         if start:
-            self.said.setdefault(layer, f"after another request ({start} rows) in slot {self.slot}")
+            rows = f"{start} row{'s' * (start != 1)}"
+            self.said.setdefault(layer, f"after another request ({rows}) in slot {self.slot}")
         return keys, values
 
 

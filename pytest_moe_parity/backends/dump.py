@@ -3,6 +3,7 @@ anything. The dump's layout, its map file and NxDI captures: see `pytest_moe_par
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, parse_dtype
-from ..dump.identity import check_dump
+from ..dump.identity import ENGINE_FILE, check_dump
 from ..dump.reader import DumpDir, DumpError, PointNotDumped, Source, fit
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
@@ -118,7 +119,8 @@ class DumpBackend(Backend):
     def run_state(self, point: Point, golden: GoldenRecord, state: Any) -> CandidateOutput:
         """The prompt's dump under another state (`state`: its directory), read as the candidate's own."""
         out = self._read(self.state_dump(state), point)
-        out.info["state"] = f"in the dump {Path(state).expanduser()}"
+        said = state_said(Path(state).expanduser())
+        out.info["state"] = f"in the dump {Path(state).expanduser()}" + (f" ({said})" if said else "")
         return out
 
     def _dumped_dtype(self) -> tuple[torch.dtype | None, str]:
@@ -305,6 +307,15 @@ def _fit_cache(cache: CacheState, positions: int | None, notes: list[str]) -> Ca
         return cache
     notes.append(f"cache: the dump holds {held} positions (a static cache): the first {positions} judged")
     return CacheState(cache.layer, keys[:, :, :positions], values[:, :, :positions], cache.window, cache.seen)
+
+
+def state_said(root: Path) -> str:
+    """The state a dump was taken in, as its writer said it (`engine.json`'s `state.said`: `vllm-dump --state`)."""
+    try:
+        said = json.loads((root / ENGINE_FILE).read_text())["state"]["said"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return "; ".join(map(str, said)) if isinstance(said, list) else str(said)
 
 
 def _same_prompt(own: DumpDir, other: DumpDir, points: list[Point]) -> None:
