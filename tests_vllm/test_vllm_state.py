@@ -59,3 +59,13 @@ def test_the_engine_in_another_state_gives_the_clean_run_s_output(dumps, pyteste
     assert len(rows) == points and all(r["said"] == f"in the dump {dump} ({said_of(dump)})" for r in rows)
     # vLLM's CPU kernels in float32 give the state's run the clean run's bits, the prefix hit's rows included
     assert max(r["figures"]["state_vs_clean"] for r in rows) == 0.0
+
+
+def test_a_prompt_no_prefix_hit_can_cover_is_one_line(head32: Path, capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """A 16-token prompt: a hit takes whole blocks of 32 and leaves the last token to compute (exit 2, before vLLM
+    builds an engine, nothing written)."""
+    code = main(["vllm-dump", "--model", str(head32 / "model"), "--golden", str(head32 / "golden"),
+                 "--out", str(tmp_path / "out"), "--state", "prefix"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "the golden's prompt has 16 tokens: a prefix-cache hit takes whole blocks of 32" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
