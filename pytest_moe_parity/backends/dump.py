@@ -335,7 +335,8 @@ def _same_prompt(own: DumpDir, other: DumpDir, points: list[Point]) -> None:
         )
     if point.component == "embedding":
         a, b = a.float(), b.float()
-        if float((a - b).norm()) > 1e-3 * max(float(a.norm()), 1e-30):
+        # another prompt's embedding is another row of the table (rel_l2 ~1); a dtype's rounding is far below 0.1
+        if float((a - b).norm()) > 0.1 * max(float(a.norm()), 1e-30):
             raise DumpError(
                 f"{other.root} is a dump of another prompt: its embedding differs from the candidate's (a lookup "
                 "no serving state changes); dump the golden's prompt under the other state"
