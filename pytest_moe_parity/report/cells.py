@@ -168,12 +168,8 @@ def _differential(row: Row) -> tuple[str, str] | None:
         return (f"B/A {compact(value)}", f"{plans}: rel_l2 {fmt(value, 4)}") if value is not None else None
     if isinstance(row, StateRow):
         value = number(row.figures.get("state_vs_clean"))
-        said = row.said or row.serving_state
-        return (
-            (f"state {compact(value)}", f"{said}: rel_l2 {fmt(value, 4)} to its clean run")
-            if value is not None
-            else None
-        )
+        if value is not None:
+            return f"state {compact(value)}", f"{row.said or row.serving_state}: rel_l2 {fmt(value, 4)} to clean"
     return None
 
 

@@ -443,10 +443,7 @@ class _Page:
         again = [r for r in self.points if r.kind in DIFFERENTIALS]
         if again:  # a differential runs a point again: its verdict beside the grid, not in the point's cell
             cells = [self.cell(r, r.mode, noise, label=r.id, tag="a") for r in again]
-            parts += [
-                el("h3", "Points run again (routing, batch, parallel plans, serving state)"),
-                el("div", cells, class_="strip"),
-            ]
+            parts += [el("h3", "Points run again (routing, batch, parallel plans)"), el("div", cells, class_="strip")]
         return join(parts)
 
     def grid(self, rows: list[Row], mode: str, noise: bool) -> Safe:
