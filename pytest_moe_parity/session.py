@@ -42,6 +42,7 @@ from .replay.setup import (
     run_mode,
     select_units,
 )
+from .replay.state import StateItems
 from .replay.weights import WeightItems
 from .report.drill import Drill
 from .report.files import write_reports
@@ -60,7 +61,7 @@ def quiet_transformers() -> None:
 
 # The kinds of items beside the points, each a checker in its own wing (`replay.checks`), in the order
 # of their items around a point: their options, markers, items and rows all follow this tuple.
-CHECKERS = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems, PrecisionItems)
+CHECKERS = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems, StateItems, PrecisionItems)
 
 
 @dataclass

@@ -151,6 +151,9 @@ class Backend(ABC):
     captures_parts: ClassVar[bool] = False
     # the parallel settings `run_plan` takes (--parity-parallel), e.g. ("tp",); none: one process
     parallel_keys: ClassVar[tuple[str, ...]] = ()
+    # the serving states `run_state` runs a point's call under (--parity-state reused|prefix); none: every
+    # call runs afresh, as cpu, cuda, trace and compile do (`stateless` says so in words)
+    states: ClassVar[tuple[str, ...]] = ()
 
     # What the candidate computes in when --dtype is not given (None: the golden's dtype).
     native_dtype: torch.dtype | None = None
@@ -236,6 +239,26 @@ class Backend(ABC):
         """Backends with `parallel_keys`: `run` of `point` with the candidate built under the parallel
         plan `plan` (e.g. {"tp": 2}), whatever the backend's own settings."""
         raise BackendError(f"the {self.name} backend runs one parallel plan only")
+
+    def stateless(self) -> str:
+        """Why this backend has no serving state for `--parity-state` to change (its items' one skip reason)."""
+        return (
+            f"the {self.name} backend runs each call afresh: it holds no cache slots, buffers or prefix cache "
+            "from one request to the next for a state to change"
+        )
+
+    def check_state(self, state: Any) -> None:  # noqa: B027 - optional hook
+        """`--parity-state`: BackendError saying why the candidate cannot be run in `state` (one of `states`, or
+        a directory for a backend that holds recorded runs). Nothing by default."""
+
+    def run_state(self, point: Point, golden: GoldenRecord, state: Any) -> CandidateOutput:
+        """Backends with `states`: `run` of `point` as the candidate serves the prompt in `state` ("reused": after
+        other requests in the same cache slots and buffers; "prefix": on a prefix-cache hit whose keys and values
+        another request wrote), its `run` being the prompt's own clean run (a fresh cache). Its `info` says the
+        state in words (`info["state"]`, e.g. "after another request in slot 0"); its `cache`, where the
+        backend shows it, the keys and values the point's attention read. A backend that holds recorded runs
+        (a dump) takes a directory: the dump of the same prompt taken under another state."""
+        raise BackendError(f"the {self.name} backend runs no serving state")
 
     def run_row(self, point: Point, golden: GoldenRecord, row: int) -> CandidateOutput:
         """`--parity-batch-invariance`: the candidate's output for `point` on row `row` of the golden's

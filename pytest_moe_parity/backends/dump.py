@@ -3,6 +3,7 @@ anything. The dump's layout, its map file and NxDI captures: see `pytest_moe_par
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,13 @@ from typing import Any
 import torch
 
 from ..dtypes import dtype_name, parse_dtype
-from ..dump.identity import check_dump
+from ..dump.identity import ENGINE_FILE, check_dump
 from ..dump.reader import DumpDir, DumpError, PointNotDumped, Source, fit
 from ..errors import BackendError
 from ..golden import GoldenRecord, GoldenStore
 from ..golden.spec import spec_tensor_keys
 from ..points import ROUTER, Point
+from ..tree import first_tensor
 from ..words import counted
 from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
 from .neuron_plugin import EXPECTED_HELP, PluginTerms, plugin_layout
@@ -97,6 +99,29 @@ class DumpBackend(Backend):
         routed = dump.find(router) if router is not None else None
         routing = tuple(routed[1]) if routed is not None and isinstance(routed[1], tuple | list) else None
         return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes})
+
+    def state_dump(self, root: Path) -> DumpDir:
+        """`--parity-state DIR`: the dump of the same prompt taken under another state (a KV transfer, another
+        replica, after other requests), indexed once as the candidate's own is; DumpError where it is a run of
+        another model, or of another prompt (its first dumped output, the embedding where both hold it, of
+        another shape or other values than the candidate's: a lookup no state changes)."""
+        root = Path(root).expanduser()
+        if ("state", str(root)) not in self._others:
+            check_dump(root, self.golden.config, self.golden.model_type)
+            dump = DumpDir(root, self.hw_options["map"], self.golden.model_type, self.layout)
+            _same_prompt(self.dump, dump, self.golden.points)
+            self._others["state", str(root)] = dump
+        return self._others["state", str(root)]
+
+    def check_state(self, state: Any) -> None:
+        self.state_dump(state)
+
+    def run_state(self, point: Point, golden: GoldenRecord, state: Any) -> CandidateOutput:
+        """The prompt's dump under another state (`state`: its directory), read as the candidate's own."""
+        out = self._read(self.state_dump(state), point)
+        said = state_said(Path(state).expanduser())
+        out.info["state"] = f"in the dump {Path(state).expanduser()}" + (f" ({said})" if said else "")
+        return out
 
     def _dumped_dtype(self) -> tuple[torch.dtype | None, str]:
         """The candidate's dtype when --dtype is not given: the one every dumped output the golden's
@@ -282,6 +307,40 @@ def _fit_cache(cache: CacheState, positions: int | None, notes: list[str]) -> Ca
         return cache
     notes.append(f"cache: the dump holds {held} positions (a static cache): the first {positions} judged")
     return CacheState(cache.layer, keys[:, :, :positions], values[:, :, :positions], cache.window, cache.seen)
+
+
+def state_said(root: Path) -> str:
+    """The state a dump was taken in, as its writer said it (`engine.json`'s `state.said`: `vllm-dump --state`)."""
+    try:
+        said = json.loads((root / ENGINE_FILE).read_text())["state"]["said"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return "; ".join(map(str, said)) if isinstance(said, list) else str(said)
+
+
+def _same_prompt(own: DumpDir, other: DumpDir, points: list[Point]) -> None:
+    """DumpError where `other` is not a dump of the prompt `own` holds: its first output both hold (the
+    embedding where both do) of another shape, or an embedding of other values."""
+    both = [p for p in points if p.step is None and own.locate(p) is not None and other.locate(p) is not None]
+    if not both:
+        raise DumpError(f"{other.root} holds no output of the golden's prefill that the candidate's dump holds")
+    point = next((p for p in both if p.component == "embedding"), both[0])
+    a, b = (first_tensor(d.find(point)[1]) for d in (own, other))
+    if a is None or b is None:
+        return
+    if a.shape != b.shape:
+        raise DumpError(
+            f"{other.root} is a dump of another prompt: its {point.id} is {list(b.shape)}, the candidate's "
+            f"{list(a.shape)}; dump the golden's prompt under the other state"
+        )
+    if point.component == "embedding":
+        a, b = a.float(), b.float()
+        # another prompt's embedding is another row of the table (rel_l2 ~1); a dtype's rounding is far below 0.1
+        if float((a - b).norm()) > 0.1 * max(float(a.norm()), 1e-30):
+            raise DumpError(
+                f"{other.root} is a dump of another prompt: its embedding differs from the candidate's (a lookup "
+                "no serving state changes); dump the golden's prompt under the other state"
+            )
 
 
 def _some(names: list[str]) -> str:

@@ -26,10 +26,25 @@ def _arguments(sub: Any) -> None:
         help="the engine's tokens per forward (vLLM's max_num_batched_tokens): below the prompts' total, it chunks "
         "prefills and runs them beside other requests' decode steps (default: every prefill in one forward)",
     )
+    parser.add_argument(
+        "--state",
+        choices=("clean", "reused", "prefix"),
+        default=None,
+        help="a one-prompt golden's prompt in a serving state, for pytest --parity-state DIR: alone on a fresh "
+        "engine (clean), after another request in the KV blocks it held (reused), on a prefix-cache hit another "
+        "request wrote (prefix); every state on the same engine settings (KV blocks of 32, one sequence at a time)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..backends.vllm.engine import report_lines, run_engine
+
+    if args.state is not None:
+        from ..backends.vllm.engine_state import run_engine_state, state_report_lines
+
+        run, said = run_engine_state(args.model, args.golden, args.out, args.state, args.dtype)
+        print("\n".join(state_report_lines(run, said, args.state, args.out, args.golden)))
+        return EXIT_OK
 
     run = run_engine(args.model, args.golden, args.out, args.dtype, args.max_batched_tokens)
     for line in report_lines(run, args.out, args.golden):

@@ -98,6 +98,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
      "after each of these points (ids or globs, comma-separated, repeatable, e.g. 'layer_*.router'), an item "
      "(POINT::precision) that, where the point fails, bisects for the fewest op groups of its submodules that must "
      "run in float32 for it to pass, and names them (--hw cpu, cuda, trace, compile)"),
+    ("--parity-state", "parity_state", {"metavar": "reused|prefix|DIR"},
+     "after each point, an item (POINT::state) that runs it in another serving state of the candidate against the "
+     "prompt's clean run: after other requests in the same cache slots (reused), on a prefix-cache hit another "
+     "request wrote (prefix), or a dump of the prompt taken under another state (DIR, with --hw dump --model "
+     "CLEAN_DUMP); it fails where the state alone changes the output"),
     ("--parity-layer-first", "parity_layer_first", {"action": "store_true", "default": None},
      "run each decoder layer once and judge its output and components as that run made them; run the component "
      "items only where one fails (default: under -x, in an isolated run on cpu or cuda)"),

@@ -144,6 +144,7 @@ class ParityRunner:
         row: int | None = None,
         plan: dict[str, int] | None = None,
         parts: tuple[list[Point], dict[str, Any]] | None = None,
+        state: Any = None,
     ) -> CandidateOutput:
         """The backend's output for a golden record (with `force`, its router's output replaced:
         `Backend.run_routed`; with `row`, the record is that row of the batch alone: `Backend.run_row`;
@@ -162,6 +163,8 @@ class ParityRunner:
                 return self.backend.run_row(point, inputs, row)
             if plan is not None:
                 return self.backend.run_plan(point, inputs, plan)
+            if state is not None:
+                return self.backend.run_state(point, inputs, state)
             return self.backend.run(point, inputs)
         except PointUnavailable:
             raise

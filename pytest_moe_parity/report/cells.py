@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..judge.result import Check
 from ..words import counted
-from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, WeightsRow, number
+from .rows import BatchInvarianceRow, ConfigRow, ParallelRow, PointRow, RoutingRow, Row, StateRow, WeightsRow, number
 from .summary import figure
 from .text import fmt
 
@@ -131,7 +131,7 @@ def failed_by(row: Row, noise: bool) -> tuple[str, str] | None:
             return None
         n = len(row.findings)
         return counted(n, "tensor"), f"{counted(n, 'tensor')} differ: {row.findings[0]}"
-    if isinstance(row, RoutingRow | BatchInvarianceRow | ParallelRow):
+    if isinstance(row, RoutingRow | BatchInvarianceRow | ParallelRow | StateRow):
         return _differential(row)
     if not isinstance(row, PointRow):
         return None
@@ -166,6 +166,10 @@ def _differential(row: Row) -> tuple[str, str] | None:
         value = number(row.figures.get("b_vs_a"))
         plans = " vs ".join(reversed(row.plans)) or "B vs A"
         return (f"B/A {compact(value)}", f"{plans}: rel_l2 {fmt(value, 4)}") if value is not None else None
+    if isinstance(row, StateRow):
+        value = number(row.figures.get("state_vs_clean"))
+        if value is not None:
+            return f"state {compact(value)}", f"{row.said or row.serving_state}: rel_l2 {fmt(value, 4)} to clean"
     return None
 
 

@@ -41,6 +41,7 @@ from .rows import (
     PointRow,
     RoutingRow,
     Row,
+    StateRow,
     WeightsRow,
     number,
     result_of,
@@ -612,8 +613,8 @@ class _Page:
             body.append(_dict_table(r.batch_rows))
             if r.condition:
                 body.append(el("p", f"condition: {r.condition}; rows that change: {r.changed_rows or 'none'}"))
-        elif isinstance(r, ParallelRow):
-            body.append(el("p", " vs ".join(r.plans)))
+        elif isinstance(r, ParallelRow | StateRow):
+            body.append(el("p", " vs ".join(r.plans) if isinstance(r, ParallelRow) else r.said or r.serving_state))
             body.append(_dict_table([{"figure": k, "value": v} for k, v in r.figures.items()]))
         if r.error:
             body.append(el("pre", r.error, class_="error"))

@@ -13,7 +13,8 @@
 - a point run on the batch and on each row alone (:class:`BatchInvarianceRow`): ``POINT::batch``, with
   each row's figures (``--parity-batch-invariance``);
 - a point run under two parallel plans (:class:`ParallelRow`): ``POINT::parallel``
-  (``--parity-parallel``).
+  (``--parity-parallel``);
+- a point run in another serving state (:class:`StateRow`): ``POINT::state`` (``--parity-state``).
 
 The text, the JSON reports, the pictures and ``moe-parity diff`` read a row's fields. A row is written
 to ``comparison_report.json`` by :meth:`Row.to_json` (the keys of report schema 1, unchanged) and read
@@ -45,6 +46,7 @@ __all__ = [
     "PrecisionRow",
     "RoutingRow",
     "Row",
+    "StateRow",
     "UnjudgedRow",
     "WeightsRow",
     "config_row",
@@ -55,10 +57,10 @@ __all__ = [
     "weights_row",
 ]
 
-Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch", "parallel", "precision"]
+Kind = Literal["point", "unjudged", "weights", "config", "op", "routing", "batch", "parallel", "state", "precision"]
 # the kinds that run a point again under a condition (a differential): rows of their own, not the
 # pictures' points
-DIFFERENTIALS = ("routing", "batch", "parallel", "precision")
+DIFFERENTIALS = ("routing", "batch", "parallel", "state", "precision")
 JsonDict = dict[str, Any]
 
 
@@ -151,6 +153,8 @@ class Row:
             if "batch_rows" in data
             else ParallelRow
             if "plans" in data
+            else StateRow
+            if "serving_state" in data
             else PointRow
             if "verdicts" in data or judged
             else DrillRow
@@ -437,6 +441,29 @@ class PrecisionRow(RunAgainRow):
             "precision_verdict": self.precision_verdict, "raised": self.raised, "units": self.units,
             "runs": self.runs, "search_seconds": self.search_seconds,
         }  # fmt: skip
+
+
+@dataclass
+class StateRow(RunAgainRow):
+    """A point run in another serving state of the candidate against its own clean run (``POINT::state``,
+    ``--parity-state reused|prefix|DIR``): `serving_state`, the state asked (a word, or a dump's directory)
+    and `said`, how the backend names it ("after another request in slot 0"); `figures`, the state's
+    relative L2 to the clean run (`state_vs_clean`) and each one's to the golden, the token rows the state
+    changes (`rows`) and the cache rows whose keys or values differ (`cache_rows`); `metrics`, the state's
+    run against the clean one."""
+
+    kind: ClassVar[Kind] = "state"
+
+    serving_state: str = ""
+    said: str = ""
+    figures: JsonDict = field(default_factory=dict)
+
+    @property
+    def main_metrics(self) -> TensorMetrics | None:
+        return self.metrics.get("state_vs_clean")
+
+    def _own_json(self) -> JsonDict:
+        return {"serving_state": self.serving_state, "said": self.said, "figures": self.figures}
 
 
 _JUDGED_KEYS = ("metrics", "checks", "routing", "logits", "noise", "limits", "candidate_dtype")

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from ..judge.routing import RoutingFlip
-from ..points import LOGITS, OUTPUT
+from ..points import LOGITS, OUTPUT, describe_layers
 from ..words import counted
 from .drill import Drill, culprit_said
 from .rows import (
@@ -20,6 +20,7 @@ from .rows import (
     PrecisionRow,
     RoutingRow,
     Row,
+    StateRow,
     WeightsRow,
     number,
 )
@@ -54,6 +55,10 @@ def row_note(row: Row) -> str:
     if isinstance(row, ParallelRow) and len(row.plans) == 2 and row.status in ("passed", "failed"):
         verb = " agree" if row.status == "passed" else " raises" if "b_raised" in row.figures else " differ"
         parts.append(f"{row.plans[1]} vs {row.plans[0]}{verb}")
+    if isinstance(row, StateRow) and row.status in ("passed", "failed"):
+        rows = row.figures.get("rows")
+        at = f" at tokens {describe_layers(rows)}" if rows else ""
+        parts.append("state: as clean" if row.status == "passed" else f"state: differs{at}")
     if isinstance(row, BatchInvarianceRow) and row.batch_rows:
         changed = ", ".join(map(str, row.changed_rows))
         parts.append(f"rows {changed} change in the batch ({row.condition})" if changed else "every row as alone")
