@@ -59,8 +59,7 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-# The kinds of items beside the points, each a checker in its own wing (`replay.checks`), in the order
-# of their items around a point: their options, markers, items and rows all follow this tuple.
+# The kinds of items beside the points (`replay.checks`): options, markers, items, rows follow this order.
 CHECKERS = (ConfigItems, WeightItems, DrillItems, ParallelItems, BatchItems, RoutingItems, StateItems, PrecisionItems)
 
 
