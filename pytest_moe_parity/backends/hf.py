@@ -32,6 +32,7 @@ from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
+from .ran import Ran, compute_dtype, module_ran
 
 
 class TorchBackend(Backend):
@@ -93,6 +94,8 @@ class TorchBackend(Backend):
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
         self._threads = HeldThreads()  # `threads`, set for the forwards until close
+        self._calls: dict[str, tuple[str | None, int | None]] = {}  # point id -> its inputs' dtypes, attention's block
+        self._block: int | None = None  # the query rows per block of the last whole-model run's attention
         self.emulation: Emulation | None = None  # --hw-option quant: the candidate's quantization, emulated
         spec = self.hw_options["quant"]
         if spec is not None:
@@ -243,6 +246,7 @@ class TorchBackend(Backend):
                 handle.remove()
         if parts is not None:
             parts[1].update(capture.outputs)
+        self._calls = {point.id: (compute_dtype((args, kwargs)), block)}  # what `ran` reads: the last call's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
@@ -273,6 +277,7 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
+        self._block = self._attention(*input_ids.shape)[1]
         golden = self.golden  # none for a scan's runs
         calls = {p.id: golden.call_values(p) for p in points} if golden is not None else {}  # of a module called twice
         with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
@@ -296,6 +301,28 @@ class TorchBackend(Backend):
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)
+
+    def ran(self, point: Point) -> Ran | None:
+        """The module's class, the dtypes of its weights and of the call it was given, its attention and
+        experts implementations, and the quantization emulated or dequantized: read from the model's
+        skeleton (nothing is loaded for it); a point of a whole-model run has no call of its own."""
+        if self.lazy is None:
+            return None
+        module = self.lazy.model.get_submodule(point.module)
+        compute, block = self._calls.get(point.id, (None, self._block))
+        attention = f"eager, {block} query rows a block" if block is not None else None
+        said = module_ran(module, self.lazy.model.config, compute, attention)
+        if self.emulation is not None:
+            targets = self.emulation.targets
+            inside = [
+                n for n in (*targets.linears, *targets.experts) if n == point.module or n.startswith(point.module + ".")
+            ]
+            if inside:
+                said["quant"] = f"emulated {self.emulation.spec.name} ({len(inside)} modules)"
+        dequantizer = self.lazy.dequantizer
+        if dequantizer is not None and "quant" not in said and said.get("weights"):
+            said["quant"] = f"dequantized from {dequantizer.layout.name}"
+        return said
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
         lazy = self._model()
