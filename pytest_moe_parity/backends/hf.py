@@ -31,6 +31,7 @@ from ..model.emulate import Emulation, QuantSpec, parse_spec
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
+from ..words import counted
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
 from .ran import Ran, compute_dtype, module_ran
 
@@ -310,7 +311,7 @@ class TorchBackend(Backend):
             return None
         module = self.lazy.model.get_submodule(point.module)
         compute, block = self._calls.get(point.id, (None, self._block))
-        attention = f"eager, {block} query rows a block" if block is not None else None
+        attention = f"eager in blocks of {counted(block, 'query row')}" if block is not None else None
         said = module_ran(module, self.lazy.model.config, compute, attention)
         if self.emulation is not None:
             targets = self.emulation.targets
