@@ -275,12 +275,6 @@ def _options_with(*extra: HwOption) -> tuple[HwOption, ...]:
     return (*TorchBackend.options, *extra)
 
 
-def _experts_names() -> list[str]:
-    from transformers.integrations.moe import ExpertsInterface
-
-    return ["dense", "eager", *sorted(k for k in ExpertsInterface().valid_keys() if k != DENSE)]
-
-
 class CompiledBackend(TorchBackend):
     """The transformers modules of the candidate checkpoint, each point compiled (see the module
     docstring). Subclasses implement `_compile` and `_swap`, and `_save`/`_load` to be cached."""
@@ -290,18 +284,12 @@ class CompiledBackend(TorchBackend):
     run_routed = Backend.run_routed
     options = _options_with(
         HwOption("cache_dir", "where compiled graphs are kept between runs (default: ~/.cache/pytest-moe-parity)"),
-        HwOption("experts", "experts implementation of the candidate: dense (static shapes, the default), eager, ..."),
     )
     cacheable = True  # traces saved with torch.jit.save
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
-        experts = self.hw_options["experts"] or "dense"
-        # transformers' own list costs a slow import: only for a name that is not one of ours
-        if experts not in ("dense", "eager") and experts not in _experts_names():
-            raise BackendError(
-                f"--hw-option experts={experts}: not an experts implementation; one of {', '.join(_experts_names())}"
-            )
+        experts = self.hw_options["experts"] or "dense"  # checked by TorchBackend
         self.experts = DENSE if experts == "dense" else experts
         root = Path(self.hw_options["cache_dir"]).expanduser() if self.hw_options["cache_dir"] else default_cache_dir()
         self.cache_root = root.resolve()

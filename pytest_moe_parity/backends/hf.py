@@ -70,6 +70,16 @@ class TorchBackend(Backend):
             "loads, its activations and K/V through e4m3 (--hw cpu and cuda)",
             lambda text: parse_spec(text, flag=""),
         ),
+        HwOption(
+            "attention",
+            "the candidate's attention implementation, by transformers' name: eager (the default, as the golden "
+            "records it), sdpa, flex_attention, ... (what each point ran: the report's `ran`)",
+        ),
+        HwOption(
+            "experts",
+            "the candidate's experts implementation, by transformers' name: eager (the default; dense for trace, "
+            "compile and neuron: static shapes), batched_mm, grouped_mm, dense, ...",
+        ),
     )
     device_type = "cpu"
     emulates = ("cpu", "cuda")  # the backends that take `quant` (hooks: nothing a trace or a compile keeps)
@@ -92,6 +102,7 @@ class TorchBackend(Backend):
             self._weights = weight_map(setup.model_dir)  # the shard index only: no tensor is read
         except CheckpointError as exc:
             raise BackendError(str(exc)) from None
+        check_implementations(self.hw_options["attention"], self.hw_options["experts"])
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
         self._threads = HeldThreads()  # `threads`, set for the forwards until close
@@ -138,6 +149,11 @@ class TorchBackend(Backend):
             self._threads.set(threads)
         if self.lazy is None:
             self.lazy = self._lazy()
+        config = self.lazy.model.config
+        if self.hw_options["attention"]:
+            config._attn_implementation = self.hw_options["attention"]
+        if self.hw_options["experts"]:
+            config._experts_implementation = experts_name(self.hw_options["experts"])
         self.lazy.plan(self._plan)
         if self.emulation is not None:
             self.emulation.attach()
@@ -187,7 +203,9 @@ class TorchBackend(Backend):
     def _attention(self, rows: int, tokens: int) -> tuple[contextlib.AbstractContextManager, int | None]:
         """Eager attention whole, or a block of query rows at a time where the score arrays of `rows` x
         `tokens` queries would exceed the `attention_budget` option (`model.attention`); and the rows
-        per block (None: whole)."""
+        per block (None: whole); another implementation (`--hw-option attention`) as it is."""
+        if self.hw_options["attention"] not in (None, "eager"):
+            return contextlib.nullcontext(), None
         return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
@@ -356,6 +374,36 @@ class TorchBackend(Backend):
         if self.lazy is not None:
             self.lazy.close()
         self._threads.restore()
+
+
+def experts_name(name: str) -> str:
+    """An experts implementation's name as transformers' config takes it (`dense`: this package's own,
+    registered here)."""
+    from .experts import DENSE
+    from .experts import register as register_dense
+
+    return register_dense() if name in ("dense", DENSE) else name
+
+
+def check_implementations(attention: str | None, experts: str | None) -> None:
+    """BackendError naming an attention or experts implementation transformers does not have (its lists
+    cost a slow import: only for a name that is not one of the usual ones)."""
+    if attention not in (None, "eager", "sdpa"):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if attention not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+            names = ", ".join(["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()])
+            raise BackendError(f"--hw-option attention={attention}: not an attention implementation; one of {names}")
+    if experts not in (None, "dense", "eager"):
+        from transformers.integrations.moe import ExpertsInterface
+
+        from .experts import DENSE
+
+        names = ["dense", "eager", *sorted(k for k in ExpertsInterface().valid_keys() if k != DENSE)]
+        if experts not in names:
+            raise BackendError(
+                f"--hw-option experts={experts}: not an experts implementation; one of {', '.join(names)}"
+            )
 
 
 def read_tensor(lazy: LazyModel, key: str) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..tree import leaves
+from .experts import DENSE
 
 Ran = dict[str, str]
 PROVENANCE = ("cache",)  # keys that say where a thing came from, not what ran (not diffed)
@@ -88,7 +89,8 @@ def module_ran(module: nn.Module, config: Any, compute: str | None = None, atten
     experts = experts_modules(module)
     if experts:
         own = getattr(experts[0], "config", config)
-        said["experts"] = str(getattr(own, "_experts_implementation", None) or "eager")
+        name = str(getattr(own, "_experts_implementation", None) or "eager")
+        said["experts"] = "dense" if name == DENSE else name
     linears = quantized_linears(module)
     if linears:
         said["linear"] = ", ".join(linears)
