@@ -21,8 +21,8 @@ ORDER = (
 )  # fmt: skip
 PROVENANCE = ("cache",)
 # what the closing line counts (the module's class is each point's own; a break's reason is long)
-COUNTED = ("weights", "compute", "attention", "experts", "moe", "quant", "linear", "attention_backend", "graph_breaks",
-           "recompiles", "fallback")  # fmt: skip
+COUNTED = ("weights", "compute", "attention", "experts", "moe", "quant", "linear", "attention_backend", "graph",
+           "compiler", "graph_breaks", "recompiles", "fallback", "cache")  # fmt: skip
 
 
 def ordered(ran: dict[str, Any]) -> list[tuple[str, str]]:
