@@ -130,6 +130,18 @@ def test_a_failure_says_what_its_point_ran(pytester: pytest.Pytester, golden_dir
     assert "ran: module Qwen3MoeExperts, weights bfloat16" in failure.find("pre")[0].text()
 
 
+def test_a_row_keeps_what_ran_written_and_read_back() -> None:
+    from test_rows import _judged
+
+    from pytest_moe_parity.report.rows import Row, point_row
+
+    result = _judged(broken=False)
+    result.ran = {"module": "Qwen3MoeAttention", "weights": "bfloat16", "attention": "sdpa"}
+    row = point_row(result)
+    data = json.loads(json.dumps(row.to_json()))
+    assert data["ran"] == result.ran and Row.from_json(data) == row
+
+
 BREAK = """
 import torch
 from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3
