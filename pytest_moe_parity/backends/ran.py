@@ -10,7 +10,8 @@ The keys are one vocabulary across backends (a backend gives those it can say):
   and `_experts_implementation`; the blocks of query rows where attention ran in blocks);
 - `quant`: a quantization emulated or dequantized; `linear`: quantized-linear classes in the module;
 - `graph`, `compiler`, `graph_breaks`, `break`, `recompiles`, `fallback`, `cache`: a compiled candidate's;
-- the serving stacks' own (`moe`, `attention_backend`, ...), in their backends.
+- the serving stacks' own (vLLM's `moe`, `attention_backend`; NxDI's `stage`, `moe`, `router`), in their backends;
+- a dump's: the tensor the point was read from (`dumped`) and its dtype (`output`).
 
 `cache` (a compile cache hit, a reused graph) says where a graph came from, not what it computes: `moe-parity
 diff` does not compare it (`PROVENANCE`)."""
@@ -50,7 +51,8 @@ def weights_dtype(module: nn.Module) -> str | None:
 
 
 def compute_dtype(call: Any) -> str | None:
-    """The dtypes of the floating tensors a call was given (its args and kwargs), most frequent first."""
+    """The dtypes of the floating tensors in `call` (a call's args and kwargs, or an output), most frequent
+    first."""
     found = [t.dtype for t in leaves(call) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return dtype_words(found) if found else None
 

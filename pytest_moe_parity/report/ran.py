@@ -17,12 +17,15 @@ from .rows import Row
 # cache hit) is said but not compared run to run
 ORDER = (
     "module", "weights", "compute", "stage", "attention", "experts", "moe", "router", "quant", "linear",
-    "attention_backend", "graph", "compiler", "graph_breaks", "break", "graphs", "recompiles", "fallback", "cache",
+    "attention_backend", "dumped", "output", "graph", "compiler", "graph_breaks", "break", "graphs", "recompiles",
+    "fallback", "cache",
 )  # fmt: skip
 PROVENANCE = ("cache",)
 # what the closing line counts (the module's class is each point's own; a break's reason is long)
-COUNTED = ("weights", "compute", "attention", "experts", "moe", "router", "quant", "linear", "attention_backend",
-           "graph", "compiler", "graph_breaks", "recompiles", "fallback", "cache")  # fmt: skip
+COUNTED = (
+    "weights", "compute", "output", "attention", "experts", "moe", "router", "quant", "linear", "attention_backend",
+    "graph", "compiler", "graph_breaks", "recompiles", "fallback", "cache",
+)  # fmt: skip
 
 
 def ordered(ran: dict[str, Any]) -> list[tuple[str, str]]:
