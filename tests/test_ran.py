@@ -15,7 +15,7 @@ import pytest
 from helpers import NO_CONFIG, NO_WEIGHTS, cli, read_json, run_parity
 from test_html import parse
 
-from pytest_moe_parity.report.files import REPORT_FILE
+from pytest_moe_parity.report.files import REPORT_FILE, SUMMARY_FILE
 from pytest_moe_parity.report.html import HTML_FILE
 
 pytestmark = pytest.mark.usefixtures("_import_everything_once")
@@ -44,6 +44,9 @@ def test_cpu_rows_say_what_ran_and_the_options_change_it(
     assert ran["layer_0.moe"]["module"] == "Qwen3MoeSparseMoeBlock" and ran["layer_0.moe"]["experts"] == "eager"
     assert ran["layer_0.output"]["attention"] == "eager" and ran["layer_0.output"]["experts"] == "eager"
     assert "experts" not in ran["layer_0.router"] and "attention" not in ran["layer_0.input_norm"]
+    assert read_json(plain / SUMMARY_FILE)["ran"] == {
+        "weights": {"bfloat16": 7}, "compute": {"bfloat16": 7}, "attention": {"eager": 2}, "experts": {"eager": 3},
+    }  # fmt: skip
 
     result = run_parity(
         pytester, golden, "--dtype", "float32", "--hw-option", "attention=sdpa", "--hw-option", "experts=batched_mm",

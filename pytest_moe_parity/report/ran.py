@@ -43,29 +43,27 @@ def ran_of(row: Row) -> dict[str, str] | None:
     return getattr(row, "ran", None)
 
 
-def ran_line(rows: list[Row]) -> str | None:
-    """The run's closing line: each dtype and implementation the points ran, with how many points ran
-    it (`ran: weights bfloat16 (9 points), compute bfloat16 (8), float32 (1), attention eager (2)`);
-    None where no backend said."""
+def ran_counts(rows: list[Row]) -> dict[str, dict[str, int]]:
+    """Each implementation and dtype the points ran (`COUNTED`'s keys), with how many points (or chained
+    verdicts) ran it, the most first: `{"attention": {"eager": 16}, ...}` (comparison_summary.json's `ran`)."""
     said: dict[str, dict[str, int]] = {}
-    points = 0
     for row in rows:
         for mode_row in row.by_mode().values():
-            ran = ran_of(mode_row)
-            if not ran:
-                continue
-            points += mode_row is row
-            for key, value in ordered(ran):
+            for key, value in ordered(ran_of(mode_row) or {}):
                 if key in COUNTED:
                     said.setdefault(key, {}).setdefault(value, 0)
                     said[key][value] += 1
-    if not points:
-        return None
+    return {k: dict(sorted(said[k].items(), key=lambda kv: -kv[1])) for k in sorted(said, key=COUNTED.index)}
+
+
+def ran_line(rows: list[Row]) -> str | None:
+    """The run's closing line: each dtype and implementation the points ran, with how many points ran
+    it (`ran: weights bfloat16 (9 points); compute bfloat16 (8), float32 (1); attention eager (2)`);
+    None where no backend said."""
     parts, first = [], True
-    for key in sorted(said, key=lambda k: COUNTED.index(k)):
-        values = sorted(said[key].items(), key=lambda kv: -kv[1])
+    for key, values in ran_counts(rows).items():
         shown = []
-        for value, n in values:
+        for value, n in values.items():
             shown.append(f"{value} ({counted(n, 'point') if first else n})")
             first = False
         parts.append(f"{key} " + ", ".join(shown))
