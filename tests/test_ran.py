@@ -67,6 +67,13 @@ def test_cpu_rows_say_what_ran_and_the_options_change_it(
     result.assert_outcomes(passed=1)
     assert _ran(blocks)["layer_0.attention"]["attention"].startswith("eager in blocks of ")
 
+    # a quantization emulated (--hw-option quant): the points whose projections it rounds say it
+    quant = tmp_path / "quant"
+    result = run_parity(pytester, golden, "--dtype", "bfloat16", "--hw-option", "quant=fp8-channel", "-k",
+                        "layer_0.attention or layer_0.router", NO_CONFIG, "--parity-report", str(quant))  # fmt: skip
+    assert _ran(quant)["layer_0.attention"]["quant"] == "emulated fp8-channel"
+    assert "quant" not in _ran(quant)["layer_0.router"]  # the router's gate is never quantized
+
     # moe-parity diff: every point of the other run ran otherwise, a line each
     code, out, _ = cli(capsys, "diff", plain, other)
     assert code == 0, out

@@ -333,11 +333,8 @@ class TorchBackend(Backend):
         said = module_ran(module, self.lazy.model.config, compute, attention)
         if self.emulation is not None:
             targets = self.emulation.targets
-            inside = [
-                n for n in (*targets.linears, *targets.experts) if n == point.module or n.startswith(point.module + ".")
-            ]
-            if inside:
-                said["quant"] = f"emulated {self.emulation.spec.name} ({len(inside)} modules)"
+            if any(n == point.module or n.startswith(point.module + ".") for n in (*targets.linears, *targets.experts)):
+                said["quant"] = f"emulated {self.emulation.spec.name}"
         dequantizer = self.lazy.dequantizer
         if dequantizer is not None and "quant" not in said and said.get("weights"):
             said["quant"] = f"dequantized from {dequantizer.layout.name}"
