@@ -44,7 +44,8 @@ def test_hw_options_are_parsed_and_validated(golden_dir, tiny_model) -> None:
         parse_hw_options(["=3"])
     setup = BackendSetup(GoldenStore(golden_dir("olmoe")), tiny_model("olmoe"), options={"max_layers": "3"})
     assert TorchBackend(setup).hw_options == {
-        "device": None, "max_layers": 3, "threads": None, "attention_budget": 48.0, "quant": None
+        "device": None, "max_layers": 3, "threads": None, "attention_budget": 48.0, "quant": None,
+        "attention": None, "experts": None,
     }  # fmt: skip
     with pytest.raises(BackendError, match="no option 'speed'; its options: device, max_layers, threads, attention_b"):
         TorchBackend(BackendSetup(setup.golden, setup.model_dir, options={"speed": "1"}))

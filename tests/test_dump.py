@@ -55,6 +55,9 @@ def test_healthy_dump_passes(tmp_path: Path, golden_dir, tiny_model, capsys) -> 
     assert "first divergence: none" in out
     summary = json.loads((tmp_path / "r" / SUMMARY_FILE).read_text())
     assert summary["first_divergence"] is None and summary["dtype"] == "bfloat16"
+    rows = {r["id"]: r for r in json.loads((tmp_path / "r" / REPORT_FILE).read_text())["points"]}
+    # what a dump can say it ran: the tensor the point was read from, and its dtype
+    assert rows["layer_0.moe"]["ran"] == {"dumped": "model.layers.0.mlp", "output": "bfloat16"}
 
 
 def test_faulty_dump_names_the_first_divergence(tmp_path: Path, golden_dir, tiny_model, capsys) -> None:

@@ -17,7 +17,7 @@ HEAD = ["id", "order", "layer", "step", "component", "status"]
 JUDGED = [
     *HEAD, "mode", "verdicts", "noise", "metrics", "checks", "limits", "tolerance_sources", "routing",
     "excluded_tokens", "worst_tokens", "token_errors", "worst_experts", "logits", "worst_elements", "notes",
-    "hint", "remedy", "candidate_dtype", "golden_dtype", "seconds", "backend", "chain", "shown",
+    "hint", "remedy", "candidate_dtype", "golden_dtype", "seconds", "backend", "ran", "chain", "shown",
     "inherited",
 ]  # fmt: skip
 

@@ -56,6 +56,14 @@ def test_a_clean_run_passes_every_point_on_nxdi_s_real_modules(
     assert "NxDI computes the rotary embedding inside each attention module" in rows["rotary"]["reason"]
     written = {"cache.keys", "cache.values"} <= set(rows["step_1.layer_1.attention"]["metrics"])
     assert written == (tp == 1)
+    # what NxDI ran: its module, its dtype, the stage's config, its MoE path and its attention kernels
+    attention, decode, experts = (rows[p]["ran"] for p in ("layer_0.attention", "step_1.layer_1.attention",
+                                                          "layer_0.experts"))  # fmt: skip
+    assert attention["weights"] == dtype and attention["stage"] == "context encoding"
+    assert attention["attention"] == "NxDI's native attention (no kernel)" and decode["stage"] == "token generation"
+    if arch == "qwen3_moe":
+        assert attention["module"] == "NeuronQwen3MoEAttention"
+        assert experts["moe"] == "dropless, blockwise block_size 512" and experts["router"] == "softmax in float32"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -44,6 +44,13 @@ def test_a_clean_run_passes_every_point_vllm_s_modules_run(
         assert "this model's head_dim is 16" in rows[pid]["reason"]
     assert read_json(tmp_path / "r" / SUMMARY_FILE)["first_divergence"] is None
     result.stdout.fnmatch_lines([f"--hw vllm: vLLM 0.32*'s {CLASSES[arch][1]} built by vLLM's loader on cpu in *"])
+    # what vLLM ran: its fused MoE's quant method, backend and experts kernel, in the experts' and block's rows
+    moe = "UnquantizedFusedMoEMethod, backend CPU, experts CPUUnquantizedExperts"
+    assert (
+        rows["layer_0.experts"]["ran"] == {"module": "MoERunner", "weights": dtype, "moe": moe} or arch != "qwen3_moe"
+    )
+    assert rows["layer_0.moe"]["ran"]["moe"] == moe and rows["layer_0.moe"]["ran"]["weights"] == dtype
+    assert "moe" not in rows["layer_0.router"]["ran"]
 
 
 def faulty_loading(pytester: pytest.Pytester, arch: str, change: str) -> None:
@@ -114,6 +121,10 @@ def test_vllm_s_attention_and_decoder_layer_pass_prefill_and_decode(
     result.assert_outcomes(passed=len(GoldenStore(head32 / "golden").point_ids))
     rows = {r["id"]: r for r in read_json(tmp_path / "r" / REPORT_FILE)["points"]}
     assert {"cache.keys", "cache.values"} <= set(rows["step_2.layer_3.attention"]["metrics"])
+    # what vLLM ran: its attention backend and implementation, in the attention's and the decoder layer's rows
+    for pid in ("layer_0.attention", "layer_0.output"):
+        assert rows[pid]["ran"]["attention_backend"] == "CPU_ATTN (CPUAttentionBackendImpl)"
+    assert rows["layer_0.output"]["ran"]["moe"].startswith("UnquantizedFusedMoEMethod, backend CPU")
 
 
 def test_a_changed_rotary_base_fails_first_at_the_rotary_table(

@@ -116,6 +116,9 @@ class CandidateOutput:
     # decode steps: the attention's layer of the KV cache after the call (what it wrote), where the
     # backend can show it; compared with the golden's cache write
     cache: CacheState | None = None
+    # what ran for this call, where only the call can say it (compile's graph breaks): merged over
+    # `Backend.ran(point)` into the point's row (`backends.ran` names the keys)
+    ran: dict[str, str] | None = None
 
 
 class Backend(ABC):
@@ -334,6 +337,12 @@ class Backend(ABC):
 
     def quantized_words(self) -> str | None:
         """How this backend quantizes the weights it holds, for the weight items' header (None: it does not)."""
+        return None
+
+    def ran(self, point: Point) -> dict[str, str] | None:
+        """What the candidate ran for `point`'s call that just returned (its module's class, the dtypes of
+        its weights and compute, the attention and experts implementations, ...: the keys of `backends.ran`),
+        kept in the point's report row; None: the backend cannot say (the default)."""
         return None
 
     def read_stats(self) -> dict[str, Any] | None:

@@ -53,6 +53,7 @@ from . import Backend, BackendSetup, CandidateOutput, HwOption
 from .experts import DENSE
 from .experts import register as register_dense_experts
 from .hf import TorchBackend
+from .ran import Ran, compute_dtype
 
 CACHE_FORMAT = 1
 
@@ -213,6 +214,7 @@ class Graph:
     compile_s: float
     state_keys: list[str]  # the names its weights go by (`mod.` + the module's own)
     weights_of: str | None = None  # the module path whose weights the graph holds
+    ran: Ran = field(default_factory=dict)  # what compiling it said (`backends.ran`: compile's graph breaks)
 
     def rebuild(self, outputs: Any) -> tuple[Any, tuple[torch.Tensor, ...] | None]:
         flat = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
@@ -273,12 +275,6 @@ def _options_with(*extra: HwOption) -> tuple[HwOption, ...]:
     return (*TorchBackend.options, *extra)
 
 
-def _experts_names() -> list[str]:
-    from transformers.integrations.moe import ExpertsInterface
-
-    return ["dense", "eager", *sorted(k for k in ExpertsInterface().valid_keys() if k != DENSE)]
-
-
 class CompiledBackend(TorchBackend):
     """The transformers modules of the candidate checkpoint, each point compiled (see the module
     docstring). Subclasses implement `_compile` and `_swap`, and `_save`/`_load` to be cached."""
@@ -288,18 +284,12 @@ class CompiledBackend(TorchBackend):
     run_routed = Backend.run_routed
     options = _options_with(
         HwOption("cache_dir", "where compiled graphs are kept between runs (default: ~/.cache/pytest-moe-parity)"),
-        HwOption("experts", "experts implementation of the candidate: dense (static shapes, the default), eager, ..."),
     )
     cacheable = True  # traces saved with torch.jit.save
 
     def __init__(self, setup: BackendSetup) -> None:
         super().__init__(setup)
-        experts = self.hw_options["experts"] or "dense"
-        # transformers' own list costs a slow import: only for a name that is not one of ours
-        if experts not in ("dense", "eager") and experts not in _experts_names():
-            raise BackendError(
-                f"--hw-option experts={experts}: not an experts implementation; one of {', '.join(_experts_names())}"
-            )
+        experts = self.hw_options["experts"] or "dense"  # checked by TorchBackend
         self.experts = DENSE if experts == "dense" else experts
         root = Path(self.hw_options["cache_dir"]).expanduser() if self.hw_options["cache_dir"] else default_cache_dir()
         self.cache_root = root.resolve()
@@ -424,14 +414,23 @@ class CompiledBackend(TorchBackend):
                 self._swap(graph.handle, _weights(module, graph.state_keys))
             graph.weights_of = point.module
         started = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), self._watch() as seen:
             outputs = graph.handle(*call.inputs)
         seconds = time.perf_counter() - started
         output, routing = graph.rebuild(outputs)
         if self.cache.notes:
             info["notes"] = self.cache.notes[:]
             self.cache.notes.clear()
-        return CandidateOutput(output, routing, seconds, info)
+        self._calls = {point.id: (compute_dtype((args, kwargs)), None)}
+        ran = {"graph": self.graph_words, **graph.ran, **seen, "cache": info["origin"]}
+        return CandidateOutput(output, routing, seconds, info, ran=ran)
+
+    graph_words = "torch.jit.trace"  # how a point's graph is made, in what ran (`ran["graph"]`)
+
+    def _watch(self) -> contextlib.AbstractContextManager[Ran]:
+        """The context a compiled graph is called in, giving what the call adds to what ran (compile: its
+        recompiles)."""
+        return contextlib.nullcontext({})
 
     def _router_path(self, point: Point) -> str | None:
         """The router inside the point's module, whose outputs the graph also returns."""
@@ -570,21 +569,66 @@ class CompileBackend(CompiledBackend):
         compiled(*inputs)  # torch.compile compiles on the first call
         return _Compiled(compiled, wrapper)
 
+    graph_words = "torch.compile"
+
     def _graph(self, key, made_of, module, call, router, point) -> Graph:
         from torch._dynamo.utils import counters
 
         before = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        compiled = DynamoCounts()
         graph = super()._graph(key, made_of, module, call, router, point)
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         # neither: dynamo reused code it compiled earlier in this process for an equal module
         graph.origin = "compiled" if misses > before[1] else "cache" if hits > before[0] else "reused"
+        graph.ran = {"compiler": str(self.hw_options["compiler"] or "inductor"), **compiled.said()}
         return graph
+
+    @contextlib.contextmanager
+    def _watch(self):
+        counted = DynamoCounts()
+        seen: Ran = {}
+        yield seen
+        frames = counted.frames()
+        if frames:  # the guards of the graph compiled for this point failed on its own call: dynamo compiled again
+            seen["recompiles"] = str(frames)
 
     def _state_keys(self, handle: Any) -> list[str]:
         return list(handle.wrapper.state_dict())
 
     def _swap(self, handle: Any, state: dict[str, torch.Tensor]) -> None:
         handle.wrapper.load_state_dict(state)  # in place: the compiled code reads the same tensors
+
+
+class DynamoCounts:
+    """torch._dynamo's counters from now on: the frames it converted, those it gave up on (run eagerly:
+    a fallback), the graphs it made and the graph breaks with their reasons."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.utils import counters
+
+        self.counters = counters
+        self.before = self._now()
+
+    def _now(self) -> tuple[int, int, int, dict[str, int]]:
+        c = self.counters
+        return c["frames"]["total"], c["frames"]["ok"], c["stats"]["unique_graphs"], dict(c["graph_break"])
+
+    def frames(self) -> int:
+        return self._now()[0] - self.before[0]
+
+    def said(self) -> Ran:
+        """What was compiled since: `graph_breaks` (and the first's reason, `break`), `graphs`, `fallback`."""
+        total, ok, graphs, breaks = self._now()
+        new = {k: n - self.before[3].get(k, 0) for k, n in breaks.items() if n > self.before[3].get(k, 0)}
+        said: Ran = {"graph_breaks": str(sum(new.values()))}
+        if new:
+            said["break"] = next(iter(new)).strip().splitlines()[0][:160]
+        if graphs - self.before[2] > 1:
+            said["graphs"] = str(graphs - self.before[2])
+        failed = (total - self.before[0]) - (ok - self.before[1])
+        if failed > 0:
+            said["fallback"] = f"eager for {failed} frame{'s' * (failed > 1)} dynamo could not compile"
+        return said
 
 
 @dataclass

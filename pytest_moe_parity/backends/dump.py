@@ -21,6 +21,7 @@ from ..tree import first_tensor
 from ..words import counted
 from . import Backend, BackendSetup, CacheState, CandidateOutput, HwOption, plan_name
 from .neuron_plugin import EXPECTED_HELP, PluginTerms, plugin_layout
+from .ran import compute_dtype
 
 # the options naming other runs' dumps: what to say where one is not given, and what its directory holds
 OTHER_DUMPS = {
@@ -235,7 +236,8 @@ class DumpBackend(Backend):
         cache = _cache(dump, point, name)
         if cache is not None:
             cache = _fit_cache(cache, self._golden_cache_positions(point), notes)
-        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes}, cache=cache)
+        ran = {"dumped": name, **({"output": said} if (said := compute_dtype(output)) else {})}  # what a dump can say
+        return CandidateOutput(output, routing, info={"dumped_as": name, "notes": notes}, cache=cache, ran=ran)
 
     def _golden_cache_positions(self, point: Point) -> int | None:
         """The positions the golden's KV cache holds after a decode step's attention, from the manifest."""

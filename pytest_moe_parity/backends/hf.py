@@ -31,7 +31,9 @@ from ..model.emulate import Emulation, QuantSpec, parse_spec
 from ..model.lazy_model import LazyModel
 from ..points import ATTENTION, Point
 from ..tree import whole_masks
+from ..words import counted
 from . import Backend, BackendError, BackendSetup, CandidateOutput, HwOption, non_negative, positive_int
+from .ran import Ran, compute_dtype, module_ran
 
 
 class TorchBackend(Backend):
@@ -68,6 +70,16 @@ class TorchBackend(Backend):
             "loads, its activations and K/V through e4m3 (--hw cpu and cuda)",
             lambda text: parse_spec(text, flag=""),
         ),
+        HwOption(
+            "attention",
+            "the candidate's attention implementation, by transformers' name: eager (the default, as the golden "
+            "records it), sdpa, flex_attention, ... (what each point ran: the report's `ran`)",
+        ),
+        HwOption(
+            "experts",
+            "the candidate's experts implementation, by transformers' name: eager (the default; dense for trace, "
+            "compile and neuron: static shapes), batched_mm, grouped_mm, dense, ...",
+        ),
     )
     device_type = "cpu"
     emulates = ("cpu", "cuda")  # the backends that take `quant` (hooks: nothing a trace or a compile keeps)
@@ -90,9 +102,12 @@ class TorchBackend(Backend):
             self._weights = weight_map(setup.model_dir)  # the shard index only: no tensor is read
         except CheckpointError as exc:
             raise BackendError(str(exc)) from None
+        check_implementations(self.hw_options["attention"], self.hw_options["experts"])
         self.lazy: LazyModel | None = None
         self._plan: list[str] = []
         self._threads = HeldThreads()  # `threads`, set for the forwards until close
+        self._calls: dict[str, tuple[str | None, int | None]] = {}  # point id -> its inputs' dtypes, attention's block
+        self._block: int | None = None  # the query rows per block of the last whole-model run's attention
         self.emulation: Emulation | None = None  # --hw-option quant: the candidate's quantization, emulated
         spec = self.hw_options["quant"]
         if spec is not None:
@@ -134,6 +149,11 @@ class TorchBackend(Backend):
             self._threads.set(threads)
         if self.lazy is None:
             self.lazy = self._lazy()
+        config = self.lazy.model.config
+        if self.hw_options["attention"]:
+            config._attn_implementation = self.hw_options["attention"]
+        if self.hw_options["experts"]:
+            config._experts_implementation = experts_name(self.hw_options["experts"])
         self.lazy.plan(self._plan)
         if self.emulation is not None:
             self.emulation.attach()
@@ -183,7 +203,9 @@ class TorchBackend(Backend):
     def _attention(self, rows: int, tokens: int) -> tuple[contextlib.AbstractContextManager, int | None]:
         """Eager attention whole, or a block of query rows at a time where the score arrays of `rows` x
         `tokens` queries would exceed the `attention_budget` option (`model.attention`); and the rows
-        per block (None: whole)."""
+        per block (None: whole); another implementation (`--hw-option attention`) as it is."""
+        if self.hw_options["attention"] not in (None, "eager"):
+            return contextlib.nullcontext(), None
         return attention_within(self._model().model, tokens, rows, self.hw_options["attention_budget"])
 
     def run(self, point: Point, golden: GoldenRecord) -> CandidateOutput:
@@ -243,6 +265,7 @@ class TorchBackend(Backend):
                 handle.remove()
         if parts is not None:
             parts[1].update(capture.outputs)
+        self._calls = {point.id: (compute_dtype((args, kwargs)), block)}  # what `ran` reads: the last call's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
@@ -273,6 +296,7 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
+        self._block = self._attention(*input_ids.shape)[1]
         golden = self.golden  # none for a scan's runs
         calls = {p.id: golden.call_values(p) for p in points} if golden is not None else {}  # of a module called twice
         with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
@@ -296,6 +320,25 @@ class TorchBackend(Backend):
 
     def module(self, path: str) -> nn.Module:
         return self._model().module(path)
+
+    def ran(self, point: Point) -> Ran | None:
+        """The module's class, the dtypes of its weights and of the call it was given, its attention and
+        experts implementations, and the quantization emulated or dequantized: read from the model's
+        skeleton (nothing is loaded for it); a point of a whole-model run has no call of its own."""
+        if self.lazy is None:
+            return None
+        module = self.lazy.model.get_submodule(point.module)
+        compute, block = self._calls.get(point.id, (None, self._block))
+        attention = f"eager in blocks of {counted(block, 'query row')}" if block is not None else None
+        said = module_ran(module, self.lazy.model.config, compute, attention)
+        if self.emulation is not None:
+            targets = self.emulation.targets
+            if any(n == point.module or n.startswith(point.module + ".") for n in (*targets.linears, *targets.experts)):
+                said["quant"] = f"emulated {self.emulation.spec.name}"
+        dequantizer = self.lazy.dequantizer
+        if dequantizer is not None and "quant" not in said and said.get("weights"):
+            said["quant"] = f"dequantized from {dequantizer.layout.name}"
+        return said
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[nn.Module, list, dict, bool]:
         lazy = self._model()
@@ -328,6 +371,36 @@ class TorchBackend(Backend):
         if self.lazy is not None:
             self.lazy.close()
         self._threads.restore()
+
+
+def experts_name(name: str) -> str:
+    """An experts implementation's name as transformers' config takes it (`dense`: this package's own,
+    registered here)."""
+    from .experts import DENSE
+    from .experts import register as register_dense
+
+    return register_dense() if name in ("dense", DENSE) else name
+
+
+def check_implementations(attention: str | None, experts: str | None) -> None:
+    """BackendError naming an attention or experts implementation transformers does not have (its lists
+    cost a slow import: only for a name that is not one of the usual ones)."""
+    if attention not in (None, "eager", "sdpa"):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if attention not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+            names = ", ".join(["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()])
+            raise BackendError(f"--hw-option attention={attention}: not an attention implementation; one of {names}")
+    if experts not in (None, "dense", "eager"):
+        from transformers.integrations.moe import ExpertsInterface
+
+        from .experts import DENSE
+
+        names = ["dense", "eager", *sorted(k for k in ExpertsInterface().valid_keys() if k != DENSE)]
+        if experts not in names:
+            raise BackendError(
+                f"--hw-option experts={experts}: not an experts implementation; one of {', '.join(names)}"
+            )
 
 
 def read_tensor(lazy: LazyModel, key: str) -> torch.Tensor:

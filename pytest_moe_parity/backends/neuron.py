@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..points import RangeError, parse_ranges
+from ..points import Point, RangeError, parse_ranges
 from . import BackendError, BackendSetup, HwOption, positive_int
 from .compiled import CompiledBackend, PointModule
 
@@ -77,6 +77,7 @@ class NeuronBackend(CompiledBackend):
     """`--hw neuron`: the candidate checkpoint's transformers modules on a NeuronCore."""
 
     name = "neuron"
+    graph_words = "torch_neuronx.trace"
     options = (
         *CompiledBackend.options,
         HwOption("compiler_args", "neuronx-cc arguments (default: --auto-cast=none)", str, "--auto-cast=none"),
@@ -128,6 +129,10 @@ class NeuronBackend(CompiledBackend):
             "neuronx_cc": _version("neuronx-cc"),
             "compiler_args": self.compiler_args,
         }
+
+    def ran(self, point: Point) -> dict[str, str] | None:
+        said = super().ran(point)
+        return {**said, "compiler": f"neuronx-cc {self.hw_options['compiler_args']}".strip()} if said else said
 
     def _compile(self, wrapper: PointModule, inputs: tuple[torch.Tensor, ...], key: str) -> Any:
         workdir = self.cache_root / "neuron-workdir" / key

@@ -113,6 +113,7 @@ class PointResult:
     step: int | None = None
     position: int | None = None  # a decode step's: the absolute position of the token it computes
     backend: dict[str, Any] = field(default_factory=dict)  # what the backend said (CandidateOutput.info)
+    ran: dict[str, str] | None = None  # what the candidate ran for it (`backends.ran`); None: not said
     mode: str = "isolated"  # "isolated" (golden inputs) or "chain" (the candidate's own inputs)
     # per compared tensor with a row per token: each token's squared error (NaN: left out), for the
     # noise floor's per-token record (not in the reports)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends import Backend, CandidateOutput
+from ..backends.ran import merged
 from ..dtypes import dtype_name
 from ..errors import BackendFailure, BackendStartFailure, PointUnavailable, UnusableOutput
 from ..golden import GoldenRecord, GoldenStore
@@ -291,6 +292,7 @@ class ParityRunner:
         for row, prompt in zip(result.rows, facts.prompts, strict=False):
             row.prompt = prompt
         result.backend = cand.info
+        result.ran = said_ran(self.backend, point, cand)
         result.notes.extend(cand.info.get("notes", []))
         hint = cand.info.get("hint")
         if not result.passed:
@@ -366,6 +368,17 @@ class ParityRunner:
             if self._froze:
                 gc.unfreeze()
                 self._froze = False
+
+
+def said_ran(backend: Backend, point: Point, cand: CandidateOutput) -> dict[str, str] | None:
+    """What the candidate ran for `point`: the backend's words on the call that just returned
+    (`Backend.ran`) with the call's own (`CandidateOutput.ran`) over them. Saying it never fails a
+    point: a backend that cannot is said to."""
+    try:
+        own = backend.ran(point)
+    except Exception as exc:  # a third party's `ran`: its failure is a word in the row, not an error
+        own = {"ran": f"not said ({type(exc).__name__}: {exc})"}
+    return merged(own, cand.ran)
 
 
 def _topk_form(out: Any) -> Any:

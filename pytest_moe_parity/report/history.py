@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..words import counted
+from .ran import RanChange, ran_changes
 from .rows import Row
 from .summary import figure
 
@@ -67,6 +68,7 @@ class Diff:
     better: list[Change] = field(default_factory=list)
     only_old: list[str] = field(default_factory=list)
     only_new: list[str] = field(default_factory=list)
+    ran: list[RanChange] = field(default_factory=list)  # points that ran another kernel, implementation or dtype
 
     def lines(self, old_name: str, new_name: str, factor: float) -> list[str]:
         out = [
@@ -80,6 +82,9 @@ class Diff:
             out += [f"  {c.line()}" for c in self.fixed]
         if self.better:
             out.append(f"better beyond x{factor:g}: {len(self.better)}")
+        if self.ran:
+            out.append(f"ran otherwise: {counted(len({c.id for c in self.ran}), 'point')}")
+            out += [f"  {c.line()}" for c in self.ran]
         for name, ids in ((old_name, self.only_old), (new_name, self.only_new)):
             if ids:
                 shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
@@ -104,6 +109,7 @@ class Diff:
             "better": [c.to_json() for c in self.better],
             "only_old": self.only_old,
             "only_new": self.only_new,
+            "ran": [c.to_json() for c in self.ran],
         }
 
 
@@ -148,6 +154,7 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], *, factor: float = 2.
                 diff.only_new.append(pid)
             continue
         diff.common += 1
+        diff.ran += ran_changes(o_row, n_row)
         if "skipped" in (o_row.status, n_row.status):
             continue
         o_modes, n_modes = o_row.by_mode(), n_row.by_mode()

@@ -34,6 +34,8 @@ from .history import DIFF_FILE, load_diff, stale_diff
 from .markup import Safe, el, join, legend, sort_value, token_chart
 from .neuron_terms import section as neuron_section
 from .plots import HEATMAP, LAYERS, TOKENS_PREFIX, token_plot_name
+from .ran import ran_of, ran_words
+from .ran_page import ran_diff_html, ran_html
 from .rows import (
     DIFFERENTIALS,
     BatchInvarianceRow,
@@ -380,6 +382,7 @@ class _Page:
         better = diff.get("better") or []
         if better:
             parts.append(el("p", f"better beyond ×{factor:g}: {len(better)}"))
+        parts.append(ran_diff_html(diff.get("ran") or [], set(self.by_id)))
         for key, name in (("only_old", diff.get("old", "the old report")), ("only_new", "this report")):
             ids = diff.get(key) or []
             if ids:
@@ -523,7 +526,8 @@ class _Page:
         rel_l2 where a point was chained."""
         chained = any(isinstance(r, PointRow) and r.chained is not None for r in self.points)
         noise = any(r.noise_ratio is not None for r in self.points)
-        shown = {"noise_ratio": noise, "chain_rel_l2": chained}
+        ran = any(ran_of(r) for r in self.points)
+        shown = {"noise_ratio": noise, "chain_rel_l2": chained, "ran": ran}
         return [c for c in COLUMNS if shown.get(c[0], True)]
 
     # -- drills ------------------------------------------------------------------------------------
@@ -599,6 +603,7 @@ class _Page:
             else:
                 body.append(self.checks(r))
                 body.append(self.tokens(r))
+                body.append(ran_html(r))
             body.append(self.routing(r))
         elif isinstance(r, WeightsRow):
             if r.findings:
@@ -711,6 +716,7 @@ COLUMNS = [  # the table of every point: (key, name, kind), those `_Page.columns
     ("noise_ratio", "noise R", "num"),
     ("chain_rel_l2", "chain rel_l2", "num"),
     ("max_abs", "max_abs", "num"),
+    ("ran", "ran", "text"),  # what the candidate ran (backends.ran), but its module's class
     ("notes", "notes", "text"),
 ]
 
@@ -728,6 +734,7 @@ def _figures(i: int, r: Row) -> dict[str, Any]:
         "noise_ratio": figure(r, "noise_ratio"),
         "chain_rel_l2": figure(chain, "rel_l2") if chain is not None else None,
         "max_abs": number(getattr(main, "max_abs", None)),
+        "ran": ran_words(ran_of(r), skip=("module", "break")),
         "notes": row_note(r),
     }
 

@@ -207,6 +207,7 @@ class PointRow(Row):
     golden_dtype: str = ""
     seconds: float = 0.0
     backend: JsonDict = field(default_factory=dict)  # what the backend said (graph, origin, ...)
+    ran: dict[str, str] | None = None  # what the candidate ran (module, dtypes, implementations: backends.ran)
     chained: PointRow | None = None  # --parity-mode both: the chained verdict of the same point
     # a batch of several prompts: each row's figures over its real tokens (PointResult.rows)
     rows: list[BatchRow] = field(default_factory=list)
@@ -260,6 +261,7 @@ class PointRow(Row):
             "golden_dtype": self.golden_dtype,
             "seconds": self.seconds,
             "backend": self.backend,
+            "ran": self.ran,
             "chain": self.chained.to_json() if self.chained is not None else None,
             **({"rows": [r.to_dict() for r in self.rows]} if self.rows else {}),
             "shown": self.shown,
@@ -512,6 +514,7 @@ def point_row(result: PointResult) -> PointRow:
         golden_dtype=result.golden_dtype,
         seconds=round(result.seconds, 6),
         backend=result.backend,
+        ran=result.ran,
         chained=point_row(result.chained) if result.chained is not None else None,
         rows=result.rows,
         shown=result.shown,
@@ -547,6 +550,7 @@ def result_of(row: PointRow) -> PointResult:
         step=row.step,
         position=row.position,
         backend=row.backend,
+        ran=row.ran,
         mode=row.mode,
         noise=row.noise,
         chained=result_of(row.chained) if row.chained is not None else None,

@@ -12,6 +12,7 @@ from ..errors import BadInput
 from .block import bug_report
 from .neuron_terms import KEY as NEURON_KEY
 from .neuron_terms import summarize as neuron_terms
+from .ran import ran_counts
 from .rows import Row
 from .summary import counts, first_decode_difference, first_divergence, first_error, graph_summary, modes
 
@@ -38,6 +39,7 @@ def summary(rows: list[Row], *, meta: dict[str, Any], interrupted: bool) -> dict
         "first_error": error.id if error else None,
         "first_error_message": error.error if error else None,
         "graphs": graph_summary(rows),
+        "ran": ran_counts(rows),  # what the points ran (report.ran)
         "complete": not interrupted,
         "drills": drills(ops + rows),
         **({NEURON_KEY: said} if (said := neuron_terms(rows)) else {}),  # the vLLM Neuron plugin's own terms

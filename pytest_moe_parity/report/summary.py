@@ -12,6 +12,7 @@ from ..judge.routing import RoutingFlip
 from ..points import LOGITS, OUTPUT, describe_layers
 from ..words import counted
 from .drill import Drill, culprit_said
+from .ran import ran_line
 from .rows import (
     BatchInvarianceRow,
     ConfigRow,
@@ -284,6 +285,9 @@ def _point_lines(rows: list[Row], report_dir: Any, proved: dict[str, str]) -> li
                 None,
             )
         )
+    ran = ran_line(rows)
+    if ran is not None:
+        lines.append((ran, None))
     return lines
 
 

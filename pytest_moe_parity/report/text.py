@@ -12,6 +12,7 @@ from ..judge.result import BatchRow, PointResult
 from ..judge.routing import RoutingMetrics
 from ..words import counted, noun
 from .drill import Drill, OpRow, pct, repro_line
+from .ran import ran_words
 
 WIDTH = 100  # failure text: no line wider than this
 STRUCTURE_SHOWN = 5  # structure sentences a drill's text shows (the report has them all)
@@ -77,6 +78,8 @@ def failure_text(r: PointResult) -> str:
         if len(failing) > 1:
             lines += ([""] if i else []) + [f"  {mode}:"]
         lines += _verdict_lines(res)
+    if r.ran:  # what the candidate ran for it (`backends.ran`), beside its verdict
+        lines.extend(_wrapped("  ran: ", ran_words(r.ran)))
     hint = r.hint
     if r.chained is not None and r.verdicts.get("isolated") == "passed":
         hint = HINT_CHAIN_ONLY

@@ -37,6 +37,7 @@ from .calls import (
 )
 from .evidence import merge, rank_evidence, ranks_differing, tp_differential
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
+from .ran import nxdi_ran
 from .tables import TABLES, Component, attribute, load_module_table, resolve, tables
 from .weights import (
     QUANTIZED,
@@ -344,7 +345,16 @@ class NxdiBackend(Backend):
                     _, affinities, ids = routing[:3]
                     dense = torch.zeros_like(affinities).scatter(-1, ids.long(), affinities.gather(-1, ids.long()))
                     output = (output.reshape(-1, output.shape[-1]), dense)
-        return CandidateOutput(output, routing, info=info, cache=cache)
+        return CandidateOutput(output, routing, info=info, cache=cache, ran=self._ran(point, spec, degree, experts))
+
+    def _ran(self, point: Point, spec: Component, tp: int, ep: int) -> dict[str, str]:
+        """What NxDI ran at the point (`nxdi.ran`): its factory under the neuron config it was built with."""
+        config = copy.copy(self._config(tp, ep))
+        config.neuron_config = copy.copy(config.neuron_config)
+        config.neuron_config.is_prefill_stage = point.step is None if spec.config else None
+        for name, value in spec.neuron_set.items():
+            setattr(config.neuron_config, name, value)
+        return nxdi_ran(spec.factory, point.component, config, spec.submodule)
 
     def drill_call(self, point: Point, golden: GoldenRecord) -> tuple[Any, list, dict, bool]:
         """`--parity-drill` on the CPU build: NxDI's module of the point, captured op by op on its

@@ -24,6 +24,7 @@ from .drill import drill_call
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 from .parallel import OPTIONS, Plan, Ranks, check_plan, parallel_config, rank_groups
 from .quant import build_quantized, experts_words, refusal, scheme_of, vllm_reason
+from .ran import vllm_ran
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (its gate is its router,
 # its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its `routed_experts` run
@@ -185,6 +186,16 @@ class VllmBackend(Backend):
         if isinstance(output, CandidateOutput):  # an attention's: with its cache after the call
             output, cache = output.output, output.cache
         return CandidateOutput(output, routing, seconds=time.perf_counter() - started, info=info, cache=cache)
+
+    def ran(self, point: Point) -> dict[str, str] | None:
+        """vLLM's module at the point: its class, dtypes, fused MoE kernel and attention backend (`vllm.ran`);
+        None where the modules live in rank processes."""
+        if self.parallel.ranked or self.model is None:
+            return None
+        try:
+            return vllm_ran(self.module(self.golden.entry(point)["module"]))
+        except BackendError:
+            return None
 
     def _where(self, point: Point) -> str:
         entry = self.golden.entry(point)
