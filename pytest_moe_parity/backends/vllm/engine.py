@@ -43,6 +43,7 @@ from ...points import step_prefix
 from ...words import counted
 from .archs import ARCHS
 from .backend import DTYPES
+from .batch_cache import add_batch_caches
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 from .taught import unroutable
 
@@ -508,6 +509,8 @@ def assemble(tap: Tap, golden: GoldenStore, rows: list[Row]) -> tuple[dict[int |
             dump.setdefault(step, {}).update(tensors)
     if tap.cache and len(rows) == 1:
         add_caches(dump, tap, golden, rows[0])
+    elif tap.cache:  # a batch: every request's cache in the golden's layout
+        add_batch_caches(dump, tap, golden, rows)
     kept = {step_prefix(s) + n for s in [None, *golden.recorded_steps] for n in names}
     missing = [p for p in golden.point_ids if p not in kept]  # (the rotary's table: said by its note)
     return dump, missing
@@ -632,8 +635,8 @@ def report_lines(run: EngineRun, out_dir: Path, golden_dir: Path) -> list[str]:
         )
     elif len(run.rows) > 1:
         lines.append(
-            "  KV cache: not dumped for a batch golden (the golden's holds its padding's keys and values, which the "
-            "engine never computes): its decode steps' attention is judged on its output"
+            "  KV cache: none dumped for this batch golden (its layers keep sliding windows, or a row of padding only "
+            "ran no request): its decode steps' attention is judged on its output"
         )
     if run.not_dumped:
         lines.append(f"  not dumped: {', '.join(run.not_dumped[:4])}" + (" ..." if len(run.not_dumped) > 4 else ""))
