@@ -121,7 +121,9 @@ def test_a_padded_batch_runs_through_the_engine_s_batch(
     as three requests of the engine's own batch under a budget of 8 tokens a forward: the engine chunks the
     third prompt's prefill and runs its chunks beside the others' prefill and decode steps (continuous
     batching); the hooks take each request's rows back out of the flattened batch into its golden row, and
-    every point passes (the padding is not judged); routes reads the requests' traces, prompt after prompt."""
+    every point passes (the padding is not judged), each decode step's KV cache too (every request's read back
+    into its golden row; the padding's columns are the golden's past); routes reads the requests' traces,
+    prompt after prompt."""
     golden = tmp_path / "padded"
     args = ["golden", "--model", str(head32 / "model"), "--out", str(golden), "--decode-steps", "2",
             "--prompts", str(ROOT / "fixtures" / "prompts" / "padded.jsonl"), "--padding-side", "left"]  # fmt: skip
@@ -131,8 +133,13 @@ def test_a_padded_batch_runs_through_the_engine_s_batch(
     # request 0's prefill; its first decode step, request 1's prefill and 4 of request 2's 6; then the rest
     forwards = "5 forwards of the model (1 request, 8 tokens; 3 requests, 8 tokens; 3 requests, 4 tokens; "
     assert f"3 prompts (8, 3, 6 tokens), greedy: {forwards}" in out
+    assert "KV cache: read back from the engine's paged cache after 8 decode-step attentions" in out, out
     result = judged(pytester, golden, tmp_path / "dump", tmp_path / "r")
     result.assert_outcomes(passed=len(GoldenStore(golden).point_ids))
+    cached = read_json(tmp_path / "r" / REPORT_FILE)["points"]  # each request's cache in its golden row
+    assert {"cache.keys", "cache.values"} <= set(
+        next(r for r in cached if r["id"] == "step_2.layer_3.attention")["metrics"]
+    )
     assert np.load(tmp_path / "dump" / "routed_experts.npy").shape == (17, 4, 2)
     assert main(["routes", str(golden), str(tmp_path / "dump" / "routed_experts.npy")]) == 0
 

@@ -12,7 +12,8 @@ metadata builder: `attention`), prefill and decode.
 The package: `imports` (vLLM's imports, its version range, the install line), `attention` (vLLM's
 forward context for one attention call), `window` (sliding-window layers' past and cache), `archs` (what
 differs between vLLM's model files: Qwen3-MoE, Mixtral, GPT-OSS, MiniMax-M2), `parallel` (TP and EP > 1: the
-model built on ranks, one process each, their plans and evidence), `backend` (the backend)."""
+model built on ranks, one process each, their plans and evidence), `taught` (a MoE block vLLM cannot route
+here, MiniMax-M2's on the CPU, run on the golden's routing), `backend` (the backend)."""
 
 from .backend import MOE_BLOCKS, VllmBackend
 from .imports import INSTALL, SUPPORTED, check_version, import_vllm, vllm_version

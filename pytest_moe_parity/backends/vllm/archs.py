@@ -6,8 +6,6 @@ are the same for all (keyword arguments `positions`, `hidden_states`, `residual`
 from __future__ import annotations
 
 import contextlib
-import linecache
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +15,7 @@ import torch
 from ...errors import BackendError, PointUnavailable
 from ...points import Point
 from .quant import vllm_reason
+from .taught import unroutable
 
 
 @dataclass(frozen=True)
@@ -105,14 +104,11 @@ def cpu_routing(point: Point, block: Callable[[], Any]) -> Iterator[None]:
     try:
         yield
     except AssertionError as exc:
-        frames = traceback.extract_tb(exc.__traceback__)
-        last = frames[-1] if frames else None
-        if last is None or not last.filename.endswith("cpu_router.py"):
+        said = unroutable(exc)
+        if said is None:
             raise
-        source = linecache.getline(last.filename, last.lineno).strip()
         router = block().experts.router
         raise PointUnavailable(
-            f"{point.id}: vLLM's {type(router).__name__} cannot route this model on the CPU: "
-            f"`{source}` fails in {last.name} (vllm/model_executor/layers/fused_moe/router/cpu_router.py:"
-            f"{last.lineno}) for scoring_func={router.scoring_func!r}"
+            f"{point.id}: vLLM's {type(router).__name__} cannot route this model on the CPU: {said} for "
+            f"scoring_func={router.scoring_func!r}"
         ) from None

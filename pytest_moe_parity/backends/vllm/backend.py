@@ -25,6 +25,7 @@ from .imports import check_version, import_vllm, upstream_warnings, vllm_version
 from .parallel import OPTIONS, Plan, Ranks, check_plan, parallel_config, rank_groups
 from .quant import build_quantized, experts_words, refusal, scheme_of, vllm_reason
 from .ran import vllm_ran
+from .taught import as_given, for_requests, forced_words, golden_routing, logits_words, unroutable
 
 # model_type -> the attribute of vLLM's decoder layer that holds its MoE block (its gate is its router,
 # its `experts` vLLM's MoE runner: the runner's `router` selects the experts, its `routed_experts` run
@@ -69,6 +70,7 @@ class VllmBackend(Backend):
         self.model: Any = None
         self.build_seconds = 0.0
         self.ranks = Ranks(self)  # the rank processes of a plan built on ranks (`parallel`)
+        self._notes: list[str] = []  # what the call in progress says of itself (a routing taught: `taught`)
         self.config = self._vllm_config()  # vLLM's reading of the checkpoint: a refusal is a usage error
         self.device = torch.device(self.config.device_config.device or "cpu")
         build_quantized(self)  # a quantized checkpoint: built now, so that a scheme vLLM refuses is a usage error
@@ -179,9 +181,12 @@ class VllmBackend(Backend):
         if call is None:
             raise PointUnavailable(f"{point.id}: --hw vllm has no call for a {point.component} point")
         started = time.perf_counter()
+        self._notes = []
         with self._context(), cpu_routing(point, lambda: self._block(point)):
             output, routing = call(point, golden, force)
-        info = {"notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}"]}
+        info = {
+            "notes": [f"vLLM {self.version}'s {type(self.model).__name__}, module {self._where(point)}", *self._notes]
+        }
         cache = None
         if isinstance(output, CandidateOutput):  # an attention's: with its cache after the call
             output, cache = output.output, output.cache
@@ -257,9 +262,10 @@ class VllmBackend(Backend):
         attn = self._attn(point).attn
         check(point, attn, golden)
         hidden, positions = golden.args[0], golden.kwargs["position_ids"]
+        taught = lambda: for_requests(golden_routing(self, point), golden, state["requests"])  # noqa: E731
         with (
             attention_context(self.config, attn, golden, self.device) as state,
-            self._routing(self._block(point), force) as seen,
+            self._routing(self._block(point), force, taught) as seen,
         ):
             rows = state["requests"]  # the batch's real tokens, as vLLM's flat token axis
             out, residual = layer(positions=rows.flat(positions), hidden_states=rows.flat(hidden), residual=None)
@@ -274,7 +280,16 @@ class VllmBackend(Backend):
 
     def _router(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
         x = golden.args[0]
-        logits, weights, ids = self._select(self._block(point), x.reshape(-1, x.shape[-1]))
+        block = self._block(point)
+        flat = x.reshape(-1, x.shape[-1])
+        try:
+            logits, weights, ids = self._select(block, flat)
+        except AssertionError as exc:  # a routing vLLM's CPU router has no path for: its gate's logits alone
+            said = unroutable(exc)
+            if said is None:
+                raise
+            self._notes.append(logits_words(block.experts.router, said))
+            return self.arch.router_logits(block, flat), None
         return (logits, weights.to(x.dtype), ids.long()), None
 
     def _experts(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
@@ -297,19 +312,29 @@ class VllmBackend(Backend):
         """vLLM's MoE block whole; its runner's expert selection seen (and, with `force`, replaced)."""
         x = golden.args[0]
         block = self._block(point)
-        with self._routing(block, force) as seen:
+        with self._routing(block, force, lambda: golden_routing(self, point)) as seen:
             out = block(x.reshape(-1, x.shape[-1]))
         return out.reshape(x.shape), (seen[-1] if seen else None)
 
     @contextlib.contextmanager
-    def _routing(self, block: Any, force: Any) -> Iterator[list]:
-        """The MoE runner's expert selection seen as (logits, weights, ids), and replaced by `force(it)`."""
+    def _routing(self, block: Any, force: Any, taught: Callable[[], Any] | None = None) -> Iterator[list]:
+        """The MoE runner's expert selection seen as (logits, weights, ids), and replaced by `force(it)`. Where
+        vLLM's router has no path for the model's routing here (its CPU router: `taught`), the block runs on
+        the golden's routing, `taught()`, and shows none of its own."""
         router = block.experts.router
         seen: list[tuple[torch.Tensor, ...]] = []
         select = router.select_experts
 
         def selecting(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            weights, ids = select(*args, **kwargs)
+            try:
+                weights, ids = select(*args, **kwargs)
+            except AssertionError as exc:
+                said = unroutable(exc)
+                given = taught() if said is not None and force is None and taught is not None else None
+                if given is None:
+                    raise
+                self._notes.append(forced_words(router, said))
+                return as_given(*given, kwargs["router_logits"].shape[0])
             routing = (kwargs["router_logits"], weights, ids.long())
             if force is not None:
                 routing = tuple(force(routing))

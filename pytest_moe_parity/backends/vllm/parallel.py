@@ -51,7 +51,11 @@ OPTIONS = (
     ),
 )
 # model_type -> the MoE block's attribute and one expert's gate, up and down projections in the checkpoint
-EXPERTS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+EXPERTS = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "minimax_m2": ("block_sparse_moe", "w1", "w3", "w2"),
+}
 _POOLS = itertools.count()
 
 
@@ -351,10 +355,12 @@ class Ranks:
         else:
             info["notes"].append("the ranks' outputs agree, as vLLM's collectives make them")
         self.last = _Last(point.id, plan, golden, [seen for _, seen in answers], first.routing)
-        kv_heads = self.backend.golden.config.get("num_key_value_heads") or self.backend.golden.config.get(
-            "num_attention_heads", 1
-        )
-        cache = _gathered([o.cache for o in outs], plan.tp, kv_heads)
+        if getattr(self.backend.arch_calls, "latent_cache", False):  # MLA: every rank holds the whole latent
+            cache = _agreed([o.cache for o in outs], info)
+        else:
+            config = self.backend.golden.config
+            kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 1)
+            cache = _gathered([o.cache for o in outs], plan.tp, kv_heads)
         return CandidateOutput(first.output, first.routing, seconds=first.seconds, info=info, cache=cache)
 
     def _answers(self, pool: RankPool, point: Point, golden: GoldenRecord, routing: Any) -> list[Any]:
@@ -414,6 +420,21 @@ def _check_expert_map(point: Point, plan: Plan, facts: list[dict[str, Any]]) -> 
         f"{len(held['experts'])} local experts with global ids, so the ranks' MoE outputs are wrong, and a rank "
         "given ids past its local experts reads out of bounds (its process crashes)"
     )
+
+
+def _agreed(caches: list[CacheState | None], info: dict[str, Any]) -> CacheState | None:
+    """The ranks' caches where each holds the whole (MLA's latent cache: vLLM's `kv_a_proj_with_mqa` is
+    replicated, not sharded): rank 0's, the ranks that hold another said in the row's notes."""
+    if not caches or any(c is None for c in caches):
+        return None
+    first = caches[0]
+    differ = [
+        r for r, c in enumerate(caches) if not (torch.equal(c.keys, first.keys) and torch.equal(c.values, first.values))
+    ]
+    if differ:
+        ranks = ", ".join(map(str, differ))
+        info["notes"].append(f"the ranks' latent caches differ (ranks {ranks} from rank 0's): rank 0's is judged")
+    return first
 
 
 def _gathered(caches: list[CacheState | None], tp: int, total: int) -> CacheState | None:
