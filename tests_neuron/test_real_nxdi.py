@@ -222,7 +222,7 @@ def test_weight_items_say_why_they_are_left_out_on_the_neuron_stack(
     result.stdout.fnmatch_lines(["moe-parity: no weight items: they read the golden's model as transformers 5 lays*"])
     assert (
         result.ret == 0
-        and "weights" not in result.stdout.str().split("moe-parity: no weight items")[1].split("\n", 1)[1]
+        and ".weights" not in result.stdout.str().split("moe-parity: no weight items")[1].split("\n", 1)[1]
     )
 
 
