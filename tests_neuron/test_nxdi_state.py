@@ -6,8 +6,8 @@ slot (`reused`). `pytest --hw dump --model CLEAN --parity-state REUSED` judges t
 point: NxDI's own cache handling passes every item; a fault put into NxDI's KV-cache manager for one run
 (a context encoding into a slot already written keeps its first rows: the earlier request's keys and
 values) passes the context encoding's items, whose attention reads its own keys, and fails first at the
-first decode step's attention, the first read of the cache. One application built for the module (about 1.5 s on 2 cores); each test
-serves three requests and runs one inner session (under 3 s)."""
+first decode step's attention, the first read of the cache. One application built for the module (about
+1.5 s on 2 cores); each test serves three requests and runs one inner session (under 3 s)."""
 
 from __future__ import annotations
 
