@@ -570,7 +570,8 @@ class NxdiBackend(Backend):
                 build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
             converted = self._weights(point.layer, spec.module, tp, ep)
             neuron_config = self._config(tp, ep).neuron_config
-            if neuron_config.cast_type == "config":  # NxDI's get_state_dict casts the checkpoint so, only so
+            # NxDI's get_state_dict casts the checkpoint so, and only so
+            if getattr(neuron_config, "cast_type", "config") == "config":
                 converted = nxdi_cast_state(converted, neuron_config.torch_dtype)
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))

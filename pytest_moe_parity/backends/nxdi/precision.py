@@ -65,7 +65,7 @@ class Setting:
         nc = config.neuron_config
         if self.option == "rpl_reduce_dtype":
             return nc.rpl_reduce_dtype or nc.torch_dtype
-        if nc.cast_type != "as-declared":
+        if getattr(nc, "cast_type", "config") != "as-declared":
             return nc.torch_dtype
         if self.option == "router_dtype":
             return nc.router_config.dtype
