@@ -269,7 +269,7 @@ class NxdiBackend(Backend):
     def precision_settings(self) -> dict[str, str]:
         """The precision settings given (`--hw-option router_dtype=...`), the search's over them."""
         given = {o.name: self.hw_options[o.name] for o in PRECISION_OPTIONS if self.hw_options[o.name]}
-        if self.raised:  # a declared dtype holds only where NxDI does not cast every module to --dtype
+        if {"router_dtype", "attention_dtype"} & set(self.raised):  # a module's own dtype holds only so
             given["cast_type"] = "as-declared"
         return {**given, **self.raised}
 

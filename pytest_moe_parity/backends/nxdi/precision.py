@@ -6,13 +6,17 @@ modules only; a setting that a point's module does not read is not one of its un
   `linear_router`, so the logits and the top-k over them) where the module is built by
   `modules/moe_v2.initialize_moe_module` without forcing it: Qwen3-MoE's `Qwen3MoeInferenceConfig` sets
   it to float32 when the config is made ("for accuracy"), which the option overrides after it, as a
-  port's config would; GPT-OSS keeps the neuron config's. Not read by the older `modules/moe`
+  port's config would; GPT-OSS keeps the neuron config's. The router and MoE points only: in a decoder
+  layer, `cast_type="as-declared"` (which the router's own dtype needs) leaves parts of NxDI's
+  attention in float32 beside bfloat16 ones and the CPU build fails there. Not read by the older `modules/moe`
   (Mixtral, DBRX: their `RouterTopK` is built in float32 whatever the config says), nor by Llama 4's
   MoE layer (it sets float32 itself when built), nor by DeepSeek-V3's `GroupLimitedRouter` (built at
   the model's dtype here).
 - `attention_dtype`: `neuron_config.attention_dtype`, what `NeuronAttentionBase` builds its
   projections in and casts its hidden states to (with `cast_type="as-declared"`, which NxDI requires
-  where it differs from `torch_dtype`): the attention and the decoder layer that holds it.
+  where it differs from `torch_dtype`): the attention. Not the decoder layer that holds it: its
+  attention then hands float32 to the MoE, whose experts NxDI builds at `torch_dtype`, and the CPU build
+  fails there (`expected m1 and m2 to have the same dtype`), so it is not a unit there.
 - `rpl_reduce_dtype`: `neuron_config.rpl_reduce_dtype`, the dtype a row-parallel linear's partial
   sums are all-reduced in (attention's `o_proj`, the shared experts'); only at `tp_degree` > 1: at
   TP 1 there is no reduction for it to change.
@@ -34,9 +38,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # the factories (`module:Name` as the tables spell them) whose build reads neuron_config.router_config.dtype
 ROUTER_DTYPE_READERS = (
     "neuronx_distributed_inference.modules.moe_v2:initialize_moe_module",
-    "neuronx_distributed_inference.models.qwen3_moe.modeling_qwen3_moe:NeuronQwen3MoeDecoderLayer",
     "neuronx_distributed_inference.models.gpt_oss.modeling_gpt_oss:NeuronGptOssMoE",
-    "neuronx_distributed_inference.models.gpt_oss.modeling_gpt_oss:NeuronGptOssDecoderLayer",
 )
 
 
@@ -73,11 +75,11 @@ class Setting:
 
 
 SETTINGS = (
-    Setting("router_dtype", "router_config.dtype", (ROUTER, "moe", OUTPUT),
+    Setting("router_dtype", "router_config.dtype", (ROUTER, "moe"),
             "the MoE router's dtype (NxD's RouterTopK: its logits and their top-k), NxDI's "
             "neuron_config.router_config.dtype, set after the model's config (which may force it, as Qwen3-MoE's "
             "does); read by modules/moe_v2 (default: the config's)"),
-    Setting("attention_dtype", "attention_dtype", (ATTENTION, OUTPUT),
+    Setting("attention_dtype", "attention_dtype", (ATTENTION,),
             "the attention's dtype (NxDI's neuron_config.attention_dtype, with cast_type=as-declared; default: "
             "--dtype)"),
     Setting("rpl_reduce_dtype", "rpl_reduce_dtype", (ATTENTION, OUTPUT, "shared_experts"),
