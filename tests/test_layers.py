@@ -143,13 +143,13 @@ def test_relative_errors_are_the_judges() -> None:
     assert not own, own
 
 
-NXDI_ROOMS = ["tables", "imports", "weights", "evidence", "calls", "ran", "backend"]  # lowest first
+NXDI_ROOMS = ["tables", "imports", "weights", "evidence", "calls", "ran", "precision", "backend"]  # lowest first
 
 
 @pytest.mark.parametrize("room", [*NXDI_ROOMS, "cpu"])
 def test_the_nxdi_backend_is_a_package_of_rooms(room: str) -> None:
     """`backends/nxdi/`: each room imports only the rooms before it (tables, imports, weights,
-    evidence, calls, ran, backend; the backend its CPU build too), and the CPU build (`cpu/`) only NxDI's
+    evidence, calls, ran, precision, backend; the backend its CPU build too), and the CPU build (`cpu/`) only NxDI's
     imports: it knows nothing of the backend that uses it (NxDI's own module tests run through it
     alone)."""
     home = PACKAGE / "backends" / "nxdi"

@@ -16,7 +16,8 @@ The item fails with what it found ("layer_12.router passes with its score ops in
 else needs it"); a point that passed has nothing to search: its item is skipped, saying so. The
 knob exists where the candidate's modules run as torch modules on this host (`--hw cpu`, `cuda`,
 `trace`, `compile`; the compiled backends' modules are searched eagerly: a compiled graph cannot have
-one op raised)."""
+one op raised). On `--hw nxdi` (its CPU build) a unit is a precision setting NxDI's config exposes
+for the point's module, the module rebuilt per trial (`precision_nxdi`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from .runner import ParityRunner, candidate_inputs
 
 KIND = "precision"
 KNOBS = ("cpu", "cuda", "trace", "compile")  # the backends whose candidate's ops can be raised one by one
+SETTINGS = ("nxdi",)  # the backends whose precision settings are searched (`precision_nxdi`)
 
 
 def patterns_of(values: Sequence[str]) -> list[str]:
@@ -147,6 +149,18 @@ class Searcher:
 
         return self.backend.module(router.module).register_forward_hook(seen)
 
+    def describe(self, point_id: str, units: list[Unit], others: int) -> str:
+        return describe(point_id, units, others)
+
+    def defect_words(self, point_id: str, order: list[Unit]) -> str:
+        return f"{point_id} still fails with every op group raised to float32 ({len(order)}): a defect, not precision"
+
+    def not_precision_words(self, point_id: str) -> str:
+        return (
+            f"{point_id} passes with nothing raised to float32: its failure is not its precision (not on this "
+            "eager replay of its module: a compiled graph's own, or another tolerance) - a defect, not precision"
+        )
+
     def close(self) -> None:
         if self._wide_model is not None:
             self._wide_model.close()
@@ -219,11 +233,18 @@ class PrecisionItems(Checker):
         if not patterns:
             return None
         flag, said = cls.flag(setup), ",".join(patterns)
-        if setup.hw not in KNOBS:
+        if setup.hw not in KNOBS + SETTINGS:
             raise SetupError(
                 f"{flag} {said}: the {setup.hw} backend has no precision knob the search can turn (the dtype of each "
-                f"op of a torch module on this host); search with --hw {', '.join(KNOBS)}"
+                f"op of a torch module on this host, NxDI's precision settings); search with --hw "
+                f"{', '.join(KNOBS + SETTINGS)}"
             )
+        if setup.hw in SETTINGS:
+            from .precision_nxdi import nxdi_search_usable
+
+            why = nxdi_search_usable(setup.runner.backend)
+            if why:
+                raise SetupError(f"{flag} {said}: {why}")
         if setup.runner.dtype == torch.float32 or not setup.runner.dtype.is_floating_point:
             raise SetupError(
                 f"{flag} {said}: the candidate runs in {dtype_name(setup.runner.dtype)}: there is nothing narrower to "
@@ -238,7 +259,12 @@ class PrecisionItems(Checker):
 
     def __init__(self, golden: GoldenStore, runner: ParityRunner, patterns: list[str]):
         self.golden, self.runner, self.patterns = golden, runner, patterns
-        self.searcher = Searcher(golden, runner)
+        if runner.backend.name in SETTINGS:
+            from .precision_nxdi import NxdiSearcher
+
+            self.searcher: Any = NxdiSearcher(golden, runner)
+        else:
+            self.searcher = Searcher(golden, runner)
 
     def after(self, point: Point, selected: bool) -> Iterator[PrecisionEntry]:
         if selected and selects(self.patterns, point.id):
@@ -273,17 +299,11 @@ class PrecisionItems(Checker):
         if none.passed and (own is None or own.status != "failed"):  # its item did not run here
             raise PointUnavailable(f"{point.id} passes on the golden's call: nothing to search")
         if none.passed:
-            verdict = "not_precision"
-            said = (
-                f"{point.id} passes with nothing raised to float32: its failure is not its precision (not on this "
-                "eager replay of its module: a compiled graph's own, or another tolerance) - a defect, not precision"
-            )
-            return self._done(entry, verdict, said, [], order, trials, started, {"none": none})
-        every, _ = attempt(set(order))
+            said = self.searcher.not_precision_words(point.id)
+            return self._done(entry, "not_precision", said, [], order, trials, started, {"none": none})
+        every = attempt(set(order))[0] if order else none  # nothing to raise: the census is every unit raised
         if not every.passed:
-            said = (
-                f"{point.id} still fails with every op group raised to float32 ({len(order)}): a defect, not precision"
-            )
+            said = self.searcher.defect_words(point.id, order)
             return self._done(entry, "defect", said, [], order, trials, started, {"none": none, "all": every})
 
         def passes(raised: set[Unit]) -> bool:
@@ -292,7 +312,7 @@ class PrecisionItems(Checker):
 
         found = search(passes, order)
         best = trials[frozenset(found)].result
-        said = describe(point.id, found, len(order) - len(found))
+        said = self.searcher.describe(point.id, found, len(order) - len(found))
         return self._done(entry, "precision", said, found, order, trials, started, {"none": none, "raised": best})
 
     def _done(

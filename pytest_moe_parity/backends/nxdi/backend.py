@@ -37,6 +37,8 @@ from .calls import (
 )
 from .evidence import merge, rank_evidence, ranks_differing, tp_differential
 from .imports import INSTALL, import_nxdi, nxdi_hf_config, upstream_warnings
+from .precision import OPTIONS as PRECISION_OPTIONS
+from .precision import after_config, plan_settings
 from .ran import nxdi_ran
 from .tables import TABLES, Component, attribute, load_module_table, resolve, tables
 from .weights import (
@@ -104,6 +106,7 @@ class NxdiBackend(Backend):
             one_of(*QUANTIZED),
             None,
         ),
+        *PRECISION_OPTIONS,
         HwOption("workdir", "where converted checkpoints and compiler artifacts go (default: a temporary directory)"),
         HwOption("compiler_args", "neuronx-cc arguments (default: NxDI's own)"),
     )
@@ -141,8 +144,9 @@ class NxdiBackend(Backend):
         self._check_quantized(setup.model_dir)
         self._quantized: dict[str, torch.Tensor] | None = None  # NxDI's quantized state dict, once written
         self.config: Any = None
-        self._configs: dict[tuple[int, int], Any] = {}  # per plan: (tp, ep)
-        self._layer_configs: dict[tuple[int, int], list[Any]] = {}  # each decoder layer's, per plan
+        self._configs: dict[tuple, Any] = {}  # per plan and precision settings: (tp, ep, settings)
+        self._layer_configs: dict[tuple, list[Any]] = {}  # each decoder layer's, per plan and settings
+        self.raised: dict[str, str] = {}  # the precision search's settings over the options' (`precision`)
         self._last: tuple[Any, ...] = (None,)  # the last point run at TP > 1 on the CPU: id, spec, inputs, output
         self._built: dict[tuple, Any] = {}
         self._converted: dict[tuple[int | None, int, int], dict[str, torch.Tensor]] = {}  # one unit's, per plan
@@ -239,9 +243,12 @@ class NxdiBackend(Backend):
             self._workdir = Path(self._tmp.name)
 
     def _config(self, tp: int, ep: int = 1) -> Any:
-        """NxDI's inference config of the golden's model at TP `tp` and EP `ep` (made once per plan)."""
-        if (tp, ep) not in self._configs:
-            plan: dict[str, Any] = {"tp_degree": tp, "torch_dtype": self.dtype}
+        """NxDI's inference config of the golden's model at TP `tp` and EP `ep` under the precision
+        settings (`precision_settings`; made once per plan and settings)."""
+        settings = self.precision_settings()
+        key = (tp, ep, tuple(sorted(settings.items())))
+        if key not in self._configs:
+            plan: dict[str, Any] = {"tp_degree": tp, "torch_dtype": self.dtype, **plan_settings(settings)}
             if ep > 1:
                 plan.update(moe_tp_degree=tp // ep, moe_ep_degree=ep)
             if self.hw_options["block_size"]:
@@ -253,10 +260,18 @@ class NxdiBackend(Backend):
                         setattr(hf_config, name, copy.deepcopy(value))
                 hf_adapter = resolve("neuronx_distributed_inference.utils.hf_adapter:load_pretrained_config")
                 neuron_config = resolve(self.table.neuron_config)(**plan)
-                self._configs[tp, ep] = resolve(self.table.config)(
+                self._configs[key] = resolve(self.table.config)(
                     neuron_config, load_config=hf_adapter(hf_config=hf_config)
                 )
-        return self._configs[tp, ep]
+                after_config(self._configs[key], settings)
+        return self._configs[key]
+
+    def precision_settings(self) -> dict[str, str]:
+        """The precision settings given (`--hw-option router_dtype=...`), the search's over them."""
+        given = {o.name: self.hw_options[o.name] for o in PRECISION_OPTIONS if self.hw_options[o.name]}
+        if {"router_dtype", "attention_dtype"} & set(self.raised):  # a module's own dtype holds only so
+            given["cast_type"] = "as-declared"
+        return {**given, **self.raised}
 
     def _spec_inputs(self, point: Point, golden: GoldenRecord) -> tuple[Component, tuple[torch.Tensor, ...]]:
         """The table's entry of the point's component and its inputs in the module's form."""
@@ -503,10 +518,11 @@ class NxdiBackend(Backend):
         (`is_prefill_stage=True`) or its token-generation model (False), whose code paths differ."""
         base = self._config(tp, ep)
         if self.table.layer_configs and layer is not None:
-            if (tp, ep) not in self._layer_configs:
+            key = (tp, ep, tuple(sorted(self.precision_settings().items())))
+            if key not in self._layer_configs:
                 with upstream_warnings():
-                    self._layer_configs[tp, ep] = resolve(self.table.layer_configs)(base)
-            base = self._layer_configs[tp, ep][layer]
+                    self._layer_configs[key] = resolve(self.table.layer_configs)(base)
+            base = self._layer_configs[key][layer]
         kwargs = {k: attribute(base, v) for k, v in spec.args.items()}
         kwargs.update({k: self._literal(v, layer) for k, v in spec.literals.items()})
         if spec.config:
@@ -543,7 +559,8 @@ class NxdiBackend(Backend):
             raise PointUnavailable(
                 f"{point.id}: not built by --hw nxdi at tp_degree={tp} on the CPU: {spec.cpu_tp1_only}"
             )
-        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp, ep)
+        settings = tuple(sorted(self.precision_settings().items()))
+        key = (point.layer, name, tuple((tuple(t.shape), t.dtype) for t in inputs), tp, ep, settings)
         if key not in self._built:
             from safetensors.torch import load_file, save_file
 
@@ -551,9 +568,11 @@ class NxdiBackend(Backend):
                 from .cpu.ranks import build_module
             else:
                 build_module = resolve("neuronx_distributed_inference.utils.testing:build_module")
-            converted = nxdi_cast_state(
-                self._weights(point.layer, spec.module, tp, ep), self._config(tp, ep).neuron_config.torch_dtype
-            )
+            converted = self._weights(point.layer, spec.module, tp, ep)
+            neuron_config = self._config(tp, ep).neuron_config
+            # NxDI's get_state_dict casts the checkpoint so, and only so
+            if getattr(neuron_config, "cast_type", "config") == "config":
+                converted = nxdi_cast_state(converted, neuron_config.torch_dtype)
             for name in spec.rank_buffers:  # NxD's SPMDRank: some conversions write it, some leave it to the loader
                 converted.setdefault(name, torch.arange(tp, dtype=torch.int32))
             assert self._workdir is not None

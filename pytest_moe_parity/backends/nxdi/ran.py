@@ -36,7 +36,10 @@ def router_words(nc: Any) -> str | None:
     router = getattr(nc, "router_config", None)
     if router is None:
         return None
-    return f"{getattr(router, 'act_fn', '?')} in {_dtype(getattr(router, 'dtype', '?'))}"
+    # a module's declared dtype holds with cast_type="as-declared" only: NxDI casts every module to torch_dtype else
+    declared = getattr(nc, "cast_type", "config") == "as-declared"
+    dtype = getattr(router, "dtype", "?") if declared else nc.torch_dtype
+    return f"{getattr(router, 'act_fn', '?')} in {_dtype(dtype)}"
 
 
 def attention_words(nc: Any) -> str:
