@@ -390,11 +390,11 @@ def _group(runner: Any, layer_name: str) -> int:
 # -- the run ---------------------------------------------------------------------------------------------
 
 
-def run_engine(
-    model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None, budget: int | None = None
-) -> EngineRun:
-    """vLLM's engine on the golden's prompts, hooked; the dump and the routed-experts trace written to
-    `out_dir` (whole, or nothing: BadInput or BackendError before a file is written)."""
+def engine_inputs(
+    model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None
+) -> tuple[str, GoldenStore, torch.dtype, Path]:
+    """What `vllm-dump` checks before vLLM is imported: vLLM's version, the golden, the checkpoint
+    against it, the dtype the engine runs and an empty `--out` (BadInput or BackendError, one line)."""
     try:
         version = vllm_version()
         check_version(version)
@@ -408,6 +408,15 @@ def run_engine(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BadInput(f"--out {out_dir} exists and is not an empty directory: name a new one")
+    return version, golden, torch_dtype, out_dir
+
+
+def run_engine(
+    model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None, budget: int | None = None
+) -> EngineRun:
+    """vLLM's engine on the golden's prompts, hooked; the dump and the routed-experts trace written to
+    `out_dir` (whole, or nothing: BadInput or BackendError before a file is written)."""
+    version, golden, torch_dtype, out_dir = engine_inputs(model_dir, golden_dir, out_dir, dtype)
     # read as vLLM first imports: its warnings of a run without a tokenizer (a chat template's warm-up
     # traceback) are not the run's
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...dtypes import parse_dtype
 from ...errors import BackendError, BadInput
 from ...golden import GoldenStore
 from ...points import describe_layers
@@ -32,9 +31,9 @@ from .engine import (
     Tap,
     _match,
     assemble,
-    check_checkpoint,
     close_llm,
     combine,
+    engine_inputs,
     first_line,
     in_process,
     own_trace,
@@ -44,7 +43,7 @@ from .engine import (
     token_notes,
     write_dump,
 )
-from .imports import check_version, import_vllm, vllm_version
+from .imports import import_vllm
 
 STATES = ("clean", "reused", "prefix")
 BLOCK = 32  # tokens per KV block (vLLM's CPU attention takes multiples of 32): a prefix hit is of whole blocks
@@ -118,22 +117,10 @@ def run_engine_state(
 ) -> tuple[EngineRun, list[str]]:
     """vLLM's engine on the golden's prompt in `state`, hooked; the dump written to `out_dir` (whole, or
     nothing: BadInput or BackendError first); and the state in words."""
-    try:
-        version = vllm_version()
-        check_version(version)
-    except BackendError as exc:
-        raise BackendError(str(exc).replace("--hw vllm", "moe-parity vllm-dump")) from None
-    golden = GoldenStore(golden_dir)
-    check_checkpoint(model_dir, golden)
+    version, golden, torch_dtype, out_dir = engine_inputs(model_dir, golden_dir, out_dir, dtype)
     rows = prompts_of(golden)
     if len(rows) != 1 or golden.sequences != 1:
         raise BadInput("moe-parity vllm-dump --state runs one prompt: record the golden of one prompt")
-    torch_dtype = parse_dtype(dtype or golden.dtype)
-    if torch_dtype not in DTYPES:
-        raise BadInput(f"vLLM's engine runs float32, bfloat16 or float16, not {dtype}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise BadInput(f"--out {out_dir} exists and is not an empty directory: name a new one")
     other, shared = _before(rows[0].tokens, state) if state != "clean" else ([], 0)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import_vllm()
