@@ -180,19 +180,20 @@ def test_pytest_hw_dump_prints_what_compare_prints(
     result.stdout.fnmatch_lines(["*logits is not in the dump*"])
     code, out, _ = compare(capsys, golden, dump, "--dtype", "bfloat16", "--report", tmp_path / "cli-report")
     assert code == 1
-    # counts, first divergence (no backend errors), what was compared in which dtype, what was drawn
-    closing = out.strip().splitlines()[-4:]
+    # counts, first divergence (no backend errors), what ran, what was compared in which dtype, what was drawn
+    closing = out.strip().splitlines()[-5:]
     plugin_lines = result.stdout.str().splitlines()
     start = plugin_lines.index(next(line for line in plugin_lines if line.startswith(f"{n} points:")))
-    assert [line.split("; reports in")[0] for line in plugin_lines[start : start + 3]] == [
-        line.split("; reports in")[0] for line in closing[:3]
+    assert [line.split("; reports in")[0] for line in plugin_lines[start : start + 4]] == [
+        line.split("; reports in")[0] for line in closing[:4]
     ]
+    assert closing[2].startswith("ran: output bfloat16 (")
     assert (
-        closing[2]
+        closing[3]
         == f"compared {n - 1} of {n} points, candidate dtype bfloat16 (from --dtype); not in the dump: logits"
     )
-    assert plugin_lines[start + 3].startswith(f"plots in {report}: heatmap.png")
-    assert closing[3].startswith(f"plots in {tmp_path / 'cli-report'}: heatmap.png")
+    assert plugin_lines[start + 4].startswith(f"plots in {report}: heatmap.png")
+    assert closing[4].startswith(f"plots in {tmp_path / 'cli-report'}: heatmap.png")
     cli_rows = read_json(tmp_path / "cli-report" / REPORT_FILE)["points"]
     plugin_rows = read_json(report / REPORT_FILE)["points"]
     assert [(r["id"], r["status"]) for r in cli_rows] == [(r["id"], r["status"]) for r in plugin_rows]
