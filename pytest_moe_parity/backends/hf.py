@@ -296,10 +296,10 @@ class TorchBackend(Backend):
 
         lazy = self._model()
         outputs: dict[str, Any] = {}
-        self._block = self._attention(*input_ids.shape)[1]
+        blocks, self._block = self._attention(*input_ids.shape)
         golden = self.golden  # none for a scan's runs
         calls = {p.id: golden.call_values(p) for p in points} if golden is not None else {}  # of a module called twice
-        with lazy.streaming() as model, torch.no_grad(), self._attention(*input_ids.shape)[0]:
+        with lazy.streaming() as model, torch.no_grad(), blocks:
             cache = DynamicCache(config=model.config) if decode_tokens else None
             with OutputCapture(model, [p for p in points if p.step is None], steer, seen, calls) as capture:
                 padded = {k: v.to(self.device) for k, v in (padding or {}).items()}
